@@ -1,0 +1,140 @@
+"""The ``arkv-jax`` command line: ``plan`` (memory planning)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from typing import Sequence
+
+from arkv_jax import planner, presets
+from arkv_jax.config import CacheGeometry, CrossAttentionSpec, KVBranch, WindowPolicy
+
+
+def _positive_fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1], got {text!r}") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
+    return value
+
+
+def _memory(text: str) -> int:
+    try:
+        return planner.parse_memory(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _branches(text: str) -> tuple[KVBranch, ...]:
+    """``"positive:0,negative:1"`` -> branches; a bare name gets local index 0."""
+    try:
+        out = []
+        for item in text.split(","):
+            name, _, index = item.strip().partition(":")
+            out.append(KVBranch(name, int(index) if index else 0))
+        return tuple(out)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(
+            f"must look like 'main' or 'positive:0,negative:1' ({exc}), got {text!r}") from None
+
+
+def _cross(text: str) -> tuple[CrossAttentionSpec, ...]:
+    """``"text:512,image:257"`` -> cross-attention specs; ``"none"`` -> no cache."""
+    if text.strip().lower() == "none":
+        return ()
+    try:
+        return tuple(CrossAttentionSpec(name.strip(), int(tokens))
+                     for name, tokens in (item.split(":") for item in text.split(",")))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(
+            f"must look like 'text:512' or 'none' ({exc}), got {text!r}") from None
+
+
+_GEOMETRY_FLAGS = {
+    "layers": "num_layers", "kv_heads": "num_kv_heads", "head_dim": "head_dim", "dtype": "dtype",
+    "tokens_per_frame": "tokens_per_frame", "block_size": "block_size",
+    "frames_per_forward": "frames_per_forward",
+}
+_WINDOW_FLAGS = {"window_frames": "window_frames", "sink_frames": "sink_frames"}
+
+
+def _add_plan_parser(sub) -> None:
+    p = sub.add_parser("plan", help="how many sessions fit in a memory budget",
+                       description="Plan the paged KV pool for a model on one device.")
+    p.add_argument("--preset", default="wan-1.3b", choices=sorted(presets.PRESETS),
+                   help="model shape to start from (default: wan-1.3b)")
+    for flag in ("layers", "kv-heads", "head-dim", "tokens-per-frame", "block-size",
+                 "frames-per-forward", "window-frames", "sink-frames"):
+        p.add_argument(f"--{flag}", type=int, help="override the preset's value")
+    p.add_argument("--dtype", help="storage dtype: float32, bfloat16 or float16")
+    p.add_argument("--reset-at-boundary", action="store_true", default=None,
+                   help="the seed's reset mode (evict everything after the sink on each commit)")
+    p.add_argument("--branches", type=_branches, help="KV branches, e.g. 'positive:0,negative:1'")
+    p.add_argument("--cross", type=_cross, help="cross-attention caches, e.g. 'text:512', or 'none'")
+    p.add_argument("--scratch-tokens", type=int, help="action/state tokens per forward kept in scratch")
+    p.add_argument("--model-owned-bytes", type=int, help="per-session model state outside the pool")
+    p.add_argument("--memory", type=_memory,
+                   help="available memory: a size (100GiB, 80GB) or a chip "
+                        f"({', '.join(sorted(planner.CHIP_MEMORY_BYTES))}); default: probe this device")
+    p.add_argument("--fraction", type=_positive_fraction, default=0.1,
+                   help="soft budget fraction of the available memory, in (0, 1] (default 0.1)")
+    p.add_argument("--sessions", type=int, help="resident sessions requested")
+    p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    p.set_defaults(run=_run_plan)
+
+
+def _plan_from_args(args: argparse.Namespace) -> planner.MemoryPlan:
+    preset = presets.get_preset(args.preset)
+    geometry = dataclasses.replace(preset.geometry, **{
+        field: getattr(args, flag) for flag, field in _GEOMETRY_FLAGS.items()
+        if getattr(args, flag) is not None})
+    if args.tokens_per_frame is not None and args.block_size is None:
+        geometry = dataclasses.replace(geometry, block_size=min(geometry.block_size, args.tokens_per_frame))
+    window = dataclasses.replace(preset.window, **{
+        field: getattr(args, flag) for flag, field in _WINDOW_FLAGS.items()
+        if getattr(args, flag) is not None})
+    if args.reset_at_boundary:
+        window = dataclasses.replace(window, reset_at_boundary=True)
+    return planner.plan_memory(
+        geometry, window, args.branches or preset.kv_branches,
+        available_bytes=args.memory if args.memory is not None else planner.device_free_bytes(),
+        memory_fraction=args.fraction,
+        session_capacity=args.sessions if args.sessions is not None else preset.session_capacity,
+        cross_attention=args.cross if args.cross is not None else preset.cross_attention,
+        max_scratch_tokens_per_branch=(args.scratch_tokens if args.scratch_tokens is not None
+                                       else preset.max_scratch_tokens_per_branch),
+        model_owned_state_bytes_per_session=(args.model_owned_bytes if args.model_owned_bytes is not None
+                                             else preset.model_owned_state_bytes_per_session),
+    )
+
+
+def _run_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    try:
+        plan = _plan_from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    print(plan.to_json() if args.json else plan.summary())
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``arkv-jax`` argument parser with its subcommands."""
+    parser = argparse.ArgumentParser(
+        prog="arkv-jax", description="Paged KV cache for autoregressive video diffusion in JAX.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_plan_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``arkv-jax`` console script; returns the exit code (2 for bad flags)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return args.run(args, parser)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,370 @@
+"""Host-side memory planner: how many sessions fit, and how many pages the pool gets.
+
+This reproduces vLLM-Omni's AR-Diffusion budget arithmetic exactly (scratch sizing, page bytes,
+cross-attention and model-owned reservations, the soft floor that admits one session, the capacity,
+leftover budget to managed pages), generalised to frame-aligned pages: a frame takes
+``pages_per_frame = ceil(tokens_per_frame / block_size)`` pages (identical to the seed when a frame is
+one page). The capacity is computed in closed form: ``required(c)`` is affine in ``c``, so the largest
+``c <= requested`` with ``required(c) <= budget`` is one division, not a search.
+
+All arithmetic is on Python ints (bytes, pages); nothing here touches a device except
+:func:`device_free_bytes`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import re
+from typing import Any, Sequence
+
+from arkv_jax.config import (
+    CacheGeometry,
+    CrossAttentionSpec,
+    KVBranch,
+    WindowPolicy,
+    ceil_div,
+    num_local_branches,
+    validate_branches,
+    validate_cross_attention,
+)
+
+_log = logging.getLogger(__name__)
+
+#: Environment variable that can raise (never lower) the scratch pages per local branch.
+SCRATCH_OVERRIDE_ENV = "AR_DIFFUSION_KV_SCRATCH_BLOCKS_PER_BRANCH"
+
+_GiB = 1 << 30
+
+#: Nominal memory per chip (as sold; usable memory is a little less: probe a real device with
+#: :func:`device_free_bytes`). TPU figures are HBM per chip.
+CHIP_MEMORY_BYTES = {
+    "tpu-v4": 32 * _GiB,
+    "tpu-v5e": 16 * _GiB,
+    "tpu-v5p": 95 * _GiB,
+    "tpu-v6e": 32 * _GiB,
+    "tpu-v7x": 192 * _GiB,
+    "a100-40gb": 40 * _GiB,
+    "a100-80gb": 80 * _GiB,
+    "h100-80gb": 80 * _GiB,
+    "h200": 141 * _GiB,
+    "b200": 180 * _GiB,
+    "l4": 24 * _GiB,
+    "rtx-4090": 24 * _GiB,
+}
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
+}
+
+
+def compute_num_blocks(available_bytes: int, gpu_memory_fraction: float, page_size_bytes: int) -> int:
+    """Pages of ``page_size_bytes`` that fit in ``int(available_bytes * fraction)`` (the seed's helper).
+
+    Raises:
+      ValueError: ``page_size_bytes <= 0`` or the fraction is outside (0, 1].
+    """
+    if page_size_bytes <= 0:
+        raise ValueError(f"page_size_bytes must be positive, got {page_size_bytes}")
+    if not 0.0 < gpu_memory_fraction <= 1.0:
+        raise ValueError(f"gpu_memory_fraction must be in (0, 1], got {gpu_memory_fraction}")
+    return max(0, int(available_bytes * gpu_memory_fraction) // page_size_bytes)
+
+
+def scratch_blocks_per_branch(geometry: CacheGeometry, max_scratch_tokens_per_branch: int,
+                              override: int | None = None) -> int:
+    """Scratch pages per local branch: in-flight frames plus declared extra tokens.
+
+    Args:
+      geometry: the cache geometry.
+      max_scratch_tokens_per_branch: extra tokens (action/state registers) a forward keeps in scratch.
+      override: a count that may raise the minimum, never lower it; ``None`` reads
+        ``AR_DIFFUSION_KV_SCRATCH_BLOCKS_PER_BRANCH`` from the environment (unset means 0).
+
+    Raises:
+      ValueError: the override is negative.
+    """
+    declared = ceil_div(max_scratch_tokens_per_branch, geometry.block_size)
+    minimum = geometry.frames_per_forward * geometry.pages_per_frame + declared
+    if override is None:
+        override = int(os.environ.get(SCRATCH_OVERRIDE_ENV) or 0)
+    if override < 0:
+        raise ValueError(f"{SCRATCH_OVERRIDE_ENV} must be non-negative")
+    return max(minimum, override)
+
+
+def cross_attention_bytes_per_session(geometry: CacheGeometry, specs: Sequence[CrossAttentionSpec],
+                                      num_logical_branches: int) -> int:
+    """Bytes of all cross-attention caches of one session: K and V, every layer, every logical branch."""
+    return sum(
+        2 * num_logical_branches * spec.num_tokens * (spec.num_kv_heads or geometry.num_kv_heads)
+        * geometry.head_dim * geometry.itemsize * geometry.num_layers
+        for spec in specs
+    )
+
+
+def managed_blocks_required(geometry: CacheGeometry, window: WindowPolicy, num_local: int,
+                            sessions: int) -> int:
+    """Managed pages needed for ``sessions`` resident sessions (the seed's ``managed(c)``).
+
+    Every session keeps sink + window frames per local branch; one forward is in flight per local
+    branch; ``+2`` frames cover the null page and one spare.
+    """
+    ppf = geometry.pages_per_frame
+    return (num_local * (sessions * window.resident_frames * ppf + geometry.frames_per_forward * ppf)
+            + 2 * ppf)
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """The planner's answer. Attribute names match the seed's ``ARDiffusionKVCache`` where it has one.
+
+    All ``*_bytes`` are bytes; ``*_blocks`` are pages (a page spans all layers, K and V).
+    """
+
+    geometry: CacheGeometry
+    window: WindowPolicy
+    kv_branches: tuple[KVBranch, ...]
+    cross_attention: tuple[CrossAttentionSpec, ...]
+    available_bytes: int
+    memory_fraction: float
+    requested_session_capacity: int
+    session_capacity: int
+    configured_memory_budget_bytes: int
+    memory_budget_bytes: int
+    page_size_bytes: int
+    num_local_kv_branches: int
+    scratch_blocks_per_kv_branch: int
+    scratch_num_blocks: int
+    scratch_reserved_bytes: int
+    cross_attention_bytes_per_session: int
+    cross_attention_reserved_bytes: int
+    model_owned_state_bytes_per_session: int
+    model_owned_state_reserved_bytes: int
+    required_managed_blocks: int
+    managed_num_blocks: int
+    num_blocks_total: int
+    null_block_id: int = 0
+
+    @property
+    def bytes_per_frame(self) -> int:
+        """Pool bytes of one frame (padding included), all layers, K and V."""
+        return self.geometry.frame_bytes
+
+    @property
+    def bytes_per_session_branch(self) -> int:
+        """Pool bytes one session holds per logical branch between chunks (sink + window)."""
+        return self.window.resident_frames * self.bytes_per_frame
+
+    @property
+    def bytes_per_session(self) -> int:
+        """Everything one resident session reserves: paged K/V of every logical branch, cross-attention
+        caches and model-owned state."""
+        return (len(self.kv_branches) * self.bytes_per_session_branch
+                + self.cross_attention_bytes_per_session + self.model_owned_state_bytes_per_session)
+
+    @property
+    def pool_bytes(self) -> int:
+        """Bytes of the K/V pools (managed + scratch pages)."""
+        return self.num_blocks_total * self.page_size_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict: the seed's attribute names plus the inputs and derived sizes."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        fields["geometry"] = dataclasses.asdict(self.geometry)
+        fields["window"] = dataclasses.asdict(self.window)
+        fields["kv_branches"] = [dataclasses.asdict(b) for b in self.kv_branches]
+        fields["cross_attention"] = [dataclasses.asdict(c) for c in self.cross_attention]
+        fields.update(
+            pages_per_frame=self.geometry.pages_per_frame,
+            bytes_per_frame=self.bytes_per_frame,
+            bytes_per_session_branch=self.bytes_per_session_branch,
+            bytes_per_session=self.bytes_per_session,
+            pool_bytes=self.pool_bytes,
+        )
+        return fields
+
+    def to_json(self) -> str:
+        """:meth:`to_dict` as one JSON object."""
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    def summary(self) -> str:
+        """A readable table of the plan."""
+        g, w = self.geometry, self.window
+        branches = ", ".join(f"{b.name}(slot {b.local_index})" for b in self.kv_branches)
+        cross = ", ".join(f"{c.name}:{c.num_tokens}" for c in self.cross_attention) or "none"
+        mode = "reset at boundary" if w.reset_at_boundary else "sliding"
+        rows = [
+            ("geometry", f"{g.num_layers} layers x {g.num_kv_heads} kv heads x {g.head_dim} ({g.dtype})"),
+            ("frames", f"{g.tokens_per_frame} tokens in {g.pages_per_frame} page(s) of {g.block_size}"
+                       f" ({g.padding_tokens_per_frame} padding), {g.frames_per_forward} per forward"),
+            ("window", f"sink {w.sink_frames} + window {w.window_frames} frames, {mode}"),
+            ("branches", branches),
+            ("cross-attention", cross),
+            ("bytes per page (all layers, K+V)", format_bytes(self.page_size_bytes)),
+            ("bytes per frame", format_bytes(self.bytes_per_frame)),
+            ("bytes per session per branch", format_bytes(self.bytes_per_session_branch)),
+            ("cross-attention per session", format_bytes(self.cross_attention_bytes_per_session)),
+            ("model-owned state per session", format_bytes(self.model_owned_state_bytes_per_session)),
+            ("bytes per session (all branches)", format_bytes(self.bytes_per_session)),
+            ("available memory", format_bytes(self.available_bytes)),
+            ("fraction -> configured budget",
+             f"{self.memory_fraction:g} -> {format_bytes(self.configured_memory_budget_bytes)}"),
+            ("memory budget", format_bytes(self.memory_budget_bytes)
+             + (" (raised to admit one session)"
+                if self.memory_budget_bytes > self.configured_memory_budget_bytes else "")),
+            ("sessions requested / that fit", f"{self.requested_session_capacity} / {self.session_capacity}"),
+            ("scratch pages", f"{self.scratch_num_blocks} ({self.scratch_blocks_per_kv_branch} per local"
+                              f" branch x {self.num_local_kv_branches})"),
+            ("managed pages (incl. null page 0)",
+             f"{self.managed_num_blocks} (>= {self.required_managed_blocks} required)"),
+            ("total pages / pool bytes", f"{self.num_blocks_total} / {format_bytes(self.pool_bytes)}"),
+        ]
+        width = max(len(k) for k, _ in rows)
+        lines = ["arkv-jax memory plan"] + [f"  {k.ljust(width)}  {v}" for k, v in rows]
+        return "\n".join(lines)
+
+
+def plan_memory(
+    geometry: CacheGeometry,
+    window: WindowPolicy,
+    kv_branches: Sequence[KVBranch] = (KVBranch("main"),),
+    *,
+    available_bytes: int,
+    memory_fraction: float = 0.1,
+    session_capacity: int = 1,
+    cross_attention: Sequence[CrossAttentionSpec] = (),
+    max_scratch_tokens_per_branch: int = 0,
+    model_owned_state_bytes_per_session: int = 0,
+    scratch_blocks_override: int | None = None,
+) -> MemoryPlan:
+    """Plans the paged pool for one model on one device (the seed's arithmetic, exactly).
+
+    Args:
+      geometry: cache geometry (per device: heads after any sharding).
+      window: sink/window policy.
+      kv_branches: logical KV branches; local indices contiguous from zero.
+      available_bytes: free device memory in bytes (see :func:`device_free_bytes`).
+      memory_fraction: soft budget fraction in (0, 1]; raised to admit one session if it fits.
+      session_capacity: resident sessions requested; the plan may admit fewer.
+      cross_attention: named dense cross-attention caches per session and logical branch.
+      max_scratch_tokens_per_branch: extra (action/state) tokens a forward keeps in scratch.
+      model_owned_state_bytes_per_session: per-session model state outside the pool, in bytes.
+      scratch_blocks_override: raises the scratch pages per branch; ``None`` reads the environment.
+
+    Raises:
+      ValueError: an input is out of range, or one session does not fit in ``available_bytes``.
+    """
+    kv_branches = validate_branches(kv_branches)
+    cross_attention = validate_cross_attention(cross_attention)
+    if session_capacity <= 0:
+        raise ValueError(f"session_capacity must be positive, got {session_capacity}")
+    if max_scratch_tokens_per_branch < 0:
+        raise ValueError(
+            f"max_scratch_tokens_per_branch must be non-negative, got {max_scratch_tokens_per_branch}")
+    if model_owned_state_bytes_per_session < 0:
+        raise ValueError("model_owned_state_bytes_per_session must be non-negative, "
+                         f"got {model_owned_state_bytes_per_session}")
+    if available_bytes < 0:
+        raise ValueError(f"available_bytes must be non-negative, got {available_bytes}")
+
+    num_local = num_local_branches(kv_branches)
+    scratch_per_branch = scratch_blocks_per_branch(
+        geometry, max_scratch_tokens_per_branch, scratch_blocks_override)
+    scratch_blocks = num_local * scratch_per_branch
+    page = geometry.page_bytes
+    configured = int(available_bytes * memory_fraction)
+    compute_num_blocks(available_bytes, memory_fraction, page)  # the seed validates through it
+
+    scratch_bytes = scratch_blocks * page
+    cross = cross_attention_bytes_per_session(geometry, cross_attention, len(kv_branches))
+    owned = model_owned_state_bytes_per_session
+    # required(c) = fixed + c * per_session (affine in c).
+    fixed = scratch_bytes + managed_blocks_required(geometry, window, num_local, 0) * page
+    per_session = cross + owned + (managed_blocks_required(geometry, window, num_local, 1)
+                                   - managed_blocks_required(geometry, window, num_local, 0)) * page
+    one_session = fixed + per_session
+    if one_session > available_bytes:
+        raise ValueError(
+            "AR-Diffusion available device memory cannot fit one session: "
+            f"available={available_bytes} bytes, required={one_session} bytes "
+            "(managed self-attention + cross-attention + scratch + model-owned state).")
+    budget = max(configured, one_session)
+    if budget > configured:
+        _log.warning("raised the configured memory budget from %d to %d bytes to admit one session",
+                     configured, budget)
+    capacity = min(session_capacity, (budget - fixed) // per_session)
+    if capacity < session_capacity:
+        _log.warning("resident session capacity reduced from %d to %d by the memory budget",
+                     session_capacity, capacity)
+    managed = (budget - scratch_bytes - cross * capacity - owned * capacity) // page
+    required_managed = managed_blocks_required(geometry, window, num_local, capacity)
+    assert managed >= required_managed, (managed, required_managed)
+    return MemoryPlan(
+        geometry=geometry, window=window, kv_branches=kv_branches, cross_attention=cross_attention,
+        available_bytes=int(available_bytes), memory_fraction=float(memory_fraction),
+        requested_session_capacity=int(session_capacity), session_capacity=int(capacity),
+        configured_memory_budget_bytes=configured, memory_budget_bytes=budget, page_size_bytes=page,
+        num_local_kv_branches=num_local, scratch_blocks_per_kv_branch=scratch_per_branch,
+        scratch_num_blocks=scratch_blocks, scratch_reserved_bytes=scratch_bytes,
+        cross_attention_bytes_per_session=cross, cross_attention_reserved_bytes=cross * capacity,
+        model_owned_state_bytes_per_session=owned, model_owned_state_reserved_bytes=owned * capacity,
+        required_managed_blocks=required_managed, managed_num_blocks=managed,
+        num_blocks_total=managed + scratch_blocks,
+    )
+
+
+def parse_memory(text: str) -> int:
+    """Bytes from a size such as ``"100GiB"``, ``"80GB"``, ``"512MiB"``, ``"1.5e9"`` or a chip name
+    from ``CHIP_MEMORY_BYTES`` (e.g. ``"tpu-v5e"``, ``"h100-80gb"``).
+
+    Raises:
+      ValueError: neither a size nor a known chip.
+    """
+    key = text.strip().lower()
+    if key in CHIP_MEMORY_BYTES:
+        return CHIP_MEMORY_BYTES[key]
+    match = re.fullmatch(r"([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)", key)
+    if match is None or match.group(2) not in _UNITS:
+        raise ValueError(
+            f"memory must be a size like 100GiB, 80GB, 512MiB or 1e9 (bytes), or a chip name in "
+            f"{sorted(CHIP_MEMORY_BYTES)}, got {text!r}")
+    value = float(match.group(1)) * _UNITS[match.group(2)]
+    if value <= 0:
+        raise ValueError(f"memory must be positive, got {text!r}")
+    return int(value)
+
+
+def device_free_bytes(device=None) -> int:
+    """Free memory of a JAX device in bytes.
+
+    On GPU and TPU this is ``bytes_limit - bytes_in_use`` from ``device.memory_stats()``. Devices
+    without memory statistics (the CPU) fall back to the host's available physical memory
+    (``os.sysconf``), which is what CPU arrays are allocated from.
+    """
+    import jax
+
+    device = device or jax.local_devices()[0]
+    try:
+        stats = device.memory_stats()
+    except Exception:  # noqa: BLE001 - backends without the API raise various errors
+        stats = None
+    if stats and "bytes_limit" in stats:
+        return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+    return int(os.sysconf("SC_AVPHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+
+
+def format_bytes(num_bytes: int) -> str:
+    """``num_bytes`` with a binary unit, e.g. ``"3.21 GiB (3,446,734,848 B)"``."""
+    value, unit = float(num_bytes), "B"
+    for next_unit in ("KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024:
+            break
+        value, unit = value / 1024, next_unit
+    if unit == "B":
+        return f"{num_bytes:,} B"
+    return f"{value:.2f} {unit} ({num_bytes:,} B)"

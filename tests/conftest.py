@@ -1,0 +1,5 @@
+"""Shared pytest setup: tests run on the CPU with float32 matmuls at full precision."""
+
+import jax
+
+jax.config.update("jax_default_matmul_precision", "highest")

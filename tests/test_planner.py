@@ -1,0 +1,379 @@
+"""The memory planner against the seed's worked numbers (seed-semantics §8.2-§8.4, §13.1)."""
+
+import json
+import re
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from arkv_jax import cli
+from arkv_jax.config import CacheGeometry, CrossAttentionSpec, KVBranch, WindowPolicy
+from arkv_jax.planner import (
+    CHIP_MEMORY_BYTES,
+    SCRATCH_OVERRIDE_ENV,
+    compute_num_blocks,
+    device_free_bytes,
+    managed_blocks_required,
+    parse_memory,
+    plan_memory,
+    scratch_blocks_per_branch,
+)
+from arkv_jax.presets import PRESETS
+
+MAIN = (KVBranch("main"),)
+CFG_SHARED = (KVBranch("positive", 0), KVBranch("negative", 0))
+
+
+@pytest.fixture(autouse=True)
+def _no_scratch_override(monkeypatch):
+    monkeypatch.delenv(SCRATCH_OVERRIDE_ENV, raising=False)
+
+
+def tiny_plan(available, *, fraction=1.0, sessions=2, model_owned=0):
+    """Seed §8.4 'tiny': chunk=block=1, window 3, sink 3, fpb 3, 1x1x1 fp32, text 2, one branch."""
+    return plan_memory(
+        CacheGeometry(1, 1, 1, "float32", tokens_per_frame=1, frames_per_forward=3),
+        WindowPolicy(window_frames=3, sink_frames=3), MAIN,
+        available_bytes=available, memory_fraction=fraction, session_capacity=sessions,
+        cross_attention=(CrossAttentionSpec("text", 2),), model_owned_state_bytes_per_session=model_owned)
+
+
+@pytest.mark.parametrize(
+    "available, fraction, model_owned, configured, budget, capacity, managed, total",
+    [
+        (128, 1.0, 0, 128, 128, 1, 11, 14),
+        (191, 1.0, 0, 191, 191, 1, 18, 21),
+        (192, 1.0, 0, 192, 192, 2, 17, 20),
+        (200, 1.0, 16, 200, 200, 1, 18, 21),
+        (1280, 0.05, 0, 64, 128, 1, 11, 14),
+    ],
+)
+def test_tiny_worked_numbers(available, fraction, model_owned, configured, budget, capacity, managed, total):
+    plan = tiny_plan(available, fraction=fraction, model_owned=model_owned)
+    assert plan.page_size_bytes == 8
+    assert plan.scratch_num_blocks == 3
+    assert plan.cross_attention_bytes_per_session == 16
+    assert plan.configured_memory_budget_bytes == configured
+    assert plan.memory_budget_bytes == budget
+    assert (plan.session_capacity, plan.requested_session_capacity) == (capacity, 2)
+    assert (plan.managed_num_blocks, plan.num_blocks_total) == (managed, total)
+    assert plan.model_owned_state_reserved_bytes == model_owned * capacity
+    assert (plan.num_blocks_total * plan.page_size_bytes + plan.cross_attention_reserved_bytes
+            + plan.model_owned_state_reserved_bytes) <= plan.memory_budget_bytes
+
+
+def test_cannot_fit_one_session_names_both_sizes():
+    with pytest.raises(ValueError, match=r"cannot fit one session.*available=127 bytes.*required=128 bytes"):
+        tiny_plan(127, sessions=1)
+
+
+def test_requested_capacity_is_capped_and_cross_reservation_uses_effective_capacity():
+    plan = tiny_plan(192, sessions=64)
+    assert plan.session_capacity == 2 and plan.requested_session_capacity == 64
+    assert plan.cross_attention_bytes_per_session == 16
+    assert plan.cross_attention_reserved_bytes == 32
+    assert plan.num_blocks_total * 8 + 32 == plan.memory_budget_bytes
+
+
+def test_cross_attention_pool_deducted_from_self_attention_budget():
+    plan = plan_memory(
+        CacheGeometry(2, 4, 64, "float16", tokens_per_frame=16), WindowPolicy(window_frames=2), CFG_SHARED,
+        available_bytes=1 << 30, memory_fraction=0.5, session_capacity=1,
+        cross_attention=(CrossAttentionSpec("text", 512),))
+    assert plan.geometry.page_bytes_per_layer == 16384
+    assert plan.page_size_bytes == 32768
+    assert plan.scratch_num_blocks == 1
+    assert plan.cross_attention_bytes_per_session == 2 * 2 * 512 * 4 * 64 * 2 * 2 == 2_097_152
+    assert plan.configured_memory_budget_bytes == 536_870_912
+    assert plan.managed_num_blocks == (536_870_912 - 2_097_152 - 32768) // 32768 == 16319
+    assert plan.num_blocks_total == 16320
+    assert plan.cross_attention_reserved_bytes == 2_097_152
+    assert plan.num_blocks_total * 32768 + 2_097_152 <= 536_870_912
+
+
+@pytest.mark.parametrize(
+    "preset, available, fraction, budget, capacity, managed, total",
+    [
+        ("lingbot-v2", 100 << 30, 0.1, 33_653_670_400, 1, 23, 26),
+        ("lingbot-v2", 100 << 30, 0.6, 64_424_509_440, 2, 46, 49),
+        ("dreamzero-14b", 80 << 30, 0.1, 16_609_968_128, 1, 78, 84),
+        ("dreamzero-14b", 80 << 30, 0.5, 42_949_672_960, 2, 215, 221),
+    ],
+)
+def test_shipped_model_worked_numbers(preset, available, fraction, budget, capacity, managed, total):
+    p = PRESETS[preset]
+    plan = plan_memory(
+        p.geometry, p.window, p.kv_branches, available_bytes=available, memory_fraction=fraction,
+        session_capacity=p.session_capacity, cross_attention=p.cross_attention,
+        max_scratch_tokens_per_branch=p.max_scratch_tokens_per_branch,
+        model_owned_state_bytes_per_session=p.model_owned_state_bytes_per_session)
+    assert plan.memory_budget_bytes == budget
+    assert plan.session_capacity == capacity
+    assert (plan.managed_num_blocks, plan.num_blocks_total) == (managed, total)
+
+
+def test_lingbot_page_and_cross_sizes():
+    p = PRESETS["lingbot-v2"]
+    assert p.geometry.page_bytes_per_layer == 31_948_800
+    assert p.geometry.page_bytes == 1_277_952_000
+    assert PRESETS["dreamzero-14b"].geometry.page_bytes_per_layer == 4_505_600
+
+
+@pytest.mark.parametrize("local_branches, managed, scratch", [(1, 13, 2), (2, 24, 4)])
+def test_pool_floor_is_branch_aware(local_branches, managed, scratch):
+    geometry = CacheGeometry(1, 4, 64, "float32", tokens_per_frame=16, frames_per_forward=2)
+    branches = tuple(KVBranch(f"b{i}", i) for i in range(local_branches))
+    available = (managed + scratch) * geometry.page_bytes
+    plan = plan_memory(geometry, WindowPolicy(window_frames=9), branches,
+                       available_bytes=available, memory_fraction=1.0, session_capacity=1)
+    assert plan.managed_num_blocks == managed
+    assert plan.scratch_num_blocks == scratch == local_branches * plan.scratch_blocks_per_kv_branch
+    assert plan.num_blocks_total == managed + scratch
+
+
+def test_scratch_is_derived_from_declared_geometry_and_override_only_raises(monkeypatch):
+    geometry = CacheGeometry(1, 4, 64, "float32", tokens_per_frame=16, frames_per_forward=6)
+    assert scratch_blocks_per_branch(geometry, 17) == 8
+    monkeypatch.setenv(SCRATCH_OVERRIDE_ENV, "1")
+    assert scratch_blocks_per_branch(geometry, 17) == 8
+    monkeypatch.setenv(SCRATCH_OVERRIDE_ENV, "12")
+    assert scratch_blocks_per_branch(geometry, 17) == 12
+    monkeypatch.setenv(SCRATCH_OVERRIDE_ENV, "-1")
+    with pytest.raises(ValueError, match=f"^{SCRATCH_OVERRIDE_ENV} must be non-negative$"):
+        scratch_blocks_per_branch(geometry, 17)
+
+
+def test_frame_aligned_paging_matches_the_seeds_s2_example():
+    """LingBot at 832x480 with 16-token pages: 98 pages/frame, 294 scratch pages, managed(c)=1764c+490."""
+    geometry = CacheGeometry(40, 40, 128, "bfloat16", tokens_per_frame=1560, block_size=16, frames_per_forward=3)
+    window = WindowPolicy(window_frames=9, sink_frames=9)
+    assert geometry.pages_per_frame == 98 and geometry.padding_tokens_per_frame == 8
+    assert scratch_blocks_per_branch(geometry, 0) == 294
+    for c in (1, 2, 7):
+        assert managed_blocks_required(geometry, window, 1, c) == 1764 * c + 294 + 196
+
+
+def test_frame_equal_to_page_is_the_seed_formula():
+    geometry = CacheGeometry(2, 4, 64, "float16", tokens_per_frame=16, frames_per_forward=3)
+    window = WindowPolicy(window_frames=5, sink_frames=1)
+    for local in (1, 2):
+        for c in (1, 4):
+            assert managed_blocks_required(geometry, window, local, c) == local * (c * 6 + 3) + 2
+
+
+def test_compute_num_blocks():
+    assert compute_num_blocks(1 << 20, 0.5, 16 << 10) == 32
+    with pytest.raises(ValueError, match=r"^page_size_bytes must be positive, got 0$"):
+        compute_num_blocks(1 << 20, 0.5, 0)
+    for fraction in (0.0, 1.5):
+        with pytest.raises(ValueError, match=re.escape(f"gpu_memory_fraction must be in (0, 1], got {fraction}")):
+            compute_num_blocks(1 << 20, fraction, 16)
+
+
+def test_plan_rejects_bad_fraction_with_the_seeds_message():
+    with pytest.raises(ValueError, match=re.escape("gpu_memory_fraction must be in (0, 1], got 0.0")):
+        tiny_plan(1000, fraction=0.0)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(session_capacity=0), "session_capacity must be positive, got 0"),
+        (dict(max_scratch_tokens_per_branch=-1), "max_scratch_tokens_per_branch must be non-negative, got -1"),
+        (dict(model_owned_state_bytes_per_session=-5),
+         "model_owned_state_bytes_per_session must be non-negative, got -5"),
+        (dict(kv_branches=()), "ARDiffusionKVCache requires at least one KV branch"),
+        (dict(kv_branches=(KVBranch("m"), KVBranch("m"))),
+         "ARDiffusionKVCache KV branch names must be unique, got ['m', 'm']"),
+        (dict(kv_branches=(KVBranch("m", 1),)),
+         "ARDiffusionKVCache KV branch local_index values must be contiguous from zero, got [1]"),
+        (dict(cross_attention=(CrossAttentionSpec("t", 1), CrossAttentionSpec("t", 2))),
+         "AR-Diffusion cross-attention names must be unique, got ['t', 't']"),
+        (dict(available_bytes=-1), "available_bytes must be non-negative, got -1"),
+    ],
+)
+def test_plan_input_errors(kwargs, message):
+    args = dict(kv_branches=MAIN, available_bytes=1 << 20, session_capacity=1)
+    args.update(kwargs)
+    branches = args.pop("kv_branches")
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        plan_memory(CacheGeometry(1, 1, 1, "float32", tokens_per_frame=1), WindowPolicy(1), branches, **args)
+
+
+@pytest.mark.parametrize(
+    "build, message",
+    [
+        (lambda: KVBranch(""), "AR-Diffusion KV branch names must be non-empty"),
+        (lambda: KVBranch("x", -1), "AR-Diffusion KV branch local_index must be non-negative, got -1"),
+        (lambda: CrossAttentionSpec("text", 0), "AR-Diffusion cross-attention num_tokens must be positive, got 0"),
+        (lambda: CacheGeometry(0, 1, 1, "float32", 1), "AR-Diffusion num_layers must be positive, got 0"),
+        (lambda: CacheGeometry(1, 0, 1, "float32", 1), "AR-Diffusion num_kv_heads must be positive, got 0"),
+        (lambda: CacheGeometry(1, 1, -2, "float32", 1), "AR-Diffusion head_dim must be positive, got -2"),
+        (lambda: CacheGeometry(1, 1, 1, "float32", 0), "AR-Diffusion tokens_per_frame must be positive, got 0"),
+        (lambda: CacheGeometry(1, 1, 1, "float32", 4, block_size=0),
+         "AR-Diffusion block_size must be positive, got 0"),
+        (lambda: CacheGeometry(1, 1, 1, "float32", 4, frames_per_forward=0),
+         "frames_per_block must be positive, got 0"),
+        (lambda: CacheGeometry(1, 1, 1, "int8", 4), "dtype must be one of ('float32', 'bfloat16', 'float16'), got 'int8'"),
+        (lambda: CacheGeometry(1, 1, 1, "nonsense", 4),
+         "dtype must be one of ('float32', 'bfloat16', 'float16'), got 'nonsense'"),
+        (lambda: WindowPolicy(None), "Phase 1 requires a bounded window (window_chunks)"),
+        (lambda: WindowPolicy(0), "ARDiffusionKVConfig.window_chunks must be positive, got 0"),
+        (lambda: WindowPolicy(2, sink_frames=-1), "ARDiffusionKVConfig.sink_chunks must be non-negative, got -1"),
+    ],
+)
+def test_config_errors(build, message):
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        build()
+
+
+def test_dtype_accepts_strings_numpy_and_jax_dtypes():
+    import jax.numpy as jnp
+    import numpy as np
+
+    for dtype in ("bfloat16", jnp.bfloat16, jnp.dtype("bfloat16")):
+        assert CacheGeometry(1, 1, 1, dtype, 1).dtype == "bfloat16"
+    assert CacheGeometry(1, 1, 1, np.float16, 1).itemsize == 2
+
+
+def seed_downward_search(geometry, window, branches, available, fraction, requested, cross, owned, scratch_tokens):
+    """The seed's loop, literally: largest c in [requested .. 1] with required(c) <= budget."""
+    local = max(b.local_index for b in branches) + 1
+    ppf = -(-geometry.tokens_per_frame // geometry.block_size)
+    scratch = local * (geometry.frames_per_forward * ppf + -(-scratch_tokens // geometry.block_size))
+    page = geometry.page_bytes
+    x = sum(2 * len(branches) * c.num_tokens * geometry.num_kv_heads * geometry.head_dim
+            * geometry.itemsize * geometry.num_layers for c in cross)
+
+    def managed(c):
+        return local * (c * (window.sink_frames + window.window_frames) * ppf
+                        + geometry.frames_per_forward * ppf) + 2 * ppf
+
+    def required(c):
+        return scratch * page + c * x + c * owned + managed(c) * page
+
+    if required(1) > available:
+        return None
+    budget = max(int(available * fraction), required(1))
+    for c in range(requested, 0, -1):
+        if required(c) <= budget:
+            return c, budget, (budget - scratch * page - x * c - owned * c) // page
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    layers=st.integers(1, 48), heads=st.integers(1, 64), head_dim=st.sampled_from([1, 16, 64, 128]),
+    dtype=st.sampled_from(["float32", "bfloat16", "float16"]), tokens=st.integers(1, 2000),
+    block=st.integers(1, 2048), fpf=st.integers(1, 6), sink=st.integers(0, 10), window=st.integers(1, 40),
+    local=st.integers(1, 3), extra_logical=st.integers(0, 2), cross_tokens=st.lists(st.integers(1, 600), max_size=2),
+    owned=st.integers(0, 1 << 30), scratch_tokens=st.integers(0, 64), requested=st.integers(1, 200),
+    available=st.integers(0, 1 << 42), fraction=st.floats(0.01, 1.0),
+)
+def test_closed_form_capacity_equals_the_seeds_downward_search(
+        layers, heads, head_dim, dtype, tokens, block, fpf, sink, window, local, extra_logical, cross_tokens,
+        owned, scratch_tokens, requested, available, fraction):
+    geometry = CacheGeometry(layers, heads, head_dim, dtype, tokens, block_size=block, frames_per_forward=fpf)
+    policy = WindowPolicy(window_frames=window, sink_frames=sink)
+    branches = tuple(KVBranch(f"b{i}", i) for i in range(local)) + tuple(
+        KVBranch(f"x{i}", 0) for i in range(extra_logical))
+    cross = tuple(CrossAttentionSpec(f"c{i}", n) for i, n in enumerate(cross_tokens))
+    expected = seed_downward_search(geometry, policy, branches, available, fraction, requested, cross, owned,
+                                    scratch_tokens)
+    kwargs = dict(available_bytes=available, memory_fraction=fraction, session_capacity=requested,
+                  cross_attention=cross, model_owned_state_bytes_per_session=owned,
+                  max_scratch_tokens_per_branch=scratch_tokens)
+    if expected is None:
+        with pytest.raises(ValueError, match="cannot fit one session"):
+            plan_memory(geometry, policy, branches, **kwargs)
+        return
+    plan = plan_memory(geometry, policy, branches, **kwargs)
+    assert (plan.session_capacity, plan.memory_budget_bytes, plan.managed_num_blocks) == expected
+    assert plan.managed_num_blocks >= plan.required_managed_blocks
+
+
+def test_parse_memory_sizes_and_chips():
+    assert parse_memory("100GiB") == 100 << 30
+    assert parse_memory("80GB") == 80 * 10**9
+    assert parse_memory("512MiB") == 512 << 20
+    assert parse_memory("1e9") == 10**9
+    assert parse_memory("1.5KiB") == 1536
+    assert parse_memory("TPU-v5e") == CHIP_MEMORY_BYTES["tpu-v5e"] == 16 << 30
+    for bad in ("12XB", "abc", "0GiB", ""):
+        with pytest.raises(ValueError, match="memory must be"):
+            parse_memory(bad)
+
+
+def test_chip_table_covers_tpu_generations_and_common_gpus():
+    for chip in ("tpu-v4", "tpu-v5e", "tpu-v5p", "tpu-v6e", "tpu-v7x", "h100-80gb", "h200", "a100-80gb"):
+        assert CHIP_MEMORY_BYTES[chip] > 8 << 30
+
+
+def test_device_probe_reports_free_memory():
+    assert device_free_bytes() > 0
+
+
+def test_summary_is_readable():
+    p = PRESETS["lingbot-v2"]
+    plan = plan_memory(p.geometry, p.window, p.kv_branches, available_bytes=100 << 30,
+                       session_capacity=2, cross_attention=p.cross_attention,
+                       model_owned_state_bytes_per_session=p.model_owned_state_bytes_per_session)
+    text = plan.summary()
+    for needle in ("bytes per frame", "bytes per session per branch", "sessions requested / that fit",
+                   "2 / 1", "raised to admit one session", "managed pages"):
+        assert needle in text
+
+
+def run_cli(capsys, *argv):
+    code = cli.main(list(argv))
+    return code, capsys.readouterr().out
+
+
+def test_cli_plan_lingbot_json(capsys):
+    code, out = run_cli(capsys, "plan", "--preset", "lingbot-v2", "--memory", "100GiB", "--fraction", "0.1", "--json")
+    plan = json.loads(out)
+    assert code == 0
+    assert plan["memory_budget_bytes"] == 33_653_670_400 and plan["session_capacity"] == 1
+    _, out = run_cli(capsys, "plan", "--preset", "lingbot-v2", "--memory", "100GiB", "--fraction", "0.6", "--json")
+    plan = json.loads(out)
+    assert plan["memory_budget_bytes"] == 64_424_509_440 and plan["session_capacity"] == 2
+    for key in ("session_capacity", "requested_session_capacity", "memory_budget_bytes",
+                "configured_memory_budget_bytes", "managed_num_blocks", "num_blocks_total",
+                "scratch_blocks_per_kv_branch", "scratch_num_blocks", "cross_attention_bytes_per_session",
+                "cross_attention_reserved_bytes", "model_owned_state_reserved_bytes", "scratch_reserved_bytes"):
+        assert key in plan
+
+
+def test_cli_plan_flags_override_the_preset(capsys):
+    _, out = run_cli(capsys, "plan", "--preset", "tiny", "--layers", "4", "--block-size", "24",
+                     "--branches", "main", "--cross", "none", "--memory", "1GiB", "--sessions", "3", "--json")
+    plan = json.loads(out)
+    assert plan["geometry"]["num_layers"] == 4 and plan["geometry"]["block_size"] == 24
+    assert plan["kv_branches"] == [{"name": "main", "local_index": 0}]
+    assert plan["cross_attention"] == [] and plan["session_capacity"] == 3
+
+
+def test_cli_plan_summary_with_chip_name(capsys):
+    code, out = run_cli(capsys, "plan", "--preset", "wan-1.3b", "--memory", "h100-80gb")
+    assert code == 0 and "arkv-jax memory plan" in out and "sessions requested / that fit" in out
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--memory", "12XB"], "memory must be a size"),
+        (["--fraction", "0"], "must be in (0, 1], got 0.0"),
+        (["--fraction", "x"], "must be a number in (0, 1]"),
+        (["--layers", "0"], "num_layers must be positive, got 0"),
+        (["--preset", "nope"], "invalid choice"),
+        (["--branches", "a:1"], "contiguous from zero, got [1]"),
+        (["--cross", "text:zero"], "must look like 'text:512'"),
+        (["--memory", "1KiB"], "cannot fit one session"),
+        (["--dtype", "int4"], "dtype must be one of"),
+    ],
+)
+def test_cli_plan_bad_flags_exit_2_with_a_clear_message(capsys, argv, needle):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["plan", *argv])
+    assert info.value.code == 2
+    assert needle in capsys.readouterr().err
