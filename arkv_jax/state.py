@@ -1,0 +1,529 @@
+"""The block-table state: an immutable pytree and pure, jittable steps on it.
+
+One *row* is one (session, logical KV branch): vLLM-Omni's request adapter. A
+:class:`BlockTableState` holds every row's page table and the pool's free list; the functions here
+(:func:`begin`, :func:`allocate`, :func:`commit`, :func:`end`, and the read-only
+:func:`slot_mapping`, :func:`write_pages`, :func:`resident_blocks`, :func:`visible_window`) take a
+batch of row indices, run as one jitted computation for all of them, and return a new state. Nothing
+here syncs with the host or depends on a value for its shape, so a window filling up, sessions
+joining or leaving, and a video growing to any length never recompile.
+
+Layout of a row (vLLM-Omni's block table after S3 compaction): ``tables[row, :num_pages]`` holds
+the sink pages, then the live history pages in time order, then pages allocated for frames in
+flight; evicted pages are removed (compacted) instead of left as null entries, so the width stays
+``sink + window + in flight`` forever while positions stay absolute. ``evicted_pages`` remembers how
+many pages were removed from just after the sink, which is all that is needed to rebuild the seed's
+table with its null placeholders.
+
+Pages are frame-aligned: frame ``f`` owns absolute pages ``[f * ppf, (f + 1) * ppf)`` with
+``ppf = ceil(tokens_per_frame / block_size)``; token ``t`` of the row (counting a prefill prefix)
+sits in frame ``t // tokens_per_frame`` at offset ``t % tokens_per_frame``. With
+``tokens_per_frame == block_size`` this is exactly the seed's token-to-block layout.
+
+Free pages live in a FIFO ring (``free_ids``, ``free_head``, ``free_count``) holding page ids
+``1 .. num_blocks - 1``; page 0 is the null page and is never handed out. Allocation pops from the
+head; frees append at the tail: evicted pages highest table index first, a finished row's table in
+reverse, rows of one call in the order given. This is vLLM's ``BlockPool`` order, so physical page
+ids match the seed's for any sequence of operations.
+
+Failures are values: every mutating step returns ``ok`` per row; a row that fails is left exactly as
+it was and does not affect the others.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from arkv_jax.config import CacheGeometry, WindowPolicy
+
+Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class StateLayout:
+    """Static facts about a state (hashable; part of the pytree's structure).
+
+    Attributes:
+      tokens_per_frame: tokens of one frame (one committed chunk).
+      block_size: tokens per page.
+      sink_frames: leading frames never evicted.
+      window_frames: recent frames kept after a commit (sliding mode).
+      reset_at_boundary: the seed's reset mode (evict everything after the sink on each commit).
+      table_width: pages a row's compacted table can hold.
+      num_blocks: managed pages, null page 0 included.
+    """
+
+    tokens_per_frame: int
+    block_size: int
+    sink_frames: int
+    window_frames: int
+    reset_at_boundary: bool
+    table_width: int
+    num_blocks: int
+
+    @property
+    def pages_per_frame(self) -> int:
+        return -(-self.tokens_per_frame // self.block_size)
+
+    @property
+    def sink_pages(self) -> int:
+        return self.sink_frames * self.pages_per_frame
+
+    @property
+    def visible_frames(self) -> int:
+        """Frames a forward can attend to: sink plus window (the current frames included)."""
+        return self.sink_frames + self.window_frames
+
+    @classmethod
+    def from_config(cls, geometry: CacheGeometry, window: WindowPolicy, num_blocks: int,
+                    table_width: int | None = None) -> "StateLayout":
+        """A layout for ``num_blocks`` managed pages. The default table width holds sink + window
+        frames, one forward in flight and one spare frame."""
+        ppf = geometry.pages_per_frame
+        if table_width is None:
+            table_width = (window.resident_frames + geometry.frames_per_forward + 1) * ppf
+        if num_blocks < 2:
+            raise ValueError(f"num_blocks must be at least 2 (the null page and one more), got {num_blocks}")
+        if table_width < 1:
+            raise ValueError(f"table_width must be positive, got {table_width}")
+        return cls(geometry.tokens_per_frame, geometry.block_size, window.sink_frames,
+                   window.window_frames, window.reset_at_boundary, int(table_width), int(num_blocks))
+
+
+@struct.dataclass
+class BlockTableState:
+    """Page tables of ``R`` rows and the pool's free ring. All leaves are int32/bool arrays.
+
+    Attributes:
+      tables: ``[R, table_width]`` compacted page ids per row (0 past ``num_pages``).
+      num_pages: ``[R]`` pages stored in each row's table.
+      evicted_pages: ``[R]`` pages evicted (and compacted away) from just after the sink.
+      committed_frames: ``[R]`` chunks (frames) committed since :func:`begin`.
+      prefill_tokens: ``[R]`` prefix tokens counted as computed at :func:`begin`.
+      active: ``[R]`` whether the row is in use.
+      free_ids: ``[num_blocks - 1]`` ring buffer of free page ids.
+      free_head: ``[]`` ring index of the next page to hand out.
+      free_count: ``[]`` free pages in the ring.
+      layout: static :class:`StateLayout`.
+    """
+
+    tables: Array
+    num_pages: Array
+    evicted_pages: Array
+    committed_frames: Array
+    prefill_tokens: Array
+    active: Array
+    free_ids: Array
+    free_head: Array
+    free_count: Array
+    layout: StateLayout = struct.field(pytree_node=False)
+
+    @property
+    def num_rows(self) -> int:
+        return self.tables.shape[0]
+
+    @property
+    def ring_size(self) -> int:
+        return self.free_ids.shape[0]
+
+
+class VisibleWindow(NamedTuple):
+    """What a forward of ``num_current_frames`` new frames attends to in the pool.
+
+    Attributes:
+      pages: ``[B, visible_frames * pages_per_frame]`` int32 page ids: the sink frames' pages, then
+        the most recent history frames' pages, in time order; 0 (the null page) past the end.
+      lengths: ``[B]`` int32 valid history tokens (visible frames x tokens_per_frame).
+      frame_ids: ``[B, visible_frames]`` int32 absolute frame index of each visible history frame
+        (counting prefill frames), -1 past the end: the positions for rotary embeddings.
+    """
+
+    pages: Array
+    lengths: Array
+    frame_ids: Array
+
+
+def init_state(layout: StateLayout, num_rows: int) -> BlockTableState:
+    """A state with ``num_rows`` inactive rows and every page but the null page free, in id order."""
+    if num_rows < 1:
+        raise ValueError(f"num_rows must be positive, got {num_rows}")
+    zeros = jnp.zeros((num_rows,), jnp.int32)
+    return BlockTableState(
+        tables=jnp.zeros((num_rows, layout.table_width), jnp.int32),
+        num_pages=zeros, evicted_pages=zeros, committed_frames=zeros, prefill_tokens=zeros,
+        active=jnp.zeros((num_rows,), bool),
+        free_ids=jnp.arange(1, layout.num_blocks, dtype=jnp.int32),
+        free_head=jnp.zeros((), jnp.int32), free_count=jnp.asarray(layout.num_blocks - 1, jnp.int32),
+        layout=layout,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Small pure helpers (row batches, token <-> page arithmetic, ring pushes).
+
+
+def _batch(state: BlockTableState, rows: Array, *values):
+    """Normalises a row batch: ``rows`` int32 ``[B]`` (negative = padding), per-row ``values``
+    broadcast to ``[B]``. Returns ``(safe_rows, valid, values...)``."""
+    rows = jnp.asarray(rows, jnp.int32).reshape(-1)
+    valid = (rows >= 0) & (rows < state.num_rows)
+    safe = jnp.where(valid, rows, 0)
+    return (safe, valid) + tuple(jnp.broadcast_to(jnp.asarray(v, jnp.int32), rows.shape) for v in values)
+
+
+def _scatter_rows(array: Array, rows: Array, keep: Array, values: Array) -> Array:
+    """``array[rows] = values`` for rows where ``keep``; other rows untouched."""
+    target = jnp.where(keep, rows, array.shape[0])
+    return array.at[target].set(values.astype(array.dtype), mode="drop")
+
+
+def _pages_for_tokens(layout: StateLayout, tokens: Array) -> Array:
+    """Pages that hold the first ``tokens`` tokens of a row (frame-aligned)."""
+    tpf, bs = layout.tokens_per_frame, layout.block_size
+    return (tokens // tpf) * layout.pages_per_frame + (tokens % tpf + bs - 1) // bs
+
+
+def _committed_tokens_pages(state: BlockTableState, rows: Array, extra_tokens: Array = 0) -> Array:
+    """Absolute pages needed for a row's committed tokens plus ``extra_tokens`` more.
+
+    Computed as ``committed_frames * ppf + pages(prefill + extra)`` so that long videos never
+    overflow int32 token counts.
+    """
+    layout = state.layout
+    return (state.committed_frames[rows] * layout.pages_per_frame
+            + _pages_for_tokens(layout, state.prefill_tokens[rows] + extra_tokens))
+
+
+def _stored_index(state: BlockTableState, rows: Array, absolute_page: Array) -> Array:
+    """Index into a row's compacted table of an absolute page index (past the sink, shifted by the
+    evicted pages)."""
+    evicted = state.evicted_pages[rows][..., None] if absolute_page.ndim > 1 else state.evicted_pages[rows]
+    return jnp.where(absolute_page >= state.layout.sink_pages, absolute_page - evicted, absolute_page)
+
+
+def _skipped_frames(layout: StateLayout, frames: Array) -> Array:
+    """Frames after the sink that are out of the window once ``frames`` whole frames are committed
+    (the seed's skip rule at frame granularity)."""
+    if layout.reset_at_boundary:
+        return jnp.maximum(0, frames - layout.sink_frames)
+    return jnp.maximum(0, frames - layout.window_frames - layout.sink_frames)
+
+
+def _push_free(state: BlockTableState, counts: Array, order: Array, values: Array) -> BlockTableState:
+    """Appends pages to the free ring's tail, rows in batch order.
+
+    Args:
+      counts: ``[B]`` pages each row frees.
+      order: ``[B, K]`` position of each candidate within its row's pushes (valid where < counts).
+      values: ``[B, K]`` page ids.
+    """
+    offsets = jnp.cumsum(counts) - counts
+    tail = state.free_head + state.free_count
+    valid = (order >= 0) & (order < counts[:, None])
+    slot = (tail + offsets[:, None] + order) % state.ring_size
+    slot = jnp.where(valid, slot, state.ring_size)
+    free_ids = state.free_ids.at[slot].set(values, mode="drop", unique_indices=True)
+    return state.replace(free_ids=free_ids, free_count=state.free_count + jnp.sum(counts))
+
+
+def _serve_in_row_order(demand: Array, eligible: Array, free: Array) -> Array:
+    """Which rows get their ``demand`` pages, serving rows in order: a row that does not fit in what
+    is left fails and later rows are still served if they fit (vLLM's behaviour for successive
+    requests). The common case (everything fits) is one comparison; the sequential pass runs only
+    when the pool is short."""
+
+    def sequential(_):
+        def step(left, row):
+            need, ok = row
+            ok = ok & (need <= left)
+            return left - jnp.where(ok, need, 0), ok
+
+        return jax.lax.scan(step, free, (demand, eligible))[1]
+
+    fits = jnp.sum(jnp.where(eligible, demand, 0)) <= free
+    return jax.lax.cond(fits, lambda _: eligible, sequential, None)
+
+
+def _frames(state: BlockTableState, rows: Array) -> Array:
+    """Whole frames computed per row (committed frames plus whole prefill frames)."""
+    return state.committed_frames[rows] + state.prefill_tokens[rows] // state.layout.tokens_per_frame
+
+
+def _evict(state: BlockTableState, rows: Array, ok: Array, first_frames: Array, all_frames: Array
+           ) -> BlockTableState:
+    """Evicts frames just after the sink and compacts the tables.
+
+    Frames ``[evicted, first_frames)`` (after the sink) are freed first, highest table index first,
+    then frames ``[first_frames, all_frames)`` one frame at a time in time order, each frame's pages
+    highest index first: the order vLLM frees them in when one eviction catches up several frames and
+    each later chunk commit evicts one.
+
+    Args:
+      rows, ok: ``[B]`` the batch and which rows to touch.
+      first_frames, all_frames: ``[B]`` frames after the sink evicted after the first and after the
+        last step (``evicted <= first_frames <= all_frames``).
+    """
+    layout = state.layout
+    ppf = layout.pages_per_frame
+    before = state.evicted_pages[rows]
+    first = first_frames * ppf - before
+    freed = jnp.where(ok, all_frames * ppf - before, 0)
+    d = jnp.arange(layout.table_width)[None, :]
+    later = d - first[:, None]
+    order = jnp.where(later < 0, first[:, None] - 1 - d,
+                      first[:, None] + later // ppf * ppf + (ppf - 1 - later % ppf))
+    tables = state.tables[rows]
+    evicted = jnp.take_along_axis(tables, jnp.minimum(layout.sink_pages + d, layout.table_width - 1), axis=1)
+    state = _push_free(state, freed, order, evicted)
+    kept = jnp.take_along_axis(tables, jnp.minimum(d + freed[:, None], layout.table_width - 1), axis=1)
+    kept = jnp.where(d + freed[:, None] < layout.table_width, kept, 0)
+    compacted = jnp.where(d < layout.sink_pages, tables, kept)
+    return state.replace(
+        tables=_scatter_rows(state.tables, rows, ok, compacted),
+        num_pages=_scatter_rows(state.num_pages, rows, ok, state.num_pages[rows] - freed),
+        evicted_pages=_scatter_rows(state.evicted_pages, rows, ok, before + freed),
+    )
+
+
+def _catch_up_eviction(state: BlockTableState, rows: Array, ok: Array) -> BlockTableState:
+    """Evicts frames already out of the window but not yet evicted because their pages were not
+    allocated at commit time (only after a prefill longer than the window), as vLLM does before
+    every allocation. A no-op otherwise."""
+    layout = state.layout
+    ppf = layout.pages_per_frame
+    before = state.evicted_pages[rows] // ppf
+    allocated_after_sink = (state.num_pages[rows] + state.evicted_pages[rows]) // ppf - layout.sink_frames
+    target = jnp.maximum(before, jnp.minimum(_skipped_frames(layout, _frames(state, rows)), allocated_after_sink))
+    return _evict(state, rows, ok, target, target)
+
+
+# ----------------------------------------------------------------------------------------------
+# Lifecycle and per-chunk steps.
+
+
+def begin(state: BlockTableState, rows: Array, prefill_tokens: Array = 0
+          ) -> tuple[BlockTableState, Array]:
+    """Starts rows with empty tables and ``prefill_tokens`` already computed (no pages allocated).
+
+    Args:
+      rows: ``[B]`` int32 row indices (negative = padding).
+      prefill_tokens: ``[B]`` or scalar, >= 0.
+
+    Returns:
+      ``(state, ok)``: ``ok[b]`` is False for padding, an already active row, or a negative prefill.
+    """
+    rows, valid, prefill = _batch(state, rows, prefill_tokens)
+    ok = valid & ~state.active[rows] & (prefill >= 0)
+    zero = jnp.zeros_like(rows)
+    return state.replace(
+        tables=_scatter_rows(state.tables, rows, ok, jnp.zeros((rows.shape[0], state.layout.table_width))),
+        num_pages=_scatter_rows(state.num_pages, rows, ok, zero),
+        evicted_pages=_scatter_rows(state.evicted_pages, rows, ok, zero),
+        committed_frames=_scatter_rows(state.committed_frames, rows, ok, zero),
+        prefill_tokens=_scatter_rows(state.prefill_tokens, rows, ok, prefill),
+        active=_scatter_rows(state.active, rows, ok, jnp.ones_like(ok)),
+    ), ok
+
+
+def allocate(state: BlockTableState, rows: Array, num_tokens: Array) -> tuple[BlockTableState, Array]:
+    """Allocates pages for ``num_tokens`` in-flight tokens per row, token-granular like vLLM.
+
+    New pages per row = ``pages(computed + num_tokens) - pages already allocated`` (never negative),
+    so asking twice for the same span allocates nothing more. Pages come from the free ring's head,
+    rows in batch order.
+
+    Args:
+      rows: ``[B]`` int32 row indices (negative = padding).
+      num_tokens: ``[B]`` or scalar, > 0.
+
+    Returns:
+      ``(state, ok)``: ``ok[b]`` is False (and the row untouched) for padding, an inactive row,
+      ``num_tokens <= 0``, a table that would overflow ``table_width``, or a pool without enough
+      free pages for that row.
+    """
+    layout = state.layout
+    rows, valid, num_tokens = _batch(state, rows, num_tokens)
+    state = _catch_up_eviction(state, rows, valid & state.active[rows])
+    stored = state.num_pages[rows]
+    demand = jnp.maximum(0, _committed_tokens_pages(state, rows, num_tokens)
+                         - stored - state.evicted_pages[rows])
+    eligible = valid & state.active[rows] & (num_tokens > 0) & (stored + demand <= layout.table_width)
+    ok = _serve_in_row_order(demand, eligible, state.free_count)
+    taken = jnp.where(ok, demand, 0)
+    offsets = jnp.cumsum(taken) - taken
+    column = jnp.arange(layout.table_width)[None, :] - stored[:, None]
+    fill = (column >= 0) & (column < taken[:, None])
+    ring_slot = (state.free_head + offsets[:, None] + column) % state.ring_size
+    table = jnp.where(fill, state.free_ids[ring_slot], state.tables[rows])
+    total = jnp.sum(taken)
+    return state.replace(
+        tables=_scatter_rows(state.tables, rows, ok, table),
+        num_pages=_scatter_rows(state.num_pages, rows, ok, stored + taken),
+        free_head=(state.free_head + total) % state.ring_size,
+        free_count=state.free_count - total,
+    ), ok
+
+
+def commit(state: BlockTableState, rows: Array, num_chunks: Array) -> tuple[BlockTableState, Array]:
+    """Commits ``num_chunks`` frames per row, evicting after each one with the seed's rule.
+
+    Sliding mode keeps the sink and the last ``window_frames`` frames; reset mode keeps only the
+    sink. Pages evicted by one chunk are freed highest table index first, chunk after chunk, rows in
+    batch order; the table is compacted.
+
+    Args:
+      rows: ``[B]`` int32 row indices (negative = padding).
+      num_chunks: ``[B]`` or scalar, >= 0.
+
+    Returns:
+      ``(state, ok)``: ``ok[b]`` is False (and the row untouched) for padding, an inactive row, a
+      negative count, or frames whose pages were not allocated.
+    """
+    layout = state.layout
+    rows, valid, num_chunks = _batch(state, rows, num_chunks)
+    allocated = state.num_pages[rows] + state.evicted_pages[rows]
+    ok = (valid & state.active[rows] & (num_chunks >= 0)
+          & (_committed_tokens_pages(state, rows, num_chunks * layout.tokens_per_frame) <= allocated))
+    frames = _frames(state, rows)
+    before = state.evicted_pages[rows] // layout.pages_per_frame
+    # Eviction is monotone: the first chunk may catch up several frames (after a long prefill),
+    # later chunks evict at most one frame each.
+    first = jnp.maximum(before, _skipped_frames(layout, frames + jnp.minimum(num_chunks, 1)))
+    last = jnp.maximum(before, _skipped_frames(layout, frames + num_chunks))
+    state = _evict(state, rows, ok, first, last)
+    return state.replace(
+        committed_frames=_scatter_rows(state.committed_frames, rows, ok,
+                                       state.committed_frames[rows] + num_chunks),
+    ), ok
+
+
+def end(state: BlockTableState, rows: Array) -> tuple[BlockTableState, Array]:
+    """Finishes rows: every page they hold goes back to the free ring (each table in reverse, rows
+    in batch order) and the rows become inactive.
+
+    Returns:
+      ``(state, ok)``: ``ok[b]`` is False for padding or an inactive row (nothing happens to it).
+    """
+    layout = state.layout
+    rows, valid = _batch(state, rows)
+    ok = valid & state.active[rows]
+    counts = jnp.where(ok, state.num_pages[rows], 0)
+    d = jnp.arange(layout.table_width)[None, :]
+    state = _push_free(state, counts, counts[:, None] - 1 - d, state.tables[rows])
+    zero = jnp.zeros_like(rows)
+    return state.replace(
+        tables=_scatter_rows(state.tables, rows, ok, jnp.zeros((rows.shape[0], layout.table_width))),
+        num_pages=_scatter_rows(state.num_pages, rows, ok, zero),
+        evicted_pages=_scatter_rows(state.evicted_pages, rows, ok, zero),
+        committed_frames=_scatter_rows(state.committed_frames, rows, ok, zero),
+        prefill_tokens=_scatter_rows(state.prefill_tokens, rows, ok, zero),
+        active=_scatter_rows(state.active, rows, ok, jnp.zeros_like(ok)),
+    ), ok
+
+
+# ----------------------------------------------------------------------------------------------
+# Read-only views.
+
+
+def num_free_pages(state: BlockTableState) -> Array:
+    """Free pages in the pool (int32 scalar)."""
+    return state.free_count
+
+
+def free_queue(state: BlockTableState) -> Array:
+    """The free ring in queue order, head first: ``[num_blocks - 1]`` int32, 0 past ``free_count``."""
+    index = (state.free_head + jnp.arange(state.ring_size)) % state.ring_size
+    return jnp.where(jnp.arange(state.ring_size) < state.free_count, state.free_ids[index], 0)
+
+
+def resident_blocks(state: BlockTableState, rows: Array) -> tuple[Array, Array]:
+    """Pages each row holds, in table order, null page excluded.
+
+    Returns:
+      ``(pages, counts)``: ``[B, table_width]`` int32 (0 past ``counts``) and ``[B]`` int32.
+    """
+    rows, valid = _batch(state, rows)
+    counts = jnp.where(valid, state.num_pages[rows], 0)
+    pages = jnp.where(jnp.arange(state.layout.table_width)[None, :] < counts[:, None], state.tables[rows], 0)
+    return pages, counts
+
+
+def slot_mapping(state: BlockTableState, rows: Array, num_tokens: int) -> Array:
+    """Flat pool slots (``page * block_size + offset``) of each row's next ``num_tokens`` tokens.
+
+    Args:
+      num_tokens: static count of in-flight tokens.
+
+    Returns:
+      ``[B, num_tokens]`` int32; -1 for padding rows and for tokens without an allocated page.
+    """
+    layout = state.layout
+    rows, valid = _batch(state, rows)
+    token = state.prefill_tokens[rows][:, None] + jnp.arange(num_tokens)[None, :]
+    in_frame = token % layout.tokens_per_frame
+    absolute = ((state.committed_frames[rows][:, None] + token // layout.tokens_per_frame)
+                * layout.pages_per_frame + in_frame // layout.block_size)
+    index = _stored_index(state, rows, absolute)
+    present = valid[:, None] & (index < state.num_pages[rows][:, None])
+    page = jnp.take_along_axis(state.tables[rows], jnp.clip(index, 0, layout.table_width - 1), axis=1)
+    return jnp.where(present, page * layout.block_size + in_frame % layout.block_size, -1)
+
+
+def write_pages(state: BlockTableState, rows: Array, num_frames: int) -> Array:
+    """Pages of each row's next ``num_frames`` frames (the commit target), frame after frame.
+
+    Rows must be frame-aligned (no partial prefill frame).
+
+    Args:
+      num_frames: static count of in-flight frames.
+
+    Returns:
+      ``[B, num_frames * pages_per_frame]`` int32; 0 (skip) for padding rows and unallocated pages.
+    """
+    layout = state.layout
+    rows, valid = _batch(state, rows)
+    first = _committed_tokens_pages(state, rows)
+    absolute = first[:, None] + jnp.arange(num_frames * layout.pages_per_frame)[None, :]
+    index = _stored_index(state, rows, absolute)
+    present = valid[:, None] & (index < state.num_pages[rows][:, None])
+    page = jnp.take_along_axis(state.tables[rows], jnp.clip(index, 0, layout.table_width - 1), axis=1)
+    return jnp.where(present, page, 0)
+
+
+def visible_window(state: BlockTableState, rows: Array, num_current_frames: Array) -> VisibleWindow:
+    """The history a forward of ``num_current_frames`` new frames attends to (the seed's
+    ``video_block_table``, history part): the sink frames plus the most recent frames such that,
+    with the current frames, at most ``sink + window`` frames are visible. The current frames'
+    K/V are not in the pool; the attention kernel takes them directly.
+
+    Rows must be frame-aligned (no partial prefill frame).
+
+    Args:
+      rows: ``[B]`` int32 row indices (negative = padding).
+      num_current_frames: ``[B]`` or scalar, frames of the forward.
+    """
+    layout = state.layout
+    ppf = layout.pages_per_frame
+    rows, valid, current = _batch(state, rows, num_current_frames)
+    frames = _frames(state, rows)
+    history = jnp.where(valid, frames - state.evicted_pages[rows] // ppf, 0)
+    sink = jnp.minimum(history, layout.sink_frames)
+    live = history - sink
+    fits = history + current <= layout.visible_frames
+    recent = jnp.where(fits, live, jnp.minimum(live, jnp.maximum(0, layout.window_frames - current)))
+    j = jnp.arange(layout.visible_frames * ppf)[None, :]
+    sink_end = (sink * ppf)[:, None]
+    source = jnp.where(j < sink_end, j, ((sink + live - recent) * ppf)[:, None] + j - sink_end)
+    shown = j < ((sink + recent) * ppf)[:, None]
+    pages = jnp.take_along_axis(state.tables[rows], jnp.clip(source, 0, layout.table_width - 1), axis=1)
+    i = jnp.arange(layout.visible_frames)[None, :]
+    frame_ids = jnp.where(i < sink[:, None], i, (frames - recent - sink)[:, None] + i)
+    frame_ids = jnp.where(i < (sink + recent)[:, None], frame_ids, -1)
+    return VisibleWindow(pages=jnp.where(shown, pages, 0),
+                         lengths=(sink + recent) * layout.tokens_per_frame,
+                         frame_ids=frame_ids.astype(jnp.int32))
