@@ -152,10 +152,12 @@ def init_state(layout: StateLayout, num_rows: int) -> BlockTableState:
     """A state with ``num_rows`` inactive rows and every page but the null page free, in id order."""
     if num_rows < 1:
         raise ValueError(f"num_rows must be positive, got {num_rows}")
-    zeros = jnp.zeros((num_rows,), jnp.int32)
+    def zeros():  # distinct buffers, so the whole state can be donated
+        return jnp.zeros((num_rows,), jnp.int32)
+
     return BlockTableState(
         tables=jnp.zeros((num_rows, layout.table_width), jnp.int32),
-        num_pages=zeros, evicted_pages=zeros, committed_frames=zeros, prefill_tokens=zeros,
+        num_pages=zeros(), evicted_pages=zeros(), committed_frames=zeros(), prefill_tokens=zeros(),
         active=jnp.zeros((num_rows,), bool),
         free_ids=jnp.arange(1, layout.num_blocks, dtype=jnp.int32),
         free_head=jnp.zeros((), jnp.int32), free_count=jnp.asarray(layout.num_blocks - 1, jnp.int32),
@@ -231,21 +233,24 @@ def _push_free(state: BlockTableState, counts: Array, order: Array, values: Arra
     return state.replace(free_ids=free_ids, free_count=state.free_count + jnp.sum(counts))
 
 
-def _serve_in_row_order(demand: Array, eligible: Array, free: Array) -> Array:
-    """Which rows get their ``demand`` pages, serving rows in order: a row that does not fit in what
-    is left fails and later rows are still served if they fit (vLLM's behaviour for successive
-    requests). The common case (everything fits) is one comparison; the sequential pass runs only
-    when the pool is short."""
+def _serve_in_row_order(demand: Array, eligible: Array, free: Array, released: Array) -> Array:
+    """Which rows get their ``demand`` pages, serving rows in order as vLLM serves successive
+    requests: row ``b`` first releases ``released[b]`` pages, then takes its demand if it fits in
+    what is left; a row that does not fit fails and later rows are still served if they fit. The
+    common case (everything fits) is one vector comparison; the sequential pass runs only when the
+    pool is short."""
+    wanted = jnp.where(eligible, demand, 0)
 
     def sequential(_):
         def step(left, row):
-            need, ok = row
+            need, ok, back = row
+            left = left + back
             ok = ok & (need <= left)
             return left - jnp.where(ok, need, 0), ok
 
-        return jax.lax.scan(step, free, (demand, eligible))[1]
+        return jax.lax.scan(step, free, (demand, eligible, released))[1]
 
-    fits = jnp.sum(jnp.where(eligible, demand, 0)) <= free
+    fits = jnp.all(jnp.cumsum(wanted) <= free + jnp.cumsum(released))
     return jax.lax.cond(fits, lambda _: eligible, sequential, None)
 
 
@@ -255,7 +260,7 @@ def _frames(state: BlockTableState, rows: Array) -> Array:
 
 
 def _evict(state: BlockTableState, rows: Array, ok: Array, first_frames: Array, all_frames: Array
-           ) -> BlockTableState:
+           ) -> tuple[BlockTableState, Array]:
     """Evicts frames just after the sink and compacts the tables.
 
     Frames ``[evicted, first_frames)`` (after the sink) are freed first, highest table index first,
@@ -267,6 +272,9 @@ def _evict(state: BlockTableState, rows: Array, ok: Array, first_frames: Array, 
       rows, ok: ``[B]`` the batch and which rows to touch.
       first_frames, all_frames: ``[B]`` frames after the sink evicted after the first and after the
         last step (``evicted <= first_frames <= all_frames``).
+
+    Returns:
+      ``(state, freed)``: ``freed[b]`` pages pushed to the free ring.
     """
     layout = state.layout
     ppf = layout.pages_per_frame
@@ -287,13 +295,13 @@ def _evict(state: BlockTableState, rows: Array, ok: Array, first_frames: Array, 
         tables=_scatter_rows(state.tables, rows, ok, compacted),
         num_pages=_scatter_rows(state.num_pages, rows, ok, state.num_pages[rows] - freed),
         evicted_pages=_scatter_rows(state.evicted_pages, rows, ok, before + freed),
-    )
+    ), freed
 
 
-def _catch_up_eviction(state: BlockTableState, rows: Array, ok: Array) -> BlockTableState:
+def _catch_up_eviction(state: BlockTableState, rows: Array, ok: Array) -> tuple[BlockTableState, Array]:
     """Evicts frames already out of the window but not yet evicted because their pages were not
     allocated at commit time (only after a prefill longer than the window), as vLLM does before
-    every allocation. A no-op otherwise."""
+    every allocation. A no-op otherwise. Returns ``(state, freed pages per row)``."""
     layout = state.layout
     ppf = layout.pages_per_frame
     before = state.evicted_pages[rows] // ppf
@@ -335,7 +343,9 @@ def allocate(state: BlockTableState, rows: Array, num_tokens: Array) -> tuple[Bl
 
     New pages per row = ``pages(computed + num_tokens) - pages already allocated`` (never negative),
     so asking twice for the same span allocates nothing more. Pages come from the free ring's head,
-    rows in batch order.
+    rows in batch order. Like vLLM, a row first evicts frames that are out of the window but still
+    held (possible only after a prefill longer than the window); that happens even if the row's
+    allocation then fails.
 
     Args:
       rows: ``[B]`` int32 row indices (negative = padding).
@@ -348,12 +358,13 @@ def allocate(state: BlockTableState, rows: Array, num_tokens: Array) -> tuple[Bl
     """
     layout = state.layout
     rows, valid, num_tokens = _batch(state, rows, num_tokens)
-    state = _catch_up_eviction(state, rows, valid & state.active[rows])
+    free_before = state.free_count
+    state, released = _catch_up_eviction(state, rows, valid & state.active[rows] & (num_tokens > 0))
     stored = state.num_pages[rows]
     demand = jnp.maximum(0, _committed_tokens_pages(state, rows, num_tokens)
                          - stored - state.evicted_pages[rows])
     eligible = valid & state.active[rows] & (num_tokens > 0) & (stored + demand <= layout.table_width)
-    ok = _serve_in_row_order(demand, eligible, state.free_count)
+    ok = _serve_in_row_order(demand, eligible, free_before, released)
     taken = jnp.where(ok, demand, 0)
     offsets = jnp.cumsum(taken) - taken
     column = jnp.arange(layout.table_width)[None, :] - stored[:, None]
@@ -393,9 +404,9 @@ def commit(state: BlockTableState, rows: Array, num_chunks: Array) -> tuple[Bloc
     before = state.evicted_pages[rows] // layout.pages_per_frame
     # Eviction is monotone: the first chunk may catch up several frames (after a long prefill),
     # later chunks evict at most one frame each.
-    first = jnp.maximum(before, _skipped_frames(layout, frames + jnp.minimum(num_chunks, 1)))
+    first = jnp.maximum(before, _skipped_frames(layout, frames + 1))
     last = jnp.maximum(before, _skipped_frames(layout, frames + num_chunks))
-    state = _evict(state, rows, ok, first, last)
+    state, _ = _evict(state, rows, ok & (num_chunks > 0), first, last)
     return state.replace(
         committed_frames=_scatter_rows(state.committed_frames, rows, ok,
                                        state.committed_frames[rows] + num_chunks),
@@ -511,7 +522,9 @@ def visible_window(state: BlockTableState, rows: Array, num_current_frames: Arra
     ppf = layout.pages_per_frame
     rows, valid, current = _batch(state, rows, num_current_frames)
     frames = _frames(state, rows)
-    history = jnp.where(valid, frames - state.evicted_pages[rows] // ppf, 0)
+    evicted_frames = state.evicted_pages[rows] // ppf
+    allocated_frames = (state.num_pages[rows] + state.evicted_pages[rows]) // ppf
+    history = jnp.where(valid, jnp.minimum(frames, allocated_frames) - evicted_frames, 0)
     sink = jnp.minimum(history, layout.sink_frames)
     live = history - sink
     fits = history + current <= layout.visible_frames
@@ -522,8 +535,35 @@ def visible_window(state: BlockTableState, rows: Array, num_current_frames: Arra
     shown = j < ((sink + recent) * ppf)[:, None]
     pages = jnp.take_along_axis(state.tables[rows], jnp.clip(source, 0, layout.table_width - 1), axis=1)
     i = jnp.arange(layout.visible_frames)[None, :]
-    frame_ids = jnp.where(i < sink[:, None], i, (frames - recent - sink)[:, None] + i)
+    frame_ids = jnp.where(i < sink[:, None], i, (history + evicted_frames - recent - sink)[:, None] + i)
     frame_ids = jnp.where(i < (sink + recent)[:, None], frame_ids, -1)
     return VisibleWindow(pages=jnp.where(shown, pages, 0),
                          lengths=(sink + recent) * layout.tokens_per_frame,
                          frame_ids=frame_ids.astype(jnp.int32))
+
+
+def resize(state: BlockTableState, *, num_rows: int | None = None,
+           table_width: int | None = None) -> BlockTableState:
+    """A copy of ``state`` with more rows and/or wider tables (new rows inactive, new columns
+    empty). Host-side: shapes change, so jitted steps compile once more for the new shapes.
+
+    Raises:
+      ValueError: a size would shrink.
+    """
+    num_rows = state.num_rows if num_rows is None else num_rows
+    table_width = state.layout.table_width if table_width is None else table_width
+    if num_rows < state.num_rows or table_width < state.layout.table_width:
+        raise ValueError(f"resize cannot shrink: rows {state.num_rows} -> {num_rows}, "
+                         f"table width {state.layout.table_width} -> {table_width}")
+    extra_rows = num_rows - state.num_rows
+
+    def grow(array):
+        return jnp.pad(array, [(0, extra_rows)] + [(0, 0)] * (array.ndim - 1))
+
+    return state.replace(
+        tables=jnp.pad(state.tables, [(0, extra_rows), (0, table_width - state.layout.table_width)]),
+        num_pages=grow(state.num_pages), evicted_pages=grow(state.evicted_pages),
+        committed_frames=grow(state.committed_frames), prefill_tokens=grow(state.prefill_tokens),
+        active=grow(state.active),
+        layout=dataclasses.replace(state.layout, table_width=table_width),
+    )

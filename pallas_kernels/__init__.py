@@ -6,5 +6,11 @@ lengths, never sessions.
 """
 
 from pallas_kernels.backend import BACKEND_NAMES, Backend, resolve_backend
+from pallas_kernels.paged_write import pages_per_frame, write_chunk, write_chunk_reference
+from pallas_kernels.window_attention import window_attention, window_attention_reference
 
-__all__ = ["BACKEND_NAMES", "Backend", "resolve_backend"]
+__all__ = [
+    "BACKEND_NAMES", "Backend", "resolve_backend",
+    "pages_per_frame", "write_chunk", "write_chunk_reference",
+    "window_attention", "window_attention_reference",
+]

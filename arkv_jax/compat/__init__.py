@@ -1,0 +1,1 @@
+"""Compatibility layers: other systems' cache APIs on arkv-jax's functional core."""

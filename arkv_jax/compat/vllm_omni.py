@@ -1,0 +1,325 @@
+"""vLLM-Omni's AR-Diffusion KV cache API, on arkv-jax's functional core.
+
+A migration path and a proof of equivalence: the classes and functions here have the seed's names,
+constructor keywords, attributes, return values, exception types and messages, but every block
+operation runs through :mod:`arkv_jax.state` (jitted, donated) and the arithmetic through
+:mod:`arkv_jax.planner`. Physical block ids and free-list order match the seed's.
+
+Differences, all deliberate: block tables are compacted (vLLM-Omni S3), so ``max_model_len`` never
+clips a long session; K/V arrays are JAX arrays; ``device=None`` means bookkeeping only, as in the
+seed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from arkv_jax import state as core
+from arkv_jax.config import CacheGeometry, CrossAttentionSpec, KVBranch, WindowPolicy, validate_branches
+from arkv_jax.planner import compute_num_blocks, plan_memory
+
+__all__ = [
+    "ARDiffusionKVConfig", "ARDiffusionKVBranchSpec", "ARDiffusionRequestAdapter", "ARDiffusionKVCache",
+    "compute_num_blocks", "compute_slot_mapping", "chunk_slot_mapping", "resident_block_ids",
+]
+
+#: The seed's branch spec: same fields, same validation messages.
+ARDiffusionKVBranchSpec = KVBranch
+
+
+@dataclasses.dataclass
+class ARDiffusionKVConfig:
+    """The seed's (mutable) KV configuration."""
+
+    enable: bool = False
+    chunk_size: int = 0
+    window_chunks: int | None = None
+    sink_chunks: int = 0
+    reset_at_boundary: bool = False
+    gpu_memory_fraction: float = 0.1
+    warmup_cudagraph: bool = True
+    warmup_capture_reset: bool = False
+
+    @property
+    def sliding_window(self) -> int | None:
+        """Window in tokens (sink excluded), or ``None`` for an unbounded window."""
+        return None if self.window_chunks is None else self.window_chunks * self.chunk_size
+
+
+def compute_slot_mapping(block_ids: Sequence[int], positions: Sequence[int], block_size: int) -> jax.Array:
+    """Flat slots ``block_ids[p // block_size] * block_size + p % block_size`` of ``positions``.
+
+    Raises:
+      ValueError: ``block_size <= 0``.
+    """
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    blocks = np.asarray(block_ids, np.int64)
+    positions = np.asarray(positions, np.int64)
+    return jnp.asarray(blocks[positions // block_size] * block_size + positions % block_size, jnp.int32)
+
+
+def chunk_slot_mapping(block_ids: Sequence[int], num_computed_tokens: int, chunk_size: int,
+                       block_size: int) -> jax.Array:
+    """Slots of the in-flight chunk: positions ``[num_computed_tokens, + chunk_size)``."""
+    return compute_slot_mapping(block_ids, np.arange(num_computed_tokens, num_computed_tokens + chunk_size),
+                                block_size)
+
+
+def resident_block_ids(block_ids: Sequence[int], null_block_id: int) -> list[int]:
+    """``block_ids`` without the null block, order kept."""
+    return [int(b) for b in block_ids if int(b) != null_block_id]
+
+
+class ARDiffusionRequestAdapter:
+    """One row of the block-table state, with the seed's request-adapter view of it.
+
+    ``num_computed_tokens = prefill + completed_chunks * chunk_size``; ``num_tokens`` adds the
+    in-flight chunk. The cache advances it once per committed chunk, never per denoise step.
+    """
+
+    def __init__(self, request_id: str, *, chunk_size: int, prefill_prefix_tokens: int = 0,
+                 row: int | None = None) -> None:
+        self.request_id = request_id
+        self.row = row
+        self._chunk_size = chunk_size
+        self._prefill = prefill_prefix_tokens
+        self._completed_chunks = 0
+        self.num_preemptions = 0
+        self.num_in_flight_tokens = 0
+
+    @property
+    def num_computed_tokens(self) -> int:
+        return self._prefill + self._completed_chunks * self._chunk_size
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_computed_tokens + self._chunk_size
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self._prefill
+
+    @property
+    def completed_chunks(self) -> int:
+        return self._completed_chunks
+
+    def on_chunk_committed(self) -> None:
+        """Advances by one chunk."""
+        self._completed_chunks += 1
+
+
+_begin = jax.jit(core.begin, donate_argnums=0)
+_allocate = jax.jit(core.allocate, donate_argnums=0)
+_commit = jax.jit(core.commit, donate_argnums=0)
+_end = jax.jit(core.end, donate_argnums=0)
+
+
+class ARDiffusionKVCache:
+    """The seed's ``ARDiffusionKVCache``: plan, pools and per-request block operations.
+
+    Per request: ``begin_request`` -> per chunk (``allocate_chunk`` -> ``chunk_write_slots`` ->
+    [model writes K/V] -> ``commit_chunk``) -> ``end_request``.
+    """
+
+    def __init__(self, config: ARDiffusionKVConfig, *, num_layers: int, num_kv_heads: int, head_size: int,
+                 dtype, block_size: int, max_model_len: int, available_bytes: int,
+                 kv_branches: Sequence[KVBranch], session_capacity: int,
+                 cross_attention_lengths: dict[str, int] | None = None, device=None,
+                 frames_per_block: int = 1, max_scratch_tokens_per_branch: int = 0,
+                 model_owned_state_bytes_per_session: int = 0) -> None:
+        if not config.enable:
+            raise ValueError("ARDiffusionKVCache built with a disabled ARDiffusionKVConfig")
+        if config.window_chunks is None:
+            raise ValueError("Phase 1 requires a bounded window (window_chunks)")
+        if config.chunk_size <= 0:
+            raise ValueError("ARDiffusionKVConfig.chunk_size must be set (> 0)")
+        if not kv_branches:
+            raise ValueError("ARDiffusionKVCache requires at least one KV branch")
+        if session_capacity <= 0:
+            raise ValueError(f"session_capacity must be positive, got {session_capacity}")
+        self.kv_branches = validate_branches(kv_branches)
+        if frames_per_block <= 0:
+            raise ValueError(f"frames_per_block must be positive, got {frames_per_block}")
+        if max_scratch_tokens_per_branch < 0:
+            raise ValueError(
+                f"max_scratch_tokens_per_branch must be non-negative, got {max_scratch_tokens_per_branch}")
+        if model_owned_state_bytes_per_session < 0:
+            raise ValueError("model_owned_state_bytes_per_session must be non-negative, "
+                             f"got {model_owned_state_bytes_per_session}")
+        self.cross_attention_lengths = dict(cross_attention_lengths or {})
+        invalid_cross = {name: n for name, n in self.cross_attention_lengths.items() if n <= 0}
+        if invalid_cross:
+            raise ValueError(f"cross_attention_lengths must be positive, got {invalid_cross}")
+        self.config = config
+        self.geometry = CacheGeometry(num_layers, num_kv_heads, head_size, dtype, config.chunk_size,
+                                      block_size=block_size, frames_per_forward=frames_per_block)
+        self.window = WindowPolicy(config.window_chunks, config.sink_chunks, config.reset_at_boundary)
+        self.plan = plan_memory(
+            self.geometry, self.window, self.kv_branches, available_bytes=available_bytes,
+            memory_fraction=config.gpu_memory_fraction, session_capacity=session_capacity,
+            cross_attention=tuple(CrossAttentionSpec(n, t) for n, t in self.cross_attention_lengths.items()),
+            max_scratch_tokens_per_branch=max_scratch_tokens_per_branch,
+            model_owned_state_bytes_per_session=model_owned_state_bytes_per_session)
+        for name in ("session_capacity", "requested_session_capacity", "memory_budget_bytes",
+                     "configured_memory_budget_bytes", "managed_num_blocks", "num_blocks_total",
+                     "scratch_blocks_per_kv_branch", "scratch_num_blocks", "num_local_kv_branches",
+                     "cross_attention_bytes_per_session", "cross_attention_reserved_bytes",
+                     "model_owned_state_bytes_per_session", "model_owned_state_reserved_bytes",
+                     "scratch_reserved_bytes", "null_block_id"):
+            setattr(self, name, getattr(self.plan, name))
+        self.num_blocks = self.managed_num_blocks
+        self.available_memory_bytes = available_bytes
+        self.frames_per_block = frames_per_block
+        self.block_size, self.num_layers = block_size, num_layers
+        self.num_kv_heads, self.head_size, self.dtype = num_kv_heads, head_size, self.geometry.dtype
+        self.device = device
+        self._branch_index = {b.name: b.local_index for b in self.kv_branches}
+        layout = core.StateLayout.from_config(self.geometry, self.window, self.managed_num_blocks)
+        self._state = core.init_state(layout, num_rows=max(4, 2 * self.session_capacity * len(self.kv_branches)))
+        self._adapters: dict[str, ARDiffusionRequestAdapter] = {}
+        self._free_rows: list[int] = list(range(self._state.num_rows))
+        self._k_pool = self._v_pool = None
+        if device is not None:
+            shape = (num_layers, self.num_blocks_total, block_size, num_kv_heads, head_size)
+            self._k_pool = jax.device_put(jnp.zeros(shape, self.dtype), device)
+            self._v_pool = jax.device_put(jnp.zeros(shape, self.dtype), device)
+
+    # -- request lifecycle ------------------------------------------------------------------------
+    def begin_request(self, request_id: str, *, prefill_prefix_tokens: int = 0) -> ARDiffusionRequestAdapter:
+        """Registers a request (one row of the state) and returns its adapter."""
+        if request_id in self._adapters:
+            raise ValueError(f"AR-Diffusion request {request_id!r} is already active")
+        if prefill_prefix_tokens < 0:
+            raise ValueError(f"prefill_prefix_tokens must be non-negative, got {prefill_prefix_tokens}")
+        if not self._free_rows:
+            grown = 2 * self._state.num_rows
+            self._free_rows = list(range(self._state.num_rows, grown))
+            self._state = core.resize(self._state, num_rows=grown)
+        row = self._free_rows.pop(0)
+        self._state, ok = _begin(self._state, jnp.array([row]), prefill_prefix_tokens)
+        assert bool(ok[0])
+        adapter = ARDiffusionRequestAdapter(request_id, chunk_size=self.config.chunk_size,
+                                            prefill_prefix_tokens=prefill_prefix_tokens, row=row)
+        self._adapters[request_id] = adapter
+        return adapter
+
+    def end_request(self, adapter: ARDiffusionRequestAdapter) -> None:
+        """Returns every block of the request to the pool (its table in reverse)."""
+        self._state, ok = _end(self._state, jnp.array([self._row(adapter)]))
+        self._adapters.pop(adapter.request_id, None)
+        self._free_rows.append(adapter.row)
+
+    # -- per-chunk operations ---------------------------------------------------------------------
+    def allocate_chunk(self, adapter: ARDiffusionRequestAdapter) -> list[int]:
+        """Allocates the in-flight chunk's blocks; returns the full table (null placeholders kept).
+
+        Raises:
+          RuntimeError: the pool is exhausted (nothing changes).
+        """
+        return self._allocate(adapter, self.config.chunk_size, "a chunk")
+
+    def allocate_token_slots(self, adapter: ARDiffusionRequestAdapter, num_tokens: int) -> list[int]:
+        """Allocates blocks for ``num_tokens`` in-flight tokens without committing them.
+
+        Raises:
+          ValueError: ``num_tokens <= 0``.
+          RuntimeError: the pool is exhausted (nothing changes).
+        """
+        if num_tokens <= 0:
+            raise ValueError(f"num_tokens must be positive, got {num_tokens}")
+        return self._allocate(adapter, num_tokens, "paged attention slots")
+
+    def commit_chunk(self, adapter: ARDiffusionRequestAdapter) -> None:
+        """Advances the request by one chunk and frees blocks that left the window.
+
+        Raises:
+          RuntimeError: the chunk's blocks were never allocated (nothing changes).
+        """
+        self._state, ok = _commit(self._state, jnp.array([self._row(adapter)]), 1)
+        if not bool(ok[0]):
+            raise RuntimeError(f"AR-Diffusion chunk of request {adapter.request_id!r} committed before its "
+                               "blocks were allocated")
+        adapter.on_chunk_committed()
+
+    def block_table(self, adapter: ARDiffusionRequestAdapter) -> list[int]:
+        """The request's table in the seed's form: sink blocks, a null placeholder per evicted block,
+        then the live and in-flight blocks."""
+        return seed_block_table(self._state, self._row(adapter))
+
+    def chunk_write_slots(self, adapter: ARDiffusionRequestAdapter) -> jax.Array:
+        """Slot mapping of the in-flight chunk (the K/V write target)."""
+        return chunk_slot_mapping(self.block_table(adapter), adapter.num_computed_tokens,
+                                  self.config.chunk_size, self.block_size)
+
+    def window_block_ids(self, adapter: ARDiffusionRequestAdapter) -> list[int]:
+        """Resident (non-null) blocks of the request, table order."""
+        return resident_block_ids(self.block_table(adapter), self.null_block_id)
+
+    def scratch_block_ids(self, kv_branch: str, start: int, count: int) -> list[int]:
+        """Branch-local scratch block ids (outside the managed pool).
+
+        Raises:
+          ValueError: negative ``start`` or ``count``.
+          RuntimeError: the range exceeds the branch's scratch blocks.
+          KeyError: unknown branch.
+        """
+        if count < 0 or start < 0:
+            raise ValueError(f"scratch start/count must be non-negative, got start={start}, count={count}")
+        if start + count > self.scratch_blocks_per_kv_branch:
+            raise RuntimeError(
+                "AR-Diffusion paged attention scratch blocks exhausted: "
+                f"need [{start}, {start + count}) of {self.scratch_blocks_per_kv_branch}. "
+                "Declare max_scratch_tokens_per_branch in the pipeline capability "
+                "or increase AR_DIFFUSION_KV_SCRATCH_BLOCKS_PER_BRANCH.")
+        base = (self.managed_num_blocks + self.scratch_blocks_per_kv_branch * self._kv_branch_index(kv_branch)
+                + start)
+        return list(range(base, base + count))
+
+    def num_free_blocks(self) -> int:
+        """Free managed blocks."""
+        return int(self._state.free_count)
+
+    @property
+    def state(self) -> core.BlockTableState:
+        """The functional block-table state behind this cache."""
+        return self._state
+
+    # -- helpers ----------------------------------------------------------------------------------
+    def _row(self, adapter: ARDiffusionRequestAdapter) -> int:
+        if self._adapters.get(adapter.request_id) is not adapter:
+            raise KeyError(f"AR-Diffusion request {adapter.request_id!r} is not active")
+        return adapter.row
+
+    def _kv_branch_index(self, kv_branch: str) -> int:
+        try:
+            return self._branch_index[kv_branch]
+        except KeyError:
+            raise KeyError(f"Unknown AR-Diffusion KV branch {kv_branch!r}; "
+                           f"expected {tuple(self._branch_index)}") from None
+
+    def _allocate(self, adapter: ARDiffusionRequestAdapter, num_tokens: int, what: str) -> list[int]:
+        row = self._row(adapter)
+        layout = self._state.layout
+        needed = (-(-(adapter.num_computed_tokens + num_tokens) // layout.tokens_per_frame) * layout.pages_per_frame
+                  - int(self._state.evicted_pages[row]))
+        if needed > layout.table_width:  # the seed's tables are unbounded: widen ours (host-side, rare)
+            self._state = core.resize(self._state, table_width=max(needed, 2 * layout.table_width))
+        self._state, ok = _allocate(self._state, jnp.array([row]), num_tokens)
+        if not bool(ok[0]):
+            raise RuntimeError(f"AR-Diffusion KV pool exhausted while allocating {what}")
+        return self.block_table(adapter)
+
+
+def seed_block_table(state: core.BlockTableState, row: int) -> list[int]:
+    """A row's table in vLLM-Omni S1 form: compacted-away blocks shown as null (0) entries after the
+    sink."""
+    stored = np.asarray(state.tables[row, : int(state.num_pages[row])]).tolist()
+    evicted = int(state.evicted_pages[row])
+    sink = min(state.layout.sink_pages, len(stored))
+    return stored[:sink] + [0] * evicted + stored[sink:]

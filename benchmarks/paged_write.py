@@ -1,0 +1,239 @@
+"""Benchmark of the paged chunk write (pallas_kernels/paged_write.py).
+
+CPU (default): the XLA path's write bandwidth against a plain contiguous copy of the same bytes into
+the same pools (a donated ``dynamic_update_slice`` of one ``[L, N, S, H, D]`` slab), measured in one
+run, plus the memory figures of the jitted, donated write from ``memory_analysis()``:
+
+- ``xla_vs_copy_ratio``: XLA-path bytes/s over contiguous-copy bytes/s (goal >= 0.8), bf16, 30
+  layers of Wan-1.3B-sized pages (16 tokens x 12 KV heads x 128), frames of exactly one page;
+- ``temp_bytes_fraction``: compiled temp bytes / pool bytes (goal < 0.01);
+- ``aliased_pool_fraction``: aliased bytes / pool bytes (goal 1.0).
+
+``--gpu`` (NVIDIA GPU only; refuses otherwise): at the Wan-1.3B shape (30 layers, 12 KV heads, head
+dim 128, bf16, 3 frames of 1,560 tokens per row, ``--block-size`` 16 by default, i.e. 98 pages per
+frame with 8 padding tokens), the Pallas GPU kernel's bandwidth against a device-to-device copy of
+the same bytes, an XLA scatter (``unique_indices``, ``mode="drop"``) and the library's XLA path.
+
+Bandwidth counts the K/V bytes written to the pools (padding included), once; a copy also reads
+them, so memory traffic is twice that. The last line is the JSON of the figures.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from benchmarks.harness import emit, median_seconds, parse_args, print_table
+from pallas_kernels.paged_write import pages_per_frame, write_chunk
+
+
+def _extra_flags(parser) -> None:
+    parser.add_argument("--gpu", action="store_true",
+                        help="Pallas GPU kernel at the Wan-1.3B shape (needs an NVIDIA GPU)")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per page (--gpu)")
+    parser.add_argument("--rows", type=int, default=1, help="rows (sessions) per write (--gpu)")
+
+
+def make_inputs(layers, num_pages, block_size, kv_heads, head_dim, rows, frames,
+                tokens_per_frame, dtype, seed=0):
+    """Zeroed pools, a random chunk and distinct random page ids (a permutation of [1, P))."""
+    rng = np.random.default_rng(seed)
+    pool_shape = (layers, num_pages, block_size, kv_heads, head_dim)
+    k_pool = jnp.zeros(pool_shape, dtype)
+    v_pool = jnp.zeros(pool_shape, dtype)
+    new_shape = (layers, rows, frames * tokens_per_frame, kv_heads, head_dim)
+    k_new = jax.random.normal(jax.random.key(seed), new_shape, dtype)
+    v_new = jax.random.normal(jax.random.key(seed + 1), new_shape, dtype)
+    n_ids = rows * frames * pages_per_frame(tokens_per_frame, block_size)
+    if n_ids >= num_pages:
+        raise ValueError(f"{n_ids} pages per write need a pool of more than {num_pages} pages")
+    ids = rng.permutation(np.arange(1, num_pages))[:n_ids].reshape(rows, -1)
+    return k_pool, v_pool, k_new, v_new, jnp.asarray(ids, jnp.int32)
+
+
+def written_bytes(k_pool, page_ids) -> int:
+    """K and V bytes one write stores: whole pages, all layers."""
+    layers, _, block_size, kv_heads, head_dim = k_pool.shape
+    return 2 * page_ids.size * layers * block_size * kv_heads * head_dim * k_pool.dtype.itemsize
+
+
+def contiguous_copy(k_pool, v_pool, k_slab, v_slab):
+    """The baseline: the same bytes, as one contiguous ``[L, N, S, H, D]`` slab per pool, written
+    at page 1 with ``dynamic_update_slice`` (bf16 moved as raw bits, as the XLA path does)."""
+    def put(pool, slab):
+        bits = {2: jnp.uint16, 4: jnp.uint32}[pool.dtype.itemsize]
+        out = lax.dynamic_update_slice_in_dim(lax.bitcast_convert_type(pool, bits),
+                                              lax.bitcast_convert_type(slab, bits), 1, axis=1)
+        return lax.bitcast_convert_type(out, pool.dtype)
+    return put(k_pool, k_slab), put(v_pool, v_slab)
+
+
+def xla_scatter(k_pool, v_pool, k_new, v_new, page_ids, *, tokens_per_frame):
+    """XLA scatter over the page axis (the common alternative); no padding support needed here."""
+    layers, num_pages, block_size, kv_heads, head_dim = k_pool.shape
+    if tokens_per_frame % block_size:
+        k_new, v_new = (_pad_frames(x, block_size, tokens_per_frame) for x in (k_new, v_new))
+    ids = page_ids.reshape(-1)
+    ids = jnp.where((ids >= 1) & (ids < num_pages), ids,
+                    num_pages + jnp.arange(ids.shape[0], dtype=ids.dtype))
+    page_shape = (layers, ids.shape[0], block_size, kv_heads, head_dim)
+    return tuple(pool.at[:, ids].set(new.reshape(page_shape), unique_indices=True, mode="drop")
+                 for pool, new in ((k_pool, k_new), (v_pool, v_new)))
+
+
+def _pad_frames(x, block_size, tokens_per_frame):
+    layers, rows, tokens, kv_heads, head_dim = x.shape
+    pad = pages_per_frame(tokens_per_frame, block_size) * block_size - tokens_per_frame
+    x = x.reshape(layers, rows * tokens // tokens_per_frame, tokens_per_frame, kv_heads, head_dim)
+    return jnp.pad(x, ((0, 0), (0, 0), (0, pad), (0, 0), (0, 0)))
+
+
+def donated_runner(fn: Callable, pools: tuple, rest: tuple) -> Callable[[], Any]:
+    """A no-argument call of ``fn(*pools, *rest)`` jitted with the pools donated, threading the
+    returned pools into the next call (each call is in place, as in a real step)."""
+    step = jax.jit(fn, donate_argnums=(0, 1))
+    state = {"pools": tuple(jnp.copy(p) for p in pools)}
+
+    def call():
+        state["pools"] = step(*state["pools"], *rest)
+        return state["pools"]
+
+    return call
+
+
+def interleaved_seconds(runners: dict[str, Callable], reps: int, rounds: int) -> dict[str, float]:
+    """Median seconds per runner, measured in ``rounds`` alternating rounds of ``reps`` calls each
+    (so a noisy neighbour on a shared machine hits every runner alike); the medians of the rounds'
+    medians."""
+    samples: dict[str, list[float]] = {name: [] for name in runners}
+    for round_index in range(rounds):
+        for name, run in runners.items():
+            warmup = 5 if round_index == 0 else 1
+            samples[name].append(median_seconds(run, reps=reps, warmup=warmup))
+    return {name: float(np.median(times)) for name, times in samples.items()}
+
+
+def memory_figures(fn: Callable, args: tuple) -> dict[str, float]:
+    """Aliased and temp bytes of ``fn`` jitted with the pools donated, as fractions of the pools."""
+    analysis = jax.jit(fn, donate_argnums=(0, 1)).lower(*args).compile().memory_analysis()
+    pool_bytes = args[0].nbytes + args[1].nbytes
+    return {"aliased_pool_fraction": analysis.alias_size_in_bytes / pool_bytes,
+            "temp_bytes_fraction": analysis.temp_size_in_bytes / pool_bytes}
+
+
+# CPU cases: (name, layers, dtype, tokens_per_frame). Pages are Wan-1.3B-sized per layer (16
+# tokens x 12 KV heads x 128 head dim); the 4-layer case shows the XLA loop's per-page overhead.
+_CPU_CASES = (
+    ("bf16 30L T=16", 30, jnp.bfloat16, 16),
+    ("fp32 30L T=16", 30, jnp.float32, 16),
+    ("bf16 30L T=24 padded", 30, jnp.bfloat16, 24),
+    ("bf16 4L T=16", 4, jnp.bfloat16, 16),
+)
+
+
+def bench_cpu(quick: bool, reps: int, rounds: int) -> dict[str, Any]:
+    num_pages, rows = (48, 2) if quick else (192, 4)
+    table, figures = [], {}
+    for name, layers, dtype, tokens_per_frame in _CPU_CASES:
+        geometry = dict(layers=layers, num_pages=num_pages, block_size=16, kv_heads=12,
+                        head_dim=128, rows=rows, frames=3)
+        k_pool, v_pool, k_new, v_new, page_ids = make_inputs(
+            **geometry, tokens_per_frame=tokens_per_frame, dtype=dtype)
+        write = functools.partial(write_chunk, tokens_per_frame=tokens_per_frame, backend="xla")
+        nbytes = written_bytes(k_pool, page_ids)
+        slab = jnp.ones((layers, page_ids.size, *k_pool.shape[2:]), dtype)
+        seconds = interleaved_seconds({
+            "write": donated_runner(write, (k_pool, v_pool), (k_new, v_new, page_ids)),
+            "copy": donated_runner(contiguous_copy, (k_pool, v_pool), (slab, slab)),
+        }, reps, rounds)
+        t_write, t_copy = seconds["write"], seconds["copy"]
+        memory = memory_figures(write, (k_pool, v_pool, k_new, v_new, page_ids))
+        table.append([name, page_ids.size, nbytes / 2**20, 2 * k_pool.nbytes / 2**20,
+                      t_write * 1e3, t_copy * 1e3, nbytes / t_write / 1e9, nbytes / t_copy / 1e9,
+                      t_copy / t_write, memory["temp_bytes_fraction"],
+                      memory["aliased_pool_fraction"]])
+        key = name.replace(" ", "_").replace("=", "")
+        figures[key] = {"xla_vs_copy_ratio": t_copy / t_write,
+                        "xla_gbps": nbytes / t_write / 1e9, "copy_gbps": nbytes / t_copy / 1e9,
+                        **memory}
+    print_table(["case", "pages", "written MiB", "pools MiB", "xla ms", "copy ms", "xla GB/s",
+                 "copy GB/s", "xla/copy", "temp frac", "alias frac"], table)
+    main = figures["bf16_30L_T16"]
+    return {"xla_vs_copy_ratio": main["xla_vs_copy_ratio"],
+            "temp_bytes_fraction": main["temp_bytes_fraction"],
+            "aliased_pool_fraction": main["aliased_pool_fraction"],
+            "cases": figures,
+            "shape": {"num_pages": num_pages, "rows": rows, "frames": 3, "block_size": 16,
+                      "kv_heads": 12, "head_dim": 128}}
+
+
+# Wan-1.3B at 480x832: 30 layers, 12 KV heads of 128, 3 latent frames of 1,560 tokens per chunk.
+WAN_1_3B = dict(layers=30, kv_heads=12, head_dim=128, frames=3, tokens_per_frame=1560)
+
+
+def require_nvidia_gpu() -> None:
+    """Exits with a clear message unless JAX sees an NVIDIA GPU."""
+    if not any(d.platform == "gpu" and "nvidia" in d.device_kind.lower() for d in jax.devices()):
+        sys.exit(f"benchmarks/paged_write.py --gpu needs an NVIDIA GPU; this machine has "
+                 f"{[d.device_kind for d in jax.devices()]} (platform {jax.default_backend()}).")
+
+
+def bench_gpu(block_size: int, rows: int, reps: int, rounds: int) -> dict[str, Any]:
+    require_nvidia_gpu()
+    shape = dict(WAN_1_3B)
+    tokens_per_frame = shape.pop("tokens_per_frame")
+    ppf = pages_per_frame(tokens_per_frame, block_size)
+    num_pages = 8 * rows * shape["frames"] * ppf + 1  # Room for 8 chunks.
+    geometry = dict(**shape, num_pages=num_pages, block_size=block_size, rows=rows)
+    k_pool, v_pool, k_new, v_new, page_ids = make_inputs(
+        **geometry, tokens_per_frame=tokens_per_frame, dtype=jnp.bfloat16)
+    nbytes = written_bytes(k_pool, page_ids)
+    slab = jnp.ones((shape["layers"], page_ids.size, *k_pool.shape[2:]), jnp.bfloat16)
+    rest = (k_new, v_new, page_ids)
+    cases = {
+        "pallas_gpu": functools.partial(write_chunk, tokens_per_frame=tokens_per_frame,
+                                        backend="pallas_gpu"),
+        "xla_scatter": functools.partial(xla_scatter, tokens_per_frame=tokens_per_frame),
+        "xla_path": functools.partial(write_chunk, tokens_per_frame=tokens_per_frame,
+                                      backend="xla"),
+    }
+    runners = {name: donated_runner(fn, (k_pool, v_pool), rest) for name, fn in cases.items()}
+    runners["d2d_copy"] = donated_runner(contiguous_copy, (k_pool, v_pool), (slab, slab))
+    seconds = interleaved_seconds(runners, reps, rounds)
+    memory = memory_figures(cases["pallas_gpu"], (k_pool, v_pool, *rest))
+    print_table(["case", "ms", "GB/s written", "vs d2d copy"],
+                [[n, s * 1e3, nbytes / s / 1e9, seconds["d2d_copy"] / s]
+                 for n, s in seconds.items()])
+    return {
+        "pallas_gpu_gbps": nbytes / seconds["pallas_gpu"] / 1e9,
+        "pallas_gpu_vs_d2d_copy": seconds["d2d_copy"] / seconds["pallas_gpu"],
+        "pallas_gpu_vs_xla_scatter": seconds["xla_scatter"] / seconds["pallas_gpu"],
+        "pallas_gpu_vs_xla_path": seconds["xla_path"] / seconds["pallas_gpu"],
+        "seconds": seconds,
+        "written_bytes": nbytes,
+        **memory,
+        "shape": {**geometry, "tokens_per_frame": tokens_per_frame, "pages_per_frame": ppf,
+                  "dtype": "bfloat16"},
+    }
+
+
+def main(argv=None) -> None:
+    args = parse_args(__doc__.splitlines()[0], argv, extra=_extra_flags)
+    reps = args.reps or (10 if args.quick else 20)
+    rounds = 3 if args.quick else 5
+    if args.gpu:
+        figures = bench_gpu(args.block_size, args.rows, reps, rounds)
+    else:
+        figures = bench_cpu(args.quick, reps, rounds)
+    emit({"benchmark": "paged_write", "mode": "gpu" if args.gpu else "cpu", "reps": reps,
+          "rounds": rounds, **figures})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,214 @@
+"""Paged window attention vs dense attention over the same tokens held contiguously.
+
+CPU (default): the XLA paged path (``backend="xla"``: history gathered through the page table, dense
+float32-softmax attention) vs
+``jax.nn.dot_product_attention`` on the visible history + current chunk laid out contiguously, both
+jitted, timed in the same run (alternating runs, medians). The figure of merit is
+``xla_paged_vs_dense_ratio`` = paged time / dense time (goal <= 1.15).
+
+``--gpu`` (NVIDIA GPU only; refuses otherwise): the Pallas GPU kernel (``backend="pallas_gpu"``)
+vs ``jax.nn.dot_product_attention(..., implementation="cudnn")`` at the Wan-1.3B shape (12 heads,
+head_dim 128, chunk 3 frames x 1,560 tokens, 12 visible frames incl. 3 sink and the chunk, bf16):
+both times and TFLOP/s against a ~790 TFLOP/s dense bf16 peak.
+
+Shapes: frames of ``tokens_per_frame`` tokens on pages of ``--block-size`` slots (frame aligned, last
+page padded); ``sink`` + ``recent`` history frames are visible; queries = the current chunk.
+The closing line is JSON with the figures.
+
+Usage: ``python -m benchmarks.window_attention [--quick] [--gpu] [--reps N] [--block-size S]``
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.harness import emit, median_seconds, parse_args, print_table
+from pallas_kernels.window_attention import window_attention
+
+H200_PEAK_TFLOPS = 790.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """One benchmark shape (token counts in tokens, frames in frames)."""
+
+    name: str
+    heads: int
+    head_dim: int
+    tokens_per_frame: int
+    chunk_frames: int
+    sink_frames: int
+    recent_frames: int
+    dtype: str
+    rows: int = 1
+
+    @property
+    def history_frames(self) -> int:
+        return self.sink_frames + self.recent_frames
+
+    @property
+    def q_len(self) -> int:
+        return self.chunk_frames * self.tokens_per_frame
+
+    @property
+    def keys(self) -> int:
+        return (self.history_frames + self.chunk_frames) * self.tokens_per_frame
+
+    def flops(self) -> float:
+        """QK^T and PV matmuls: 4 * rows * heads * q_len * keys * head_dim."""
+        return 4.0 * self.rows * self.heads * self.q_len * self.keys * self.head_dim
+
+
+QUICK = Shape("quick", heads=4, head_dim=64, tokens_per_frame=390, chunk_frames=3, sink_frames=1,
+              recent_frames=2, dtype="float32")
+SMALL = Shape("small", heads=8, head_dim=64, tokens_per_frame=390, chunk_frames=3, sink_frames=3,
+              recent_frames=6, dtype="float32")
+WAN_1_3B = Shape("wan-1.3b", heads=12, head_dim=128, tokens_per_frame=1560, chunk_frames=3,
+                 sink_frames=3, recent_frames=6, dtype="bfloat16")
+
+
+def make_inputs(shape: Shape, block_size: int, seed: int = 0) -> dict:
+    """Paged and contiguous copies of the same tokens.
+
+    The pool holds one layer; the rows' history pages are a random permutation of pool pages, the
+    rest of the pool is free (zeros). Returns the paged arguments plus ``k_dense``/``v_dense``
+    ``[rows, keys, heads, head_dim]`` (history then current chunk).
+    """
+    rng = np.random.default_rng(seed)
+    dtype = jnp.dtype(shape.dtype)
+    rows, heads, dim, tpf = shape.rows, shape.heads, shape.head_dim, shape.tokens_per_frame
+    ppf = -(-tpf // block_size)
+    max_pages = shape.history_frames * ppf
+    num_pages = 1 + rows * max_pages + 8
+    hist = shape.history_frames * tpf
+
+    def normal(*dims):
+        return rng.standard_normal(dims, np.float32)
+
+    k_hist, v_hist = normal(rows, hist, heads, dim), normal(rows, hist, heads, dim)
+    k_pool = np.zeros((1, num_pages, block_size, heads, dim), np.float32)
+    v_pool = np.zeros_like(k_pool)
+    pages = (1 + rng.permutation(num_pages - 1)[:rows * max_pages]).reshape(rows, max_pages)
+    for row in range(rows):
+        for frame in range(shape.history_frames):
+            for p in range(ppf):
+                page = pages[row, frame * ppf + p]
+                lo = frame * tpf + p * block_size
+                n = min(block_size, (frame + 1) * tpf - lo)
+                k_pool[0, page, :n] = k_hist[row, lo:lo + n]
+                v_pool[0, page, :n] = v_hist[row, lo:lo + n]
+    k_cur, v_cur = normal(rows, shape.q_len, heads, dim), normal(rows, shape.q_len, heads, dim)
+
+    def put(x):
+        return jax.device_put(jnp.asarray(x, dtype))
+
+    return dict(
+        q=put(normal(rows, shape.q_len, heads, dim)), k_cur=put(k_cur), v_cur=put(v_cur),
+        k_pool=put(k_pool), v_pool=put(v_pool), pages=jnp.asarray(pages, jnp.int32),
+        lengths=jnp.full((rows,), hist, jnp.int32), tokens_per_frame=tpf,
+        k_dense=put(np.concatenate([k_hist, k_cur], axis=1)),
+        v_dense=put(np.concatenate([v_hist, v_cur], axis=1)),
+    )
+
+
+def paged_fn(inputs: dict, backend: str, **tiles):
+    """A jitted paged call (layer passed as a traced scalar, as in a scan over layers)."""
+    tpf = inputs["tokens_per_frame"]
+
+    @jax.jit
+    def run(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, layer):
+        return window_attention(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, layer=layer,
+                                tokens_per_frame=tpf, backend=backend, **tiles)
+
+    args = [inputs[k] for k in ("q", "k_cur", "v_cur", "k_pool", "v_pool", "pages", "lengths")]
+    return lambda: run(*args, jnp.int32(0))
+
+
+def dense_fn(inputs: dict, implementation: str | None = None):
+    run = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v,
+                                                               implementation=implementation))
+    return lambda: run(inputs["q"], inputs["k_dense"], inputs["v_dense"])
+
+
+def interleaved_medians(fns: dict, reps: int) -> dict:
+    """Median seconds per function over ``reps`` timed runs each, taken in alternation (one run of
+    each function in turn, after one warm-up run each), so drifting load on a shared machine hits
+    every contender alike."""
+    for fn in fns.values():
+        median_seconds(fn, reps=1, warmup=1)
+    samples = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            samples[name].append(median_seconds(fn, reps=1, warmup=0))
+    return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def max_abs_diff(a, b) -> float:
+    return float(jnp.max(jnp.abs(a().astype(jnp.float32) - b().astype(jnp.float32))))
+
+
+def cpu_benchmark(args) -> dict:
+    shape = QUICK if args.quick else SMALL
+    reps = args.reps or 15
+    inputs = make_inputs(shape, args.block_size)
+    fns = {"xla_paged": paged_fn(inputs, "xla"), "dense": dense_fn(inputs)}
+    diff = max_abs_diff(fns["xla_paged"], fns["dense"])
+    times = interleaved_medians(fns, reps)
+    ratio = times["xla_paged"] / times["dense"]
+    print(f"shape {shape}, block_size {args.block_size}, {reps} alternating reps")
+    print_table(["path", "median ms", "GFLOP/s"],
+                [[name, t * 1e3, shape.flops() / t / 1e9] for name, t in times.items()])
+    print(f"xla_paged_vs_dense_ratio {ratio:.3f} (goal <= 1.15); max |paged - dense| {diff:.2e}")
+    return {"mode": "cpu", "shape": dataclasses.asdict(shape), "block_size": args.block_size,
+            "reps": reps, "xla_paged_ms": times["xla_paged"] * 1e3,
+            "dense_ms": times["dense"] * 1e3, "xla_paged_vs_dense_ratio": ratio,
+            "max_abs_diff": diff}
+
+
+def gpu_benchmark(args) -> dict:
+    if not any(d.platform == "gpu" for d in jax.devices()):
+        sys.exit(f"--gpu needs an NVIDIA GPU visible to JAX; found {jax.devices()[0].platform!r} "
+                 "devices only. Run without --gpu for the CPU benchmark.")
+    shape = WAN_1_3B
+    reps = args.reps or 30
+    inputs = make_inputs(shape, args.block_size)
+    tiles = dict(block_q=args.block_q, block_k=args.block_k)
+    fns = {"pallas_gpu": paged_fn(inputs, "pallas_gpu", **tiles),
+           "cudnn_dense": dense_fn(inputs, implementation="cudnn")}
+    diff = max_abs_diff(fns["pallas_gpu"], fns["cudnn_dense"])
+    times = interleaved_medians(fns, reps)
+    tflops = {name: shape.flops() / t / 1e12 for name, t in times.items()}
+    print(f"shape {shape}, block_size {args.block_size}, tiles {tiles}, {reps} alternating reps")
+    print_table(["path", "median ms", "TFLOP/s", "of peak"],
+                [[n, times[n] * 1e3, tflops[n], tflops[n] / H200_PEAK_TFLOPS] for n in times])
+    print(f"pallas_gpu / cudnn time ratio {times['pallas_gpu'] / times['cudnn_dense']:.3f}; "
+          f"max |paged - dense| {diff:.2e}")
+    return {"mode": "gpu", "shape": dataclasses.asdict(shape), "block_size": args.block_size,
+            "tiles": tiles, "reps": reps, "pallas_gpu_ms": times["pallas_gpu"] * 1e3,
+            "cudnn_ms": times["cudnn_dense"] * 1e3, "pallas_gpu_tflops": tflops["pallas_gpu"],
+            "cudnn_tflops": tflops["cudnn_dense"], "peak_tflops": H200_PEAK_TFLOPS,
+            "pallas_gpu_vs_cudnn_ratio": times["pallas_gpu"] / times["cudnn_dense"],
+            "max_abs_diff": diff}
+
+
+def _extra_flags(parser) -> None:
+    parser.add_argument("--gpu", action="store_true",
+                        help="Pallas GPU kernel vs cuDNN at the Wan-1.3B shape (NVIDIA GPU only)")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per page")
+    parser.add_argument("--block-q", type=int, default=None, help="GPU query tile")
+    parser.add_argument("--block-k", type=int, default=None, help="GPU key tile")
+
+
+def main(argv=None) -> None:
+    args = parse_args(__doc__.splitlines()[0], argv, extra=_extra_flags)
+    emit(gpu_benchmark(args) if args.gpu else cpu_benchmark(args))
+
+
+if __name__ == "__main__":
+    main()

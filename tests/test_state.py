@@ -1,0 +1,292 @@
+"""The jitted block-table state against the pure-Python reference model of the seed."""
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from arkv_jax import state as core
+from arkv_jax.compat.vllm_omni import seed_block_table
+from arkv_jax.config import CacheGeometry, WindowPolicy
+from tests.reference_model import RefCache
+
+NUM_ROWS = 3
+MAX_FRAMES_IN_FLIGHT = 3
+# (tokens_per_frame, block_size, sink, window, reset, spare pages): a fixed menu, so that jitted
+# steps compile once per configuration instead of once per example. It covers sink 0-3, window 1-8,
+# both modes, a frame per page and frames of 2 and 3 pages with padding, and tight and loose pools.
+CONFIGS = [
+    (4, 4, 0, 1, False, 0), (4, 4, 1, 2, False, 3), (4, 4, 3, 8, False, 0), (4, 4, 2, 3, True, 5),
+    (5, 3, 1, 2, False, 0), (5, 3, 0, 4, True, 2), (8, 3, 2, 1, False, 4), (8, 3, 3, 5, False, 30),
+]
+
+# One jitted function per operation; shapes stay fixed inside a machine run (rows padded to 3).
+begin = jax.jit(core.begin)
+allocate = jax.jit(core.allocate)
+commit = jax.jit(core.commit)
+end = jax.jit(core.end)
+visible = jax.jit(core.visible_window)
+resident = jax.jit(core.resident_blocks)
+free_queue = jax.jit(core.free_queue)
+slots = jax.jit(core.slot_mapping, static_argnums=2)
+write_pages = jax.jit(core.write_pages, static_argnums=2)
+
+
+def padded(rows):
+    return jnp.asarray(list(rows) + [-1] * (NUM_ROWS - len(rows)), jnp.int32)
+
+
+def per_row(values):
+    return jnp.asarray(list(values) + [0] * (NUM_ROWS - len(values)), jnp.int32)
+
+
+class StateMachine(RuleBasedStateMachine):
+    """Random interleavings of begin / allocate / commit / end over several rows, batched calls
+    included, checked after every step against the reference model."""
+
+    @initialize(config=st.sampled_from(CONFIGS))
+    def setup(self, config):
+        tokens, block, sink, window, reset, spare_blocks = config
+        self.geometry = CacheGeometry(1, 1, 1, "float32", tokens, block_size=block)
+        ppf = self.geometry.pages_per_frame
+        num_blocks = 2 + ppf * (sink + window + MAX_FRAMES_IN_FLIGHT) + spare_blocks
+        self.layout = core.StateLayout.from_config(
+            self.geometry, WindowPolicy(window, sink, reset), num_blocks,
+            table_width=(sink + window + MAX_FRAMES_IN_FLIGHT + 2) * ppf)
+        self.state = core.init_state(self.layout, NUM_ROWS)
+        self.ref = RefCache(num_blocks=num_blocks, tokens_per_frame=tokens, block_size=block,
+                            sink_frames=sink, window_frames=window, reset_at_boundary=reset)
+
+    @rule(rows=st.lists(st.integers(0, NUM_ROWS - 1), min_size=1, max_size=NUM_ROWS, unique=True),
+          prefill_frames=st.integers(0, 2))
+    def begin_rows(self, rows, prefill_frames):
+        prefill = prefill_frames * self.geometry.tokens_per_frame
+        self.state, ok = begin(self.state, padded(rows), prefill)
+        for row, row_ok in zip(rows, np.asarray(ok)):
+            assert row_ok == (row not in self.ref.rows)
+            if row_ok:
+                self.ref.begin(row, prefill)
+
+    @rule(rows=st.lists(st.integers(0, NUM_ROWS - 1), min_size=1, max_size=NUM_ROWS, unique=True),
+          data=st.data())
+    def allocate_rows(self, rows, data):
+        self.check_allocate(
+            rows, [data.draw(st.integers(1, MAX_FRAMES_IN_FLIGHT * self.geometry.tokens_per_frame)) for _ in rows])
+
+    def check_allocate(self, rows, tokens):
+        self.state, ok = allocate(self.state, padded(rows), per_row(tokens))
+        for row, n, row_ok in zip(rows, tokens, np.asarray(ok)):
+            expected = row in self.ref.rows and self.ref.allocate(row, n)
+            assert row_ok == expected, (row, n)
+            if row_ok:
+                got = np.asarray(slots(self.state, jnp.asarray([row]), n))[0].tolist()
+                assert got == self.ref.slots(row, n)
+
+    @rule(rows=st.lists(st.integers(0, NUM_ROWS - 1), min_size=1, max_size=NUM_ROWS, unique=True),
+          data=st.data())
+    def commit_rows(self, rows, data):
+        self.check_commit(rows, [data.draw(st.integers(0, MAX_FRAMES_IN_FLIGHT)) for _ in rows])
+
+    def check_commit(self, rows, chunks):
+        expected_pages = {}
+        for row, m in zip(rows, chunks):
+            if row in self.ref.rows:
+                pages = np.asarray(write_pages(self.state, jnp.asarray([row]), MAX_FRAMES_IN_FLIGHT))[0]
+                expected_pages[row] = pages[: m * self.layout.pages_per_frame]
+        self.state, ok = commit(self.state, padded(rows), per_row(chunks))
+        for row, m, row_ok in zip(rows, chunks, np.asarray(ok)):
+            if row not in self.ref.rows:
+                assert not row_ok
+                continue
+            ref_row = self.ref.rows[row]
+            allocated = len(ref_row.table) >= self.ref.pages_for(self.ref.computed(ref_row) + m * self.ref.tpf)
+            assert row_ok == allocated
+            if row_ok:
+                # The pages a commit forward writes are the ones the reference holds for those frames.
+                first = self.ref.pages_for(self.ref.computed(ref_row))
+                assert expected_pages[row].tolist() == ref_row.table[first:first + len(expected_pages[row])]
+                self.ref.commit(row, m)
+
+    @rule(rows=st.lists(st.integers(0, NUM_ROWS - 1), min_size=1, max_size=NUM_ROWS, unique=True),
+          frames=st.integers(1, MAX_FRAMES_IN_FLIGHT), repeat=st.integers(1, 6))
+    def rollout_rows(self, rows, frames, repeat):
+        """Whole chunks (allocate, then commit every frame), several times: long enough to evict."""
+        tokens = frames * self.geometry.tokens_per_frame
+        for _ in range(repeat):
+            self.check_allocate(rows, [tokens] * len(rows))
+            self.check_commit(rows, [frames] * len(rows))
+
+    @rule(rows=st.lists(st.integers(0, NUM_ROWS - 1), min_size=1, max_size=NUM_ROWS, unique=True))
+    def end_rows(self, rows):
+        self.state, ok = end(self.state, padded(rows))
+        for row, row_ok in zip(rows, np.asarray(ok)):
+            assert row_ok == (row in self.ref.rows)
+            if row_ok:
+                self.ref.end(row)
+
+    @precondition(lambda self: hasattr(self, "ref"))
+    @invariant()
+    def matches_reference(self):
+        state, ref = self.state, self.ref
+        assert int(state.free_count) == len(ref.free)
+        assert np.asarray(free_queue(state))[: len(ref.free)].tolist() == list(ref.free)
+        pages, counts = resident(state, jnp.arange(NUM_ROWS))
+        for row in range(NUM_ROWS):
+            assert bool(state.active[row]) == (row in ref.rows)
+            if row not in ref.rows:
+                continue
+            assert seed_block_table(state, row) == ref.table(row)
+            assert np.asarray(pages[row, : int(counts[row])]).tolist() == ref.resident(row)
+            for current in (1, 2):
+                window = visible(state, jnp.asarray([row]), current)
+                ref_pages, ref_length = ref.visible(row, current)
+                assert int(window.lengths[0]) == ref_length
+                assert np.asarray(window.pages[0]).tolist() == ref_pages + [0] * (window.pages.shape[1] - len(ref_pages))
+
+    @precondition(lambda self: hasattr(self, "ref"))
+    @invariant()
+    def no_page_is_lost_or_shared(self):
+        held = [b for row in self.ref.rows for b in self.ref.resident(row)]
+        free = np.asarray(free_queue(self.state))[: int(self.state.free_count)].tolist()
+        assert 0 not in held and 0 not in free
+        assert len(set(held)) == len(held)
+        assert sorted(held + free) == list(range(1, self.layout.num_blocks))
+
+
+TestStateMachine = StateMachine.TestCase
+TestStateMachine.settings = settings(max_examples=80, stateful_step_count=25, deadline=None)
+
+
+def tiny_layout(sink=1, window=2, tokens=4, block=4, blocks=32, reset=False):
+    geometry = CacheGeometry(1, 1, 1, "float32", tokens, block_size=block, frames_per_forward=2)
+    return core.StateLayout.from_config(geometry, WindowPolicy(window, sink, reset), blocks)
+
+
+class ChexVariants(chex.TestCase):
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_rollout_steps_agree_with_and_without_jit(self):
+        layout = tiny_layout()
+        step = self.variant(functools.partial(_chunk_step, frames=2))
+        state = core.init_state(layout, 4)
+        state, _ = core.begin(state, jnp.arange(4))
+        for _ in range(6):
+            state, ok = step(state, jnp.arange(4))
+            assert bool(jnp.all(ok))
+        # sink 1 + window 2 frames resident per row after every commit.
+        assert np.asarray(state.num_pages).tolist() == [3, 3, 3, 3]
+        assert int(state.free_count) == 31 - 12
+
+
+def _chunk_step(state, rows, frames):
+    """The per-chunk bookkeeping of a rollout: visible window, allocate, write pages, commit."""
+    window = core.visible_window(state, rows, frames)
+    state, ok_alloc = core.allocate(state, rows, frames * state.layout.tokens_per_frame)
+    pages = core.write_pages(state, rows, frames)
+    state, ok_commit = core.commit(state, rows, frames)
+    return state, ok_alloc & ok_commit & (window.lengths >= 0) & jnp.all(pages > 0, axis=1)
+
+
+def test_one_compilation_across_a_thousand_chunks():
+    layout = tiny_layout(sink=2, window=3, tokens=6, block=4)
+
+    @jax.jit
+    @chex.assert_max_traces(n=1)
+    def step(state, rows):
+        return _chunk_step(state, rows, 2)
+
+    state = core.init_state(layout, 2)
+    state, _ = core.begin(state, jnp.arange(2))
+    for _ in range(1000):
+        state, ok = step(state, jnp.arange(2))
+    assert bool(jnp.all(ok))
+    assert np.asarray(state.committed_frames).tolist() == [2000, 2000]
+    # Constant memory: the sink and the window, nothing more.
+    assert np.asarray(state.num_pages).tolist() == [5 * 2, 5 * 2]
+
+
+def test_failed_allocation_leaves_the_row_untouched_and_serves_later_rows():
+    layout = tiny_layout(sink=0, window=8, blocks=6)  # 5 free pages
+    state = core.init_state(layout, 3)
+    state, _ = core.begin(state, jnp.arange(3))
+    state, ok = core.allocate(state, jnp.array([0, 1, 2]), jnp.array([8, 16, 8]))
+    assert np.asarray(ok).tolist() == [True, False, True]
+    assert np.asarray(state.num_pages).tolist() == [2, 0, 2]
+    assert np.asarray(state.tables[:, :2]).tolist() == [[1, 2], [0, 0], [3, 4]]
+    assert int(state.free_count) == 1
+
+
+def test_refused_calls_change_nothing():
+    layout = tiny_layout()
+    state = core.init_state(layout, 2)
+    state, _ = core.begin(state, jnp.array([0]))
+    state, _ = core.allocate(state, jnp.array([0]), 8)
+    before = jax.tree.map(np.asarray, state)
+    for new_state, ok in (
+        core.begin(state, jnp.array([0])),                   # already active
+        core.allocate(state, jnp.array([1]), 4),             # inactive row
+        core.allocate(state, jnp.array([0]), 0),             # no tokens
+        core.allocate(state, jnp.array([0]), 4 * 100),       # wider than the table
+        core.commit(state, jnp.array([0]), 3),               # frames without pages
+        core.commit(state, jnp.array([0]), -1),
+        core.end(state, jnp.array([1])),
+        core.allocate(state, jnp.array([-1]), 4),            # padding
+    ):
+        assert not bool(ok[0])
+        chex.assert_trees_all_equal(jax.tree.map(np.asarray, new_state), before)
+
+
+def test_long_prefill_is_evicted_at_the_first_commit_in_one_catch_up():
+    """A prefill longer than the window: the seed frees every out-of-window frame at the first
+    commit, highest index first."""
+    layout = tiny_layout(sink=1, window=1, tokens=4, block=4, blocks=16)
+    ref = RefCache(num_blocks=16, tokens_per_frame=4, block_size=4, sink_frames=1, window_frames=1)
+    state = core.init_state(layout, 1)
+    state, _ = core.begin(state, jnp.array([0]), 16)
+    ref.begin(0, 16)
+    for _ in range(3):
+        state, ok = core.allocate(state, jnp.array([0]), 4)
+        assert bool(ok[0]) and ref.allocate(0, 4)
+        state, ok = core.commit(state, jnp.array([0]), 1)
+        ref.commit(0, 1)
+        assert seed_block_table(state, 0) == ref.table(0)
+        assert np.asarray(free_queue(state))[: len(ref.free)].tolist() == list(ref.free)
+
+
+def test_visible_window_positions_and_lengths():
+    layout = tiny_layout(sink=1, window=3, tokens=4, block=4)
+    state = core.init_state(layout, 1)
+    state, _ = core.begin(state, jnp.array([0]))
+    for _ in range(5):
+        state, _ = core.allocate(state, jnp.array([0]), 4)
+        state, _ = core.commit(state, jnp.array([0]), 1)
+    # Committed frames 0..4; resident: sink 0 + window 2, 3, 4. A 2-frame forward sees 0 and 4.
+    window = core.visible_window(state, jnp.array([0]), 2)
+    assert np.asarray(window.frame_ids[0]).tolist() == [0, 4, -1, -1]
+    assert int(window.lengths[0]) == 8
+    assert np.asarray(window.pages[0, :2]).tolist() == [1, 5]
+
+
+def test_resize_keeps_rows_and_refuses_to_shrink():
+    layout = tiny_layout()
+    state = core.init_state(layout, 2)
+    state, _ = core.begin(state, jnp.array([1]))
+    state, _ = core.allocate(state, jnp.array([1]), 8)
+    grown = core.resize(state, num_rows=4, table_width=layout.table_width + 3)
+    assert grown.tables.shape == (4, layout.table_width + 3)
+    assert seed_block_table(grown, 1) == seed_block_table(state, 1)
+    with pytest.raises(ValueError, match="cannot shrink"):
+        core.resize(state, num_rows=1)
+
+
+def test_layout_validation():
+    geometry = CacheGeometry(1, 1, 1, "float32", 4)
+    with pytest.raises(ValueError, match="num_blocks must be at least 2"):
+        core.StateLayout.from_config(geometry, WindowPolicy(1), 1)
+    with pytest.raises(ValueError, match="num_rows must be positive, got 0"):
+        core.init_state(core.StateLayout.from_config(geometry, WindowPolicy(1), 4), 0)

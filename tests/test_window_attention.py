@@ -1,0 +1,333 @@
+"""Tests of the paged window-attention kernel against its pure-jnp reference (CPU).
+
+Every backend runs here on CPU: ``xla`` natively, the Pallas kernels in interpret mode
+(``pallas_tpu_interpret``, ``pallas_gpu_interpret``) and, on the smallest shapes only, under the TPU
+simulator (``pallas_tpu_simulate``: races detected, out-of-bounds reads raise, uninitialised memory
+is NaN). Free, foreign and evicted pages, frame padding, slots past a row's length and the unused
+pool layer hold NaN wherever a test says ``poison``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.window_attention import (
+    WindowGeometry,
+    history_capacity,
+    history_slot_valid,
+    visible_page_count,
+    window_attention,
+    window_attention_reference,
+)
+
+FAST_BACKENDS = ("xla", "pallas_tpu_interpret", "pallas_gpu_interpret")
+TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 3e-2, jnp.float16: 4e-3}
+
+LAYERS, NUM_PAGES, BLOCK, KV_HEADS, HEAD_DIM = 2, 40, 16, 2, 16
+
+
+@dataclasses.dataclass(frozen=True)
+class Window:
+    """A window policy: ``sink`` frames kept forever plus the ``recent`` newest frames."""
+
+    sink: int = 1
+    recent: int = 2
+    tokens_per_frame: int = BLOCK
+
+    @property
+    def pages_per_frame(self) -> int:
+        return -(-self.tokens_per_frame // BLOCK)
+
+    @property
+    def max_pages(self) -> int:
+        return (self.sink + self.recent) * self.pages_per_frame
+
+    def visible_frames(self, committed: int) -> list[int]:
+        sink = list(range(min(committed, self.sink)))
+        return sink + list(range(max(self.sink, committed - self.recent), committed))
+
+
+def page_tables(window: Window, committed: list[int], rng) -> tuple[np.ndarray, list[list[int]]]:
+    """Each row's page list (visible frames, frame after frame, 0-padded) and every page it owns.
+
+    Pages are drawn from a permutation of ``1..NUM_PAGES-1``, so rows own disjoint, scattered pages.
+    """
+    free = list(rng.permutation(np.arange(1, NUM_PAGES)))
+    tables = np.zeros((len(committed), window.max_pages), np.int32)
+    owned = []
+    for row, frames in enumerate(committed):
+        frame_pages = [[free.pop() for _ in range(window.pages_per_frame)] for _ in range(frames)]
+        visible = [p for f in window.visible_frames(frames) for p in frame_pages[f]]
+        tables[row, :len(visible)] = visible
+        owned.append([p for pages in frame_pages for p in pages])
+    return tables, owned
+
+
+def make_case(*, committed=(0, 2, 6), window=Window(), extra=0, cur_frames=1, num_q_heads=8,
+              dtype=jnp.float32, layer=1, lengths=None, seed=0):
+    """Random inputs for ``len(committed)`` rows with ``committed[r]`` frames committed so far."""
+    rng = np.random.default_rng(seed)
+    rows, tpf = len(committed), window.tokens_per_frame
+    tables, owned = page_tables(window, list(committed), rng)
+    if lengths is None:
+        lengths = [len(window.visible_frames(n)) * tpf for n in committed]
+    cur_len = cur_frames * tpf
+
+    def normal(*shape):
+        return jnp.asarray(rng.normal(size=shape), dtype)
+
+    pool_shape = (LAYERS, NUM_PAGES, BLOCK, KV_HEADS, HEAD_DIM)
+    case = dict(
+        q=normal(rows, cur_len + extra, num_q_heads, HEAD_DIM),
+        k_cur=normal(rows, cur_len, KV_HEADS, HEAD_DIM),
+        v_cur=normal(rows, cur_len, KV_HEADS, HEAD_DIM),
+        k_pool=normal(*pool_shape).at[:, 0].set(0),
+        v_pool=normal(*pool_shape).at[:, 0].set(0),
+        pages=jnp.asarray(tables),
+        lengths=jnp.asarray(lengths, jnp.int32),
+        layer=layer,
+        tokens_per_frame=tpf,
+        extra_k=normal(rows, extra, KV_HEADS, HEAD_DIM) if extra else None,
+        extra_v=normal(rows, extra, KV_HEADS, HEAD_DIM) if extra else None,
+    )
+    return case, owned
+
+
+def poisoned(case: dict, owned: list[list[int]]) -> dict:
+    """The same case with NaN in every pool slot the rows must not read.
+
+    NaN goes to: the other layer, pages no row shows (free, evicted, foreign), frame padding and
+    slots past each row's length. Page-list entries past a row's last visible page point at pages it
+    owns but must not read (stale entries). Valid slots and the null page keep their values.
+    """
+    tables, lengths = np.asarray(case["pages"]), jnp.asarray(case["lengths"])
+    rows, max_pages = tables.shape
+    geom = WindowGeometry(rows, 1, 1, 1, HEAD_DIM, 1, 0, LAYERS, NUM_PAGES, BLOCK, max_pages,
+                          case["tokens_per_frame"])
+    slots = jnp.arange(max_pages * BLOCK)
+    valid = np.asarray(history_slot_valid(slots[None, :], lengths[:, None], geom))
+    readable = np.zeros((LAYERS, NUM_PAGES, BLOCK), bool)
+    readable[:, 0] = True
+    for row in range(rows):
+        ok = np.flatnonzero(valid[row])
+        readable[case["layer"], tables[row, ok // BLOCK], ok % BLOCK] = True
+    stale = tables.copy()
+    for row, used in enumerate(np.asarray(visible_page_count(lengths, geom))):
+        unread = [p for p in owned[row] if p not in tables[row, :used]] or [0]
+        stale[row, used:] = np.resize(unread, max_pages - used)
+    mask = jnp.asarray(readable)[..., None, None]
+    return dict(case, k_pool=jnp.where(mask, case["k_pool"], jnp.nan),
+                v_pool=jnp.where(mask, case["v_pool"], jnp.nan), pages=jnp.asarray(stale))
+
+
+def check(case: dict, backend: str, *, expected=None, **kwargs):
+    """Runs ``backend`` on ``case``; compares with the reference (on ``expected``'s inputs)."""
+    out = window_attention(**case, backend=backend, **kwargs)
+    want = window_attention_reference(**(expected or case))
+    dtype = case["q"].dtype
+    assert out.dtype == dtype and out.shape == case["q"].shape
+    assert bool(jnp.all(jnp.isfinite(out))), "NaN/inf reached the output"
+    tol = TOLERANCE[jnp.dtype(dtype).type]
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want, np.float32),
+                               atol=tol, rtol=tol)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# Correctness against the reference
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", FAST_BACKENDS)
+def test_window_fill_levels(backend):
+    """No history, sink only, partial, full, sink + window after eviction; rows at different fills.
+
+    One geometry (GQA 8 query heads on 2 KV heads, tokens_per_frame == block_size): every call
+    after the first reuses the compilation.
+    """
+    for committed in [(0, 0, 0), (1, 0, 2), (3, 2, 1), (6, 9, 4)]:
+        case, _ = make_case(committed=committed)
+        check(case, backend)
+
+
+@pytest.mark.parametrize("backend", FAST_BACKENDS)
+def test_lengths_not_page_multiples(backend):
+    case, owned = make_case(committed=(3, 3, 1), lengths=[5, 37, 16])
+    check(poisoned(case, owned), backend, expected=case)
+
+
+@pytest.mark.parametrize("backend", FAST_BACKENDS)
+def test_extra_tokens_frame_padding_and_poison(backend):
+    """3 extra tokens, 24-token frames on 16-slot pages (8 padding slots per frame), NaN wherever a
+    row must not look (other layer, free/evicted/foreign pages, padding, stale page-list entries)."""
+    case, owned = make_case(committed=(0, 2, 5), window=Window(tokens_per_frame=24), extra=3)
+    check(poisoned(case, owned), backend, expected=case)
+
+
+@pytest.mark.parametrize("backend", FAST_BACKENDS)
+def test_multi_head_attention_layer0(backend):
+    """MHA (query heads == KV heads), layer 0 of the stacked pool, two-frame current chunk."""
+    case, owned = make_case(committed=(4, 1), num_q_heads=KV_HEADS, layer=0, cur_frames=2)
+    check(poisoned(case, owned), backend, expected=case)
+
+
+@pytest.mark.parametrize("backend", FAST_BACKENDS)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_half_precision(backend, dtype):
+    case, owned = make_case(committed=(0, 3, 6), extra=3, dtype=dtype)
+    check(poisoned(case, owned), backend, expected=case)
+
+
+@pytest.mark.parametrize("backend,tiles", [("pallas_tpu_interpret", dict(block_q=8, block_k=8)),
+                                           ("pallas_gpu_interpret", dict(block_q=16, block_k=16))])
+def test_small_tiles(backend, tiles):
+    """Several query blocks, history key blocks and tail blocks per row."""
+    case, owned = make_case(committed=(2, 6), window=Window(tokens_per_frame=24), extra=3)
+    check(poisoned(case, owned), backend, expected=case, **tiles)
+
+
+def test_tpu_simulator():
+    """The TPU kernel under the simulator: DMAs emulated, OOB reads raise, races detected,
+    uninitialised VMEM is NaN; GQA, extra tokens, frame padding, poison, rows at different fills."""
+    case, owned = make_case(committed=(0, 1, 4), window=Window(sink=1, recent=1, tokens_per_frame=24),
+                            extra=3)
+    check(poisoned(case, owned), "pallas_tpu_simulate", expected=case)
+
+
+def test_auto_is_xla_on_cpu():
+    case, _ = make_case(committed=(2,))
+    np.testing.assert_array_equal(window_attention(**case, backend="auto"),
+                                  window_attention(**case, backend="xla"))
+
+
+def test_scale_argument():
+    case, _ = make_case(committed=(3, 1))
+    out = window_attention(**case, scale=0.3, backend="xla")
+    np.testing.assert_allclose(out, window_attention_reference(**case, scale=0.3), atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------
+# Static shapes: one compilation while the window fills
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", FAST_BACKENDS)
+def test_one_trace_while_window_fills(backend):
+    """Lengths, pages and the layer change values only: a jitted step traces once."""
+    chex.clear_trace_counter()
+
+    @jax.jit
+    @chex.assert_max_traces(n=1)
+    def step(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, layer):
+        return window_attention(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, layer=layer,
+                                tokens_per_frame=24, backend=backend)
+
+    window = Window(tokens_per_frame=24)
+    for frames in range(6):
+        case, _ = make_case(committed=(frames, max(frames - 2, 0)), window=window,
+                            layer=frames % LAYERS, seed=frames)
+        args = [case[k] for k in ("q", "k_cur", "v_cur", "k_pool", "v_pool", "pages", "lengths")]
+        out = step(*args, jnp.int32(case["layer"]))
+        np.testing.assert_allclose(out, window_attention_reference(**case), atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------
+# Lowering for the real targets (no device needed; nothing is compiled or run)
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("platform,backend,call", [("tpu", "pallas_tpu", "tpu_custom_call"),
+                                                   ("cuda", "pallas_gpu", "triton")])
+def test_lowers_for_device(platform, backend, call):
+    """The kernels lower to a Mosaic TPU / Triton custom call (Pallas' own lowering rules: block
+    shapes, supported primitives); the device compiler itself is not run here."""
+    sds = jax.ShapeDtypeStruct
+    rows, q_len, cur_len, max_pages, head_dim = 2, 48, 48, 6, 128
+    kv = (rows, cur_len, KV_HEADS, head_dim)
+    pool = (LAYERS, NUM_PAGES, BLOCK, KV_HEADS, head_dim)
+    args = (sds((rows, q_len, 8, head_dim), jnp.bfloat16), sds(kv, jnp.bfloat16),
+            sds(kv, jnp.bfloat16), sds(pool, jnp.bfloat16), sds(pool, jnp.bfloat16),
+            sds((rows, max_pages), jnp.int32), sds((rows,), jnp.int32), sds((), jnp.int32))
+
+    def fn(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, layer):
+        return window_attention(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, layer=layer,
+                                tokens_per_frame=24, backend=backend)
+
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+    assert call in text
+
+
+# ------------------------------------------------------------------------------------------------
+# Host-side validation
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda c: dict(q=c["q"][0]), r"q must have rank 4"),
+    (lambda c: dict(q=c["q"][..., :8]), r"k_cur.shape=.* does not match"),
+    (lambda c: dict(q=c["q"][:, :, :3]), r"num_q_heads=3 .* multiple of kv_heads=2"),
+    (lambda c: dict(v_cur=c["v_cur"][:, :3]), r"v_cur.shape must equal k_cur.shape"),
+    (lambda c: dict(k_pool=c["k_pool"][..., :1, :], v_pool=c["v_pool"][..., :1, :]),
+     r"k_pool.shape=.* does not match"),
+    (lambda c: dict(v_pool=c["v_pool"][:1]), r"v_pool.shape must equal k_pool.shape"),
+    (lambda c: dict(pages=c["pages"][:1]), r"pages.shape=.* does not match"),
+    (lambda c: dict(lengths=c["lengths"][:, None]), r"lengths must have rank 1"),
+    (lambda c: dict(k_cur=c["k_cur"].astype(jnp.bfloat16)), r"k_cur.dtype must equal q.dtype"),
+    (lambda c: dict(q=c["q"].astype(jnp.int32)), r"q.dtype must be one of"),
+    (lambda c: dict(pages=c["pages"].astype(jnp.float32)), r"pages must be an integer array"),
+    (lambda c: dict(pages=c["pages"].at[1, 2].set(NUM_PAGES)),
+     rf"pages\[1, 2\]={NUM_PAGES} is not a page id; allowed \[0, {NUM_PAGES}\)"),
+    (lambda c: dict(pages=c["pages"].at[0, 0].set(-1)), r"pages\[0, 0\]=-1 .* allowed \[0, 40\)"),
+    (lambda c: dict(lengths=c["lengths"].at[1].set(49)), r"lengths\[1\]=49 .* allowed \[0, 48\]"),
+    (lambda c: dict(lengths=c["lengths"].at[0].set(-2)), r"lengths\[0\]=-2 .* allowed \[0, 48\]"),
+    (lambda c: dict(layer=LAYERS), r"layer=2 is out of range; allowed \[0, 2\)"),
+    (lambda c: dict(layer=jnp.zeros((1,), jnp.int32)), r"layer must be an int scalar"),
+    (lambda c: dict(tokens_per_frame=0), r"tokens_per_frame must be an int >= 1"),
+    (lambda c: dict(extra_k=c["k_cur"][:, :3]), r"extra_k and extra_v must be given together"),
+    (lambda c: dict(extra_k=c["k_cur"][:, :3], extra_v=c["v_cur"][:, :2]),
+     r"extra_v.shape must equal extra_k.shape"),
+    (lambda c: dict(k_cur=c["k_cur"][:, :0], v_cur=c["v_cur"][:, :0]), r"must all be >= 1"),
+])
+def test_validation_errors(change, message):
+    case, _ = make_case(committed=(3, 1))
+    with pytest.raises(ValueError, match=message):
+        window_attention(**dict(case, **change(case)), backend="xla")
+
+
+def test_validation_of_backend_options():
+    case, _ = make_case(committed=(1,))
+    with pytest.raises(ValueError, match=r"scale must be a positive finite number"):
+        window_attention(**case, backend="xla", scale=-0.5)
+    with pytest.raises(ValueError, match=r"backend must be one of"):
+        window_attention(**case, backend="cuda")
+    with pytest.raises(ValueError, match=r"block_k=24 must be a power of two >= 16"):
+        window_attention(**case, backend="pallas_gpu_interpret", block_k=24)
+    with pytest.raises(ValueError, match=r"block_q=12 must be a positive multiple of 8"):
+        window_attention(**case, backend="pallas_tpu_interpret", block_q=12)
+    odd = dict(case, q=case["q"][..., :12], k_cur=case["k_cur"][..., :12],
+                   v_cur=case["v_cur"][..., :12], k_pool=case["k_pool"][..., :12],
+                   v_pool=case["v_pool"][..., :12])
+    with pytest.raises(ValueError, match=r"head_dim=12 is not supported by the GPU kernel"):
+        window_attention(**odd, backend="pallas_gpu_interpret")
+
+
+def test_values_not_checked_when_traced():
+    """Inside jit only shapes/dtypes are checked; the kernel masks by the (traced) lengths."""
+    case, _ = make_case(committed=(3, 1))
+    jitted = jax.jit(lambda pages, lengths: window_attention(
+        **dict(case, pages=pages, lengths=lengths), backend="xla"))
+    out = jitted(case["pages"], case["lengths"])
+    np.testing.assert_allclose(out, window_attention_reference(**case), atol=1e-5)
+
+
+def test_history_capacity():
+    assert history_capacity(6, 16, 16) == 96
+    assert history_capacity(6, 16, 24) == 72
+    assert history_capacity(5, 16, 24) == 48 + 16
+    assert history_capacity(3, 16, 8) == 24
