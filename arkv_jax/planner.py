@@ -229,6 +229,28 @@ class MemoryPlan:
         return "\n".join(lines)
 
 
+def check_plan_inputs(session_capacity: int, kv_branches: Sequence[KVBranch], frames_per_block: int,
+                      max_scratch_tokens_per_branch: int, model_owned_state_bytes_per_session: int
+                      ) -> tuple[KVBranch, ...]:
+    """The seed's constructor checks, in the seed's order; returns the branches as a tuple.
+
+    Raises:
+      ValueError: the first input out of range, with the seed's message.
+    """
+    if session_capacity <= 0:
+        raise ValueError(f"session_capacity must be positive, got {session_capacity}")
+    kv_branches = validate_branches(kv_branches)
+    if frames_per_block <= 0:
+        raise ValueError(f"frames_per_block must be positive, got {frames_per_block}")
+    if max_scratch_tokens_per_branch < 0:
+        raise ValueError(
+            f"max_scratch_tokens_per_branch must be non-negative, got {max_scratch_tokens_per_branch}")
+    if model_owned_state_bytes_per_session < 0:
+        raise ValueError("model_owned_state_bytes_per_session must be non-negative, "
+                         f"got {model_owned_state_bytes_per_session}")
+    return kv_branches
+
+
 def plan_memory(
     geometry: CacheGeometry,
     window: WindowPolicy,
@@ -259,16 +281,9 @@ def plan_memory(
     Raises:
       ValueError: an input is out of range, or one session does not fit in ``available_bytes``.
     """
-    kv_branches = validate_branches(kv_branches)
+    kv_branches = check_plan_inputs(session_capacity, kv_branches, geometry.frames_per_forward,
+                                    max_scratch_tokens_per_branch, model_owned_state_bytes_per_session)
     cross_attention = validate_cross_attention(cross_attention)
-    if session_capacity <= 0:
-        raise ValueError(f"session_capacity must be positive, got {session_capacity}")
-    if max_scratch_tokens_per_branch < 0:
-        raise ValueError(
-            f"max_scratch_tokens_per_branch must be non-negative, got {max_scratch_tokens_per_branch}")
-    if model_owned_state_bytes_per_session < 0:
-        raise ValueError("model_owned_state_bytes_per_session must be non-negative, "
-                         f"got {model_owned_state_bytes_per_session}")
     if available_bytes < 0:
         raise ValueError(f"available_bytes must be non-negative, got {available_bytes}")
 

@@ -254,6 +254,20 @@ def _serve_in_row_order(demand: Array, eligible: Array, free: Array, released: A
     return jax.lax.cond(fits, lambda _: eligible, sequential, None)
 
 
+def _empty_rows(state: BlockTableState, rows: Array, ok: Array, prefill: Array, active: bool
+                ) -> BlockTableState:
+    """Rows where ``ok`` get an empty table, zero counters, ``prefill`` tokens and ``active``."""
+    zero = jnp.zeros_like(rows)
+    return state.replace(
+        tables=_scatter_rows(state.tables, rows, ok, jnp.zeros((rows.shape[0], state.layout.table_width))),
+        num_pages=_scatter_rows(state.num_pages, rows, ok, zero),
+        evicted_pages=_scatter_rows(state.evicted_pages, rows, ok, zero),
+        committed_frames=_scatter_rows(state.committed_frames, rows, ok, zero),
+        prefill_tokens=_scatter_rows(state.prefill_tokens, rows, ok, prefill),
+        active=_scatter_rows(state.active, rows, ok, jnp.full_like(ok, active)),
+    )
+
+
 def _frames(state: BlockTableState, rows: Array) -> Array:
     """Whole frames computed per row (committed frames plus whole prefill frames)."""
     return state.committed_frames[rows] + state.prefill_tokens[rows] // state.layout.tokens_per_frame
@@ -327,15 +341,7 @@ def begin(state: BlockTableState, rows: Array, prefill_tokens: Array = 0
     """
     rows, valid, prefill = _batch(state, rows, prefill_tokens)
     ok = valid & ~state.active[rows] & (prefill >= 0)
-    zero = jnp.zeros_like(rows)
-    return state.replace(
-        tables=_scatter_rows(state.tables, rows, ok, jnp.zeros((rows.shape[0], state.layout.table_width))),
-        num_pages=_scatter_rows(state.num_pages, rows, ok, zero),
-        evicted_pages=_scatter_rows(state.evicted_pages, rows, ok, zero),
-        committed_frames=_scatter_rows(state.committed_frames, rows, ok, zero),
-        prefill_tokens=_scatter_rows(state.prefill_tokens, rows, ok, prefill),
-        active=_scatter_rows(state.active, rows, ok, jnp.ones_like(ok)),
-    ), ok
+    return _empty_rows(state, rows, ok, prefill, active=True), ok
 
 
 def allocate(state: BlockTableState, rows: Array, num_tokens: Array) -> tuple[BlockTableState, Array]:
@@ -426,15 +432,7 @@ def end(state: BlockTableState, rows: Array) -> tuple[BlockTableState, Array]:
     counts = jnp.where(ok, state.num_pages[rows], 0)
     d = jnp.arange(layout.table_width)[None, :]
     state = _push_free(state, counts, counts[:, None] - 1 - d, state.tables[rows])
-    zero = jnp.zeros_like(rows)
-    return state.replace(
-        tables=_scatter_rows(state.tables, rows, ok, jnp.zeros((rows.shape[0], layout.table_width))),
-        num_pages=_scatter_rows(state.num_pages, rows, ok, zero),
-        evicted_pages=_scatter_rows(state.evicted_pages, rows, ok, zero),
-        committed_frames=_scatter_rows(state.committed_frames, rows, ok, zero),
-        prefill_tokens=_scatter_rows(state.prefill_tokens, rows, ok, zero),
-        active=_scatter_rows(state.active, rows, ok, jnp.zeros_like(ok)),
-    ), ok
+    return _empty_rows(state, rows, ok, jnp.zeros_like(rows), active=False), ok
 
 
 # ----------------------------------------------------------------------------------------------

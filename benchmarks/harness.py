@@ -48,6 +48,21 @@ def median_seconds(fn: Callable[[], Any], reps: int, warmup: int = 1) -> float:
     return statistics.median(samples)
 
 
+def interleaved_medians(fns: dict[str, Callable[[], Any]], reps: int, warmup: int = 1) -> dict[str, float]:
+    """Median seconds of each ``fns[name]()``, timing the cases in turn (round-robin) so that load
+    changes on a shared machine hit every case alike. Use it for ratios."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            block(fn())
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            block(fn())
+            samples[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
 def machine() -> dict[str, Any]:
     """What the figures were measured on."""
     device = jax.devices()[0]

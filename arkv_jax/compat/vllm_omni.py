@@ -20,8 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from arkv_jax import state as core
-from arkv_jax.config import CacheGeometry, CrossAttentionSpec, KVBranch, WindowPolicy, validate_branches
-from arkv_jax.planner import compute_num_blocks, plan_memory
+from arkv_jax.config import CacheGeometry, CrossAttentionSpec, KVBranch, WindowPolicy
+from arkv_jax.planner import check_plan_inputs, compute_num_blocks, plan_memory
 
 __all__ = [
     "ARDiffusionKVConfig", "ARDiffusionKVBranchSpec", "ARDiffusionRequestAdapter", "ARDiffusionKVCache",
@@ -141,17 +141,8 @@ class ARDiffusionKVCache:
             raise ValueError("ARDiffusionKVConfig.chunk_size must be set (> 0)")
         if not kv_branches:
             raise ValueError("ARDiffusionKVCache requires at least one KV branch")
-        if session_capacity <= 0:
-            raise ValueError(f"session_capacity must be positive, got {session_capacity}")
-        self.kv_branches = validate_branches(kv_branches)
-        if frames_per_block <= 0:
-            raise ValueError(f"frames_per_block must be positive, got {frames_per_block}")
-        if max_scratch_tokens_per_branch < 0:
-            raise ValueError(
-                f"max_scratch_tokens_per_branch must be non-negative, got {max_scratch_tokens_per_branch}")
-        if model_owned_state_bytes_per_session < 0:
-            raise ValueError("model_owned_state_bytes_per_session must be non-negative, "
-                             f"got {model_owned_state_bytes_per_session}")
+        self.kv_branches = check_plan_inputs(session_capacity, kv_branches, frames_per_block,
+                                             max_scratch_tokens_per_branch, model_owned_state_bytes_per_session)
         self.cross_attention_lengths = dict(cross_attention_lengths or {})
         invalid_cross = {name: n for name, n in self.cross_attention_lengths.items() if n <= 0}
         if invalid_cross:

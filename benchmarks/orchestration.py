@@ -1,0 +1,105 @@
+"""Cost of the per-chunk block-table bookkeeping (no model compute).
+
+One jitted, donated step per chunk: visible window + allocate + slot mapping + commit, for S
+sessions per call; and for one session at increasing video lengths (the state is compacted, so the
+cost must not grow). Anchor (vLLM-Omni's host path, measured on a 2-core CPU like CI's): 52 us per
+chunk at 100 chunks for one session, 459 us per chunk averaged over 4,000 chunks, 34 us per
+session-chunk with 256 sessions.
+
+Run: ``python -m benchmarks.orchestration [--quick]``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from arkv_jax import state as core
+from arkv_jax.config import CacheGeometry, WindowPolicy
+from benchmarks import harness
+
+# The seed's test geometry (seed-semantics §5.4): a frame is one 16-token page; sink 1, window 5.
+GEOMETRY = CacheGeometry(2, 4, 64, "float16", tokens_per_frame=16, frames_per_forward=1)
+WINDOW = WindowPolicy(window_frames=5, sink_frames=1)
+
+
+def chunk_step(state: core.BlockTableState, rows: jax.Array):
+    """The bookkeeping of one chunk for every row: what a rollout calls once per chunk."""
+    tokens = state.layout.tokens_per_frame
+    window = core.visible_window(state, rows, 1)
+    state, ok_alloc = core.allocate(state, rows, tokens)
+    slots = core.slot_mapping(state, rows, tokens)
+    state, ok_commit = core.commit(state, rows, 1)
+    return state, (ok_alloc & ok_commit, window.lengths, slots[:, 0])
+
+
+def fresh_state(sessions: int) -> tuple[core.BlockTableState, jax.Array]:
+    """A state with ``sessions`` active rows and room for all their windows."""
+    pages = sessions * (WINDOW.resident_frames + 2) + 2
+    layout = core.StateLayout.from_config(GEOMETRY, WINDOW, pages)
+    state = core.init_state(layout, sessions)
+    rows = jnp.arange(sessions, dtype=jnp.int32)
+    state, _ = core.begin(state, rows)
+    return state, rows
+
+
+def stepper(state, rows, steps_per_sample: int):
+    """A callable running ``steps_per_sample`` donated chunk steps on its own copy of the state."""
+    step = jax.jit(chunk_step, donate_argnums=0)
+    holder = [state]
+
+    def run():
+        out = None
+        for _ in range(steps_per_sample):
+            holder[0], out = step(holder[0], rows)
+        return out
+
+    return run
+
+
+@functools.partial(jax.jit, static_argnums=2, donate_argnums=0)
+def advance(state, rows, chunks: int):
+    """Runs ``chunks`` chunk steps on device (to reach a long video quickly)."""
+    return jax.lax.fori_loop(0, chunks, lambda _, s: chunk_step(s, rows)[0], state)
+
+
+def main(argv=None) -> None:
+    args = harness.parse_args(__doc__.splitlines()[0], argv)
+    reps = args.reps or (5 if args.quick else 15)
+    steps = 20 if args.quick else 50
+    sessions_list = (1, 8, 64, 256, 1024)
+    lengths = (100, 1_000, 100_000)
+
+    cases = {}
+    for sessions in sessions_list:
+        state, rows = fresh_state(sessions)
+        state = advance(state, rows, 10)  # past the window fill: steady state with eviction
+        cases[("sessions", sessions)] = stepper(state, rows, steps)
+    for length in lengths:
+        state, rows = fresh_state(1)
+        state = advance(state, rows, length)
+        assert int(state.committed_frames[0]) == length
+        cases[("length", length)] = stepper(state, rows, steps)
+    seconds = harness.interleaved_medians(cases, reps=reps, warmup=2)
+    per_call = {key: value / steps * 1e6 for key, value in seconds.items()}
+
+    per_session = {str(n): per_call[("sessions", n)] / n for n in sessions_list}
+    per_length = {str(n): per_call[("length", n)] for n in lengths}
+    rows_out = [(f"{n} sessions / call", per_call[("sessions", n)], per_session[str(n)]) for n in sessions_list]
+    rows_out += [(f"1 session at {n:,} chunks", per_length[str(n)], per_length[str(n)]) for n in lengths]
+
+    print("block-table bookkeeping per chunk (visible window + allocate + slot mapping + commit), jitted, donated")
+    harness.print_table(("case", "us per call", "us per session-chunk"), rows_out)
+    harness.emit({
+        "us_per_session_chunk": per_session,
+        "us_per_chunk_by_video_length": per_length,
+        "length_ratio_100k_vs_100": per_length["100000"] / per_length["100"],
+        "seed_anchor_us": {"1_session_100_chunks": 52, "1_session_avg_4000_chunks": 459,
+                           "256_sessions_per_session_chunk": 34},
+    })
+
+
+if __name__ == "__main__":
+    main()
