@@ -67,8 +67,6 @@ SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(j
 _TPU_DMAS_IN_FLIGHT = 8
 # Most elements one GPU program copies (a power of two; 4096 bf16 = 8 KiB).
 _GPU_MAX_BLOCK_ELEMENTS = 4096
-# Same-width unsigned integer type per itemsize: the XLA path moves raw bits (see _write_xla).
-_BITS_DTYPE = {2: jnp.uint16, 4: jnp.uint32}
 
 
 def pages_per_frame(tokens_per_frame: int, block_size: int) -> int:
@@ -263,8 +261,11 @@ def _write_xla(k_pool, v_pool, k_frames, v_frames, ids, ppf: int):
       35-66 ms and a 64-128 MiB temp in bf16 (XLA:CPU upcasts bf16/fp16 scatters and
       dynamic-update-slices to f32 across the whole pool); this loop took 0.47-0.52 ms in every
       dtype with a sub-KiB temp (a contiguous DUS of the same bytes: 0.25-0.4 ms).
-    - Pages move as same-width unsigned ints, bitcast inside the loop body, where XLA fuses the
-      bitcasts into the in-place DUS; bitcasts outside the loop become full-pool copies.
+    - 16-bit pools move as uint16 bits, bitcast inside the loop body: XLA:CPU upcasts bf16/fp16
+      updates to f32 across the whole pool, and the bitcast variant is the cheapest of the
+      measured options (bitcasts outside the loop become full-pool copies). It is still O(pool)
+      on CPU: 50 ms for 64 pages into a 1M-page bf16 pool against 0.01 ms for fp32. 32-bit pools
+      are written directly: bitcasting them too made the same fp32 write 50 ms instead of 0.01 ms.
     - A frame's padded last page is built page-sized inside the loop (slice, pad, select) rather
       than from a padded copy of the chunk: XLA:CPU maps a fresh temp per call, and page-faulting a
       chunk-sized temp made the write 5x slower (20.8 ms against 3.9 ms for 34 MiB). Nor is it a
@@ -277,7 +278,8 @@ def _write_xla(k_pool, v_pool, k_frames, v_frames, ids, ppf: int):
     def page_at(frames, i):
         """Page ``i`` of the chunk, ``[L, 1, S, H, D]`` raw bits, zero-padded if a frame's last."""
         frame, j = lax.div(i, ppf), lax.rem(i, ppf)
-        frames = lax.bitcast_convert_type(frames, _BITS_DTYPE[frames.dtype.itemsize])
+        if frames.dtype.itemsize == 2:
+            frames = lax.bitcast_convert_type(frames, jnp.uint16)
 
         def tokens(start, size):
             return lax.dynamic_slice(frames, (0, frame, start, 0, 0),
@@ -300,11 +302,12 @@ def _write_xla(k_pool, v_pool, k_frames, v_frames, ids, ppf: int):
     return lax.fori_loop(0, ids.shape[0], body, (k_pool, v_pool))
 
 
-def _put_page(pool: jax.Array, page_bits: jax.Array, page_id: jax.Array) -> jax.Array:
-    """``pool`` with ``page_bits`` (raw bits of a ``[L, 1, S, H, D]`` page) written at ``page_id``
-    on axis 1."""
-    out = lax.dynamic_update_slice_in_dim(
-        lax.bitcast_convert_type(pool, page_bits.dtype), page_bits, page_id, axis=1)
+def _put_page(pool: jax.Array, page: jax.Array, page_id: jax.Array) -> jax.Array:
+    """``pool`` with ``page`` (a ``[L, 1, S, H, D]`` page, or its raw uint16 bits for a 16-bit pool)
+    written at ``page_id`` on axis 1."""
+    if page.dtype == pool.dtype:
+        return lax.dynamic_update_slice_in_dim(pool, page, page_id, axis=1)
+    out = lax.dynamic_update_slice_in_dim(lax.bitcast_convert_type(pool, page.dtype), page, page_id, axis=1)
     return lax.bitcast_convert_type(out, pool.dtype)
 
 

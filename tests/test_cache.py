@@ -1,0 +1,318 @@
+"""The cache facade: per-chunk protocol, lifecycle, cross-attention, failure safety, isolation."""
+
+import gc
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from arkv_jax.cache import PagedKVCache
+from arkv_jax.config import CacheGeometry, CrossAttentionSpec, KVBranch, WindowPolicy
+from pallas_kernels import window_attention, window_attention_reference
+
+GEOMETRY = CacheGeometry(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float32", tokens_per_frame=6,
+                         block_size=4, frames_per_forward=2)
+WINDOW = WindowPolicy(window_frames=3, sink_frames=1)
+CFG = (KVBranch("positive", 0), KVBranch("negative", 1))
+TEXT = (CrossAttentionSpec("text", 5),)
+
+
+def make_cache(capacity=3, branches=CFG, **kwargs):
+    return PagedKVCache(GEOMETRY, WINDOW, branches, TEXT, available_bytes=1 << 30, memory_fraction=1.0,
+                        session_capacity=capacity, **kwargs)
+
+
+def chunk_kv(step, seed):
+    """Deterministic fake K/V for a chunk: [layers, B, frames * tpf, heads, dim]."""
+    shape = (GEOMETRY.num_layers, len(step.session_ids), step.num_frames * GEOMETRY.tokens_per_frame,
+             GEOMETRY.num_kv_heads, GEOMETRY.head_dim)
+    k = jax.random.normal(jax.random.PRNGKey(seed), shape)
+    return k, k + 100.0
+
+
+class Recorder:
+    """Host-side truth: every committed frame's K per (session, branch)."""
+
+    def __init__(self):
+        self.frames = {}
+
+    def record(self, step, k_new):
+        k = np.asarray(k_new)
+        tpf = GEOMETRY.tokens_per_frame
+        for b, (sid, branch) in enumerate(zip(step.session_ids, self.branches(step))):
+            for f in range(step.num_frames):
+                self.frames.setdefault((sid, branch), []).append(k[:, b, f * tpf:(f + 1) * tpf])
+
+    @staticmethod
+    def branches(step):
+        per_session = len(step.session_ids) // len(dict.fromkeys(step.session_ids))
+        return [i % per_session for i in range(len(step.session_ids))]
+
+
+def visible_history(cache, inputs, b):
+    """The K the pool holds for row ``b``'s visible pages, frame by frame: [frames, layers, tpf, H, D]."""
+    ppf, tpf = GEOMETRY.pages_per_frame, GEOMETRY.tokens_per_frame
+    k_pool = np.asarray(cache.pools[0])
+    frames = int(inputs.lengths[b]) // tpf
+    out = []
+    for f in range(frames):
+        pages = np.asarray(inputs.pages[b, f * ppf:(f + 1) * ppf])
+        tokens = k_pool[:, pages].reshape(GEOMETRY.num_layers, ppf * GEOMETRY.block_size, 2, 8)[:, :tpf]
+        out.append(tokens)
+    return out
+
+
+def expected_visible(frames, current):
+    sink, window = WINDOW.sink_frames, WINDOW.window_frames
+    if len(frames) + current <= sink + window:
+        return frames
+    return frames[:sink] + frames[len(frames) - max(0, window - current):] if window > current else frames[:sink]
+
+
+def test_chunks_write_pages_and_windows_show_exactly_the_right_history():
+    cache = make_cache()
+    recorder = Recorder()
+    sessions = ["a", "b"]
+    for sid in sessions:
+        cache.open(sid)
+    for chunk in range(7):
+        with cache.chunk(sessions, num_frames=2) as step:
+            inputs = step.inputs
+            for b, (sid, branch) in enumerate(zip(step.session_ids, Recorder.branches(step))):
+                got = visible_history(cache, inputs, b)
+                want = expected_visible(recorder.frames.get((sid, branch), []), 2)
+                assert len(got) == len(want)
+                for g, w in zip(got, want):
+                    np.testing.assert_array_equal(g, w)
+                assert int(inputs.first_frame[b]) == 2 * chunk
+            k, v = chunk_kv(step, chunk)
+            step.commit(k, v)
+            recorder.record(step, k)
+    # Every session holds sink + window frames per branch; nothing else is used.
+    held = cache.plan.managed_num_blocks - 1 - cache.num_free_pages()
+    assert held == 2 * 2 * (1 + 3) * GEOMETRY.pages_per_frame
+
+
+def test_a_failed_forward_commits_nothing_and_leaks_nothing():
+    cache = make_cache()
+    cache.open("a")
+    with cache.chunk(["a"], 2) as step:
+        step.commit(*chunk_kv(step, 0))
+    free = cache.num_free_pages()
+    state_before = jax.tree.map(np.asarray, cache.state)
+    with pytest.raises(ZeroDivisionError):
+        with cache.chunk(["a"], 2) as step:
+            1 / 0
+    assert cache.num_free_pages() == free
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, cache.state), state_before)
+    with cache.chunk(["a"], 2) as step:  # the cache is usable and resumes at frame 2
+        assert np.asarray(step.inputs.first_frame).tolist() == [2, 2]
+        step.commit(*chunk_kv(step, 1))
+    with pytest.raises(RuntimeError, match="not in flight"):
+        step.commit(*chunk_kv(step, 1))
+
+
+def test_fail_closed_releases_the_sessions_of_the_failed_chunk():
+    released = []
+    cache = make_cache(fail_closed=True, on_release=lambda sid, why: released.append((sid, why)))
+    total = cache.num_free_pages()
+    for sid in ("a", "b"):
+        cache.open(sid)
+    with cache.chunk(["a", "b"], 1) as step:
+        step.commit(*chunk_kv(step, 0))
+    with pytest.raises(RuntimeError, match="model exploded"):
+        with cache.chunk(["a"], 1) as step:
+            raise RuntimeError("model exploded")
+    assert released == [("a", "forward_exception")]
+    assert cache.sessions == ("b",)
+    cache.close("b")
+    assert cache.num_free_pages() == total
+
+
+def test_lru_eviction_at_the_planned_capacity():
+    released = []
+    cache = make_cache(capacity=2, on_release=lambda sid, why: released.append((sid, why)))
+    cache.open("a")
+    cache.open("b")
+    cache.open("a")  # touch: b is now the oldest
+    cache.open("c")
+    assert released == [("b", "lru_eviction")]
+    assert cache.sessions == ("a", "c")
+    with pytest.raises(KeyError, match="Unknown session 'b'"):
+        cache.rows(["b"])
+
+
+def test_only_one_chunk_in_flight_and_bad_inputs_are_refused():
+    cache = make_cache()
+    cache.open("a")
+    cache.open("b")
+    with cache.chunk(["a"], 1) as step:
+        with pytest.raises(RuntimeError, match="while a chunk is in flight"):
+            with cache.chunk(["b"], 1):
+                pass
+        with pytest.raises(RuntimeError, match="while a chunk is in flight"):
+            cache.close("b")
+        with pytest.raises(ValueError, match=r"k_new must have shape \(2, 2, 6, 2, 8\)"):
+            step.commit(jnp.zeros((2, 1, 6, 2, 8)), jnp.zeros((2, 1, 6, 2, 8)))
+        step.commit(*chunk_kv(step, 0))
+    with pytest.raises(ValueError, match=r"num_frames must be an int in \[1, 3\]"):
+        with cache.chunk(["a"], 4):
+            pass
+    with pytest.raises(ValueError, match="session_ids must be distinct"):
+        with cache.chunk(["a", "a"], 1):
+            pass
+    with pytest.raises(KeyError, match="Unknown AR-Diffusion KV branch 'x'"):
+        cache.rows(["a"], ["x"])
+    with pytest.raises(ValueError, match="session_id must be a non-empty string"):
+        cache.open("")
+
+
+def test_pool_exhaustion_is_refused_without_changing_anything():
+    geometry = CacheGeometry(1, 1, 4, "float32", tokens_per_frame=4, frames_per_forward=1)
+    window = WindowPolicy(window_frames=3)
+    # A budget of exactly one session: 6 managed pages (5 free) and 1 scratch page of 128 bytes.
+    cache = PagedKVCache(geometry, window, available_bytes=7 * 128, memory_fraction=1.0)
+    assert cache.num_free_pages() == 5
+    cache.open("a")
+    kv = jnp.zeros((1, 1, 12, 1, 4))
+    with cache.chunk(["a"], 3) as step:  # 3 frames in flight: more than the plan's 1
+        step.commit(kv, kv)
+    state = jax.tree.map(np.asarray, cache.state)
+    with pytest.raises(RuntimeError, match="pool exhausted while allocating a chunk of 3 frames for 1 rows"):
+        with cache.chunk(["a"], 3):
+            pass
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, cache.state), state)
+    assert cache.num_free_pages() == 2
+    with cache.chunk(["a"], 1) as step:  # a chunk the plan provides for still runs
+        step.commit(kv[:, :, :4], kv[:, :, :4])
+
+
+def test_free_and_foreign_pages_never_reach_an_attention_output():
+    cache = make_cache()
+    for sid in ("a", "b"):
+        cache.open(sid)
+    for chunk in range(5):
+        with cache.chunk(["a", "b"], 2) as step:
+            step.commit(*chunk_kv(step, chunk))
+    cache.close("b")  # b's pages are now free
+    with cache.chunk(["a"], 2) as step:
+        inputs = step.inputs
+        k_pool, v_pool = cache.pools
+        owned = np.zeros(k_pool.shape[1], bool)
+        owned[np.asarray(inputs.pages).ravel()] = True
+        owned[0] = True  # the null page stays zero
+        poison = jnp.asarray(~owned)[None, :, None, None, None]
+        k_nan, v_nan = jnp.where(poison, jnp.nan, k_pool), jnp.where(poison, jnp.nan, v_pool)
+        q = jax.random.normal(jax.random.PRNGKey(7), (2, 12, 4, 8))
+        k_cur, v_cur = chunk_kv(step, 99)
+        args = (q, k_cur[0], v_cur[0])
+        for layer in range(2):
+            clean = window_attention(*args, k_pool, v_pool, inputs.pages, inputs.lengths, layer=layer,
+                                     tokens_per_frame=6)
+            poisoned = window_attention(*args, k_nan, v_nan, inputs.pages, inputs.lengths, layer=layer,
+                                        tokens_per_frame=6)
+            reference = window_attention_reference(*args, k_pool, v_pool, inputs.pages, inputs.lengths,
+                                                   layer=layer, tokens_per_frame=6)
+            assert bool(jnp.all(jnp.isfinite(poisoned)))
+            np.testing.assert_array_equal(np.asarray(poisoned), np.asarray(clean))
+            np.testing.assert_allclose(np.asarray(clean), np.asarray(reference), rtol=1e-6, atol=1e-5)
+        step.commit(k_cur, v_cur)
+
+
+def text_layers(value, tokens=5):
+    return [(jnp.full((1, tokens, 2, 8), value + layer), jnp.full((1, tokens, 2, 8), -value - layer))
+            for layer in range(2)]
+
+
+def test_cross_attention_is_per_session_and_branch_and_transactional():
+    cache = make_cache()
+    cache.open("s1")
+    assert not cache.is_cross_attention_populated("s1", "text", "positive")
+    cache.populate_cross_attention("s1", "text", "positive", text_layers(1.0))
+    cache.populate_cross_attention("s1", "text", "negative", text_layers(3.0))
+    k, v = cache.cross_attention_kv("text")
+    rows = cache.rows(["s1"])
+    assert float(k[rows[0], 1, 0, 0, 0]) == 2.0 and float(k[rows[1], 0, 0, 0, 0]) == 3.0
+    assert float(v[rows[1], 1, 0, 0, 0]) == -4.0
+
+    def failing():
+        yield text_layers(9.0)[0]
+        raise RuntimeError("projection failed")
+
+    with pytest.raises(RuntimeError, match="projection failed"):
+        cache.populate_cross_attention("s1", "text", "positive", failing())
+    with pytest.raises(ValueError, match="expected 2 layers, got 1"):
+        cache.populate_cross_attention("s1", "text", "positive", text_layers(9.0)[:1])
+    with pytest.raises(ValueError, match="expected 2 layers, got more than 2"):
+        cache.populate_cross_attention("s1", "text", "positive", text_layers(9.0) * 2)
+    with pytest.raises(ValueError, match=r"expected k/v shape \(1, 5, 2, 8\)"):
+        cache.populate_cross_attention("s1", "text", "positive", text_layers(9.0, tokens=7))
+    with pytest.raises(KeyError, match="Unknown AR-Diffusion cross-attention cache 'img'"):
+        cache.populate_cross_attention("s1", "img", "positive", text_layers(9.0))
+    k, _ = cache.cross_attention_kv("text")
+    assert float(k[rows[0], 0, 0, 0, 0]) == 1.0  # the published cache survived every failure
+
+
+def test_reset_keeps_named_caches_and_clear_keeps_history():
+    released = []
+    cache = make_cache(on_release=lambda sid, why: released.append(why))
+    cache.open("s1")
+    total = cache.plan.managed_num_blocks - 1
+    with cache.chunk(["s1"], 2) as step:
+        step.commit(*chunk_kv(step, 0))
+    cache.populate_cross_attention("s1", "text", "positive", text_layers(1.0))
+    with pytest.raises(KeyError, match=r"Unknown AR-Diffusion cross-attention caches to keep: \['img'\]"):
+        cache.reset("s1", keep_cross_attention=("img",))
+    cache.reset("s1", keep_cross_attention=("text",))
+    assert released == ["reset"]
+    assert cache.num_free_pages() == total
+    assert cache.is_cross_attention_populated("s1", "text", "positive")
+    with cache.chunk(["s1"], 2) as step:
+        assert np.asarray(step.inputs.first_frame).tolist() == [0, 0]
+        step.commit(*chunk_kv(step, 1))
+    held = total - cache.num_free_pages()
+    cache.clear_cross_attention("s1")
+    assert not cache.is_cross_attention_populated("s1", "text", "positive")
+    assert float(jnp.abs(cache.cross_attention_kv("text")[0]).max()) == 0.0
+    assert total - cache.num_free_pages() == held  # history kept
+    cache.reset("s1")
+    assert cache.num_free_pages() == total
+
+
+def test_soak_churn_leaves_every_page_free_and_memory_flat():
+    rng = np.random.default_rng(0)
+    geometry = CacheGeometry(1, 1, 4, "float32", tokens_per_frame=4, frames_per_forward=1)
+    window = WindowPolicy(window_frames=2, sink_frames=1)
+    cache = PagedKVCache(geometry, window, (KVBranch("main"),), (CrossAttentionSpec("text", 3),),
+                         available_bytes=1 << 30, memory_fraction=1.0, session_capacity=64)
+    total = cache.plan.managed_num_blocks - 1
+    sessions = [f"s{i}" for i in range(64)]
+    for sid in sessions:
+        cache.open(sid)
+    kv = jnp.ones((1, 64, 4, 1, 4))
+    text = [(jnp.ones((3, 1, 4)), jnp.ones((3, 1, 4)))]
+    gc.collect()
+    live_before = len(jax.live_arrays())
+    for chunk in range(10_000):
+        with cache.chunk(sessions, 1) as step:
+            step.commit(kv, kv)
+        sid = sessions[rng.integers(64)]
+        action = rng.integers(8)
+        if action == 0:
+            cache.close(sid)
+            cache.open(sid)
+        elif action == 1:
+            cache.reset(sid, keep_cross_attention=("text",) if rng.integers(2) else ())
+        elif action == 2:
+            cache.populate_cross_attention(sid, "text", "main", text)
+        elif action == 3:
+            cache.clear_cross_attention(sid)
+        if chunk % 1000 == 0:
+            assert total - cache.num_free_pages() <= 64 * window.resident_frames
+    gc.collect()
+    assert len(jax.live_arrays()) <= live_before
+    for sid in sessions:
+        cache.close(sid)
+    assert cache.num_free_pages() == total
+    assert float(jnp.abs(cache.cross_attention_kv("text")[0]).max()) == 0.0
