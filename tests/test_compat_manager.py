@@ -317,3 +317,101 @@ def test_pools_are_allocated_on_the_device_zero_filled():
     cache = make_cache(device=jax.devices()[0])
     assert cache._k_pool.shape == (2, cache.num_blocks_total, 16, 4, 64)
     assert float(abs(cache._k_pool).max()) == 0.0
+
+
+# -- cross-attention caches and pools (seed-semantics §8.5, §8.6, §13.4) ---------------------------------
+
+def cross_cache(shared_local_index=False, layers=2, capacity=2):
+    import jax
+
+    branches = (ARDiffusionKVBranchSpec(POS, 0), ARDiffusionKVBranchSpec(NEG, 0 if shared_local_index else 1))
+    return make_cache(window=4, branches=branches, layers=layers, dtype="float32", capacity=capacity,
+                      cross_attention_lengths={"text": 8}, device=jax.devices()[0])
+
+
+def layer_kv(k_value, v_value, layers=2, length=8):
+    import jax.numpy as jnp
+
+    return [(jnp.full((1, length, 4, 64), k_value + i), np.full((1, length, 4, 64), v_value + i, np.float32))
+            for i in range(layers)]
+
+
+def test_cross_attention_read_before_populate_raises():
+    cache = cross_cache()
+    for branch in (POS, NEG):
+        with pytest.raises(RuntimeError, match="'text' for session 's1' was read before it was populated"):
+            cache.read_cross_attention_kv("s1", "text", 0, branch)
+    cache.populate_cross_attention("s1", "text", POS, layer_kv(1.0, 2.0))
+    with pytest.raises(RuntimeError, match="for session 's1' and KV branch 'negative' was read before it was populated"):
+        cache.read_cross_attention_kv("s1", "text", 0, NEG)
+
+
+def test_cross_attention_returns_per_layer_dicts_for_logical_branches_sharing_a_local_slot():
+    cache = cross_cache(shared_local_index=True)
+    assert cache.num_local_kv_branches == 1
+    cache.populate_cross_attention("s1", "text", POS, layer_kv(1.0, 2.0))
+    cache.populate_cross_attention("s1", "text", NEG, layer_kv(3.0, 4.0))
+    for branch, (k_value, v_value) in ((POS, (1.0, 2.0)), (NEG, (3.0, 4.0))):
+        for layer in range(2):
+            out = cache.read_cross_attention_kv("s1", "text", layer, branch)
+            assert out["is_init"] is True and out["k"].shape == (1, 8, 4, 64)
+            assert float(out["k"][0, 0, 0, 0]) == k_value + layer and float(out["v"][0, 0, 0, 0]) == v_value + layer
+    assert cache.is_cross_attention_populated("s1", "text", NEG)
+
+
+def test_cross_attention_population_is_transactional():
+    cache = cross_cache()
+
+    def failing():
+        yield layer_kv(1.0, 2.0)[0]
+        raise RuntimeError("projection failed")
+
+    with pytest.raises(RuntimeError, match="projection failed"):
+        cache.populate_cross_attention("s1", "text", POS, failing())
+    assert not cache.is_cross_attention_populated("s1", "text", POS) and "s1" not in cache._cross_sessions
+    cache.populate_cross_attention("s1", "text", POS, layer_kv(1.0, 2.0))
+    for bad, message in ((failing(), "projection failed"), (layer_kv(5.0, 5.0, layers=1), "expected 2 layers, got 1"),
+                         (layer_kv(5.0, 5.0, layers=3), "expected 2 layers, got more than 2"),
+                         (layer_kv(5.0, 5.0, length=7), r"expected k/v shape \(1, 8, 4, 64\)"),
+                         ([(1.0, 2.0), (1.0, 2.0)], "must yield jax.Array k/v, got float and float")):
+        with pytest.raises((RuntimeError, ValueError), match=message):
+            cache.populate_cross_attention("s1", "text", POS, bad)
+        assert float(cache.read_cross_attention_kv("s1", "text", 0, POS)["k"][0, 0, 0, 0]) == 1.0
+
+
+def test_cross_attention_errors_retain_and_release():
+    cache = cross_cache(capacity=1)
+    with pytest.raises(KeyError, match=r"Unknown AR-Diffusion cross-attention cache 'img'; expected \('text',\)"):
+        cache.populate_cross_attention("s1", "img", POS, layer_kv(1.0, 2.0))
+    with pytest.raises(KeyError, match="Unknown AR-Diffusion KV branch 'zz'"):
+        cache.is_cross_attention_populated("s1", "text", "zz")
+    cache.populate_cross_attention("s1", "text", POS, layer_kv(1.0, 2.0))
+    with pytest.raises(RuntimeError, match="cross-attention session capacity exhausted"):
+        cache.populate_cross_attention("s2", "text", POS, layer_kv(1.0, 2.0))
+    cache.retain_cross_attention("s1", ("text",))
+    assert cache.is_cross_attention_populated("s1", "text", POS)
+    cache.retain_cross_attention("s1", ())
+    assert "s1" not in cache._cross_sessions
+    cache.populate_cross_attention("s2", "text", POS, layer_kv(1.0, 2.0))
+    cache.release_cross_attention("s2")
+    assert not cache.is_cross_attention_populated("s2", "text", POS)
+    bookkeeping = make_cache(cross_attention_lengths={"text": 8})
+    with pytest.raises(RuntimeError, match="require a configured pool device"):
+        bookkeeping.populate_cross_attention("s1", "text", POS, layer_kv(1.0, 2.0))
+
+
+def test_paged_pool_layout_and_chunk_writes():
+    """§13.1 pool layout: per-layer K and V caches (num_blocks_total, block, H, D); a chunk write
+    lands at its slots."""
+    cache = cross_cache()
+    assert cache.key_cache(0).shape == (cache.num_blocks_total, 16, 4, 64)
+    adapter = cache.begin_request("r")
+    cache.allocate_chunk(adapter)
+    new_k = np.arange(16 * 4 * 64, dtype=np.float32).reshape(1, 16, 4, 64)
+    cache.write_chunk_kv(1, new_k, new_k + 0.5, adapter)
+    block = cache.block_table(adapter)[0]
+    np.testing.assert_array_equal(np.asarray(cache.key_cache(1)[block]), new_k[0])
+    np.testing.assert_array_equal(np.asarray(cache.value_cache(1)[block]), new_k[0] + 0.5)
+    assert float(abs(cache.key_cache(0)).max()) == 0.0 and float(abs(cache.key_cache(1)[0]).max()) == 0.0
+    with pytest.raises(RuntimeError, match="require a configured pool device"):
+        make_cache().key_cache(0)

@@ -13,13 +13,15 @@ seed.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+import functools
+from typing import Collection, Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from arkv_jax import state as core
+from arkv_jax.cache import collect_cross_attention_layers
 from arkv_jax.config import CacheGeometry, CrossAttentionSpec, KVBranch, WindowPolicy
 from arkv_jax.planner import check_plan_inputs, compute_num_blocks, plan_memory
 
@@ -114,6 +116,14 @@ class ARDiffusionRequestAdapter:
         self._completed_chunks += 1
 
 
+@functools.partial(jax.jit, static_argnums=1, donate_argnums=0)
+def _write_slots(pool, layer: int, slots, new):
+    """``pool[layer]`` viewed as ``[pages * block_size, heads, dim]`` gets ``new`` at ``slots``."""
+    num_layers, pages, block_size, heads, dim = pool.shape
+    flat = pool.reshape(num_layers, pages * block_size, heads, dim).at[layer, slots].set(new)
+    return flat.reshape(pool.shape)
+
+
 _begin = jax.jit(core.begin, donate_argnums=0)
 _allocate = jax.jit(core.allocate, donate_argnums=0)
 _commit = jax.jit(core.commit, donate_argnums=0)
@@ -176,6 +186,7 @@ class ARDiffusionKVCache:
         self._adapters: dict[str, ARDiffusionRequestAdapter] = {}
         self._free_rows: list[int] = list(range(self._state.num_rows))
         self._k_pool = self._v_pool = None
+        self._cross_sessions: dict[str, dict[str, dict[str, tuple[jax.Array, jax.Array]]]] = {}
         if device is not None:
             shape = (num_layers, self.num_blocks_total, block_size, num_kv_heads, head_size)
             self._k_pool = jax.device_put(jnp.zeros(shape, self.dtype), device)
@@ -281,7 +292,99 @@ class ARDiffusionKVCache:
         """The functional block-table state behind this cache."""
         return self._state
 
+    # -- pools ------------------------------------------------------------------------------------
+    def key_cache(self, layer_idx: int) -> jax.Array:
+        """Layer ``layer_idx``'s K pool, ``[num_blocks_total, block_size, heads, head_size]``."""
+        return self._pools()[0][layer_idx]
+
+    def value_cache(self, layer_idx: int) -> jax.Array:
+        """Layer ``layer_idx``'s V pool, ``[num_blocks_total, block_size, heads, head_size]``."""
+        return self._pools()[1][layer_idx]
+
+    def write_chunk_kv(self, layer_index: int, new_k, new_v, adapter: ARDiffusionRequestAdapter) -> None:
+        """Writes one layer's K/V of the in-flight chunk (``(1, chunk, H, D)`` or ``(chunk, H, D)``)
+        into its slots, in place."""
+        slots = self.chunk_write_slots(adapter)
+        k_pool, v_pool = self._pools()
+        self._k_pool = _write_slots(k_pool, layer_index, slots, _drop_batch(new_k).astype(k_pool.dtype))
+        self._v_pool = _write_slots(v_pool, layer_index, slots, _drop_batch(new_v).astype(v_pool.dtype))
+
+    # -- cross-attention caches (per session x cache name x logical branch) -------------------------
+    def populate_cross_attention(self, session_id: str, cache_name: str, kv_branch: str,
+                                 layer_kv: Iterable[tuple[jax.Array, jax.Array]]) -> None:
+        """Atomically publishes one logical branch of a named cross-attention cache. ``layer_kv``
+        yields one ``(k, v)`` pair of shape ``(1, length, heads, head_size)`` per layer (JAX or NumPy
+        arrays); nothing is published unless every layer arrived and validated.
+
+        Raises:
+          KeyError: unknown cache or branch. RuntimeError: no pool device, or the session capacity
+          is exhausted. ValueError: wrong layer count, type or shape.
+        """
+        length = self._cross_length(cache_name)
+        self._kv_branch_index(kv_branch)
+        session = self._cross_sessions.get(session_id)
+        if session is None and len(self._cross_sessions) >= self.session_capacity:
+            raise RuntimeError("AR-Diffusion cross-attention session capacity exhausted; "
+                               "the runner must evict a session before allocating another")
+        if self.device is None:
+            raise RuntimeError("AR-Diffusion cross-attention tensors require a configured pool device")
+        k, v = collect_cross_attention_layers(cache_name, layer_kv, self.num_layers,
+                                              (length, self.num_kv_heads, self.head_size), allow_unbatched=False)
+        published = tuple(jax.device_put(x.astype(self.dtype), self.device) for x in (k, v))
+        self._cross_sessions.setdefault(session_id, {}).setdefault(cache_name, {})[kv_branch] = published
+
+    def is_cross_attention_populated(self, session_id: str, cache_name: str, kv_branch: str) -> bool:
+        """Whether a complete logical-branch cache has been published."""
+        self._cross_length(cache_name)
+        self._kv_branch_index(kv_branch)
+        return kv_branch in self._cross_sessions.get(session_id, {}).get(cache_name, {})
+
+    def read_cross_attention_kv(self, session_id: str, cache_name: str, layer_idx: int,
+                                kv_branch: str) -> dict:
+        """``{"is_init": True, "k": (1, L, H, D), "v": (1, L, H, D)}`` for one layer.
+
+        Raises:
+          RuntimeError: the cache was not populated.
+        """
+        self._cross_length(cache_name)
+        self._kv_branch_index(kv_branch)
+        session = self._cross_sessions.get(session_id)
+        if session is None:
+            raise RuntimeError(f"AR-Diffusion cross-attention cache {cache_name!r} for session {session_id!r} "
+                               "was read before it was populated")
+        pool = session.get(cache_name, {}).get(kv_branch)
+        if pool is None:
+            raise RuntimeError(f"AR-Diffusion cross-attention cache {cache_name!r} for session {session_id!r} "
+                               f"and KV branch {kv_branch!r} was read before it was populated")
+        return {"is_init": True, "k": pool[0][layer_idx][None], "v": pool[1][layer_idx][None]}
+
+    def retain_cross_attention(self, session_id: str, cache_names: Collection[str]) -> None:
+        """Releases the session's caches whose names are not in ``cache_names``."""
+        session = self._cross_sessions.get(session_id)
+        if session is None:
+            return
+        for name in [n for n in session if n not in set(cache_names)]:
+            del session[name]
+        if not session:
+            del self._cross_sessions[session_id]
+
+    def release_cross_attention(self, session_id: str) -> None:
+        """Releases every cross-attention cache of the session."""
+        self._cross_sessions.pop(session_id, None)
+
     # -- helpers ----------------------------------------------------------------------------------
+    def _pools(self) -> tuple[jax.Array, jax.Array]:
+        if self._k_pool is None:
+            raise RuntimeError("AR-Diffusion K/V pools require a configured pool device")
+        return self._k_pool, self._v_pool
+
+    def _cross_length(self, cache_name: str) -> int:
+        try:
+            return self.cross_attention_lengths[cache_name]
+        except KeyError:
+            raise KeyError(f"Unknown AR-Diffusion cross-attention cache {cache_name!r}; "
+                           f"expected {tuple(self.cross_attention_lengths)}") from None
+
     def _row(self, adapter: ARDiffusionRequestAdapter) -> int:
         if self._adapters.get(adapter.request_id) is not adapter:
             raise KeyError(f"AR-Diffusion request {adapter.request_id!r} is not active")
@@ -314,3 +417,9 @@ def seed_block_table(state: core.BlockTableState, row: int) -> list[int]:
     evicted = int(state.evicted_pages[row])
     sink = min(state.layout.sink_pages, len(stored))
     return stored[:sink] + [0] * evicted + stored[sink:]
+
+
+def _drop_batch(x) -> jax.Array:
+    """``(1, L, H, D) -> (L, H, D)``; 3-D arrays pass through."""
+    x = jnp.asarray(x)
+    return x[0] if x.ndim == 4 else x
