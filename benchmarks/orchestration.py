@@ -6,6 +6,11 @@ cost must not grow). Anchor (vLLM-Omni's host path, measured on a 2-core CPU lik
 chunk at 100 chunks for one session, 459 us per chunk averaged over 4,000 chunks, 34 us per
 session-chunk with 256 sessions.
 
+The facade (:class:`arkv_jax.cache.PagedKVCache`) adds host work per chunk: session lookup, one
+jitted prepare (window + allocation into a pending state), one small host check of the allocation,
+and the donated write + commit. Its cost per session-chunk (model compute excluded, K/V writes
+included) is measured for 1 and 64 sessions.
+
 Run: ``python -m benchmarks.orchestration [--quick]``.
 """
 
@@ -17,11 +22,14 @@ import jax
 import jax.numpy as jnp
 
 from arkv_jax import state as core
+from arkv_jax.cache import PagedKVCache
 from arkv_jax.config import CacheGeometry, WindowPolicy
 from benchmarks import harness
 
 # The seed's test geometry (seed-semantics §5.4): a frame is one 16-token page; sink 1, window 5.
-GEOMETRY = CacheGeometry(2, 4, 64, "float16", tokens_per_frame=16, frames_per_forward=1)
+# float32 pools: XLA:CPU upcasts every fp16/bf16 pool update to f32 across the whole pool, which
+# would measure that CPU artefact instead of the cache (accelerators update 16-bit pools in place).
+GEOMETRY = CacheGeometry(2, 4, 64, "float32", tokens_per_frame=16, frames_per_forward=1)
 WINDOW = WindowPolicy(window_frames=5, sink_frames=1)
 
 
@@ -65,6 +73,26 @@ def advance(state, rows, chunks: int):
     return jax.lax.fori_loop(0, chunks, lambda _, s: chunk_step(s, rows)[0], state)
 
 
+def facade_chunk(sessions: int):
+    """A callable running one facade chunk (prepare, commit with ready K/V) for ``sessions``."""
+    cache = PagedKVCache(GEOMETRY, WINDOW, available_bytes=(sessions + 4) * 8 * GEOMETRY.page_bytes,
+                         memory_fraction=1.0, session_capacity=sessions, backend="xla")
+    ids = [f"s{i}" for i in range(sessions)]
+    for sid in ids:
+        cache.open(sid)
+    shape = (GEOMETRY.num_layers, sessions, GEOMETRY.tokens_per_frame, GEOMETRY.num_kv_heads, GEOMETRY.head_dim)
+    kv = jnp.ones(shape, GEOMETRY.dtype)
+
+    def run():
+        with cache.chunk(ids, 1) as step:
+            step.commit(kv, kv)
+        return cache.pools
+
+    for _ in range(10):  # past the window fill
+        run()
+    return run
+
+
 def main(argv=None) -> None:
     args = harness.parse_args(__doc__.splitlines()[0], argv)
     reps = args.reps or (5 if args.quick else 15)
@@ -82,13 +110,17 @@ def main(argv=None) -> None:
         state = advance(state, rows, length)
         assert int(state.committed_frames[0]) == length
         cases[("length", length)] = stepper(state, rows, steps)
+    for sessions in (1, 64):
+        cases[("facade", sessions)] = facade_chunk(sessions)
     seconds = harness.interleaved_medians(cases, reps=reps, warmup=2)
-    per_call = {key: value / steps * 1e6 for key, value in seconds.items()}
+    per_call = {key: value / (1 if key[0] == "facade" else steps) * 1e6 for key, value in seconds.items()}
 
     per_session = {str(n): per_call[("sessions", n)] / n for n in sessions_list}
     per_length = {str(n): per_call[("length", n)] for n in lengths}
     rows_out = [(f"{n} sessions / call", per_call[("sessions", n)], per_session[str(n)]) for n in sessions_list]
     rows_out += [(f"1 session at {n:,} chunks", per_length[str(n)], per_length[str(n)]) for n in lengths]
+    per_facade = {str(n): per_call[("facade", n)] / n for n in (1, 64)}
+    rows_out += [(f"facade, {n} sessions / chunk", per_call[("facade", n)], per_facade[str(n)]) for n in (1, 64)]
 
     print("block-table bookkeeping per chunk (visible window + allocate + slot mapping + commit), jitted, donated")
     harness.print_table(("case", "us per call", "us per session-chunk"), rows_out)
@@ -96,6 +128,7 @@ def main(argv=None) -> None:
         "us_per_session_chunk": per_session,
         "us_per_chunk_by_video_length": per_length,
         "length_ratio_100k_vs_100": per_length["100000"] / per_length["100"],
+        "facade_us_per_session_chunk": per_facade,
         "seed_anchor_us": {"1_session_100_chunks": 52, "1_session_avg_4000_chunks": 459,
                            "256_sessions_per_session_chunk": 34},
     })
