@@ -137,7 +137,8 @@ class PagedKVCache:
       cross_attention: named dense cross-attention caches per session and branch.
       plan: a :class:`MemoryPlan` for these settings; planned here when ``None`` from
         ``available_bytes`` (default: the device's free memory), ``memory_fraction`` and
-        ``session_capacity``.
+        ``session_capacity``, with in-flight pages reserved for every session
+        (``batched_in_flight=True``) since all sessions can run in one chunk.
       device: where the pools live (default: the first local device).
       backend: kernel backend for the commit write (see :mod:`pallas_kernels.backend`).
       fail_closed: close the sessions of a chunk whose forward raised, instead of keeping them at
@@ -157,7 +158,7 @@ class PagedKVCache:
             plan = plan_memory(
                 geometry, window, kv_branches, cross_attention=cross_attention,
                 available_bytes=device_free_bytes(device) if available_bytes is None else available_bytes,
-                memory_fraction=memory_fraction, session_capacity=session_capacity)
+                memory_fraction=memory_fraction, session_capacity=session_capacity, batched_in_flight=True)
         elif (plan.geometry, plan.window, plan.kv_branches, plan.cross_attention) != (
                 geometry, window, tuple(kv_branches), tuple(cross_attention)):
             raise ValueError("plan was made for a different geometry, window, branches or cross-attention")

@@ -14,6 +14,7 @@ All arithmetic is on Python ints (bytes, pages); nothing here touches a device e
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -108,14 +109,17 @@ def cross_attention_bytes_per_session(geometry: CacheGeometry, specs: Sequence[C
 
 
 def managed_blocks_required(geometry: CacheGeometry, window: WindowPolicy, num_local: int,
-                            sessions: int) -> int:
+                            sessions: int, batched_in_flight: bool = False) -> int:
     """Managed pages needed for ``sessions`` resident sessions (the seed's ``managed(c)``).
 
-    Every session keeps sink + window frames per local branch; one forward is in flight per local
-    branch; ``+2`` frames cover the null page and one spare.
+    Every session keeps sink + window frames per local branch; ``+2`` frames cover the null page and
+    one spare. In flight: the seed runs one forward at a time, so one forward's frames per local
+    branch; with ``batched_in_flight`` every session may have a forward in flight at once (a
+    batched chunk of all sessions, as :class:`arkv_jax.cache.PagedKVCache` runs them).
     """
     ppf = geometry.pages_per_frame
-    return (num_local * (sessions * window.resident_frames * ppf + geometry.frames_per_forward * ppf)
+    in_flight = sessions if batched_in_flight else 1
+    return (num_local * (sessions * window.resident_frames * ppf + in_flight * geometry.frames_per_forward * ppf)
             + 2 * ppf)
 
 
@@ -149,6 +153,7 @@ class MemoryPlan:
     managed_num_blocks: int
     num_blocks_total: int
     null_block_id: int = 0
+    batched_in_flight: bool = False
 
     @property
     def bytes_per_frame(self) -> int:
@@ -263,6 +268,7 @@ def plan_memory(
     max_scratch_tokens_per_branch: int = 0,
     model_owned_state_bytes_per_session: int = 0,
     scratch_blocks_override: int | None = None,
+    batched_in_flight: bool = False,
 ) -> MemoryPlan:
     """Plans the paged pool for one model on one device (the seed's arithmetic, exactly).
 
@@ -277,6 +283,8 @@ def plan_memory(
       max_scratch_tokens_per_branch: extra (action/state) tokens a forward keeps in scratch.
       model_owned_state_bytes_per_session: per-session model state outside the pool, in bytes.
       scratch_blocks_override: raises the scratch pages per branch; ``None`` reads the environment.
+      batched_in_flight: reserve in-flight pages for every session (all sessions in one batched
+        chunk) instead of the seed's one forward at a time. Off reproduces the seed exactly.
 
     Raises:
       ValueError: an input is out of range, or one session does not fit in ``available_bytes``.
@@ -299,9 +307,10 @@ def plan_memory(
     cross = cross_attention_bytes_per_session(geometry, cross_attention, len(kv_branches))
     owned = model_owned_state_bytes_per_session
     # required(c) = fixed + c * per_session (affine in c).
-    fixed = scratch_bytes + managed_blocks_required(geometry, window, num_local, 0) * page
-    per_session = cross + owned + (managed_blocks_required(geometry, window, num_local, 1)
-                                   - managed_blocks_required(geometry, window, num_local, 0)) * page
+    managed = functools.partial(managed_blocks_required, geometry, window, num_local,
+                                batched_in_flight=batched_in_flight)
+    fixed = scratch_bytes + managed(0) * page
+    per_session = cross + owned + (managed(1) - managed(0)) * page
     one_session = fixed + per_session
     if one_session > available_bytes:
         raise ValueError(
@@ -316,9 +325,9 @@ def plan_memory(
     if capacity < session_capacity:
         _log.warning("resident session capacity reduced from %d to %d by the memory budget",
                      session_capacity, capacity)
-    managed = (budget - scratch_bytes - cross * capacity - owned * capacity) // page
-    required_managed = managed_blocks_required(geometry, window, num_local, capacity)
-    assert managed >= required_managed, (managed, required_managed)
+    required_managed = managed(capacity)
+    managed_blocks = (budget - scratch_bytes - cross * capacity - owned * capacity) // page
+    assert managed_blocks >= required_managed, (managed_blocks, required_managed)
     return MemoryPlan(
         geometry=geometry, window=window, kv_branches=kv_branches, cross_attention=cross_attention,
         available_bytes=int(available_bytes), memory_fraction=float(memory_fraction),
@@ -328,8 +337,8 @@ def plan_memory(
         scratch_num_blocks=scratch_blocks, scratch_reserved_bytes=scratch_bytes,
         cross_attention_bytes_per_session=cross, cross_attention_reserved_bytes=cross * capacity,
         model_owned_state_bytes_per_session=owned, model_owned_state_reserved_bytes=owned * capacity,
-        required_managed_blocks=required_managed, managed_num_blocks=managed,
-        num_blocks_total=managed + scratch_blocks,
+        required_managed_blocks=required_managed, managed_num_blocks=managed_blocks,
+        num_blocks_total=managed_blocks + scratch_blocks, batched_in_flight=batched_in_flight,
     )
 
 

@@ -44,8 +44,8 @@ def _config(quick: bool) -> dict:
     if quick:
         return dict(sessions=16, layers=2, kv_heads=8, q_heads=8, head_dim=32, tokens_per_frame=32,
                     block_size=16, sink=1, window=4, steps=2, reps=5)
-    return dict(sessions=32, layers=4, kv_heads=8, q_heads=16, head_dim=64, tokens_per_frame=128,
-                block_size=32, sink=1, window=4, steps=5, reps=11)
+    return dict(sessions=32, layers=2, kv_heads=8, q_heads=16, head_dim=64, tokens_per_frame=64,
+                block_size=16, sink=1, window=4, steps=3, reps=7)
 
 
 # ------------------------------------------------------------------------------------------------

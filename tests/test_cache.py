@@ -310,6 +310,7 @@ def test_soak_churn_leaves_every_page_free_and_memory_flat():
             cache.clear_cross_attention(sid)
         if chunk % 1000 == 0:
             assert total - cache.num_free_pages() <= 64 * window.resident_frames
+    del step
     gc.collect()
     assert len(jax.live_arrays()) <= live_before
     for sid in sessions:

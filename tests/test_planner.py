@@ -154,6 +154,16 @@ def test_frame_aligned_paging_matches_the_seeds_s2_example():
         assert managed_blocks_required(geometry, window, 1, c) == 1764 * c + 294 + 196
 
 
+def test_batched_in_flight_reserves_a_forward_per_session():
+    geometry = CacheGeometry(2, 4, 64, "float16", tokens_per_frame=16, frames_per_forward=3)
+    window = WindowPolicy(window_frames=5, sink_frames=1)
+    assert managed_blocks_required(geometry, window, 2, 4, batched_in_flight=True) == 2 * 4 * (6 + 3) + 2
+    kwargs = dict(available_bytes=1 << 26, memory_fraction=1.0, session_capacity=1000)
+    seed, batched = (plan_memory(geometry, window, MAIN, batched_in_flight=b, **kwargs) for b in (False, True))
+    assert batched.batched_in_flight and batched.session_capacity < seed.session_capacity
+    assert batched.managed_num_blocks >= batched.session_capacity * (6 + 3) + 2
+
+
 def test_frame_equal_to_page_is_the_seed_formula():
     geometry = CacheGeometry(2, 4, 64, "float16", tokens_per_frame=16, frames_per_forward=3)
     window = WindowPolicy(window_frames=5, sink_frames=1)
