@@ -1,4 +1,4 @@
-"""The ``arkv-jax`` command line: ``plan`` (memory planning)."""
+"""The ``arkv-jax`` command line: ``plan`` (memory planning) and ``demo`` (sessions sharing a cache)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 from typing import Sequence
 
 from arkv_jax import planner, presets
-from arkv_jax.config import CacheGeometry, CrossAttentionSpec, KVBranch, WindowPolicy
+from arkv_jax.config import CrossAttentionSpec, KVBranch
 
 
 def _positive_fraction(text: str) -> float:
@@ -82,6 +82,9 @@ def _add_plan_parser(sub) -> None:
     p.add_argument("--fraction", type=_positive_fraction, default=0.1,
                    help="soft budget fraction of the available memory, in (0, 1] (default 0.1)")
     p.add_argument("--sessions", type=int, help="resident sessions requested")
+    p.add_argument("--batched-in-flight", action="store_true",
+                   help="reserve in-flight pages for every session (all sessions in one batched chunk, as "
+                        "arkv_jax.cache.PagedKVCache runs them) instead of the seed's one forward at a time")
     p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     p.set_defaults(run=_run_plan)
 
@@ -108,6 +111,7 @@ def _plan_from_args(args: argparse.Namespace) -> planner.MemoryPlan:
                                        else preset.max_scratch_tokens_per_branch),
         model_owned_state_bytes_per_session=(args.model_owned_bytes if args.model_owned_bytes is not None
                                              else preset.model_owned_state_bytes_per_session),
+        batched_in_flight=args.batched_in_flight,
     )
 
 
@@ -120,12 +124,53 @@ def _run_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return 0
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def _add_demo_parser(sub) -> None:
+    from pallas_kernels.backend import BACKEND_NAMES
+
+    p = sub.add_parser("demo", help="several video sessions generating through one paged KV cache",
+                       description="Run a random-weight causal video DiT for several concurrent sessions "
+                                   "through one paged KV cache; print latency, frames per second and pool "
+                                   "occupancy; write pages.png and memory.png. The last line is "
+                                   "'checksum: <float>'.")
+    p.add_argument("--sessions", type=_positive_int, default=4, help="concurrent sessions (default 4)")
+    p.add_argument("--chunks", type=_positive_int, default=12, help="chunks per session (default 12)")
+    p.add_argument("--preset", default="tiny", choices=("tiny", "wan-1.3b"),
+                   help="model and cache shape (default tiny; wan-1.3b needs an accelerator)")
+    p.add_argument("--backend", default="auto", choices=BACKEND_NAMES, help="kernel backend (default auto)")
+    p.add_argument("--out", default="arkv_demo_out", help="folder for the pictures (default arkv_demo_out)")
+    p.add_argument("--check", action="store_true", help="also run the full-recompute reference and "
+                                                        "print max_abs_diff")
+    p.add_argument("--seed", type=int, default=0, help="weights and noise seed (default 0)")
+    p.set_defaults(run=_run_demo)
+
+
+def _run_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from arkv_jax import demo
+
+    if args.seed < 0:
+        parser.error(f"--seed must be non-negative, got {args.seed}")
+    demo.run_demo(sessions=args.sessions, chunks=args.chunks, preset=args.preset, backend=args.backend,
+                  out=args.out, check=args.check, seed=args.seed)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``arkv-jax`` argument parser with its subcommands."""
     parser = argparse.ArgumentParser(
         prog="arkv-jax", description="Paged KV cache for autoregressive video diffusion in JAX.")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_plan_parser(sub)
+    _add_demo_parser(sub)
     return parser
 
 

@@ -1,0 +1,323 @@
+"""A small but real causal video DiT (Wan-2.1 layout) that generates through the paged KV cache.
+
+Latent frames ``[B, F, H, W, C]`` are cut into ``patch_size x patch_size`` patches (one token per
+patch, ``grid = (H / p, W / p)`` tokens per frame) and embedded; ``num_layers`` blocks follow, each
+
+* adaLN modulation from the frame's timestep: ``shift, scale, gate`` for self-attention and MLP
+  (Wan: a shared projection of the timestep embedding plus a learned per-block offset),
+* self-attention over the history (:class:`arkv_jax.nnx.PagedSelfAttention`, 3-D RoPE at absolute
+  positions, QK RMSNorm),
+* cross-attention over the session's cached text K/V (:class:`arkv_jax.nnx.CachedCrossAttention`),
+* a GELU MLP,
+
+then a modulated head projects back to patches. The blocks are stacked (``nnx.vmap`` at creation)
+and applied with ``jax.lax.scan`` over their split state (``nnx.split``/``nnx.merge`` per step, which
+works at any trace depth, e.g. inside a sampler's ``fori_loop``), the layer index riding along as a
+traced value, so a 30-layer model compiles one block. Timesteps are per frame (``[B, F]``, in
+``[0, 1000]``), which lets the full-recompute reference run clean history frames at ``t = 0`` beside
+a noisy chunk.
+
+Weights are random (the cache does not care what they are; :func:`init_random` draws them on the
+host, fast); :data:`MODEL_CONFIGS` has the ``tiny``
+shape (CPU tests and the demo: runs in milliseconds) and Wan-2.1-T2V-1.3B's shape (30 layers, dim
+1536, 12 heads, FFN 8960, 1560 tokens per 480x832 frame: 1.4 B parameters, for accelerators).
+Text conditioning stands in for umT5: :func:`prompt_embedding` hashes each word of a prompt to a
+vector (zeros past the prompt, so the empty prompt, the CFG negative, is all zeros); the model's
+``text_embedding`` MLP and each block's cross-attention ``kv`` turn it into the per-layer text K/V
+that go into the cache's cross-attention store.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from arkv_jax import nnx as layers
+from arkv_jax.config import CacheGeometry, CrossAttentionSpec
+
+Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class DiTConfig:
+    """Shape of a :class:`CausalDiT`.
+
+    Attributes:
+      num_layers: blocks (each keeps K/V in one pool layer).
+      dim: model width; head dim is ``dim // num_heads``.
+      num_heads, num_kv_heads: query and K/V heads of self- and cross-attention.
+      ffn_dim: MLP hidden width.
+      in_channels: latent channels (Wan's VAE: 16).
+      patch_size: spatial patch side in latent pixels (one frame per temporal patch).
+      grid: ``(rows, columns)`` tokens per frame; a latent frame is ``rows * patch_size`` by
+        ``columns * patch_size``.
+      text_dim: width of the text encoder's tokens (umT5-XXL: 4096).
+      text_tokens: text tokens per prompt (the cache's cross-attention ``num_tokens``).
+      freq_dim: sinusoidal timestep features.
+      rope_theta: RoPE base.
+      eps: norm epsilon.
+      dtype: parameter and compute dtype name.
+    """
+
+    num_layers: int
+    dim: int
+    num_heads: int
+    num_kv_heads: int
+    ffn_dim: int
+    in_channels: int
+    patch_size: int
+    grid: tuple[int, int]
+    text_dim: int
+    text_tokens: int
+    freq_dim: int = 256
+    rope_theta: float = 10000.0
+    eps: float = 1e-6
+    dtype: str = "float32"
+
+    def __post_init__(self):
+        if self.dim % self.num_heads or self.num_heads % self.num_kv_heads:
+            raise ValueError(f"dim={self.dim} must be a multiple of num_heads={self.num_heads}, itself a "
+                             f"multiple of num_kv_heads={self.num_kv_heads}")
+        layers.rope_axis_pairs(self.head_dim)
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.num_heads
+
+    @property
+    def tokens_per_frame(self) -> int:
+        return self.grid[0] * self.grid[1]
+
+    @property
+    def frame_shape(self) -> tuple[int, int, int]:
+        """``(H, W, C)`` of one latent frame."""
+        return self.grid[0] * self.patch_size, self.grid[1] * self.patch_size, self.in_channels
+
+    def check_cache(self, geometry: CacheGeometry, text: CrossAttentionSpec) -> None:
+        """Raises ``ValueError`` naming the first field where the cache does not fit this model."""
+        expected = {"num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads,
+                    "head_dim": self.head_dim, "tokens_per_frame": self.tokens_per_frame}
+        for name, value in expected.items():
+            if getattr(geometry, name) != value:
+                raise ValueError(f"cache geometry {name}={getattr(geometry, name)} does not match the "
+                                 f"model's {value}")
+        text_heads = text.num_kv_heads or geometry.num_kv_heads
+        if text.num_tokens != self.text_tokens or text_heads != self.num_kv_heads:
+            raise ValueError(f"cross-attention cache {text.name!r} holds {text.num_tokens} tokens x "
+                             f"{text_heads} heads; the model needs "
+                             f"{self.text_tokens} x {self.num_kv_heads}")
+
+
+#: Model shapes by preset name (the cache shapes are in :data:`arkv_jax.presets.PRESETS`).
+MODEL_CONFIGS: dict[str, DiTConfig] = {
+    "tiny": DiTConfig(num_layers=2, dim=64, num_heads=4, num_kv_heads=2, ffn_dim=128, in_channels=4,
+                      patch_size=2, grid=(4, 6), text_dim=32, text_tokens=7, freq_dim=64),
+    "wan-1.3b": DiTConfig(num_layers=30, dim=1536, num_heads=12, num_kv_heads=12, ffn_dim=8960,
+                          in_channels=16, patch_size=2, grid=(30, 52), text_dim=4096, text_tokens=512,
+                          dtype="bfloat16"),
+}
+
+
+def prompt_embedding(prompt: str, num_tokens: int, text_dim: int) -> np.ndarray:
+    """Stand-in text encoder: float32 ``[num_tokens, text_dim]``, one unit-variance vector per word
+    (seeded by the word's SHA-256), zeros past the last word (so ``""`` gives all zeros).
+    Deterministic across processes and machines."""
+    out = np.zeros((num_tokens, text_dim), np.float32)
+    for i, word in enumerate(prompt.lower().split()[:num_tokens]):
+        seed = int.from_bytes(hashlib.sha256(word.encode()).digest()[:8], "little")
+        out[i] = np.random.default_rng(seed).standard_normal(text_dim)
+    return out
+
+
+def timestep_features(t: Array, dim: int) -> Array:
+    """float32 ``[..., dim]`` sinusoidal features of timesteps ``t`` (``[...]``, in ``[0, 1000]``):
+    ``[cos(t w_i), sin(t w_i)]`` with ``w_i = 10000 ** (-i / (dim / 2))``."""
+    half = dim // 2
+    freqs = jnp.asarray(10000.0 ** (-np.arange(half) / half), jnp.float32)
+    angles = t.astype(jnp.float32)[..., None] * freqs
+    return jnp.concatenate([jnp.cos(angles), jnp.sin(angles)], axis=-1)
+
+
+def patchify(latents: Array, patch: int) -> Array:
+    """``[B, F, H, W, C]`` -> ``[B, F * (H/p) * (W/p), p * p * C]``, frame after frame, row-major."""
+    b, f, h, w, c = latents.shape
+    x = latents.reshape(b, f, h // patch, patch, w // patch, patch, c)
+    return x.transpose(0, 1, 2, 4, 3, 5, 6).reshape(b, f * (h // patch) * (w // patch), patch * patch * c)
+
+
+def unpatchify(tokens: Array, num_frames: int, grid: tuple[int, int], patch: int) -> Array:
+    """Inverse of :func:`patchify`: ``[B, F * rows * cols, p * p * C]`` -> ``[B, F, H, W, C]``."""
+    b = tokens.shape[0]
+    rows, cols = grid
+    x = tokens.reshape(b, num_frames, rows, cols, patch, patch, -1)
+    return x.transpose(0, 1, 2, 4, 3, 5, 6).reshape(b, num_frames, rows * patch, cols * patch, -1)
+
+
+def _modulate(x: Array, shift: Array, scale: Array, num_frames: int) -> Array:
+    """``x * (1 + scale) + shift`` with per-frame ``shift``/``scale`` ``[B, F, dim]`` over the
+    tokens ``x`` ``[B, F * tpf, dim]``."""
+    b, n, d = x.shape
+    x = x.reshape(b, num_frames, n // num_frames, d)
+    return (x * (1 + scale[:, :, None]) + shift[:, :, None]).reshape(b, n, d)
+
+
+def _gate(y: Array, gate: Array, num_frames: int) -> Array:
+    """``y * gate`` with a per-frame ``gate`` ``[B, F, dim]``."""
+    b, n, d = y.shape
+    return (y.reshape(b, num_frames, n // num_frames, d) * gate[:, :, None]).reshape(b, n, d)
+
+
+class DiTBlock(nnx.Module):
+    """One Wan block: modulated self-attention, cross-attention on cached text K/V, modulated MLP."""
+
+    def __init__(self, config: DiTConfig, *, rngs: nnx.Rngs):
+        dtype = jnp.dtype(config.dtype)
+        kw = dict(dtype=dtype, param_dtype=dtype)
+        dim = config.dim
+        self.norm1 = nnx.LayerNorm(dim, epsilon=config.eps, use_bias=False, use_scale=False, rngs=rngs, **kw)
+        self.self_attn = layers.PagedSelfAttention(dim, config.num_heads, config.num_kv_heads, eps=config.eps,
+                                                   rngs=rngs, **kw)
+        self.norm3 = nnx.LayerNorm(dim, epsilon=config.eps, rngs=rngs, **kw)
+        self.cross_attn = layers.CachedCrossAttention(dim, config.num_heads, config.num_kv_heads,
+                                                      eps=config.eps, rngs=rngs, **kw)
+        self.norm2 = nnx.LayerNorm(dim, epsilon=config.eps, use_bias=False, use_scale=False, rngs=rngs, **kw)
+        self.ffn_in = nnx.Linear(dim, config.ffn_dim, rngs=rngs, **kw)
+        self.ffn_out = nnx.Linear(config.ffn_dim, dim, rngs=rngs, **kw)
+        self.modulation = nnx.Param(
+            (jax.random.normal(rngs.params(), (6, dim)) / math.sqrt(dim)).astype(dtype))
+
+    def __call__(self, x: Array, time_mod: Array, rope: tuple[Array, Array], history: layers.History,
+                 text_k: Array, text_v: Array, layer: Array) -> tuple[Array, tuple[Array, Array]]:
+        """One block on ``x`` ``[B, F * tpf, dim]``.
+
+        Args:
+          time_mod: ``[B, F, 6, dim]`` the timestep projection (shared by all blocks).
+          rope: ``(cos, sin)`` of the tokens' positions.
+          history: where self-attention's keys come from.
+          text_k, text_v: ``[B, T, Hkv, D]`` this layer's text K/V.
+          layer: int32 scalar, this block's pool layer.
+
+        Returns:
+          ``(x, (k, v))``: the new tokens and this layer's post-RoPE K/V ``[B, N, Hkv, D]``.
+        """
+        frames = time_mod.shape[1]
+        shift_sa, scale_sa, gate_sa, shift_ff, scale_ff, gate_ff = jnp.unstack(
+            time_mod + self.modulation[...], axis=2)
+        y, kv = self.self_attn(_modulate(self.norm1(x), shift_sa, scale_sa, frames), rope, history, layer)
+        x = x + _gate(y, gate_sa, frames)
+        x = x + self.cross_attn(self.norm3(x), text_k, text_v)
+        y = self.ffn_out(jax.nn.gelu(self.ffn_in(_modulate(self.norm2(x), shift_ff, scale_ff, frames)),
+                                     approximate=True))
+        return x + _gate(y, gate_ff, frames), kv
+
+
+class CausalDiT(nnx.Module):
+    """Chunk-wise causal video DiT; see the module docstring.
+
+    Args:
+      config: the model shape.
+      rngs: parameter initialisation.
+    """
+
+    def __init__(self, config: DiTConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        dtype = jnp.dtype(config.dtype)
+        kw = dict(dtype=dtype, param_dtype=dtype)
+        dim, p = config.dim, config.patch_size
+        self.patch_embedding = nnx.Linear(p * p * config.in_channels, dim, rngs=rngs, **kw)
+        self.text_in = nnx.Linear(config.text_dim, dim, rngs=rngs, **kw)
+        self.text_out = nnx.Linear(dim, dim, rngs=rngs, **kw)
+        self.time_in = nnx.Linear(config.freq_dim, dim, rngs=rngs, **kw)
+        self.time_out = nnx.Linear(dim, dim, rngs=rngs, **kw)
+        self.time_projection = nnx.Linear(dim, 6 * dim, rngs=rngs, **kw)
+
+        @nnx.split_rngs(splits=config.num_layers)
+        @nnx.vmap(in_axes=0, out_axes=0)
+        def make_blocks(rngs: nnx.Rngs) -> DiTBlock:
+            return DiTBlock(config, rngs=rngs)
+
+        self.blocks = make_blocks(rngs)
+        self.head_norm = nnx.LayerNorm(dim, epsilon=config.eps, use_bias=False, use_scale=False, rngs=rngs, **kw)
+        self.head = nnx.Linear(dim, p * p * config.in_channels, rngs=rngs, **kw)
+        self.head_modulation = nnx.Param(
+            (jax.random.normal(rngs.params(), (2, dim)) / math.sqrt(dim)).astype(dtype))
+
+    def text_kv(self, context: Array) -> tuple[Array, Array]:
+        """Per-layer text K/V of ``context`` float ``[B, T, text_dim]`` (from
+        :func:`prompt_embedding`): ``(k, v)``, each ``[L, B, T, Hkv, D]``."""
+        x = self.text_in(context.astype(self.config.dtype))
+        x = self.text_out(jax.nn.gelu(x, approximate=True))
+        graphdef, stacked = nnx.split(self.blocks)
+        return jax.vmap(lambda state: nnx.merge(graphdef, state).cross_attn.kv(x))(stacked)
+
+    def __call__(self, latents: Array, timesteps: Array, first_frame: Array, history: layers.History,
+                 text_k: Array, text_v: Array, *, return_kv: bool = False):
+        """The velocity of ``latents`` ``[B, F, H, W, C]`` at per-frame ``timesteps`` ``[B, F]``.
+
+        Args:
+          first_frame: int32 ``[B]`` absolute index of each row's first frame (RoPE positions).
+          history: where self-attention's keys come from (:class:`arkv_jax.nnx.PagedHistory`, ...).
+          text_k, text_v: ``[L, B, T, Hkv, D]`` the rows' text K/V.
+          return_kv: also return every layer's K/V of these frames (the commit forward).
+
+        Returns:
+          velocity ``[B, F, H, W, C]`` in the model dtype; with ``return_kv``, ``(velocity, (k, v))``
+          where ``k``/``v`` are ``[L, B, F * tpf, Hkv, D]`` (``k`` post-RoPE), ready for
+          ``ChunkStep.commit``.
+        """
+        config = self.config
+        frames = latents.shape[1]
+        x = self.patch_embedding(patchify(latents.astype(config.dtype), config.patch_size))
+        t_emb = self.time_out(jax.nn.silu(self.time_in(timestep_features(timesteps, config.freq_dim)
+                                                       .astype(config.dtype))))
+        time_mod = self.time_projection(jax.nn.silu(t_emb)).reshape(*timesteps.shape, 6, config.dim)
+        rope = layers.rope_tables(layers.token_positions(first_frame, frames, config.grid), config.head_dim,
+                                  config.rope_theta)
+
+        graphdef, stacked = nnx.split(self.blocks)
+
+        def run_block(x, layer_inputs):
+            state, layer_k, layer_v, layer = layer_inputs
+            x, kv = nnx.merge(graphdef, state)(x, time_mod, rope, history, layer_k, layer_v, layer)
+            return x, (kv if return_kv else None)
+
+        layer_ids = jnp.arange(config.num_layers, dtype=jnp.int32)
+        x, kv = jax.lax.scan(run_block, x, (stacked, text_k, text_v, layer_ids))
+        shift, scale = jnp.unstack(self.head_modulation[...] + t_emb[:, :, None], axis=2)
+        out = self.head(_modulate(self.head_norm(x), shift, scale, frames))
+        velocity = unpatchify(out, frames, config.grid, config.patch_size)
+        return (velocity, kv) if return_kv else velocity
+
+
+def init_random(config: DiTConfig, seed: int = 0) -> CausalDiT:
+    """A :class:`CausalDiT` with random weights drawn on the host with NumPy (seeded, identical on
+    every machine): Linear kernels ``N(0, 1 / fan_in)``, biases 0, norm scales 1, modulation
+    offsets ``N(0, 1 / dim)`` as Wan initialises them.
+
+    The constructor's ``nnx.Rngs`` initialisers draw nearly the same (Flax's LeCun normal is a
+    truncated normal of the same variance) but cost seconds on XLA:CPU: compiling JAX's
+    random-number code for a model's parameters takes that long, and eager initialisation compiles
+    it once per parameter shape. The model structure still comes from the constructor (traced
+    abstractly with ``nnx.eval_shape``).
+    """
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: CausalDiT(config, rngs=nnx.Rngs(0))))
+    rng = np.random.default_rng(seed)
+
+    def draw(path, leaf: jax.ShapeDtypeStruct) -> Array:
+        name = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)][-1]
+        if name == "bias":
+            value = np.zeros(leaf.shape, np.float32)
+        elif name == "scale":
+            value = np.ones(leaf.shape, np.float32)
+        else:
+            fan_in = leaf.shape[-2] if name == "kernel" else leaf.shape[-1]
+            value = rng.standard_normal(leaf.shape, np.float32) / np.float32(math.sqrt(fan_in))
+        return jnp.asarray(value, leaf.dtype)
+
+    return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(draw, abstract))

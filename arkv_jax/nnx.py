@@ -1,0 +1,327 @@
+"""Flax NNX attention layers over the paged KV cache, and the functional core under them.
+
+The functional core is plain functions on arrays, usable from NNX, linen or bare JAX:
+
+* **Rotary positions** (:func:`rope_tables`, :func:`apply_rope`): Wan's 3-D RoPE. A token's position
+  is ``(frame, row, column)``: the *absolute* frame index (``ChunkInputs.first_frame + f``) and its
+  place in the frame's ``grid = (rows, columns)`` patch grid. ``head_dim / 2`` rotary pairs are split
+  as Wan splits them, ``head_dim // 6`` pairs each to row and column and the rest to the frame
+  (Wan-1.3B, ``head_dim`` 128: 22 frame + 21 row + 21 column pairs); each axis has its own
+  frequencies ``theta ** (-2 i / axis_dims)``. Angles are computed from the positions on the fly
+  (no table, so no 1,024-frame cap). Keys are rotated *before* they are stored: the pool holds
+  post-RoPE keys at their absolute positions, exactly what every chunk-wise AR video model
+  (Self-Forcing's ``causal_rope_apply``) keeps, so history keys are read as they are and only the
+  current chunk's queries and keys are rotated per forward. ``ChunkInputs.history_frames`` is
+  therefore not needed here (it is there for models that store pre-RoPE keys).
+* **Where the keys come from** (a *history*: any object with ``attend(q, k, v, layer)``):
+  :class:`PagedHistory` reads the visible pages plus the current chunk through
+  :func:`pallas_kernels.window_attention` (read-only: denoise steps never write the pool);
+  :class:`MaskedHistory` attends a whole frame sequence to itself under a frame-level mask
+  (:func:`window_frame_mask`), which is how the full-recompute reference runs the same model.
+* **Dense attention** (:func:`masked_attention`) with GQA, for cross-attention over a session's
+  cached text K/V and for the reference.
+
+The NNX modules wrap them: :class:`PagedSelfAttention` (projections, QK-norm, RoPE, attention over a
+history; returns the output *and* the chunk's post-RoPE K/V, which the commit forward hands to
+``ChunkStep.commit``) and :class:`CachedCrossAttention` (``kv(context)`` computes the K/V stored in
+the cache's cross-attention store once per session and branch; the call reads them).
+
+Shapes: ``B`` rows (sessions x KV branches), ``N`` tokens of the forward (frames x tokens per
+frame), ``T`` text tokens, ``Hq``/``Hkv`` query/KV heads, ``D`` head dim, ``L`` layers.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, struct
+
+from arkv_jax.cache import ChunkInputs
+from arkv_jax.config import WindowPolicy
+from pallas_kernels import window_attention
+
+Array = jax.Array
+
+#: Logit of a masked key: finite, so a row with no visible key cannot produce NaN.
+MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+
+
+# ------------------------------------------------------------------------------------------------
+# Rotary positions
+# ------------------------------------------------------------------------------------------------
+
+
+def rope_axis_pairs(head_dim: int) -> tuple[int, int, int]:
+    """Rotary pairs given to the (frame, row, column) axes: Wan's split of ``head_dim / 2`` pairs.
+
+    Raises:
+      ValueError: ``head_dim`` is odd or below 6 (each axis needs a pair).
+    """
+    if head_dim % 2 or head_dim < 6:
+        raise ValueError(f"3-D RoPE needs an even head_dim >= 6, got {head_dim}")
+    spatial = head_dim // 6
+    return head_dim // 2 - 2 * spatial, spatial, spatial
+
+
+def _rope_pair_table(head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
+    """``(axis, inverse_frequency)`` of each rotary pair, each ``[head_dim // 2]``."""
+    axes, freqs = [], []
+    for axis, pairs in enumerate(rope_axis_pairs(head_dim)):
+        axes.append(np.full(pairs, axis, np.int32))
+        freqs.append(theta ** (-np.arange(pairs, dtype=np.float64) / pairs))
+    return np.concatenate(axes), np.concatenate(freqs).astype(np.float32)
+
+
+def token_positions(first_frame: Array, num_frames: int, grid: tuple[int, int]) -> Array:
+    """int32 ``[B, num_frames * rows * columns, 3]``: (absolute frame, row, column) of every token
+    of ``num_frames`` frames starting at ``first_frame`` (``[B]``), frame after frame, row-major."""
+    rows, cols = grid
+    f, r, c = np.meshgrid(np.arange(num_frames), np.arange(rows), np.arange(cols), indexing="ij")
+    local = np.stack([f.ravel(), r.ravel(), c.ravel()], axis=-1).astype(np.int32)
+    offset = jnp.stack([first_frame.astype(jnp.int32), jnp.zeros_like(first_frame, jnp.int32),
+                        jnp.zeros_like(first_frame, jnp.int32)], axis=-1)
+    return jnp.asarray(local)[None] + offset[:, None, :]
+
+
+def rope_tables(positions: Array, head_dim: int, theta: float = 10000.0) -> tuple[Array, Array]:
+    """``(cos, sin)``, each float32 ``[B, N, head_dim // 2]``, for ``positions`` int ``[B, N, 3]``."""
+    axis, freq = _rope_pair_table(head_dim, theta)
+    angles = positions[..., axis].astype(jnp.float32) * freq
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x: Array, rope: tuple[Array, Array]) -> Array:
+    """Rotates adjacent feature pairs ``(x[2i], x[2i+1])`` of ``x`` ``[B, N, H, D]`` by the angles of
+    ``rope`` (from :func:`rope_tables`); computed in float32, returned in ``x``'s dtype."""
+    cos, sin = (t[:, :, None, :] for t in rope)
+    pairs = x.astype(jnp.float32).reshape(*x.shape[:-1], x.shape[-1] // 2, 2)
+    a, b = pairs[..., 0], pairs[..., 1]
+    out = jnp.stack([a * cos - b * sin, a * sin + b * cos], axis=-1)
+    return out.reshape(x.shape).astype(x.dtype)
+
+
+# ------------------------------------------------------------------------------------------------
+# Attention and histories
+# ------------------------------------------------------------------------------------------------
+
+
+def masked_attention(q: Array, k: Array, v: Array, mask: Array | None = None) -> Array:
+    """Softmax attention of ``q`` ``[B, Nq, Hq, D]`` over ``k``/``v`` ``[B, Nk, Hkv, D]``.
+
+    GQA: query head ``h`` reads KV head ``h // (Hq // Hkv)``. ``mask`` (bool ``[B, Nq, Nk]``, True =
+    visible) removes keys by selection; a query with no visible key gets a uniform (finite) average.
+    Logits and softmax in float32, scale ``D ** -0.5``; returns ``[B, Nq, Hq, D]`` in ``q``'s dtype.
+    """
+    batch, nq, hq, dim = q.shape
+    hkv = k.shape[2]
+    qg = q.reshape(batch, nq, hkv, hq // hkv, dim)
+    logits = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k, preferred_element_type=jnp.float32) * dim ** -0.5
+    if mask is not None:
+        logits = jnp.where(mask[:, None, None], logits, MASK_VALUE)
+    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bhgqk,bkhd->bqhgd", probs, v, preferred_element_type=jnp.float32)
+    return out.reshape(q.shape).astype(q.dtype)
+
+
+class History(Protocol):
+    """Where a self-attention layer's keys come from besides the current tokens."""
+
+    def attend(self, q: Array, k: Array, v: Array, layer: Array) -> Array:
+        """Attention output ``[B, N, Hq, D]`` of the current tokens' ``q`` (``[B, N, Hq, D]``) over
+        the history of pool layer ``layer`` (int scalar, may be traced) and the current ``k``/``v``
+        (``[B, N, Hkv, D]``, post-RoPE)."""
+
+
+@struct.dataclass
+class PagedHistory:
+    """The visible pages of each row plus the current chunk, read through ``window_attention``.
+
+    Attributes:
+      k_pool, v_pool: ``[L, pages, block_size, Hkv, D]`` the cache's pools (read only).
+      pages: int32 ``[B, (sink + window) * pages_per_frame]`` visible history pages.
+      lengths: int32 ``[B]`` valid history tokens.
+      tokens_per_frame: tokens per frame (static).
+      backend: kernel backend name (static), see :mod:`pallas_kernels.backend`.
+    """
+
+    k_pool: Array
+    v_pool: Array
+    pages: Array
+    lengths: Array
+    tokens_per_frame: int = struct.field(pytree_node=False)
+    backend: str = struct.field(pytree_node=False, default="auto")
+
+    @classmethod
+    def from_inputs(cls, pools: tuple[Array, Array], inputs: ChunkInputs, tokens_per_frame: int,
+                    backend: str = "auto") -> "PagedHistory":
+        """The history of a chunk: ``pools`` from ``PagedKVCache.pools``, ``inputs`` from
+        ``step.inputs``."""
+        return cls(pools[0], pools[1], inputs.pages, inputs.lengths, tokens_per_frame, backend)
+
+    def attend(self, q: Array, k: Array, v: Array, layer: Array) -> Array:
+        """See :class:`History`; ``q``/``k``/``v`` are cast to the pool dtype for the kernel."""
+        dtype = self.k_pool.dtype
+        out = window_attention(q.astype(dtype), k.astype(dtype), v.astype(dtype), self.k_pool, self.v_pool,
+                               self.pages, self.lengths, layer=layer,
+                               tokens_per_frame=self.tokens_per_frame, backend=self.backend)
+        return out.astype(q.dtype)
+
+
+@struct.dataclass
+class MaskedHistory:
+    """No stored history: the forward's own frames attend to each other under a frame mask.
+
+    Attributes:
+      frame_mask: bool ``[B, F, F]``; ``frame_mask[b, i, j]``: frame ``i`` sees frame ``j``.
+      tokens_per_frame: tokens per frame (static).
+    """
+
+    frame_mask: Array
+    tokens_per_frame: int = struct.field(pytree_node=False)
+
+    def attend(self, q: Array, k: Array, v: Array, layer: Array) -> Array:
+        """See :class:`History` (``layer`` is unused: the keys are the forward's own)."""
+        del layer
+        tpf = self.tokens_per_frame
+        mask = jnp.repeat(jnp.repeat(self.frame_mask, tpf, axis=1), tpf, axis=2)
+        return masked_attention(q, k, v, mask)
+
+
+def window_frame_mask(num_frames: int, chunk_frames: int, window: WindowPolicy) -> np.ndarray:
+    """bool ``[num_frames, num_frames]``: whether a query in frame ``i`` sees key frame ``j`` when a
+    video is generated ``chunk_frames`` frames at a time under ``window``.
+
+    A chunk (frames ``[c0, c0 + chunk_frames)``) sees itself (bidirectionally), the sink frames
+    (``j < sink_frames``) and the most recent earlier frames such that, with the chunk, at most
+    ``sink_frames + window_frames`` frames are visible; in reset mode only the sink. This is the
+    cache's window rule stated on frame indices, independently of pages (the full-recompute
+    reference uses it).
+    """
+    sink_frames, window_frames = window.sink_frames, window.window_frames
+    mask = np.zeros((num_frames, num_frames), bool)
+    for c0 in range(0, num_frames, chunk_frames):
+        sink = min(c0, sink_frames)
+        live = c0 - sink
+        if window.reset_at_boundary:
+            recent = 0
+        elif c0 + chunk_frames <= sink_frames + window_frames:
+            recent = live
+        else:
+            recent = min(live, max(0, window_frames - chunk_frames))
+        rows = slice(c0, c0 + chunk_frames)
+        mask[rows, :sink] = True
+        mask[rows, c0 - recent:c0] = True
+        mask[rows, c0:c0 + chunk_frames] = True
+    return mask
+
+
+# ------------------------------------------------------------------------------------------------
+# NNX modules
+# ------------------------------------------------------------------------------------------------
+
+
+class PagedSelfAttention(nnx.Module):
+    """Self-attention of a chunk over its history (paged pools in production) and itself.
+
+    Wan's layout: q/k/v/o projections, RMSNorm over all heads of q and of k, 3-D RoPE on q and k.
+
+    Args:
+      dim: model width.
+      num_heads, num_kv_heads: query and K/V heads (GQA when fewer K/V heads); ``dim`` is a multiple
+        of ``num_heads`` and head dim is ``dim // num_heads``.
+      qk_norm: RMSNorm on q and k before RoPE.
+      eps: norm epsilon.
+      dtype, param_dtype: compute and parameter dtypes.
+    """
+
+    def __init__(self, dim: int, num_heads: int, num_kv_heads: int, *, qk_norm: bool = True,
+                 eps: float = 1e-6, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+        if dim % num_heads or num_heads % num_kv_heads:
+            raise ValueError(f"dim={dim} must be a multiple of num_heads={num_heads}, itself a multiple of "
+                             f"num_kv_heads={num_kv_heads}")
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, dim // num_heads
+        kv_dim = num_kv_heads * self.head_dim
+        linear = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.q = nnx.Linear(dim, dim, **linear)
+        self.k = nnx.Linear(dim, kv_dim, **linear)
+        self.v = nnx.Linear(dim, kv_dim, **linear)
+        self.o = nnx.Linear(dim, dim, **linear)
+        norm = dict(epsilon=eps, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.norm_q = nnx.RMSNorm(dim, **norm) if qk_norm else None
+        self.norm_k = nnx.RMSNorm(kv_dim, **norm) if qk_norm else None
+
+    def __call__(self, x: Array, rope: tuple[Array, Array], history: History, layer: Array
+                 ) -> tuple[Array, tuple[Array, Array]]:
+        """Attends ``x`` ``[B, N, dim]`` over ``history`` and itself.
+
+        Args:
+          rope: ``(cos, sin)`` of the tokens' absolute positions (:func:`rope_tables`).
+          history: e.g. a :class:`PagedHistory`.
+          layer: int scalar (may be traced): the pool layer of this block.
+
+        Returns:
+          ``(out [B, N, dim], (k, v))`` with ``k``/``v`` ``[B, N, Hkv, D]``, ``k`` post-RoPE: what
+          the commit forward writes to the pool.
+        """
+        batch, n, _ = x.shape
+        q, k = self.q(x), self.k(x)
+        if self.norm_q is not None:
+            q, k = self.norm_q(q), self.norm_k(k)
+        q = apply_rope(q.reshape(batch, n, self.num_heads, self.head_dim), rope)
+        k = apply_rope(k.reshape(batch, n, self.num_kv_heads, self.head_dim), rope)
+        v = self.v(x).reshape(batch, n, self.num_kv_heads, self.head_dim)
+        out = history.attend(q, k, v, layer)
+        return self.o(out.reshape(batch, n, -1)), (k, v)
+
+
+class CachedCrossAttention(nnx.Module):
+    """Cross-attention over a session's cached context K/V (e.g. text).
+
+    ``kv(context)`` computes the K/V once per session and branch (they go into the cache's
+    cross-attention store); ``__call__`` projects the queries and reads them.
+
+    Args:
+      dim: model width (queries).
+      num_heads, num_kv_heads: query and K/V heads.
+      context_dim: width of the context tokens (defaults to ``dim``).
+      qk_norm, eps, dtype, param_dtype: as :class:`PagedSelfAttention`.
+    """
+
+    def __init__(self, dim: int, num_heads: int, num_kv_heads: int, *, context_dim: int | None = None,
+                 qk_norm: bool = True, eps: float = 1e-6, dtype=jnp.float32, param_dtype=jnp.float32,
+                 rngs: nnx.Rngs):
+        if dim % num_heads or num_heads % num_kv_heads:
+            raise ValueError(f"dim={dim} must be a multiple of num_heads={num_heads}, itself a multiple of "
+                             f"num_kv_heads={num_kv_heads}")
+        self.num_kv_heads, self.head_dim = num_kv_heads, dim // num_heads
+        kv_dim, context_dim = num_kv_heads * self.head_dim, context_dim or dim
+        linear = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.q = nnx.Linear(dim, dim, **linear)
+        self.k = nnx.Linear(context_dim, kv_dim, **linear)
+        self.v = nnx.Linear(context_dim, kv_dim, **linear)
+        self.o = nnx.Linear(dim, dim, **linear)
+        norm = dict(epsilon=eps, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.norm_q = nnx.RMSNorm(dim, **norm) if qk_norm else None
+        self.norm_k = nnx.RMSNorm(kv_dim, **norm) if qk_norm else None
+
+    def kv(self, context: Array) -> tuple[Array, Array]:
+        """``(k, v)``, each ``[B, T, Hkv, D]``, of ``context`` ``[B, T, context_dim]``."""
+        batch, t, _ = context.shape
+        k = self.k(context)
+        if self.norm_k is not None:
+            k = self.norm_k(k)
+        shape = (batch, t, self.num_kv_heads, self.head_dim)
+        return k.reshape(shape), self.v(context).reshape(shape)
+
+    def __call__(self, x: Array, k: Array, v: Array) -> Array:
+        """``[B, N, dim]``: ``x`` ``[B, N, dim]`` attending to all of ``k``/``v`` ``[B, T, Hkv, D]``."""
+        batch, n, dim = x.shape
+        q = self.q(x)
+        if self.norm_q is not None:
+            q = self.norm_q(q)
+        q = q.reshape(batch, n, dim // self.head_dim, self.head_dim)
+        out = masked_attention(q, k.astype(q.dtype), v.astype(q.dtype))
+        return self.o(out.reshape(batch, n, dim))

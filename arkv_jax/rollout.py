@@ -1,0 +1,427 @@
+"""The chunk loop: many sessions generate video chunk by chunk through one paged KV cache.
+
+Per chunk, for every active session at once (:meth:`Rollout.step`):
+
+1. ``cache.chunk(...)`` hands out the visible pages of every row (session x KV branch) and allocates
+   the chunk's pages in a pending state. Sessions may be at different frame indices.
+2. One jitted function runs the whole chunk on device: from each session's starting noise (drawn
+   on the host from its seed and chunk counter, :func:`chunk_noise`), ``num_steps`` flow-matching
+   Euler steps ``x <- x + (sigma' - sigma) v(x, sigma)`` from ``sigma = 1`` (noise) to ``0`` on
+   Wan's shifted schedule, every step a read-only forward
+   over the pools (the current chunk's K/V go straight to the attention kernel), then one commit
+   forward at timestep 0 on the clean latents that returns every layer's K/V.
+3. ``step.commit(k, v)`` writes those K/V into the chunk's pages (donated, in place) and commits
+   (advance + evict).
+
+CFG. With a guidance scale, each session has two rows (the cache's first two KV branches: prompt,
+then the empty prompt), laid out session-major, branch-minor exactly as ``cache.rows`` orders them,
+so both branches of every session run in *one* batched forward; the velocity is
+``v_neg + g (v_pos - v_neg)``. Both branches commit their own K/V of the same clean latents.
+
+Join and leave. :meth:`Rollout.join` opens a session in the cache and publishes its text K/V (per
+branch) in the cache's cross-attention store; :meth:`Rollout.leave` closes it, which frees its
+pages and its text rows. The batch is padded to ``max_sessions`` sessions (padding rows have no
+history, read text row 0 and are dropped before the commit), so the chunk function is traced
+*once* for the whole run however sessions come and go; ``num_traces`` counts it and
+``max_traces`` turns a retrace into an error.
+
+The reference. :class:`FullRecompute` generates the same videos without any cache: every forward
+runs the model over all frames so far (clean history at timestep 0, the noisy chunk at its
+timestep) under :func:`arkv_jax.nnx.window_frame_mask`, recomputing every layer's history K/V.
+Its cost grows with the video; the paged rollout must match it to float rounding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from arkv_jax import state as core
+from arkv_jax.cache import ChunkInputs, PagedKVCache
+from arkv_jax.config import CacheGeometry, CrossAttentionSpec, KVBranch, WindowPolicy
+from arkv_jax.models.dit import CausalDiT, prompt_embedding
+from arkv_jax.nnx import MaskedHistory, PagedHistory, window_frame_mask
+from arkv_jax.planner import MemoryPlan, plan_memory
+
+Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampler:
+    """Few-step flow-matching sampler.
+
+    Attributes:
+      num_steps: denoise forwards per chunk (then one commit forward).
+      shift: Wan's timestep shift: ``sigma = shift s / (1 + (shift - 1) s)`` for ``s`` evenly spaced
+        from 1 to 0.
+      guidance_scale: classifier-free guidance scale, or ``None`` for no CFG (one KV branch).
+    """
+
+    num_steps: int = 3
+    shift: float = 5.0
+    guidance_scale: float | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.num_steps, int) or self.num_steps < 1:
+            raise ValueError(f"num_steps must be a positive int, got {self.num_steps!r}")
+        if not self.shift > 0:
+            raise ValueError(f"shift must be positive, got {self.shift!r}")
+
+    @property
+    def num_branches(self) -> int:
+        """KV branches per session: 2 with CFG, else 1."""
+        return 1 if self.guidance_scale is None else 2
+
+    def sigmas(self) -> np.ndarray:
+        """float32 ``[num_steps + 1]`` noise levels from 1 to 0 (model timestep = 1000 sigma)."""
+        s = np.linspace(1.0, 0.0, self.num_steps + 1)
+        return (self.shift * s / (1.0 + (self.shift - 1.0) * s)).astype(np.float32)
+
+
+def chunk_noise(seed: int, chunk_index: int, shape: tuple[int, ...]) -> np.ndarray:
+    """float32 ``shape`` standard normal starting noise of chunk ``chunk_index`` of the session
+    seeded ``seed``: NumPy's PCG64 seeded with ``(seed, chunk_index)``, so it is the same on every
+    machine and whichever sessions share a batch. Drawn on the host: a few hundred KB per session
+    and chunk at Wan's shape, and no random-number program to compile (threefry costs seconds of
+    XLA:CPU compile time)."""
+    return np.random.default_rng((seed, chunk_index)).standard_normal(shape, np.float32)
+
+
+def combine_branches(out: Array, num_branches: int, guidance: float | None) -> Array:
+    """Per-session velocity from the rows' outputs ``[S * num_branches, ...]`` (session-major):
+    the only branch, or ``neg + guidance (pos - neg)``."""
+    out = out.reshape(-1, num_branches, *out.shape[1:])
+    if num_branches == 1:
+        return out[:, 0]
+    return out[:, 1] + guidance * (out[:, 0] - out[:, 1])
+
+
+def denoise(velocity: Callable[[Array, Array], Array], noise: Array, sigmas: np.ndarray) -> Array:
+    """Euler steps of ``dx/dsigma = velocity(x, sigma)`` from ``noise`` at ``sigmas[0]`` to
+    ``sigmas[-1]`` (one traced step in a ``fori_loop``)."""
+    sig = jnp.asarray(sigmas)
+
+    def step(i, x):
+        return (x + (sig[i + 1] - sig[i]) * velocity(x, sig[i])).astype(x.dtype)
+
+    return jax.lax.fori_loop(0, len(sigmas) - 1, step, noise)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _text_kv(graphdef, params, context: Array) -> tuple[Array, Array]:
+    """The model's per-layer text K/V ``[L, B, T, Hkv, D]`` of ``context`` ``[B, T, text_dim]``."""
+    return nnx.merge(graphdef, params).text_kv(context)
+
+
+def _pad_rows(inputs: ChunkInputs, num_rows: int) -> ChunkInputs:
+    """``inputs`` with padding rows up to ``num_rows``: no history (null pages, length 0), text row
+    0, frame 0, nothing to write."""
+    def pad(x, value):
+        return jnp.pad(x, [(0, num_rows - x.shape[0])] + [(0, 0)] * (x.ndim - 1), constant_values=value)
+
+    return ChunkInputs(rows=pad(inputs.rows, 0), pages=pad(inputs.pages, 0), lengths=pad(inputs.lengths, 0),
+                       history_frames=pad(inputs.history_frames, -1), first_frame=pad(inputs.first_frame, 0),
+                       write_pages=pad(inputs.write_pages, 0))
+
+
+_pad_rows_jit = jax.jit(_pad_rows, static_argnums=1)
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _first_rows(k: Array, v: Array, num_rows: int) -> tuple[Array, Array]:
+    """``k``/``v`` ``[L, rows, ...]`` without the padding rows past ``num_rows``."""
+    return k[:, :num_rows], v[:, :num_rows]
+
+
+def rollout_plan(geometry: CacheGeometry, window: WindowPolicy, kv_branches: Sequence[KVBranch],
+                 cross_attention: Sequence[CrossAttentionSpec], sessions: int) -> MemoryPlan:
+    """The smallest plan that holds ``sessions`` sessions and runs them all in one batched chunk
+    (the planner's ``batched_in_flight`` reservation, with a budget of exactly what it requires):
+    the pool is as small as the rollout allows, so page reuse shows in a short run."""
+    kw = dict(cross_attention=cross_attention, session_capacity=sessions, batched_in_flight=True)
+    probe = plan_memory(geometry, window, kv_branches, available_bytes=1 << 60, memory_fraction=1.0, **kw)
+    budget = (probe.scratch_reserved_bytes + probe.cross_attention_bytes_per_session * sessions
+              + probe.required_managed_blocks * probe.page_size_bytes)
+    return plan_memory(geometry, window, kv_branches, available_bytes=budget, memory_fraction=1.0, **kw)
+
+
+def text_branches(prompt: str, num_branches: int) -> tuple[str, ...]:
+    """The prompts of a session's branches: the prompt, then the empty prompt (CFG negative)."""
+    return (prompt, "")[:num_branches]
+
+
+class ChunkResult(NamedTuple):
+    """One chunk of every active session.
+
+    Attributes:
+      session_ids: the sessions, in batch order.
+      first_frames: int ``[S]`` absolute index of each session's first frame in this chunk.
+      latents: ``[S, F, H, W, C]`` the generated clean latents (host array).
+    """
+
+    session_ids: tuple[str, ...]
+    first_frames: np.ndarray
+    latents: np.ndarray
+
+
+@dataclasses.dataclass
+class _Session:
+    """A session's noise seed and the latents ``[F, H, W, C]`` of each chunk it generated."""
+
+    seed: int
+    chunks: list[np.ndarray] = dataclasses.field(default_factory=list)
+
+
+class Rollout:
+    """Chunk-wise generation of many sessions through one :class:`PagedKVCache`.
+
+    Args:
+      model: the video model.
+      cache: its cache; geometry and text cache must fit the model, chunks have
+        ``geometry.frames_per_forward`` frames.
+      sampler: steps, shift, guidance. With guidance the cache's first two KV branches are the
+        (prompt, empty prompt) rows; without, its first branch.
+      text_cache: name of the cross-attention cache holding the text K/V.
+      backend: window-attention backend (default: the cache's).
+      max_sessions: sessions per batch (the padded batch size; default: the cache's capacity).
+      max_traces: if set, tracing the chunk function more often raises ``RuntimeError``.
+
+    Attributes:
+      params: the model's parameters (``nnx.split(model)[1]``).
+      chunk_fn: the jitted chunk function ``(params, pools, inputs, text_kv, noise) -> (latents,
+        k, v)`` that :meth:`step` runs (exposed for inspection, e.g. ``.lower(...)``).
+      num_traces: how often ``chunk_fn`` was traced.
+    """
+
+    def __init__(self, model: CausalDiT, cache: PagedKVCache, sampler: Sampler = Sampler(), *,
+                 text_cache: str = "text", backend: str | None = None, max_sessions: int | None = None,
+                 max_traces: int | None = None) -> None:
+        config = model.config
+        if text_cache not in cache.cross_attention:
+            raise ValueError(f"the cache has no cross-attention cache {text_cache!r}; it has "
+                             f"{sorted(cache.cross_attention)}")
+        config.check_cache(cache.geometry, cache.cross_attention[text_cache])
+        names = [b.name for b in cache.kv_branches]
+        if len(names) < sampler.num_branches:
+            raise ValueError(f"guidance needs two KV branches (prompt, empty prompt); the cache has {names}")
+        if max_sessions is not None and max_sessions < 1:
+            raise ValueError(f"max_sessions must be >= 1, got {max_sessions}")
+        self.model, self.cache, self.sampler, self.text_cache = model, cache, sampler, text_cache
+        self.branches = tuple(names[:sampler.num_branches])
+        self.chunk_frames = cache.geometry.frames_per_forward
+        self.max_sessions = max_sessions or cache.session_capacity
+        self.max_traces, self.num_traces = max_traces, 0
+        self._graphdef, self.params = nnx.split(model)
+        self._backend = backend or cache.backend
+        self.chunk_fn = jax.jit(self._chunk_fn)
+        self._sessions: dict[str, _Session] = {}
+
+    # -- sessions ------------------------------------------------------------------------------------
+    @property
+    def sessions(self) -> tuple[str, ...]:
+        """Active sessions, in join order (the batch order)."""
+        return tuple(self._sessions)
+
+    def join(self, session_id: str, prompt: str, seed: int = 0) -> None:
+        """Starts a new session at frame 0: opens it in the cache and publishes its text K/V.
+
+        Raises:
+          ValueError: the session is already active or already open in the cache, or a bad seed.
+          RuntimeError: ``max_sessions`` are active, or the cache is full (no LRU eviction here).
+        """
+        if session_id in self._sessions or session_id in self.cache.sessions:
+            raise ValueError(f"session {session_id!r} is already open")
+        if not isinstance(seed, (int, np.integer)) or seed < 0:
+            raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+        if len(self._sessions) >= self.max_sessions:
+            raise RuntimeError(f"{self.max_sessions} sessions are active (max_sessions); leave one first")
+        if len(self.cache.sessions) >= self.cache.session_capacity:
+            raise RuntimeError(f"the cache holds {self.cache.session_capacity} sessions (its capacity); "
+                               "close one first")
+        self.cache.open(session_id)
+        config = self.model.config
+        for branch, text in zip(self.branches, text_branches(prompt, len(self.branches))):
+            context = prompt_embedding(text, config.text_tokens, config.text_dim)[None]
+            k, v = _text_kv(self._graphdef, self.params, jnp.asarray(context))
+            self.cache.populate_cross_attention(session_id, self.text_cache, branch,
+                                                ((k[layer, 0], v[layer, 0]) for layer in range(config.num_layers)))
+        self._sessions[session_id] = _Session(int(seed))
+
+    def leave(self, session_id: str) -> np.ndarray:
+        """Ends a session: closes it in the cache (its pages and text rows are freed) and returns
+        its latents ``[frames, H, W, C]``.
+
+        Raises:
+          KeyError: unknown session.
+        """
+        latents = self.latents(session_id)
+        self.cache.close(session_id)
+        del self._sessions[session_id]
+        return latents
+
+    def latents(self, session_id: str) -> np.ndarray:
+        """All latents a session generated so far: ``[frames, H, W, C]``.
+
+        Raises:
+          KeyError: unknown session.
+        """
+        try:
+            session = self._sessions[session_id]
+        except KeyError:
+            raise KeyError(f"unknown session {session_id!r}") from None
+        if not session.chunks:
+            return np.zeros((0, *self.model.config.frame_shape), jnp.dtype(self.model.config.dtype))
+        return np.concatenate(session.chunks)
+
+    # -- the chunk -----------------------------------------------------------------------------------
+    def step(self) -> ChunkResult:
+        """Generates one chunk for every active session (see the module docstring).
+
+        Raises:
+          RuntimeError: no active session, or the pool cannot hold the chunk (nothing changes).
+        """
+        ids = self.sessions
+        if not ids:
+            raise RuntimeError("no active session; join one first")
+        shape = (self.chunk_frames, *self.model.config.frame_shape)
+        counts = np.asarray([len(self._sessions[s].chunks) for s in ids], np.int32)
+        noise = np.zeros((self.max_sessions, *shape), np.float32)
+        for i, sid in enumerate(ids):
+            noise[i] = chunk_noise(self._sessions[sid].seed, int(counts[i]), shape)
+        rows = len(ids) * len(self.branches)
+        with self.cache.chunk(ids, self.chunk_frames, self.branches) as step:
+            inputs = _pad_rows_jit(step.inputs, self.max_sessions * len(self.branches))
+            x, k_new, v_new = self.chunk_fn(self.params, self.cache.pools, inputs,
+                                              self.cache.cross_attention_kv(self.text_cache), noise)
+            step.commit(*_first_rows(k_new, v_new, rows))
+        latents = np.asarray(x)[:len(ids)]
+        for i, sid in enumerate(ids):
+            self._sessions[sid].chunks.append(latents[i])
+        return ChunkResult(ids, counts * self.chunk_frames, latents)
+
+    def _chunk_fn(self, params, pools, inputs: ChunkInputs, text_kv, noise):
+        """Traced once: the denoise steps from ``noise`` ``[S_pad, F, H, W, C]`` and the commit
+        forward of one padded batch.
+
+        Returns ``(latents [S_pad, F, H, W, C], k, v)`` with ``k``/``v``
+        ``[L, S_pad * branches, F * tpf, Hkv, D]``.
+        """
+        self.num_traces += 1
+        if self.max_traces is not None and self.num_traces > self.max_traces:
+            raise RuntimeError(f"the chunk function was traced {self.num_traces} times (max_traces="
+                               f"{self.max_traces}): a shape, dtype or static value changed")
+        model = nnx.merge(self._graphdef, params)
+        config, nb = self.model.config, len(self.branches)
+        history = PagedHistory.from_inputs(pools, inputs, config.tokens_per_frame, self._backend)
+        text_k, text_v = (t[inputs.rows].swapaxes(0, 1) for t in text_kv)
+        noise = noise.astype(config.dtype)
+        rows = inputs.rows.shape[0]
+
+        def velocity(x, sigma):
+            t = jnp.full((rows, self.chunk_frames), sigma * 1000.0)
+            out = model(jnp.repeat(x, nb, axis=0), t, inputs.first_frame, history, text_k, text_v)
+            return combine_branches(out, nb, self.sampler.guidance_scale)
+
+        x = denoise(velocity, noise, self.sampler.sigmas())
+        _, (k, v) = model(jnp.repeat(x, nb, axis=0), jnp.zeros((rows, self.chunk_frames)), inputs.first_frame,
+                          history, text_k, text_v, return_kv=True)
+        return x, k, v
+
+    # -- views ---------------------------------------------------------------------------------------
+    def pages_held(self) -> dict[str, np.ndarray]:
+        """Physical page ids each active session holds (all its branches), sorted (host sync)."""
+        ids = self.sessions
+        if not ids:
+            return {}
+        rows = jnp.asarray(self.cache.rows(ids))
+        pages, counts = (np.asarray(a) for a in _resident_blocks(self.cache.state, rows))
+        per_session = len(pages) // len(ids)
+        held = [pages[r, :counts[r]] for r in range(len(pages))]
+        return {sid: np.sort(np.concatenate(held[i * per_session:(i + 1) * per_session]))
+                for i, sid in enumerate(ids)}
+
+
+_resident_blocks = jax.jit(core.resident_blocks)
+
+
+class FullRecompute:
+    """The same generation without a KV cache: the exactness reference and the no-cache baseline.
+
+    Every forward runs the model over all ``max_frames`` frames of each session's video (clean
+    generated frames at timestep 0, the noisy chunk at its timestep, frames not generated yet
+    masked out) with :class:`arkv_jax.nnx.MaskedHistory` under :func:`window_frame_mask`, so every
+    layer's history K/V is recomputed from the clean latents every time.
+
+    Args:
+      model: the video model.
+      window: the window policy the paged cache uses.
+      sampler: as for :class:`Rollout`.
+      chunk_frames: frames per chunk.
+
+    Attributes:
+      params: the model's parameters.
+      chunk_fn: the jitted ``(params, clean, first_frame, noise, text_kv) -> latents`` behind
+        :meth:`chunk`.
+    """
+
+    def __init__(self, model: CausalDiT, window: WindowPolicy, sampler: Sampler = Sampler(), *,
+                 chunk_frames: int) -> None:
+        self.model, self.window, self.sampler, self.chunk_frames = model, window, sampler, chunk_frames
+        self._graphdef, self.params = nnx.split(model)
+        self.chunk_fn = jax.jit(self._chunk_fn)
+
+    def text_kv(self, prompts: Sequence[str]) -> tuple[Array, Array]:
+        """Text K/V of every row (session-major, branch-minor): ``[L, S * branches, T, Hkv, D]``."""
+        config = self.model.config
+        texts = [t for p in prompts for t in text_branches(p, self.sampler.num_branches)]
+        context = np.stack([prompt_embedding(t, config.text_tokens, config.text_dim) for t in texts])
+        return _text_kv(self._graphdef, self.params, jnp.asarray(context))
+
+    def chunk(self, clean: Array, first_frame: int, noise: Array, text_kv: tuple[Array, Array]) -> Array:
+        """The clean chunk ``[S, F, H, W, C]`` starting at frame ``first_frame`` (all sessions),
+        given the earlier clean frames in ``clean`` ``[S, max_frames, H, W, C]`` (later entries are
+        ignored), the chunk's float32 starting ``noise`` ``[S, F, H, W, C]`` and :meth:`text_kv`.
+        Runs :attr:`chunk_fn`, one compilation per ``max_frames``."""
+        return self.chunk_fn(self.params, clean, jnp.int32(first_frame), noise, text_kv)
+
+    def _chunk_fn(self, params, clean: Array, first_frame: Array, noise: Array, text_kv: tuple[Array, Array]
+                  ) -> Array:
+        model = nnx.merge(self._graphdef, params)
+        nb, chunk = self.sampler.num_branches, self.chunk_frames
+        sessions, max_frames = clean.shape[:2]
+        rows = sessions * nb
+        frames = jnp.arange(max_frames)
+        generated = frames < first_frame + chunk
+        mask = jnp.asarray(window_frame_mask(max_frames, chunk, self.window)) & generated[None, :]
+        history = MaskedHistory(jnp.broadcast_to(mask, (rows, max_frames, max_frames)),
+                                self.model.config.tokens_per_frame)
+        current = (frames >= first_frame) & generated
+
+        def velocity(x, sigma):
+            video = jax.lax.dynamic_update_slice_in_dim(clean, x, first_frame, axis=1)
+            t = jnp.broadcast_to(jnp.where(current, sigma * 1000.0, 0.0), (rows, max_frames))
+            out = model(jnp.repeat(video, nb, axis=0), t, jnp.zeros((rows,), jnp.int32), history, *text_kv)
+            current_out = jax.lax.dynamic_slice_in_dim(out, first_frame, chunk, axis=1)
+            return combine_branches(current_out, nb, self.sampler.guidance_scale)
+
+        return denoise(velocity, noise.astype(clean.dtype), self.sampler.sigmas())
+
+    def rollout(self, prompts: Sequence[str], seeds: Sequence[int], num_chunks: int) -> np.ndarray:
+        """``[S, num_chunks * F, H, W, C]``: every session generated together (padded to the full
+        length, so one compilation serves all chunks)."""
+        config = self.model.config
+        text_kv = self.text_kv(prompts)
+        chunk = self.chunk_frames
+        shape = (chunk, *config.frame_shape)
+        clean = jnp.zeros((len(prompts), num_chunks * chunk, *config.frame_shape), config.dtype)
+        for c in range(num_chunks):
+            noise = np.stack([chunk_noise(seed, c, shape) for seed in seeds])
+            x = self.chunk(clean, c * chunk, noise, text_kv)
+            clean = jax.lax.dynamic_update_slice_in_dim(clean, x, c * chunk, axis=1)
+        return np.asarray(clean)

@@ -1,0 +1,311 @@
+"""Per-chunk time and memory of the paged rollout against two cacheless / dense baselines.
+
+All three generate the same videos with the same model, sampler (3 Euler steps + 1 commit forward,
+CFG: both branches batched) and window, for S sessions in lock-step, and are timed per chunk
+(host to host, latents on the host):
+
+``paged``
+    :class:`arkv_jax.rollout.Rollout` over :class:`arkv_jax.cache.PagedKVCache`: per chunk the
+    cache's prepare (visible pages, allocation), one jitted denoise + commit-forward function
+    reading the pools, and the donated page write + commit. Measured in steady state (window full).
+``contiguous``
+    A Self-Forcing-style dense cache in plain jnp: per layer one ``[rows, (sink + window - chunk)
+    * tokens_per_frame, heads, dim]`` K and V buffer in time order; attention reads the filled
+    prefix (a static slice, as Self-Forcing slices with host integers) plus the current chunk;
+    after the commit forward the new chunk's K/V are concatenated and the buffer is sliced back to
+    the window (sink kept, oldest frames dropped: a copy of the buffer, donated). Same model, same
+    history semantics: its latents equal the paged ones (checked).
+``recompute@n``
+    :class:`arkv_jax.rollout.FullRecompute` at a video of ``n`` chunks: every forward runs the
+    model over all ``n + 1`` chunks' frames (history clean at t = 0) under the window mask. No
+    cache at all; its cost grows with the video.
+
+Timing: paged and contiguous are interleaved (``harness.interleaved_medians``, ``--reps``, default
+20 with ``--quick``, 10 otherwise); the recompute cases are interleaved with paged again (3 or 2
+reps: they are slow) and reported as their ratio to that run's paged time, times the first run's
+paged time. Defaults: ``--quick`` runs the ``tiny`` shape with 4 sessions (about 30 s on 2 cores),
+otherwise the ``small`` shape with 2 sessions (a few minutes: recompute at 16 chunks is ~40 s a
+chunk).
+
+Memory, per method: *persistent* bytes (the cache between chunks: pools + text K/V, buffers +
+text K/V, or the clean latents + text K/V) and the *peak* of the per-chunk programs as XLA's
+``compiled.memory_analysis()`` reports it for the chunk's main program: arguments + outputs -
+aliased (donated) + temporaries (model weights included, the same in all three; for paged, the
+denoise + commit-forward program, which reads the pools).
+
+Run: ``python -m benchmarks.rollout [--quick]``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, struct
+
+from arkv_jax.cache import ChunkInputs, PagedKVCache
+from arkv_jax.config import CacheGeometry, CrossAttentionSpec, KVBranch, WindowPolicy
+from arkv_jax.models.dit import MODEL_CONFIGS, DiTConfig, init_random
+from arkv_jax.nnx import masked_attention
+from arkv_jax.rollout import FullRecompute, Rollout, Sampler, chunk_noise, combine_branches, denoise, rollout_plan
+from benchmarks import harness
+
+CFG = (KVBranch("positive", 0), KVBranch("negative", 1))
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """A model plus its cache layout."""
+
+    name: str
+    model: DiTConfig
+    block_size: int
+    chunk_frames: int
+    window: WindowPolicy
+
+    def geometry(self) -> CacheGeometry:
+        m = self.model
+        return CacheGeometry(m.num_layers, m.num_kv_heads, m.head_dim, m.dtype, m.tokens_per_frame,
+                             self.block_size, self.chunk_frames)
+
+
+SHAPES = {
+    # The tiny preset: 24-token frames in 16-token pages, 2-frame chunks, sink 2 + window 6.
+    "tiny": Shape("tiny", MODEL_CONFIGS["tiny"], 16, 2, WindowPolicy(window_frames=6, sink_frames=2)),
+    # A CPU-sized "small" model (landscape doc section 7.2 scaled down): 4 layers, dim 256, 4 heads
+    # of 64, 60-token frames in 16-token pages, 3-frame chunks, sink 3 + window 9.
+    "small": Shape("small", DiTConfig(num_layers=4, dim=256, num_heads=4, num_kv_heads=4, ffn_dim=1024,
+                                      in_channels=16, patch_size=2, grid=(6, 10), text_dim=64, text_tokens=16,
+                                      freq_dim=128), 16, 3, WindowPolicy(window_frames=9, sink_frames=3)),
+}
+
+
+# ------------------------------------------------------------------------------------------------
+# The contiguous (Self-Forcing style) baseline
+# ------------------------------------------------------------------------------------------------
+
+
+@struct.dataclass
+class ContiguousHistory:
+    """Dense per-layer history buffers ``[L, rows, tokens, Hkv, D]`` of which the first ``valid``
+    tokens (static) are in use."""
+
+    k: jax.Array
+    v: jax.Array
+    valid: int = struct.field(pytree_node=False)
+
+    def attend(self, q, k, v, layer):
+        keys = jnp.concatenate([self.k[layer][:, :self.valid], k], axis=1)
+        values = jnp.concatenate([self.v[layer][:, :self.valid], v], axis=1)
+        return masked_attention(q, keys, values)
+
+
+def roll_in(buffer: jax.Array, new: jax.Array, *, filled: int, chunk: int, sink: int, tpf: int) -> jax.Array:
+    """The buffer after appending ``new`` ``[L, rows, chunk * tpf, ...]`` to its ``filled`` frames:
+    written in place while it fits, else concatenated and sliced back (sink kept, oldest dropped)."""
+    capacity = buffer.shape[2] // tpf
+    if filled + chunk <= capacity:
+        return buffer.at[:, :, filled * tpf:(filled + chunk) * tpf].set(new)
+    drop = filled + chunk - capacity
+    kept = buffer[:, :, (sink + drop) * tpf:filled * tpf]
+    return jnp.concatenate([buffer[:, :, :sink * tpf], kept, new], axis=2)
+
+
+class ContiguousRollout:
+    """Lock-step generation with dense rolling buffers (see the module docstring)."""
+
+    def __init__(self, model, shape: Shape, sampler: Sampler, prompts, seeds, text_kv):
+        self.shape, self.sampler, self.seeds = shape, sampler, list(seeds)
+        self.graphdef, self.params = nnx.split(model)
+        cfg = shape.model
+        rows = len(prompts) * sampler.num_branches
+        self.capacity = shape.window.resident_frames - shape.chunk_frames
+        buffer = (cfg.num_layers, rows, self.capacity * cfg.tokens_per_frame, cfg.num_kv_heads, cfg.head_dim)
+        self.k, self.v = jnp.zeros(buffer, cfg.dtype), jnp.zeros(buffer, cfg.dtype)
+        self.text_kv, self.chunk_index = text_kv, 0
+        self.chunk_fn = jax.jit(self._chunk_fn, static_argnames="filled", donate_argnums=(1, 2))
+
+    @property
+    def filled(self) -> int:
+        """History frames in the buffers before the next chunk."""
+        return min(self.chunk_index * self.shape.chunk_frames, self.capacity)
+
+    @property
+    def first_frame(self) -> np.int32:
+        """Absolute index of the next chunk's first frame."""
+        return np.int32(self.chunk_index * self.shape.chunk_frames)
+
+    def noise(self) -> np.ndarray:
+        shape = (self.shape.chunk_frames, *self.shape.model.frame_shape)
+        return np.stack([chunk_noise(seed, self.chunk_index, shape) for seed in self.seeds])
+
+    def _chunk_fn(self, params, k_buf, v_buf, text_kv, noise, first_frame, *, filled: int):
+        cfg, chunk, nb = self.shape.model, self.shape.chunk_frames, self.sampler.num_branches
+        model = nnx.merge(self.graphdef, params)
+        history = ContiguousHistory(k_buf, v_buf, filled * cfg.tokens_per_frame)
+        rows = k_buf.shape[1]
+        first = jnp.full((rows,), first_frame, jnp.int32)
+
+        def velocity(x, sigma):
+            t = jnp.full((rows, chunk), sigma * 1000.0)
+            out = model(jnp.repeat(x, nb, axis=0), t, first, history, *text_kv)
+            return combine_branches(out, nb, self.sampler.guidance_scale)
+
+        x = denoise(velocity, noise.astype(cfg.dtype), self.sampler.sigmas())
+        _, (k, v) = model(jnp.repeat(x, nb, axis=0), jnp.zeros((rows, chunk)), first, history, *text_kv,
+                          return_kv=True)
+        kw = dict(filled=filled, chunk=chunk, sink=self.shape.window.sink_frames, tpf=cfg.tokens_per_frame)
+        return x, roll_in(k_buf, k, **kw), roll_in(v_buf, v, **kw)
+
+    def step(self) -> np.ndarray:
+        """One chunk for every session; returns the latents ``[S, F, H, W, C]``."""
+        x, self.k, self.v = self.chunk_fn(self.params, self.k, self.v, self.text_kv, self.noise(),
+                                          self.first_frame, filled=self.filled)
+        self.chunk_index += 1
+        return np.asarray(x)
+
+    def peak_bytes(self) -> int:
+        return peak_bytes(self.chunk_fn.lower(self.params, self.k, self.v, self.text_kv, self.noise(),
+                                              self.first_frame, filled=self.filled))
+
+
+# ------------------------------------------------------------------------------------------------
+# Measurement
+# ------------------------------------------------------------------------------------------------
+
+
+def peak_bytes(lowered) -> int:
+    """Arguments + outputs - aliased + temporaries of a lowered program (XLA's memory analysis)."""
+    m = lowered.compile().memory_analysis()
+    return int(m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes)
+
+
+def nbytes(*trees) -> int:
+    return int(sum(x.size * x.dtype.itemsize for tree in trees for x in jax.tree.leaves(tree)))
+
+
+def paged_peak_bytes(rollout: Rollout) -> int:
+    """Peak of the paged chunk's denoise + commit-forward program (it reads the pools; the page
+    write + commit that follows runs in place on the donated pools and needs less: measured 0.3x
+    (tiny) and 0.5x (small) of this)."""
+    cache, frames = rollout.cache, rollout.chunk_frames
+    rows = rollout.max_sessions * len(rollout.branches)
+    visible = cache.window.resident_frames
+
+    def i32(*shape):
+        return jax.ShapeDtypeStruct(shape, jnp.int32)
+
+    ppf = cache.geometry.pages_per_frame
+    inputs = ChunkInputs(i32(rows), i32(rows, visible * ppf), i32(rows), i32(rows, visible), i32(rows),
+                         i32(rows, frames * ppf))
+    noise = jax.ShapeDtypeStruct((rollout.max_sessions, frames, *rollout.model.config.frame_shape), jnp.float32)
+    return peak_bytes(rollout.chunk_fn.lower(rollout.params, cache.pools, inputs,
+                                             cache.cross_attention_kv(rollout.text_cache), noise))
+
+
+def run(shape: Shape, sessions: int, lengths: tuple[int, ...], reps: int, recompute_reps: int) -> dict:
+    """Builds the three methods, checks that paged and contiguous agree while the caches fill, then
+    times paged vs contiguous (``reps``, interleaved) and paged vs recompute at each video length
+    (``recompute_reps``, interleaved); returns medians (seconds) and bytes."""
+    cfg, geometry, window = shape.model, shape.geometry(), shape.window
+    sampler = Sampler(num_steps=3, guidance_scale=3.0)
+    text = (CrossAttentionSpec("text", cfg.text_tokens),)
+    model = init_random(cfg, seed=0)
+    prompts = [f"prompt number {i}" for i in range(sessions)]
+    seeds = list(range(sessions))
+
+    plan = rollout_plan(geometry, window, CFG, text, sessions)
+    cache = PagedKVCache(geometry, window, CFG, text, plan=plan, backend="xla")
+    paged = Rollout(model, cache, sampler)
+    for i, prompt in enumerate(prompts):
+        paged.join(f"s{i}", prompt, seed=seeds[i])
+
+    reference = FullRecompute(model, window, sampler, chunk_frames=shape.chunk_frames)
+    text_kv = reference.text_kv(prompts)
+    contiguous = ContiguousRollout(model, shape, sampler, prompts, seeds, text_kv)
+
+    fill = -(-window.resident_frames // shape.chunk_frames) + 1  # chunks until both caches are full
+    paged_latents = [paged.step().latents for _ in range(fill)]
+    contiguous_latents = [contiguous.step() for _ in range(fill)]
+    agreement = float(np.max(np.abs(np.stack(paged_latents) - np.stack(contiguous_latents))))
+
+    frame = (shape.chunk_frames, *cfg.frame_shape)
+
+    def recompute_at(n: int):
+        clean = jnp.asarray(np.random.default_rng(n).standard_normal((sessions, (n + 1) * shape.chunk_frames,
+                                                                      *cfg.frame_shape), np.float32))
+        noise = np.stack([chunk_noise(seed, n, frame) for seed in seeds])
+        return (lambda: reference.chunk(clean, n * shape.chunk_frames, noise, text_kv)), (clean, noise)
+
+    def paged_step():
+        return paged.step().latents
+
+    medians = harness.interleaved_medians({"paged": paged_step, "contiguous": contiguous.step}, reps=reps)
+    growth, recompute_args = {"paged": paged_step}, {}
+    for n in lengths:
+        growth[f"recompute@{n}"], recompute_args[n] = recompute_at(n)
+    growth = harness.interleaved_medians(growth, reps=recompute_reps)
+    medians.update({name: growth[name] * medians["paged"] / growth["paged"] for name in growth if name != "paged"})
+
+    persistent = {
+        "paged": nbytes(cache.pools, cache.cross_attention_kv("text")),
+        "contiguous": nbytes(contiguous.k, contiguous.v, text_kv),
+        **{f"recompute@{n}": nbytes(recompute_args[n][0], text_kv) for n in lengths},
+    }
+    peak = {
+        "paged": paged_peak_bytes(paged),
+        "contiguous": contiguous.peak_bytes(),
+        **{f"recompute@{n}": peak_bytes(reference.chunk_fn.lower(reference.params, recompute_args[n][0],
+                                                                  jnp.int32(n * shape.chunk_frames),
+                                                                  recompute_args[n][1], text_kv))
+           for n in lengths},
+    }
+    return {"medians": medians, "persistent": persistent, "peak": peak, "agreement": agreement,
+            "pool_pages": plan.managed_num_blocks, "fill_chunks": fill}
+
+
+def main(argv=None) -> None:
+    args = harness.parse_args(__doc__.splitlines()[0], argv, extra=lambda p: (
+        p.add_argument("--shape", choices=sorted(SHAPES), default=None,
+                       help="model shape (default: tiny with --quick, small otherwise)"),
+        p.add_argument("--sessions", type=int, default=None,
+                       help="concurrent sessions (default: 4 with --quick, 2 otherwise)")))
+    shape = SHAPES[args.shape or ("tiny" if args.quick else "small")]
+    sessions = args.sessions or (4 if args.quick else 2)
+    lengths = (4, 8, 16)
+    reps = args.reps or (20 if args.quick else 10)
+    recompute_reps = 3 if args.quick else 2
+    result = run(shape, sessions, lengths, reps, recompute_reps)
+    medians, persistent, peak = result["medians"], result["persistent"], result["peak"]
+    m = shape.model
+    print(f"shape {shape.name}: {m.num_layers} layers, dim {m.dim}, {m.num_heads}/{m.num_kv_heads} heads, "
+          f"{m.tokens_per_frame} tokens/frame in {shape.block_size}-token pages, {shape.chunk_frames}-frame "
+          f"chunks, sink {shape.window.sink_frames} + window {shape.window.window_frames}; {sessions} "
+          f"sessions x 2 CFG branches; 3 steps + commit; medians of {reps} reps (paged vs contiguous) "
+          f"and {recompute_reps} reps (recompute, scaled to the first run's paged time)")
+    rows = []
+    for name, seconds in medians.items():
+        rows.append([name, seconds * 1e3, seconds / medians["paged"], persistent[name] / 2 ** 20,
+                     peak[name] / 2 ** 20])
+    harness.print_table(["method", "ms/chunk", "x paged", "persistent MiB", "peak MiB"], rows)
+    ratio = medians["paged"] / medians["contiguous"]
+    speedups = {n: medians[f"recompute@{n}"] / medians["paged"] for n in lengths}
+    print(f"paged / contiguous time: {ratio:.3f} (goal <= 1.1); full recompute / paged: "
+          + ", ".join(f"{speedups[n]:.1f}x at {n} chunks" for n in lengths))
+    print(f"paged and contiguous latents agree to {result['agreement']:.1e} over the first "
+          f"{result['fill_chunks']} chunks")
+    harness.emit({
+        "benchmark": "rollout", "shape": shape.name, "sessions": sessions, "reps": reps,
+        "recompute_reps": recompute_reps,
+        "ms_per_chunk": {k: v * 1e3 for k, v in medians.items()},
+        "paged_over_contiguous": ratio,
+        "recompute_over_paged": {str(n): s for n, s in speedups.items()},
+        "persistent_bytes": persistent, "peak_bytes": peak,
+        "paged_contiguous_max_abs_diff": result["agreement"],
+    })
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,26 @@
+"""``notebooks/quickstart.ipynb`` runs top to bottom on the CPU (nbclient, a fresh kernel)."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+
+nbformat = pytest.importorskip("nbformat")
+nbclient = pytest.importorskip("nbclient")
+
+NOTEBOOK = pathlib.Path(__file__).resolve().parent.parent / "notebooks" / "quickstart.ipynb"
+
+
+def test_quickstart_notebook_runs_and_shows_its_results():
+    notebook = nbformat.read(NOTEBOOK, as_version=4)
+    client = nbclient.NotebookClient(notebook, timeout=300, kernel_name="python3",
+                                     resources={"metadata": {"path": str(NOTEBOOK.parent)}})
+    client.execute()
+    outputs = [out for cell in notebook.cells if cell.cell_type == "code" for out in cell.get("outputs", [])]
+    text = "".join(out.get("text", "") for out in outputs)
+    assert "h100-80gb" in text and "tpu-v5e" in text
+    assert "max_abs_diff" in text
+    assert "chunk function traced 1x" in text
+    pictures = [out for out in outputs if "image/png" in out.get("data", {})]
+    assert len(pictures) == 2

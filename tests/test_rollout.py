@@ -1,0 +1,243 @@
+"""The chunk loop through the paged cache against the full-recompute reference (CPU, tiny shape).
+
+One scripted run per CFG setting (module fixture), asserted from several angles: sessions join at
+different steps (so one batch holds sessions at different frame indices), one leaves mid-run and a
+new one takes its place (reusing its pages), every session outlives the window (sink 2 + window 6
+frames; 13 chunks of 2 frames), and the chunk function is traced once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from arkv_jax.cache import ChunkInputs, PagedKVCache
+from arkv_jax.config import KVBranch
+from arkv_jax.models import MODEL_CONFIGS, CausalDiT, init_random
+from arkv_jax.nnx import PagedHistory
+from arkv_jax.presets import get_preset
+from arkv_jax.rollout import FullRecompute, Rollout, Sampler, chunk_noise, rollout_plan
+
+PRESET = get_preset("tiny")
+CONFIG = MODEL_CONFIGS["tiny"]
+CHUNKS = 13
+PROMPTS = {"a": "a red fox in the snow", "b": "a city at night", "c": "waves on rocks", "d": "clouds"}
+SEEDS = {"a": 11, "b": 12, "c": 13, "d": 14}
+# step -> (sessions joining before the step, sessions leaving after it)
+JOINS = {0: ("a", "b"), 3: ("c",), 9: ("d",)}
+LEAVES = {8: ("b",)}
+
+
+@pytest.fixture(scope="module")
+def model():
+    return init_random(CONFIG, seed=0)
+
+
+def make_rollout(model, guidance, sessions=3, **kwargs):
+    sampler = Sampler(num_steps=3, guidance_scale=guidance)
+    branches = PRESET.kv_branches[:sampler.num_branches]
+    plan = rollout_plan(PRESET.geometry, PRESET.window, branches, PRESET.cross_attention, sessions)
+    cache = PagedKVCache(PRESET.geometry, PRESET.window, branches, PRESET.cross_attention, plan=plan,
+                         backend="xla")
+    return Rollout(model, cache, sampler, **kwargs)
+
+
+@dataclasses.dataclass
+class Run:
+    rollout: Rollout
+    latents: dict
+    first_frames: list  # per step: {session: first frame}
+    pages: list  # per step: {session: page ids held after the commit}
+    free_after: int
+
+
+@pytest.fixture(scope="module", params=[None, 3.0], ids=["no_cfg", "cfg"])
+def run(request, model):
+    rollout = make_rollout(model, request.param, max_traces=1)
+    latents, first_frames, pages = {}, [], []
+    for index in range(CHUNKS):
+        for sid in JOINS.get(index, ()):
+            rollout.join(sid, PROMPTS[sid], seed=SEEDS[sid])
+        result = rollout.step()
+        first_frames.append(dict(zip(result.session_ids, result.first_frames.tolist())))
+        pages.append(rollout.pages_held())
+        for sid in LEAVES.get(index, ()):
+            latents[sid] = rollout.leave(sid)
+    for sid in rollout.sessions:
+        latents[sid] = rollout.leave(sid)
+    return Run(rollout, latents, first_frames, pages, rollout.cache.num_free_pages())
+
+
+def test_paged_rollout_equals_full_recompute(run, model):
+    reference = FullRecompute(model, PRESET.window, run.rollout.sampler,
+                              chunk_frames=PRESET.geometry.frames_per_forward)
+    ids = list(PROMPTS)
+    expected = reference.rollout([PROMPTS[s] for s in ids], [SEEDS[s] for s in ids], CHUNKS)
+    for i, sid in enumerate(ids):
+        got = run.latents[sid]
+        np.testing.assert_allclose(got, expected[i, :len(got)], atol=1e-5, rtol=0, err_msg=sid)
+    assert np.abs(expected).max() > 1.0  # the comparison is not between near-zero tensors
+
+
+def test_schedule_exercises_window_eviction_and_ragged_batches(run):
+    chunk = PRESET.geometry.frames_per_forward
+    assert len(run.latents["a"]) == CHUNKS * chunk > 3 * PRESET.window.resident_frames
+    assert [len(run.latents[s]) for s in "bcd"] == [9 * chunk, 10 * chunk, 4 * chunk]
+    assert any(len(set(frames.values())) > 1 for frames in run.first_frames)
+
+
+def test_memory_is_bounded_and_pages_are_reused(run):
+    branches = run.rollout.sampler.num_branches
+    ppf = PRESET.geometry.pages_per_frame
+    bound = PRESET.window.resident_frames * ppf * branches
+    for frames, held in zip(run.first_frames, run.pages):
+        for sid, first in frames.items():
+            generated = first + PRESET.geometry.frames_per_forward
+            assert len(held[sid]) == min(generated, PRESET.window.resident_frames) * ppf * branches
+            assert len(held[sid]) <= bound
+    owners = {}
+    for held in run.pages:
+        for sid, pages in held.items():
+            for page in pages.tolist():
+                owners.setdefault(page, set()).add(sid)
+    assert max(len(s) for s in owners.values()) > 1  # the pool wrapped: evicted pages changed hands
+    assert run.free_after == run.rollout.cache.plan.managed_num_blocks - 1  # everything returned
+
+
+def test_the_chunk_function_compiles_once(run):
+    assert run.rollout.num_traces == 1
+
+
+def test_max_traces_guard_raises_and_leaves_the_cache_unchanged(model):
+    rollout = make_rollout(model, None, sessions=2, max_traces=0)
+    rollout.join("a", "x")
+    free = rollout.cache.num_free_pages()
+    with pytest.raises(RuntimeError, match="traced 1 times"):
+        rollout.step()
+    assert rollout.cache.num_free_pages() == free
+    assert len(rollout.latents("a")) == 0
+
+
+def test_join_and_step_refuse_bad_requests(model):
+    rollout = make_rollout(model, 3.0, sessions=2)
+    with pytest.raises(RuntimeError, match="no active session"):
+        rollout.step()
+    rollout.join("a", "x")
+    with pytest.raises(ValueError, match="already open"):
+        rollout.join("a", "y")
+    with pytest.raises(ValueError, match="seed"):
+        rollout.join("b", "y", seed=-1)
+    rollout.join("b", "y")
+    with pytest.raises(RuntimeError, match="max_sessions"):
+        rollout.join("c", "z")
+    with pytest.raises(KeyError, match="unknown session"):
+        rollout.leave("c")
+    single = PagedKVCache(PRESET.geometry, PRESET.window, (KVBranch("main"),), PRESET.cross_attention,
+                          available_bytes=1 << 24, memory_fraction=1.0)
+    with pytest.raises(ValueError, match="two KV branches"):
+        Rollout(model, single, Sampler(guidance_scale=2.0))
+    with pytest.raises(ValueError, match="tokens_per_frame=24 does not match the model's 25"):
+        Rollout(init_random(dataclasses.replace(CONFIG, grid=(5, 5)), 0), single)
+
+
+def test_noise_depends_only_on_session_seed_and_chunk():
+    a = chunk_noise(7, 3, (2, 4))
+    np.testing.assert_array_equal(a, chunk_noise(7, 3, (2, 4)))
+    assert not np.array_equal(a, chunk_noise(7, 4, (2, 4)))
+    assert not np.array_equal(a, chunk_noise(8, 3, (2, 4)))
+
+
+def test_sampler_schedule_is_wans_shifted_flow_matching():
+    sigmas = Sampler(num_steps=4, shift=5.0).sigmas()
+    np.testing.assert_allclose(sigmas * 1000, [1000, 937.5, 833.333, 625, 0], atol=1e-3)
+
+
+def test_wan_1_3b_shapes_trace(model):
+    """The DiT at Wan-2.1-1.3B's shape (abstract: nothing is allocated): 1.4 B parameters, and a
+    commit forward of one 3-frame chunk returns the 30 layers' K/V in the cache's layout."""
+    wan = MODEL_CONFIGS["wan-1.3b"]
+    preset = get_preset("wan-1.3b")
+    abstract = nnx.eval_shape(lambda: CausalDiT(wan, rngs=nnx.Rngs(0)))
+    assert 1.3e9 < sum(x.size for x in jax.tree.leaves(nnx.state(abstract))) < 1.5e9
+    geo, frames = preset.geometry, preset.geometry.frames_per_forward
+    wan.check_cache(geo, preset.cross_attention[0])
+    visible = preset.window.resident_frames * geo.pages_per_frame
+    spec = jax.ShapeDtypeStruct
+    pool = spec((geo.num_layers, 64, geo.block_size, geo.num_kv_heads, geo.head_dim), jnp.bfloat16)
+    inputs = ChunkInputs(spec((1,), jnp.int32), spec((1, visible), jnp.int32), spec((1,), jnp.int32),
+                         spec((1, preset.window.resident_frames), jnp.int32), spec((1,), jnp.int32),
+                         spec((1, frames * geo.pages_per_frame), jnp.int32))
+    text = spec((geo.num_layers, 1, wan.text_tokens, geo.num_kv_heads, geo.head_dim), jnp.bfloat16)
+
+    def commit_forward(model, pools, inputs, text_k, text_v):
+        history = PagedHistory.from_inputs(pools, inputs, geo.tokens_per_frame, "xla")
+        latents = jnp.zeros((1, frames, *wan.frame_shape), jnp.bfloat16)
+        return model(latents, jnp.zeros((1, frames)), inputs.first_frame, history, text_k, text_v,
+                     return_kv=True)
+
+    velocity, (k, v) = jax.eval_shape(commit_forward, abstract, (pool, pool), inputs, text, text)
+    assert velocity.shape == (1, frames, 60, 104, 16)
+    assert k.shape == v.shape == (geo.num_layers, 1, frames * geo.tokens_per_frame, geo.num_kv_heads, geo.head_dim)
+
+
+def read_png(data: bytes) -> np.ndarray:
+    """Decodes the demo's PNGs (8-bit RGB, filter 0), checking signature and chunk CRCs."""
+    import struct
+    import zlib
+
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    pos, chunks = 8, {}
+    while pos < len(data):
+        (length,), tag = struct.unpack(">I", data[pos:pos + 4]), data[pos + 4:pos + 8]
+        body = data[pos + 8:pos + 8 + length]
+        assert struct.unpack(">I", data[pos + 8 + length:pos + 12 + length])[0] == zlib.crc32(tag + body)
+        chunks[tag] = chunks.get(tag, b"") + body
+        pos += 12 + length
+    width, height, depth, color = struct.unpack(">IIBB", chunks[b"IHDR"][:10])
+    assert (depth, color) == (8, 2) and b"IEND" in chunks
+    raw = np.frombuffer(zlib.decompress(chunks[b"IDAT"]), np.uint8).reshape(height, 1 + 3 * width)
+    assert not raw[:, 0].any()
+    return raw[:, 1:].reshape(height, width, 3)
+
+
+def test_demo_command_end_to_end(tmp_path, capsys):
+    from arkv_jax import cli
+    from arkv_jax.demo import PALETTE
+
+    assert cli.main(["demo", "--sessions", "2", "--chunks", "5", "--out", str(tmp_path), "--check",
+                     "--seed", "3"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[-1].startswith("checksum: ") and np.isfinite(float(lines[-1].split()[1]))
+    diff = [line for line in lines if line.startswith("max_abs_diff:")]
+    assert len(diff) == 1 and float(diff[0].split()[1]) < 1e-4
+    assert any(line.startswith("steady state:") for line in lines)
+    for name in ("pages.png", "memory.png"):
+        image = read_png((tmp_path / name).read_bytes())
+        colors = {tuple(c) for c in image.reshape(-1, 3)}
+        assert {tuple(PALETTE[0]), tuple(PALETTE[1])} <= colors  # both sessions drawn
+
+
+def test_demo_cli_offers_every_model_config():
+    from arkv_jax import cli
+
+    parser = cli.build_parser()
+    for name in MODEL_CONFIGS:
+        assert parser.parse_args(["demo", "--preset", name]).preset == name
+    with pytest.raises(SystemExit):
+        parser.parse_args(["demo", "--preset", "lingbot-v2"])  # a cache preset without a model
+
+
+def test_page_map_of_a_large_pool_stays_small():
+    from arkv_jax.demo import StepRecord, Timeline, page_map_png
+
+    timeline = Timeline(num_pages=5001, chunk_frames=2)
+    for step in range(3):
+        held = {"s0": np.arange(1, 41) + 40 * step, "s1": np.arange(4900, 5000)}
+        timeline.steps.append(StepRecord(("s0", "s1"), (2 * step, 0), 0.01, 4, 140, held))
+    image = read_png(page_map_png(timeline))
+    assert image.shape[0] < 600 and image.shape[1] < 800
