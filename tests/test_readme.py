@@ -1,4 +1,4 @@
-"""The README's Python examples run as written."""
+"""The README's first lines and its Python examples run as written."""
 
 import pathlib
 import re
@@ -10,11 +10,20 @@ def python_blocks():
     return re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
 
 
+def test_readme_starts_with_the_two_commands():
+    first_block = re.search(r"```bash\n(.*?)```", README.read_text(), flags=re.S).group(1)
+    assert "pip install -e . && arkv-jax demo" in first_block
+    assert 'pip install -e ".[test]" && pytest' in first_block
+
+
 def test_readme_examples_run():
     namespace = {}
     blocks = python_blocks()
-    assert len(blocks) >= 3
+    assert len(blocks) >= 4
     for block in blocks:
         exec(compile(block, str(README), "exec"), namespace)
-    assert namespace["cache"].sessions == ("alice",)
+        if 'cache.close("bob")' in block:
+            assert namespace["cache"].sessions == ("alice",)
+        if "rollout.leave" in block:
+            assert namespace["video"].shape[0] == 13 * 2 and namespace["rollout"].num_traces == 1
     assert int(namespace["st"].free_count) == 255
