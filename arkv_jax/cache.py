@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from arkv_jax import state as core
-from arkv_jax.config import CacheGeometry, CrossAttentionSpec, KVBranch, WindowPolicy
+from arkv_jax.config import CacheGeometry, CrossAttentionSpec, KVBranch, WindowPolicy, lookup
 from arkv_jax.planner import MemoryPlan, device_free_bytes, plan_memory
 from pallas_kernels import paged_write
 
@@ -371,18 +371,10 @@ class PagedKVCache:
             raise KeyError(f"Unknown session {session_id!r}; open it first") from None
 
     def _branch(self, name: str) -> int:
-        try:
-            return self._branch_index[name]
-        except KeyError:
-            raise KeyError(f"Unknown AR-Diffusion KV branch {name!r}; "
-                           f"expected {tuple(self._branch_index)}") from None
+        return lookup(self._branch_index, name, "KV branch")
 
     def _cross_spec(self, name: str) -> CrossAttentionSpec:
-        try:
-            return self.cross_attention[name]
-        except KeyError:
-            raise KeyError(f"Unknown AR-Diffusion cross-attention cache {name!r}; "
-                           f"expected {tuple(self.cross_attention)}") from None
+        return lookup(self.cross_attention, name, "cross-attention cache")
 
     def _cross_shape(self, spec: CrossAttentionSpec) -> tuple[int, ...]:
         return (self.num_rows, self.geometry.num_layers, spec.num_tokens,

@@ -10,7 +10,7 @@ Units: sizes in tokens, frames or pages as the field name says; bytes are plain 
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -233,3 +233,12 @@ def validate_cross_attention(specs: Iterable[CrossAttentionSpec]) -> tuple[Cross
 def ceil_div(a: int, b: int) -> int:
     """``ceil(a / b)`` for non-negative integers."""
     return -(-a // b)
+
+
+def lookup(mapping: Mapping, key, what: str):
+    """``mapping[key]``, or a ``KeyError`` in the seed's words: ``Unknown AR-Diffusion {what}
+    {key!r}; expected {tuple(mapping)}``."""
+    try:
+        return mapping[key]
+    except KeyError:
+        raise KeyError(f"Unknown AR-Diffusion {what} {key!r}; expected {tuple(mapping)}") from None

@@ -22,7 +22,7 @@ import numpy as np
 
 from arkv_jax import state as core
 from arkv_jax.cache import collect_cross_attention_layers
-from arkv_jax.config import CacheGeometry, CrossAttentionSpec, KVBranch, WindowPolicy
+from arkv_jax.config import CacheGeometry, CrossAttentionSpec, KVBranch, WindowPolicy, lookup
 from arkv_jax.planner import check_plan_inputs, compute_num_blocks, plan_memory
 
 __all__ = [
@@ -379,11 +379,7 @@ class ARDiffusionKVCache:
         return self._k_pool, self._v_pool
 
     def _cross_length(self, cache_name: str) -> int:
-        try:
-            return self.cross_attention_lengths[cache_name]
-        except KeyError:
-            raise KeyError(f"Unknown AR-Diffusion cross-attention cache {cache_name!r}; "
-                           f"expected {tuple(self.cross_attention_lengths)}") from None
+        return lookup(self.cross_attention_lengths, cache_name, "cross-attention cache")
 
     def _row(self, adapter: ARDiffusionRequestAdapter) -> int:
         if self._adapters.get(adapter.request_id) is not adapter:
@@ -391,11 +387,7 @@ class ARDiffusionKVCache:
         return adapter.row
 
     def _kv_branch_index(self, kv_branch: str) -> int:
-        try:
-            return self._branch_index[kv_branch]
-        except KeyError:
-            raise KeyError(f"Unknown AR-Diffusion KV branch {kv_branch!r}; "
-                           f"expected {tuple(self._branch_index)}") from None
+        return lookup(self._branch_index, kv_branch, "KV branch")
 
     def _allocate(self, adapter: ARDiffusionRequestAdapter, num_tokens: int, what: str) -> list[int]:
         row = self._row(adapter)
