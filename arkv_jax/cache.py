@@ -239,7 +239,7 @@ class PagedKVCache:
             self._release(next(iter(self._sessions)), "lru_eviction")
         slot = self._free_slots.pop(0)
         self._sessions[session_id] = slot
-        self._state, ok = _begin_jit(self._state, jnp.asarray(self._slot_rows(slot)))
+        self._state, _ = _begin_jit(self._state, jnp.asarray(self._slot_rows(slot)))
 
     def close(self, session_id: str) -> None:
         """Closes a session: all its pages and cross-attention caches are released.
