@@ -71,11 +71,9 @@ class ChunkInputs(NamedTuple):
 
 def _prepare(state: core.BlockTableState, rows: Array, num_frames: int):
     """Jitted: visible window, then allocation of the chunk's pages in a pending state."""
-    visible = core.visible_window(state, rows, num_frames)
-    first_frame = state.committed_frames[rows] + state.prefill_tokens[rows] // state.layout.tokens_per_frame
-    pending, ok = core.allocate(state, rows, num_frames * state.layout.tokens_per_frame)
-    inputs = ChunkInputs(rows, visible.pages, visible.lengths, visible.frame_ids, first_frame,
-                         core.write_pages(pending, rows, num_frames))
+    pending, visible, pages, ok = core.prepare_chunk(state, rows, num_frames)
+    inputs = ChunkInputs(rows, visible.pages, visible.lengths, visible.frame_ids,
+                         core.computed_frames(state, rows), pages)
     return pending, inputs, ok
 
 

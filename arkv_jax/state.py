@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from arkv_jax.config import CacheGeometry, WindowPolicy
+from arkv_jax.config import CacheGeometry, WindowPolicy, ceil_div
 
 Array = jax.Array
 
@@ -68,7 +68,7 @@ class StateLayout:
 
     @property
     def pages_per_frame(self) -> int:
-        return -(-self.tokens_per_frame // self.block_size)
+        return ceil_div(self.tokens_per_frame, self.block_size)
 
     @property
     def sink_pages(self) -> int:
@@ -268,8 +268,9 @@ def _empty_rows(state: BlockTableState, rows: Array, ok: Array, prefill: Array, 
     )
 
 
-def _frames(state: BlockTableState, rows: Array) -> Array:
-    """Whole frames computed per row (committed frames plus whole prefill frames)."""
+def computed_frames(state: BlockTableState, rows: Array) -> Array:
+    """Whole frames computed per row (committed frames plus whole prefill frames): the absolute
+    index of the row's next frame. ``rows`` must be valid row indices."""
     return state.committed_frames[rows] + state.prefill_tokens[rows] // state.layout.tokens_per_frame
 
 
@@ -320,7 +321,7 @@ def _catch_up_eviction(state: BlockTableState, rows: Array, ok: Array) -> tuple[
     ppf = layout.pages_per_frame
     before = state.evicted_pages[rows] // ppf
     allocated_after_sink = (state.num_pages[rows] + state.evicted_pages[rows]) // ppf - layout.sink_frames
-    target = jnp.maximum(before, jnp.minimum(_skipped_frames(layout, _frames(state, rows)), allocated_after_sink))
+    target = jnp.maximum(before, jnp.minimum(_skipped_frames(layout, computed_frames(state, rows)), allocated_after_sink))
     return _evict(state, rows, ok, target, target)
 
 
@@ -386,6 +387,21 @@ def allocate(state: BlockTableState, rows: Array, num_tokens: Array) -> tuple[Bl
     ), ok
 
 
+def prepare_chunk(state: BlockTableState, rows: Array, num_frames: int
+                  ) -> tuple[BlockTableState, VisibleWindow, Array, Array]:
+    """The bookkeeping before a forward of ``num_frames`` frames: the visible window, then the
+    allocation of the chunk's pages and the pages the commit will write.
+
+    Returns:
+      ``(state, window, pages, ok)``: the state with the pages allocated, the
+      :class:`VisibleWindow` (taken before the allocation), ``[B, num_frames * pages_per_frame]``
+      write pages (see :func:`write_pages`) and the allocation's ``ok``.
+    """
+    window = visible_window(state, rows, num_frames)
+    state, ok = allocate(state, rows, num_frames * state.layout.tokens_per_frame)
+    return state, window, write_pages(state, rows, num_frames), ok
+
+
 def commit(state: BlockTableState, rows: Array, num_chunks: Array) -> tuple[BlockTableState, Array]:
     """Commits ``num_chunks`` frames per row, evicting after each one with the seed's rule.
 
@@ -406,7 +422,7 @@ def commit(state: BlockTableState, rows: Array, num_chunks: Array) -> tuple[Bloc
     allocated = state.num_pages[rows] + state.evicted_pages[rows]
     ok = (valid & state.active[rows] & (num_chunks >= 0)
           & (_committed_tokens_pages(state, rows, num_chunks * layout.tokens_per_frame) <= allocated))
-    frames = _frames(state, rows)
+    frames = computed_frames(state, rows)
     before = state.evicted_pages[rows] // layout.pages_per_frame
     # Eviction is monotone: the first chunk may catch up several frames (after a long prefill),
     # later chunks evict at most one frame each.
@@ -519,7 +535,7 @@ def visible_window(state: BlockTableState, rows: Array, num_current_frames: Arra
     layout = state.layout
     ppf = layout.pages_per_frame
     rows, valid, current = _batch(state, rows, num_current_frames)
-    frames = _frames(state, rows)
+    frames = computed_frames(state, rows)
     evicted_frames = state.evicted_pages[rows] // ppf
     allocated_frames = (state.num_pages[rows] + state.evicted_pages[rows]) // ppf
     history = jnp.where(valid, jnp.minimum(frames, allocated_frames) - evicted_frames, 0)

@@ -76,9 +76,7 @@ def _worker(devices: int, quick: bool, reps: int | None) -> dict:
     sessions = cfg["sessions"]
 
     def chunk_state(state, rows):
-        win = core.visible_window(state, rows, 1)
-        state, ok = core.allocate(state, rows, tpf)
-        pages = core.write_pages(state, rows, 1)
+        state, win, pages, ok = core.prepare_chunk(state, rows, 1)
         state, ok2 = core.commit(state, rows, 1)
         return state, (win.pages, win.lengths, pages, ok & ok2)
 

@@ -243,9 +243,7 @@ def test_explicit_axis_mesh_needs_placed_inputs():
 
 def _chunk_step(state, rows):
     """Per-shard bookkeeping of one chunk: window, allocate, pages to write, commit."""
-    window = core.visible_window(state, rows, 1)
-    state, ok = core.allocate(state, rows, TPF)
-    pages = core.write_pages(state, rows, 1)
+    state, window, pages, ok = core.prepare_chunk(state, rows, 1)
     state, ok2 = core.commit(state, rows, 1)
     return state, (window.pages, window.lengths, pages, ok & ok2)
 

@@ -185,9 +185,7 @@ class ChexVariants(chex.TestCase):
 
 def _chunk_step(state, rows, frames):
     """The per-chunk bookkeeping of a rollout: visible window, allocate, write pages, commit."""
-    window = core.visible_window(state, rows, frames)
-    state, ok_alloc = core.allocate(state, rows, frames * state.layout.tokens_per_frame)
-    pages = core.write_pages(state, rows, frames)
+    state, window, pages, ok_alloc = core.prepare_chunk(state, rows, frames)
     state, ok_commit = core.commit(state, rows, frames)
     return state, ok_alloc & ok_commit & (window.lengths >= 0) & jnp.all(pages > 0, axis=1)
 
