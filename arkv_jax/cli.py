@@ -151,6 +151,12 @@ def _add_demo_parser(sub) -> None:
     p.add_argument("--check", action="store_true", help="also run the full-recompute reference and "
                                                         "print max_abs_diff")
     p.add_argument("--seed", type=int, default=0, help="weights and noise seed (default 0)")
+    p.add_argument("--devices", type=_positive_int, default=None,
+                   help="shard the cache and the model over this many devices (sessions over a 'data' axis "
+                        "of devices / model-axis, heads over 'model'); on CPU creates that many host devices. "
+                        "Default: one device, no mesh")
+    p.add_argument("--model-axis", type=_positive_int, default=1,
+                   help="size of the mesh's 'model' (heads) axis with --devices (default 1)")
     p.set_defaults(run=_run_demo)
 
 
@@ -159,9 +165,33 @@ def _run_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
     if args.seed < 0:
         parser.error(f"--seed must be non-negative, got {args.seed}")
-    demo.run_demo(sessions=args.sessions, chunks=args.chunks, preset=args.preset, backend=args.backend,
-                  out=args.out, check=args.check, seed=args.seed)
+    mesh = None
+    if args.devices is not None:
+        _request_host_devices(args.devices)
+        try:
+            mesh = demo.demo_mesh(args.devices, args.model_axis)
+        except ValueError as error:
+            parser.error(str(error))
+    elif args.model_axis != 1:
+        parser.error("--model-axis needs --devices")
+    try:
+        demo.run_demo(sessions=args.sessions, chunks=args.chunks, preset=args.preset, backend=args.backend,
+                      out=args.out, check=args.check, seed=args.seed, mesh=mesh)
+    except ValueError as error:  # e.g. heads not divisible by --model-axis
+        parser.error(str(error))
     return 0
+
+
+def _request_host_devices(count: int) -> None:
+    """Asks JAX for ``count`` CPU host devices (``jax_num_cpu_devices``). Only the CPU backend reads
+    it, and only before JAX starts its backends; afterwards (e.g. called in-process from a test) the
+    devices JAX already has are used."""
+    import jax
+
+    try:
+        jax.config.update("jax_num_cpu_devices", max(count, jax.config.jax_num_cpu_devices))
+    except (RuntimeError, AttributeError):  # backends already started, or an older JAX
+        pass
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -6,7 +6,11 @@ generates ``--chunks`` chunks for each of ``--sessions`` sessions through one
 chunk, so sessions run at different frame indices in one batch and freed pages are reused. Each
 step prints (to stderr, one carriage-returned line) its latency, latent frames per second and pool
 occupancy; the end prints a per-step table, a summary and, as the very last line,
-``checksum: <float>`` (the sum of every generated latent: deterministic for a seed).
+``checksum: <float>``: the sum of every generated latent, to 7 significant digits (float32's
+precision). It is deterministic for a seed and the same with ``--devices N``: a sharded run gives
+each device a smaller batch, and XLA may then add in another order and move the last bits of a
+value (up to 3e-6 measured, the same as on one device with a smaller batch); 7 digits do not see
+that.
 
 Two pictures go to ``--out``: ``pages.png``, the physical page ids each session holds after every
 step (x = step, y = page id, colour = session, white = free), and ``memory.png``, the pages a
@@ -26,12 +30,15 @@ import time
 import zlib
 from typing import Sequence, TextIO
 
+import jax
 import numpy as np
+from jax.sharding import Mesh
 
 from arkv_jax.cache import PagedKVCache
 from arkv_jax.models.dit import MODEL_CONFIGS, init_random
 from arkv_jax.presets import get_preset
 from arkv_jax.rollout import ChunkResult, FullRecompute, Rollout, Sampler, rollout_plan
+from arkv_jax.sharding import check_mesh, make_mesh
 
 PROMPTS = (
     "a red fox running through fresh snow",
@@ -80,12 +87,15 @@ class Timeline:
     """Step records of a rollout plus what the pictures need.
 
     Attributes:
-      num_pages: pages of the pool (page 0 is the null page).
+      num_pages: pages of the pool (page 0 is the null page; with a mesh, page ``s *
+        pages_per_shard`` is shard ``s``'s null page).
+      usable_pages: pages sessions can hold (``num_pages`` less the null pages).
       chunk_frames: frames per chunk.
       steps: one :class:`StepRecord` per step.
     """
 
     num_pages: int
+    usable_pages: int
     chunk_frames: int
     steps: list[StepRecord] = dataclasses.field(default_factory=list)
 
@@ -93,7 +103,7 @@ class Timeline:
         """Records the step that produced ``result`` in ``seconds`` (call right after ``step()``)."""
         record = StepRecord(result.session_ids, tuple(int(f) for f in result.first_frames), seconds,
                             len(result.session_ids) * self.chunk_frames,
-                            self.num_pages - 1 - rollout.cache.num_free_pages(), rollout.pages_held())
+                            self.usable_pages - rollout.cache.num_free_pages(), rollout.pages_held())
         self.steps.append(record)
         return record
 
@@ -271,7 +281,7 @@ class DemoResult:
     Attributes:
       timeline: the step records.
       latents: each session's latents ``[frames, H, W, C]``.
-      checksum: the sum of every generated latent (float64).
+      checksum: the sum of every generated latent (float64, unrounded).
       max_abs_diff: largest difference to the full-recompute reference (``check`` only).
       pictures: paths of ``pages.png`` and ``memory.png``.
     """
@@ -283,22 +293,42 @@ class DemoResult:
     pictures: tuple[pathlib.Path, pathlib.Path]
 
 
-def _progress(stream: TextIO, done: int, total: int, record: StepRecord, pages: int) -> None:
+def _progress(stream: TextIO, done: int, total: int, record: StepRecord, usable_pages: int) -> None:
     filled = round(20 * done / total)
     stream.write(f"\r[{'#' * filled}{'.' * (20 - filled)}] step {done}/{total}  "
                  f"{record.seconds * 1e3:7.1f} ms  {record.frames / record.seconds:8.1f} frames/s  "
-                 f"pool {record.pages_in_use}/{pages - 1} pages")
+                 f"pool {record.pages_in_use}/{usable_pages} pages")
     stream.flush()
+
+
+def demo_mesh(devices: int, model_axis: int = 1) -> Mesh:
+    """The demo's ``(devices // model_axis, model_axis)`` mesh over the first ``devices`` devices.
+
+    Raises:
+      ValueError: ``devices`` not a multiple of ``model_axis``, or more devices than there are.
+    """
+    if devices < 1 or model_axis < 1 or devices % model_axis:
+        raise ValueError(f"devices={devices} must be a positive multiple of model_axis={model_axis}")
+    available = jax.devices()
+    if devices > len(available):
+        raise ValueError(f"devices={devices} but this process sees {len(available)} "
+                         f"{available[0].platform} device(s); allowed 1..{len(available)} (on CPU, "
+                         "'arkv-jax demo --devices N' creates N host devices itself)")
+    return make_mesh(devices // model_axis, model_axis, available[:devices])
 
 
 def run_demo(*, sessions: int = 4, chunks: int = 12, preset: str = "tiny", backend: str = "auto",
              out: str | pathlib.Path = "arkv_demo_out", check: bool = False, seed: int = 0,
-             stdout: TextIO | None = None, stderr: TextIO | None = None) -> DemoResult:
+             mesh: Mesh | None = None, stdout: TextIO | None = None, stderr: TextIO | None = None
+             ) -> DemoResult:
     """Runs the demo (see the module docstring) and prints its report to ``stdout`` (the progress
-    line to ``stderr``; default: ``sys.stdout``/``sys.stderr``); returns what it measured.
+    line to ``stderr``; default: ``sys.stdout``/``sys.stderr``); returns what it measured. With a
+    ``mesh`` (e.g. :func:`demo_mesh`) the cache and the rollout are sharded over it: the sessions
+    are spread over its ``"data"`` axis, heads over ``"model"``.
 
     Raises:
-      ValueError: unknown preset, or ``sessions``/``chunks`` below 1.
+      ValueError: unknown preset, ``sessions``/``chunks`` below 1, or heads not divisible by the
+        mesh's ``"model"`` size.
     """
     stdout, stderr = stdout or sys.stdout, stderr or sys.stderr
     if sessions < 1 or chunks < 1:
@@ -309,8 +339,11 @@ def run_demo(*, sessions: int = 4, chunks: int = 12, preset: str = "tiny", backe
     sampler = Sampler(num_steps=3, guidance_scale=3.0 if len(cache_preset.kv_branches) > 1 else None)
     branches = cache_preset.kv_branches[:sampler.num_branches]
     geometry, window = cache_preset.geometry, cache_preset.window
-    plan = rollout_plan(geometry, window, branches, cache_preset.cross_attention, sessions)
-    cache = PagedKVCache(geometry, window, branches, cache_preset.cross_attention, plan=plan, backend=backend)
+    data, model_axis = check_mesh(mesh) if mesh is not None else (1, 1)
+    plan = rollout_plan(geometry, window, branches, cache_preset.cross_attention, -(-sessions // data),
+                        model=model_axis)
+    cache = PagedKVCache(geometry, window, branches, cache_preset.cross_attention, plan=plan, backend=backend,
+                         mesh=mesh)
     rollout = Rollout(init_random(MODEL_CONFIGS[preset], seed), cache, sampler, max_traces=1)
     ids = [f"s{i}" for i in range(sessions)]
     prompts = {sid: PROMPTS[i % len(PROMPTS)] for i, sid in enumerate(ids)}
@@ -319,11 +352,16 @@ def run_demo(*, sessions: int = 4, chunks: int = 12, preset: str = "tiny", backe
           f"preset {preset}, {sampler.num_steps} denoise steps + 1 commit forward, "
           f"{'CFG ' + str(sampler.guidance_scale) if sampler.guidance_scale else 'no CFG'}, "
           f"window {window.sink_frames} sink + {window.window_frames} frames", file=stdout)
-    print(f"pool: {plan.managed_num_blocks} pages of {geometry.block_size} tokens "
-          f"({plan.managed_num_blocks * plan.page_size_bytes / 2 ** 20:.2f} MiB K+V), "
+    num_pages = cache.pages_per_shard * cache.num_shards
+    print(f"pool: {num_pages} pages of {geometry.block_size} tokens "
+          f"({num_pages * plan.page_size_bytes * model_axis / 2 ** 20:.2f} MiB K+V), "
           f"{geometry.pages_per_frame} pages per frame, backend {backend}", file=stdout)
+    if mesh is not None:
+        print(f"mesh: data={data} x model={model_axis} over {data * model_axis} {mesh.devices.flat[0].platform} "
+              f"devices; {cache.slots_per_shard} session slot(s) and {cache.pages_per_shard} pages per data shard",
+              file=stdout)
 
-    timeline = Timeline(plan.managed_num_blocks, geometry.frames_per_forward)
+    timeline = Timeline(num_pages, num_pages - cache.num_shards, geometry.frames_per_forward)
     latents: dict[str, np.ndarray] = {}
     total = chunks + sessions - 1
     for index in range(total):
@@ -332,12 +370,12 @@ def run_demo(*, sessions: int = 4, chunks: int = 12, preset: str = "tiny", backe
         start = time.perf_counter()
         result = rollout.step()
         record = timeline.observe(rollout, result, time.perf_counter() - start)
-        _progress(stderr, index + 1, total, record, plan.managed_num_blocks)
+        _progress(stderr, index + 1, total, record, timeline.usable_pages)
         for sid in result.session_ids:
             if len(rollout.latents(sid)) == chunks * geometry.frames_per_forward:
                 latents[sid] = rollout.leave(sid)
     stderr.write("\n")
-    _print_report(stdout, timeline, plan.managed_num_blocks)
+    _print_report(stdout, timeline)
 
     out = pathlib.Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -357,11 +395,11 @@ def run_demo(*, sessions: int = 4, chunks: int = 12, preset: str = "tiny", backe
         print(f"max_abs_diff: {max_abs_diff:.3e} (paged cache vs full recompute, {chunks} chunks per session)",
               file=stdout)
     checksum = float(sum(np.sum(x, dtype=np.float64) for x in latents.values()))
-    print(f"checksum: {checksum:.6f}", file=stdout)
+    print(f"checksum: {checksum:.7g}", file=stdout)
     return DemoResult(timeline, latents, checksum, max_abs_diff, pictures)
 
 
-def _print_report(stream: TextIO, timeline: Timeline, num_pages: int) -> None:
+def _print_report(stream: TextIO, timeline: Timeline) -> None:
     """Per-step table and steady-state summary. Steady state: steps after the first, with as many
     sessions as the step before (a new batch size compiles the cache's bookkeeping once)."""
     print(f"{'step':>4}  {'sessions':>8}  {'frames':>14}  {'latency ms':>10}  {'frames/s':>9}  {'pool pages':>10}",
@@ -369,7 +407,7 @@ def _print_report(stream: TextIO, timeline: Timeline, num_pages: int) -> None:
     for i, step in enumerate(timeline.steps):
         frames = f"{min(step.first_frames)}..{max(step.first_frames) + timeline.chunk_frames - 1}"
         print(f"{i:>4}  {len(step.sessions):>8}  {frames:>14}  {step.seconds * 1e3:>10.1f}  "
-              f"{step.frames / step.seconds:>9.1f}  {step.pages_in_use:>4}/{num_pages - 1:<5}", file=stream)
+              f"{step.frames / step.seconds:>9.1f}  {step.pages_in_use:>4}/{timeline.usable_pages:<5}", file=stream)
     steady = [s for i, s in enumerate(timeline.steps)
               if i > 0 and len(s.sessions) == len(timeline.steps[i - 1].sessions)]
     frames = sum(s.frames for s in timeline.steps)
@@ -380,5 +418,5 @@ def _print_report(stream: TextIO, timeline: Timeline, num_pages: int) -> None:
         latency = float(np.median([s.seconds for s in steady]))
         rate = float(np.median([s.frames / s.seconds for s in steady]))
         print(f"steady state: {latency * 1e3:.1f} ms per step (median), {rate:.1f} latent frames/s; "
-              f"peak pool occupancy {max(s.pages_in_use for s in timeline.steps)}/{num_pages - 1} pages",
+              f"peak pool occupancy {max(s.pages_in_use for s in timeline.steps)}/{timeline.usable_pages} pages",
               file=stream)

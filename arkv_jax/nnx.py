@@ -39,8 +39,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
+from jax.sharding import Mesh
+
 from arkv_jax.cache import ChunkInputs
 from arkv_jax.config import WindowPolicy
+from arkv_jax.sharding import sharded_window_attention
 from pallas_kernels import window_attention
 
 Array = jax.Array
@@ -145,6 +148,8 @@ class PagedHistory:
       lengths: int32 ``[B]`` valid history tokens.
       tokens_per_frame: tokens per frame (static).
       backend: kernel backend name (static), see :mod:`pallas_kernels.backend`.
+      mesh: the cache's mesh (static), or ``None``: with a mesh, attention runs on every device's
+        rows and heads through :func:`arkv_jax.sharding.sharded_window_attention`.
     """
 
     k_pool: Array
@@ -153,20 +158,25 @@ class PagedHistory:
     lengths: Array
     tokens_per_frame: int = struct.field(pytree_node=False)
     backend: str = struct.field(pytree_node=False, default="auto")
+    mesh: Mesh | None = struct.field(pytree_node=False, default=None)
 
     @classmethod
     def from_inputs(cls, pools: tuple[Array, Array], inputs: ChunkInputs, tokens_per_frame: int,
-                    backend: str = "auto") -> "PagedHistory":
+                    backend: str = "auto", mesh: Mesh | None = None) -> "PagedHistory":
         """The history of a chunk: ``pools`` from ``PagedKVCache.pools``, ``inputs`` from
-        ``step.inputs``."""
-        return cls(pools[0], pools[1], inputs.pages, inputs.lengths, tokens_per_frame, backend)
+        ``step.inputs``, ``mesh`` from ``PagedKVCache.mesh``."""
+        return cls(pools[0], pools[1], inputs.pages, inputs.lengths, tokens_per_frame, backend, mesh)
 
     def attend(self, q: Array, k: Array, v: Array, layer: Array) -> Array:
         """See :class:`History`; ``q``/``k``/``v`` are cast to the pool dtype for the kernel."""
         dtype = self.k_pool.dtype
-        out = window_attention(q.astype(dtype), k.astype(dtype), v.astype(dtype), self.k_pool, self.v_pool,
-                               self.pages, self.lengths, layer=layer,
-                               tokens_per_frame=self.tokens_per_frame, backend=self.backend)
+        args = (q.astype(dtype), k.astype(dtype), v.astype(dtype), self.k_pool, self.v_pool, self.pages,
+                self.lengths)
+        kw = dict(layer=layer, tokens_per_frame=self.tokens_per_frame, backend=self.backend)
+        if self.mesh is None:
+            out = window_attention(*args, **kw)
+        else:
+            out = sharded_window_attention(self.mesh, *args, **kw)
         return out.astype(q.dtype)
 
 

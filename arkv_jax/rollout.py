@@ -20,10 +20,15 @@ so both branches of every session run in *one* batched forward; the velocity is
 
 Join and leave. :meth:`Rollout.join` opens a session in the cache and publishes its text K/V (per
 branch) in the cache's cross-attention store; :meth:`Rollout.leave` closes it, which frees its
-pages and its text rows. The batch is padded to ``max_sessions`` sessions (padding rows have no
-history, read text row 0 and are dropped before the commit), so the chunk function is traced
+pages and its text rows. Every chunk runs the cache's *full batch* (every slot; idle slots are
+padding rows with no history, zero text and nothing to write), so the chunk function is traced
 *once* for the whole run however sessions come and go; ``num_traces`` counts it and
 ``max_traces`` turns a retrace into an error.
+
+Devices. With a sharded cache (``PagedKVCache(..., mesh=...)``) the same code runs on the mesh: the
+noise and the batch are split over ``"data"`` like the cache's slots, attention runs per device
+through :func:`arkv_jax.sharding.sharded_window_attention` (heads over ``"model"``), the parameters
+are replicated, and XLA partitions the rest of the model.
 
 The reference. :class:`FullRecompute` generates the same videos without any cache: every forward
 runs the model over all frames so far (clean history at timestep 0, the noisy chunk at its
@@ -42,12 +47,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from arkv_jax import state as core
+from jax.sharding import NamedSharding, PartitionSpec as P
+
 from arkv_jax.cache import ChunkInputs, PagedKVCache
 from arkv_jax.config import CacheGeometry, CrossAttentionSpec, KVBranch, WindowPolicy
 from arkv_jax.models.dit import CausalDiT, prompt_embedding
 from arkv_jax.nnx import MaskedHistory, PagedHistory, window_frame_mask
 from arkv_jax.planner import MemoryPlan, plan_memory
+from arkv_jax.sharding import DATA, local_shapes
 
 Array = jax.Array
 
@@ -119,31 +126,15 @@ def _text_kv(graphdef, params, context: Array) -> tuple[Array, Array]:
     return nnx.merge(graphdef, params).text_kv(context)
 
 
-def _pad_rows(inputs: ChunkInputs, num_rows: int) -> ChunkInputs:
-    """``inputs`` with padding rows up to ``num_rows``: no history (null pages, length 0), text row
-    0, frame 0, nothing to write."""
-    def pad(x, value):
-        return jnp.pad(x, [(0, num_rows - x.shape[0])] + [(0, 0)] * (x.ndim - 1), constant_values=value)
-
-    return ChunkInputs(rows=pad(inputs.rows, 0), pages=pad(inputs.pages, 0), lengths=pad(inputs.lengths, 0),
-                       history_frames=pad(inputs.history_frames, -1), first_frame=pad(inputs.first_frame, 0),
-                       write_pages=pad(inputs.write_pages, 0))
-
-
-_pad_rows_jit = jax.jit(_pad_rows, static_argnums=1)
-
-
-@functools.partial(jax.jit, static_argnums=2)
-def _first_rows(k: Array, v: Array, num_rows: int) -> tuple[Array, Array]:
-    """``k``/``v`` ``[L, rows, ...]`` without the padding rows past ``num_rows``."""
-    return k[:, :num_rows], v[:, :num_rows]
-
-
 def rollout_plan(geometry: CacheGeometry, window: WindowPolicy, kv_branches: Sequence[KVBranch],
-                 cross_attention: Sequence[CrossAttentionSpec], sessions: int) -> MemoryPlan:
+                 cross_attention: Sequence[CrossAttentionSpec], sessions: int, *, model: int = 1) -> MemoryPlan:
     """The smallest plan that holds ``sessions`` sessions and runs them all in one batched chunk
     (the planner's ``batched_in_flight`` reservation, with a budget of exactly what it requires):
-    the pool is as small as the rollout allows, so page reuse shows in a short run."""
+    the pool is as small as the rollout allows, so page reuse shows in a short run.
+
+    For a mesh, ``sessions`` is per data shard and ``model`` the size of the ``"model"`` axis: the
+    plan is one device's (heads divided by ``model``), which ``PagedKVCache(..., mesh=)`` takes."""
+    geometry, cross_attention = local_shapes(geometry, cross_attention, model)
     kw = dict(cross_attention=cross_attention, session_capacity=sessions, batched_in_flight=True)
     probe = plan_memory(geometry, window, kv_branches, available_bytes=1 << 60, memory_fraction=1.0, **kw)
     budget = (probe.scratch_reserved_bytes + probe.cross_attention_bytes_per_session * sessions
@@ -189,7 +180,8 @@ class Rollout:
         (prompt, empty prompt) rows; without, its first branch.
       text_cache: name of the cross-attention cache holding the text K/V.
       backend: window-attention backend (default: the cache's).
-      max_sessions: sessions per batch (the padded batch size; default: the cache's capacity).
+      max_sessions: most sessions active at once (default: the cache's capacity; the batch is
+        always the cache's full batch).
       max_traces: if set, tracing the chunk function more often raises ``RuntimeError``.
 
     Attributes:
@@ -218,6 +210,10 @@ class Rollout:
         self.max_sessions = max_sessions or cache.session_capacity
         self.max_traces, self.num_traces = max_traces, 0
         self._graphdef, self.params = nnx.split(model)
+        self._noise_sharding = None
+        if cache.mesh is not None:
+            self.params = jax.device_put(self.params, NamedSharding(cache.mesh, P()))
+            self._noise_sharding = NamedSharding(cache.mesh, P(DATA))
         self._backend = backend or cache.backend
         self.chunk_fn = jax.jit(self._chunk_fn)
         self._sessions: dict[str, _Session] = {}
@@ -291,26 +287,26 @@ class Rollout:
             raise RuntimeError("no active session; join one first")
         shape = (self.chunk_frames, *self.model.config.frame_shape)
         counts = np.asarray([len(self._sessions[s].chunks) for s in ids], np.int32)
-        noise = np.zeros((self.max_sessions, *shape), np.float32)
-        for i, sid in enumerate(ids):
-            noise[i] = chunk_noise(self._sessions[sid].seed, int(counts[i]), shape)
-        rows = len(ids) * len(self.branches)
-        with self.cache.chunk(ids, self.chunk_frames, self.branches) as step:
-            inputs = _pad_rows_jit(step.inputs, self.max_sessions * len(self.branches))
-            x, k_new, v_new = self.chunk_fn(self.params, self.cache.pools, inputs,
-                                              self.cache.cross_attention_kv(self.text_cache), noise)
-            step.commit(*_first_rows(k_new, v_new, rows))
-        latents = np.asarray(x)[:len(ids)]
+        slots = [self.cache.slot(s) for s in ids]
+        noise = np.zeros((self.cache.session_capacity, *shape), np.float32)
+        for sid, slot, count in zip(ids, slots, counts):
+            noise[slot] = chunk_noise(self._sessions[sid].seed, int(count), shape)
+        with self.cache.chunk(ids, self.chunk_frames, self.branches, full_batch=True) as step:
+            x, k_new, v_new = self.chunk_fn(self.params, self.cache.pools, step.inputs,
+                                            self.cache.cross_attention_kv(self.text_cache),
+                                            jax.device_put(noise, self._noise_sharding))
+            step.commit(k_new, v_new)
+        latents = np.asarray(x)[slots]
         for i, sid in enumerate(ids):
             self._sessions[sid].chunks.append(latents[i])
         return ChunkResult(ids, counts * self.chunk_frames, latents)
 
     def _chunk_fn(self, params, pools, inputs: ChunkInputs, text_kv, noise):
-        """Traced once: the denoise steps from ``noise`` ``[S_pad, F, H, W, C]`` and the commit
-        forward of one padded batch.
+        """Traced once: the denoise steps from ``noise`` ``[S, F, H, W, C]`` (``S`` = the cache's
+        slots) and the commit forward of the full batch.
 
-        Returns ``(latents [S_pad, F, H, W, C], k, v)`` with ``k``/``v``
-        ``[L, S_pad * branches, F * tpf, Hkv, D]``.
+        Returns ``(latents [S, F, H, W, C], k, v)`` with ``k``/``v`` ``[L, S * branches, F * tpf,
+        Hkv, D]``.
         """
         self.num_traces += 1
         if self.max_traces is not None and self.num_traces > self.max_traces:
@@ -318,8 +314,9 @@ class Rollout:
                                f"{self.max_traces}): a shape, dtype or static value changed")
         model = nnx.merge(self._graphdef, params)
         config, nb = self.model.config, len(self.branches)
-        history = PagedHistory.from_inputs(pools, inputs, config.tokens_per_frame, self._backend)
-        text_k, text_v = (t[inputs.rows].swapaxes(0, 1) for t in text_kv)
+        history = PagedHistory.from_inputs(pools, inputs, config.tokens_per_frame, self._backend,
+                                           mesh=self.cache.mesh)
+        text_k, text_v = self.cache.cross_attention_rows(text_kv, inputs)
         noise = noise.astype(config.dtype)
         rows = inputs.rows.shape[0]
 
@@ -335,19 +332,8 @@ class Rollout:
 
     # -- views ---------------------------------------------------------------------------------------
     def pages_held(self) -> dict[str, np.ndarray]:
-        """Physical page ids each active session holds (all its branches), sorted (host sync)."""
-        ids = self.sessions
-        if not ids:
-            return {}
-        rows = jnp.asarray(self.cache.rows(ids))
-        pages, counts = (np.asarray(a) for a in _resident_blocks(self.cache.state, rows))
-        per_session = len(pages) // len(ids)
-        held = [pages[r, :counts[r]] for r in range(len(pages))]
-        return {sid: np.sort(np.concatenate(held[i * per_session:(i + 1) * per_session]))
-                for i, sid in enumerate(ids)}
-
-
-_resident_blocks = jax.jit(core.resident_blocks)
+        """Pool page indices each active session holds (all its branches), sorted (host sync)."""
+        return self.cache.pages_held(self.sessions)
 
 
 class FullRecompute:

@@ -84,8 +84,8 @@ MODEL = "model"
 AXES = (DATA, MODEL)
 
 __all__ = [
-    "AXES", "DATA", "MODEL", "DevicePlan", "check_mesh", "cross_attention_spec", "init_sharded_state",
-    "head_spec", "make_mesh", "make_pools", "per_shard", "place", "plan_per_device", "pool_spec",
+    "AXES", "DATA", "MODEL", "DevicePlan", "check_mesh", "cross_attention_spec", "gather_rows", "init_sharded_state",
+    "head_spec", "local_shapes", "make_mesh", "make_pools", "per_shard", "place", "plan_per_device", "pool_spec",
     "row_spec", "shard_map", "sharded_window_attention", "sharded_write_chunk", "stack_states",
     "state_spec", "unstack_state",
 ]
@@ -485,6 +485,29 @@ def _sharded_attention_jit(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, laye
     return shard_map(body, mesh, in_specs, heads, check=False)(*args)
 
 
+def gather_rows(mesh: Mesh, table: jax.Array, rows: jax.Array, *, head_axis: int = 3) -> jax.Array:
+    """``table[rows]`` within every data shard: the per-row caches (e.g. cross-attention K/V) of a
+    batch, without moving rows between devices.
+
+    Args:
+      mesh: a mesh with ``"data"`` and ``"model"`` axes.
+      table: ``[data * rows_per_shard, ...]``, rows split over data and axis ``head_axis`` over
+        model (:func:`cross_attention_spec`).
+      rows: int ``[data * B]`` *local* row indices of each shard's batch rows; negative = padding.
+
+    Returns:
+      ``[data * B, ...]`` sharded like ``table``; padding rows are zero.
+    """
+    spec = cross_attention_spec(jnp.ndim(table), 0, head_axis)
+
+    def body(block, local_rows):
+        taken = jnp.take(block, jnp.maximum(local_rows, 0), axis=0)
+        valid = (local_rows >= 0).reshape((-1,) + (1,) * (block.ndim - 1))
+        return jnp.where(valid, taken, jnp.zeros((), block.dtype))
+
+    return shard_map(body, mesh, (spec, row_spec(1)), spec)(table, rows)
+
+
 # ------------------------------------------------------------------------------------------------
 # Planner per device.
 
@@ -518,6 +541,18 @@ class DevicePlan:
     total_sessions: int
     rows_per_shard: int
 
+    @classmethod
+    def from_plan(cls, plan: MemoryPlan, data: int, model: int) -> "DevicePlan":
+        """The mesh-wide view of ``plan``, the plan of one device (heads already divided by
+        ``model``), when every one of the ``data`` shards holds the same plan."""
+        return cls(
+            plan=plan, data=int(data), model=int(model), pool_bytes_per_device=plan.pool_bytes,
+            bytes_per_device=(plan.pool_bytes + plan.cross_attention_reserved_bytes
+                              + plan.model_owned_state_reserved_bytes),
+            pages_per_shard=plan.num_blocks_total, sessions_per_data_shard=plan.session_capacity,
+            total_sessions=plan.session_capacity * int(data),
+            rows_per_shard=plan.session_capacity * len(plan.kv_branches))
+
     @property
     def num_devices(self) -> int:
         return self.data * self.model
@@ -526,6 +561,25 @@ class DevicePlan:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "plan"}
         out["plan"] = self.plan.to_dict()
         return out
+
+
+def local_shapes(geometry: CacheGeometry, cross_attention: Sequence[CrossAttentionSpec], model: int
+                 ) -> tuple[CacheGeometry, tuple[CrossAttentionSpec, ...]]:
+    """What one device of a model axis of size ``model`` holds: ``geometry`` and each
+    cross-attention cache with their K/V heads divided by ``model``.
+
+    Raises:
+      ValueError: K/V or cross-attention heads not divisible by ``model``.
+    """
+    _check_heads(model, kv_heads=geometry.num_kv_heads)
+    local_cross = []
+    for spec in cross_attention:
+        if spec.num_kv_heads is not None:
+            _check_divisible(f"cross-attention {spec.name!r} num_kv_heads", spec.num_kv_heads,
+                             MODEL, model)
+            spec = dataclasses.replace(spec, num_kv_heads=spec.num_kv_heads // model)
+        local_cross.append(spec)
+    return dataclasses.replace(geometry, num_kv_heads=geometry.num_kv_heads // model), tuple(local_cross)
 
 
 def plan_per_device(
@@ -542,6 +596,7 @@ def plan_per_device(
     max_scratch_tokens_per_branch: int = 0,
     model_owned_state_bytes_per_session: int = 0,
     scratch_blocks_override: int | None = None,
+    batched_in_flight: bool = False,
 ) -> DevicePlan:
     """Plans one device of a ``(data, model)`` mesh with the single-device planner.
 
@@ -553,7 +608,7 @@ def plan_per_device(
     Args:
       geometry: the model's global geometry (all K/V heads).
       window, branches, memory_fraction, cross_attention, max_scratch_tokens_per_branch,
-        scratch_blocks_override: as for :func:`arkv_jax.planner.plan_memory`.
+        scratch_blocks_override, batched_in_flight: as for :func:`arkv_jax.planner.plan_memory`.
       data, model: mesh axis sizes.
       available_bytes_per_device: free memory of one device (the smallest, if they differ).
       sessions_per_shard: resident sessions requested per data shard.
@@ -566,25 +621,11 @@ def plan_per_device(
     for name, value in (("data", data), ("model", model)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
             raise ValueError(f"mesh axis {name!r} must be a positive int, got {value!r}")
-    _check_heads(model, kv_heads=geometry.num_kv_heads)
-    local_cross = []
-    for spec in cross_attention:
-        if spec.num_kv_heads is not None:
-            _check_divisible(f"cross-attention {spec.name!r} num_kv_heads", spec.num_kv_heads,
-                             MODEL, model)
-            spec = dataclasses.replace(spec, num_kv_heads=spec.num_kv_heads // model)
-        local_cross.append(spec)
-    local = dataclasses.replace(geometry, num_kv_heads=geometry.num_kv_heads // model)
+    local, local_cross = local_shapes(geometry, cross_attention, model)
     plan = plan_memory(
         local, window, branches, available_bytes=available_bytes_per_device,
         memory_fraction=memory_fraction, session_capacity=sessions_per_shard,
         cross_attention=local_cross, max_scratch_tokens_per_branch=max_scratch_tokens_per_branch,
         model_owned_state_bytes_per_session=model_owned_state_bytes_per_session,
-        scratch_blocks_override=scratch_blocks_override)
-    return DevicePlan(
-        plan=plan, data=int(data), model=int(model), pool_bytes_per_device=plan.pool_bytes,
-        bytes_per_device=(plan.pool_bytes + plan.cross_attention_reserved_bytes
-                          + plan.model_owned_state_reserved_bytes),
-        pages_per_shard=plan.num_blocks_total, sessions_per_data_shard=plan.session_capacity,
-        total_sessions=plan.session_capacity * int(data),
-        rows_per_shard=plan.session_capacity * len(plan.kv_branches))
+        scratch_blocks_override=scratch_blocks_override, batched_in_flight=batched_in_flight)
+    return DevicePlan.from_plan(plan, data, model)

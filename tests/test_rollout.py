@@ -235,7 +235,7 @@ def test_demo_cli_offers_every_model_config():
 def test_page_map_of_a_large_pool_stays_small():
     from arkv_jax.demo import StepRecord, Timeline, page_map_png
 
-    timeline = Timeline(num_pages=5001, chunk_frames=2)
+    timeline = Timeline(num_pages=5001, usable_pages=5000, chunk_frames=2)
     for step in range(3):
         held = {"s0": np.arange(1, 41) + 40 * step, "s1": np.arange(4900, 5000)}
         timeline.steps.append(StepRecord(("s0", "s1"), (2 * step, 0), 0.01, 4, 140, held))

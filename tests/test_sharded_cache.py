@@ -1,0 +1,322 @@
+"""The cache facade, the rollout and ``arkv-jax demo`` on a mesh of 8 CPU devices.
+
+Every sharded run is compared with the same run on one device: pool contents bit for bit,
+attention and generated latents to 1e-5 (fp32), and bit for bit where each device runs the same
+batch shape as the single device. ``tests/conftest.py`` sets 8 host devices before JAX starts; the
+demo runs in subprocesses, where ``--devices`` creates them itself.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from arkv_jax import sharding as sh
+from arkv_jax.cache import PagedKVCache
+from arkv_jax.config import CacheGeometry, CrossAttentionSpec, KVBranch, WindowPolicy
+from arkv_jax.models import MODEL_CONFIGS, init_random
+from arkv_jax.nnx import PagedHistory
+from arkv_jax.presets import get_preset
+from arkv_jax.rollout import Rollout, Sampler, rollout_plan
+
+NUM_DEVICES = 8
+pytestmark = pytest.mark.skipif(
+    jax.device_count() < NUM_DEVICES,
+    reason=f"needs {NUM_DEVICES} devices (tests/conftest.py sets jax_num_cpu_devices)")
+
+# 8 KV heads, 16 query heads: every (data, model) mesh of 8 devices divides them.
+GEOMETRY = CacheGeometry(num_layers=2, num_kv_heads=8, head_dim=8, dtype="float32", tokens_per_frame=6,
+                         block_size=4, frames_per_forward=2)
+WINDOW = WindowPolicy(window_frames=3, sink_frames=1)
+CFG = (KVBranch("positive", 0), KVBranch("negative", 1))
+TEXT = (CrossAttentionSpec("text", 5),)
+Q_HEADS = 16
+
+
+def mesh_of(data, model):
+    return sh.make_mesh(data, model, jax.devices()[:data * model])
+
+
+def make_cache(mesh=None, sessions_per_shard=2):
+    model = 1 if mesh is None else mesh.shape["model"]
+    plan = rollout_plan(GEOMETRY, WINDOW, CFG, TEXT, sessions_per_shard, model=model)
+    return PagedKVCache(GEOMETRY, WINDOW, CFG, TEXT, plan=plan, mesh=mesh, backend="xla")
+
+
+def session_kv(sid: str, chunk: int):
+    """Deterministic K/V ``[L, branches, F * tpf, Hkv, D]`` of one session's chunk."""
+    shape = (GEOMETRY.num_layers, len(CFG), GEOMETRY.frames_per_forward * GEOMETRY.tokens_per_frame,
+             GEOMETRY.num_kv_heads, GEOMETRY.head_dim)
+    k = np.random.default_rng((ord(sid), chunk)).standard_normal(shape, np.float32)
+    return k, -k
+
+
+def batch_kv(step, chunks):
+    """The batch's K/V: each session's :func:`session_kv` at its rows, zeros at padding rows."""
+    shape = (GEOMETRY.num_layers, len(step.session_ids), GEOMETRY.frames_per_forward * GEOMETRY.tokens_per_frame,
+             GEOMETRY.num_kv_heads, GEOMETRY.head_dim)
+    k, v = np.zeros(shape, np.float32), np.zeros(shape, np.float32)
+    for sid in dict.fromkeys(s for s in step.session_ids if s is not None):
+        rows = [i for i, s in enumerate(step.session_ids) if s == sid]
+        k[:, rows], v[:, rows] = session_kv(sid, chunks[sid])
+    return jnp.asarray(k), jnp.asarray(v)
+
+
+def visible_history(cache, step, sid):
+    """Per branch of ``sid``: its visible history K ``[L, tokens, Hkv, D]`` read from the pool
+    through the chunk's page list (local page ids mapped to pool pages of the row's shard)."""
+    k_pool = np.asarray(cache.pools[0])
+    rows = [i for i, s in enumerate(step.session_ids) if s == sid]
+    per_shard = len(step.session_ids) // cache.num_shards
+    ppf, tpf = GEOMETRY.pages_per_frame, GEOMETRY.tokens_per_frame
+    out = []
+    for b in rows:
+        pages = np.asarray(step.inputs.pages[b]) + (b // per_shard) * cache.pages_per_shard
+        frames = int(step.inputs.lengths[b]) // tpf
+        tokens = [k_pool[:, pages[f * ppf:(f + 1) * ppf]].reshape(GEOMETRY.num_layers, -1, GEOMETRY.num_kv_heads,
+                                                                  GEOMETRY.head_dim)[:, :tpf] for f in range(frames)]
+        out.append(np.concatenate(tokens, axis=1) if tokens else np.zeros((0,)))
+    return out
+
+
+def attention(cache, step, chunks):
+    """Window attention of every batch row over its history and its chunk, as a model runs it."""
+    k, v = batch_kv(step, chunks)
+    rows, tokens = k.shape[1], k.shape[2]
+    q = jnp.tile(k[0], (1, 1, Q_HEADS // GEOMETRY.num_kv_heads, 1)) * 0.5
+    history = PagedHistory.from_inputs(cache.pools, step.inputs, GEOMETRY.tokens_per_frame, "xla", mesh=cache.mesh)
+    assert q.shape == (rows, tokens, Q_HEADS, GEOMETRY.head_dim)
+    return np.asarray(jax.jit(lambda h, q, k, v: h.attend(q, k, v, 1))(history, q, k[1], v[1]))
+
+
+# step -> (joining, leaving after the step)
+SCRIPT = {0: (("a", "b", "c"), ()), 2: (("d",), ("b",)), 4: (("e",), ("a",)), 6: ((), ())}
+STEPS = 8
+
+
+def run_script(cache):
+    """Runs :data:`SCRIPT`; returns, per step and session, the visible history of each branch, the
+    first frame and the attention output of the session's rows."""
+    chunks, records, active = {}, [], []
+    for index in range(STEPS):
+        joining, leaving = SCRIPT.get(index, ((), ()))
+        for sid in joining:
+            cache.open(sid)
+            chunks[sid] = 0
+            active.append(sid)
+        with cache.chunk(active, GEOMETRY.frames_per_forward) as step:
+            out = attention(cache, step, chunks)
+            record = {}
+            for sid in active:
+                rows = [i for i, s in enumerate(step.session_ids) if s == sid]
+                record[sid] = (visible_history(cache, step, sid), np.asarray(step.inputs.first_frame)[rows],
+                               out[rows])
+            step.commit(*batch_kv(step, chunks))
+        records.append(record)
+        for sid in active:
+            chunks[sid] += 1
+        for sid in leaving:
+            cache.close(sid)
+            active.remove(sid)
+    return records
+
+
+@pytest.fixture(scope="module")
+def single_device_run():
+    return run_script(make_cache(None, sessions_per_shard=4))
+
+
+@pytest.mark.parametrize("shape", [(2, 4), (4, 2), (8, 1)], ids=lambda s: f"data{s[0]}_model{s[1]}")
+def test_sharded_cache_matches_one_device(shape, single_device_run):
+    mesh = mesh_of(*shape)
+    cache = make_cache(mesh, sessions_per_shard=-(-4 // shape[0]))
+    sharded_run = run_script(cache)
+    for step, (expected, got) in enumerate(zip(single_device_run, sharded_run)):
+        assert expected.keys() == got.keys()
+        for sid in expected:
+            (hist_1, first_1, out_1), (hist_n, first_n, out_n) = expected[sid], got[sid]
+            np.testing.assert_array_equal(first_1, first_n)
+            for a, b in zip(hist_1, hist_n):
+                np.testing.assert_array_equal(a, b)  # same bytes in the pages each row reads
+            np.testing.assert_allclose(out_n, out_1, atol=1e-5, err_msg=f"step {step} session {sid}")
+    assert cache.num_free_pages() == cache.num_shards * (cache.pages_per_shard - 1) - sum(
+        len(p) for p in cache.pages_held(cache.sessions).values())
+
+
+def test_sessions_spread_over_shards_and_stay_in_their_slice():
+    mesh = mesh_of(4, 2)
+    cache = make_cache(mesh, sessions_per_shard=2)
+    for sid in "abcdef":
+        cache.open(sid)
+    shards = [cache.slot(sid) // cache.slots_per_shard for sid in "abcdef"]
+    assert shards == [0, 1, 2, 3, 0, 1]  # the least loaded shard first
+    with cache.chunk(list("abcdef"), 2) as step:
+        assert len(step.session_ids) == cache.session_capacity * len(CFG)  # the full batch
+        assert step.session_ids.count(None) == 2 * len(CFG)
+        padding = np.asarray([s is None for s in step.session_ids])
+        assert np.all(np.asarray(step.inputs.rows)[padding] == -1)
+        assert np.all(np.asarray(step.inputs.write_pages)[padding] == 0)
+        step.commit(*batch_kv(step, dict.fromkeys("abcdef", 0)))
+    for sid, pages in cache.pages_held(list("abcdef")).items():
+        shard = cache.slot(sid) // cache.slots_per_shard
+        assert np.all(pages // cache.pages_per_shard == shard) and np.all(pages % cache.pages_per_shard > 0)
+    k_pool = cache.pools[0]
+    assert k_pool.sharding.is_equivalent_to(jax.sharding.NamedSharding(mesh, sh.pool_spec()), k_pool.ndim)
+
+
+def test_free_and_foreign_pages_never_reach_a_sharded_output():
+    """Every page no row of the batch holds is NaN; outputs stay finite and equal the clean run."""
+    mesh = mesh_of(4, 2)
+    cache = make_cache(mesh, sessions_per_shard=2)
+    chunks = {}
+    for sid in "abcd":
+        cache.open(sid)
+        chunks[sid] = 0
+    for _ in range(4):
+        with cache.chunk(list("abcd"), 2) as step:
+            step.commit(*batch_kv(step, chunks))
+        chunks = {s: c + 1 for s, c in chunks.items()}
+    cache.close("b")
+    with cache.chunk(["a", "c"], 2) as step:
+        clean = attention(cache, step, chunks)
+        held = np.concatenate(list(cache.pages_held(["a", "c"]).values()))
+        poison = ~np.isin(np.arange(cache.pools[0].shape[1]), held)
+        k_pool, v_pool = (jnp.where(jnp.asarray(poison)[None, :, None, None, None], jnp.nan, p) for p in cache.pools)
+        cache._k_pool, cache._v_pool = sh.place(mesh, (k_pool, v_pool), (sh.pool_spec(), sh.pool_spec()))
+        poisoned = attention(cache, step, chunks)
+        rows = [i for i, s in enumerate(step.session_ids) if s is not None]
+        assert np.all(np.isfinite(poisoned))
+        np.testing.assert_array_equal(poisoned[rows], clean[rows])
+        step.commit(*batch_kv(step, chunks))
+
+
+def test_sharded_cache_refusals_change_nothing():
+    mesh = mesh_of(2, 4)
+    plan = rollout_plan(GEOMETRY, WINDOW, CFG, TEXT, 1, model=4)
+    cache = PagedKVCache(GEOMETRY, WINDOW, CFG, TEXT, plan=plan, mesh=mesh, backend="xla")
+    for sid in "ab":
+        cache.open(sid)
+    with pytest.raises(ValueError, match="full batches only"):
+        with cache.chunk(["a"], 2, full_batch=False):
+            pass
+    chunks = {"a": 0, "b": 0}
+    for _ in range(3):  # fill the window: 4 frames resident per row, room for 2 more in the plan
+        with cache.chunk(["a", "b"], 2) as step:
+            step.commit(*batch_kv(step, chunks))
+        chunks = {s: c + 1 for s, c in chunks.items()}
+    state = jax.tree.map(np.asarray, cache.state)
+    with pytest.raises(RuntimeError, match="pool exhausted"):  # 3 frames do not fit the tight plan
+        with cache.chunk(["a", "b"], 3):
+            pass
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, cache.state), state)
+    with pytest.raises(ValueError, match="plan is for a \\(data=1, model=1\\) mesh"):
+        PagedKVCache(GEOMETRY, WINDOW, CFG, TEXT, plan=sh.DevicePlan.from_plan(plan, 1, 1), mesh=mesh)
+    with pytest.raises(ValueError, match="plan one device"):
+        PagedKVCache(GEOMETRY, WINDOW, CFG, TEXT, plan=rollout_plan(GEOMETRY, WINDOW, CFG, TEXT, 1), mesh=mesh)
+    with pytest.raises(ValueError, match="not both"):
+        PagedKVCache(GEOMETRY, WINDOW, CFG, TEXT, plan=plan, mesh=mesh, device=jax.devices()[0])
+    heads3 = CacheGeometry(num_layers=1, num_kv_heads=3, head_dim=8, dtype="float32", tokens_per_frame=4,
+                           block_size=4)
+    with pytest.raises(ValueError, match="kv_heads=3 must be divisible by the mesh axis 'model' of size 4"):
+        PagedKVCache(heads3, WINDOW, mesh=mesh, available_bytes=1 << 24)
+    planned = PagedKVCache(GEOMETRY, WINDOW, CFG, TEXT, mesh=mesh, available_bytes=1 << 24, memory_fraction=1.0,
+                           session_capacity=5, backend="xla")
+    assert planned.session_capacity == 6 and planned.slots_per_shard == 3  # 5 sessions over 2 shards
+    assert planned.plan.geometry.num_kv_heads == 2  # one device's heads
+
+
+# ------------------------------------------------------------------------------------------------
+# Rollout and demo.
+
+TINY = get_preset("tiny")
+
+
+def tiny_rollout(model, mesh, sessions_per_shard):
+    sampler = Sampler(num_steps=2, guidance_scale=3.0)
+    model_axis = 1 if mesh is None else mesh.shape["model"]
+    plan = rollout_plan(TINY.geometry, TINY.window, TINY.kv_branches, TINY.cross_attention, sessions_per_shard,
+                        model=model_axis)
+    cache = PagedKVCache(TINY.geometry, TINY.window, TINY.kv_branches, TINY.cross_attention, plan=plan,
+                         mesh=mesh, backend="xla")
+    return Rollout(model, cache, sampler, max_traces=1)
+
+
+def churn(rollout, steps=6):
+    """Sessions join at steps 0, 0, 1, 3 (``d`` after ``b`` left); returns every session's latents."""
+    joins = {0: ("a", "b"), 1: ("c",), 3: ("d",)}
+    out = {}
+    for index in range(steps):
+        for sid in joins.get(index, ()):
+            rollout.join(sid, f"prompt {sid}", seed=ord(sid))
+        rollout.step()
+        if index == 2:
+            out["b"] = rollout.leave("b")
+    out.update({sid: rollout.latents(sid) for sid in rollout.sessions})
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    return init_random(MODEL_CONFIGS["tiny"], seed=0)
+
+
+@pytest.fixture(scope="module")
+def single_device_latents(tiny_model):
+    return churn(tiny_rollout(tiny_model, None, 3))
+
+
+@pytest.mark.parametrize("shape", [(8, 1), (4, 2)], ids=lambda s: f"data{s[0]}_model{s[1]}")
+def test_sharded_rollout_matches_one_device(shape, tiny_model, single_device_latents):
+    rollout = tiny_rollout(tiny_model, mesh_of(*shape), 1)
+    got = churn(rollout)
+    assert rollout.num_traces == 1
+    assert got.keys() == single_device_latents.keys()
+    for sid, expected in single_device_latents.items():
+        np.testing.assert_allclose(got[sid], expected, atol=1e-5, err_msg=sid)
+
+
+def test_sharded_rollout_is_bit_identical_with_the_same_batch_per_device(tiny_model):
+    """Two slots per device on a (4, 1) mesh run the same program shapes as one device with two
+    slots, so the latents are the same bits."""
+    one = tiny_rollout(tiny_model, None, 2)
+    four = tiny_rollout(tiny_model, mesh_of(4, 1), 2)
+    for rollout in (one, four):
+        rollout.join("a", "prompt a", seed=1)
+        rollout.join("b", "prompt b", seed=2)
+        for _ in range(5):
+            rollout.step()
+    assert four.cache.slot("b") // four.cache.slots_per_shard == 1  # a and b on different devices
+    for sid in "ab":
+        np.testing.assert_array_equal(four.latents(sid), one.latents(sid))
+
+
+def test_sharded_rollout_refuses_heads_the_model_axis_does_not_divide(tiny_model):
+    with pytest.raises(ValueError, match="kv_heads=2 must be divisible by the mesh axis 'model' of size 4"):
+        tiny_rollout(tiny_model, mesh_of(2, 4), 1)
+
+
+def run_demo_cli(*args, tmp_path):
+    result = subprocess.run([sys.executable, "-m", "arkv_jax.cli", "demo", "--chunks", "3", "--out",
+                             str(tmp_path), *args], capture_output=True, text=True, timeout=600)
+    return result
+
+
+def test_demo_on_8_devices_prints_the_one_device_checksum(tmp_path):
+    one = run_demo_cli(tmp_path=tmp_path / "one")
+    eight = run_demo_cli("--devices", "8", tmp_path=tmp_path / "eight")
+    assert one.returncode == 0 and eight.returncode == 0, one.stderr[-2000:] + eight.stderr[-2000:]
+    assert "mesh: data=8 x model=1 over 8 cpu devices" in eight.stdout
+    checksums = [r.stdout.strip().splitlines()[-1] for r in (one, eight)]
+    assert checksums[0].startswith("checksum: ") and checksums[0] == checksums[1], checksums
+
+
+def test_demo_cli_refuses_a_mesh_the_model_cannot_use(tmp_path):
+    result = run_demo_cli("--devices", "8", "--model-axis", "8", tmp_path=tmp_path)
+    assert result.returncode == 2 and "kv_heads=2 must be divisible" in result.stderr
+    result = run_demo_cli("--devices", "6", "--model-axis", "4", tmp_path=tmp_path)
+    assert result.returncode == 2 and "multiple of model_axis=4" in result.stderr
