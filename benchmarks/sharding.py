@@ -14,6 +14,11 @@ The device count is fixed when JAX starts, so each count runs in its own subproc
 - 8 devices: every ``(data, model)`` with ``data * model == 8``, plus the ``(1, 1)`` mesh on one
   of the 8 devices, interleaved in the same process: the same-run ratio.
 
+A second table times the user-level path: one ``Rollout.step()`` of the demo's tiny causal DiT
+(CFG, 3 denoise forwards + 1 commit forward, host to host) for 8 sessions through
+``PagedKVCache`` without a mesh (1 device), and with ``mesh=`` on ``(8, 1)`` and ``(4, 2)`` meshes
+and a ``(1, 1)`` mesh on one of the 8 devices (8 devices), interleaved within each process.
+
 On this project's CPU machine the 8 "devices" are 8 XLA host devices sharing the same 2 cores: one
 CPU device runs most of this step on one core, 8 devices keep both cores busy, so 8 devices can be
 up to ~2x faster here, and that says nothing about a TPU slice or several GPUs, where each device
@@ -155,8 +160,10 @@ def _worker(devices: int, quick: bool, reps: int | None) -> dict:
         ok = run()[1]
         assert bool(np.asarray(ok).all()), "a session failed to allocate: the pool is too small"
     seconds = harness.interleaved_medians(cases, reps=reps, warmup=1)
+    rollout_seconds = harness.interleaved_medians(_rollout_cases(devices), reps=reps, warmup=1)
     return {
         "devices": devices,
+        "rollout": {name: {"seconds_per_step": t} for name, t in rollout_seconds.items()},
         "cases": {name: {"seconds_per_step": seconds[name] / cfg["steps"],
                          "pool_bytes_per_device": pool_bytes[name],
                          "mesh": meshes[name]} for name in cases},
@@ -165,6 +172,40 @@ def _worker(devices: int, quick: bool, reps: int | None) -> dict:
         "platform": jax.devices()[0].platform,
         "device_count": jax.device_count(),
     }
+
+
+ROLLOUT_SESSIONS = 8
+
+
+def _rollout_cases(devices: int) -> dict:
+    """``Rollout.step`` callables of the tiny demo model with :data:`ROLLOUT_SESSIONS` sessions:
+    no mesh on 1 device; ``(1, 1)`` on one device, ``(8, 1)`` and ``(4, 2)`` on 8 devices."""
+    import jax
+
+    from arkv_jax import sharding as sh
+    from arkv_jax.cache import PagedKVCache
+    from arkv_jax.models import MODEL_CONFIGS, init_random
+    from arkv_jax.presets import get_preset
+    from arkv_jax.rollout import Rollout, Sampler, rollout_plan
+
+    preset, model = get_preset("tiny"), init_random(MODEL_CONFIGS["tiny"], seed=0)
+
+    def build(mesh):
+        data, model_axis = sh.check_mesh(mesh) if mesh is not None else (1, 1)
+        plan = rollout_plan(preset.geometry, preset.window, preset.kv_branches, preset.cross_attention,
+                            ROLLOUT_SESSIONS // data, model=model_axis)
+        cache = PagedKVCache(preset.geometry, preset.window, preset.kv_branches, preset.cross_attention,
+                             plan=plan, mesh=mesh, backend="xla")
+        rollout = Rollout(model, cache, Sampler(num_steps=3, guidance_scale=3.0), max_traces=1)
+        for i in range(ROLLOUT_SESSIONS):
+            rollout.join(f"s{i}", f"prompt {i}", seed=i)
+        return rollout.step
+
+    if devices == 1:
+        return {"rollout, no mesh": build(None)}
+    return {"rollout, mesh (1, 1) on 1 of 8 devices": build(sh.make_mesh(1, 1, devices=jax.devices()[:1])),
+            "rollout, mesh (8, 1)": build(sh.make_mesh(8, 1)),
+            "rollout, mesh (4, 2)": build(sh.make_mesh(4, 2))}
 
 
 def _runner(step, carry, data_in, steps):
@@ -243,6 +284,22 @@ def main(argv=None) -> None:
           "donated")
     harness.print_table(("devices", "case", "ms/step", "chunks/s", "session-chunks/s",
                          "pool MiB/device", "x vs 1-dev (1,1)", "x vs (1,1) same run"), rows)
+    rollout_base = results[1]["rollout"]["rollout, no mesh"]["seconds_per_step"]
+    rollout_rows = []
+    for n in DEVICE_COUNTS:
+        same_run = results[n]["rollout"].get("rollout, mesh (1, 1) on 1 of 8 devices", {}).get("seconds_per_step")
+        for name, case in results[n]["rollout"].items():
+            s = case["seconds_per_step"]
+            figures[f"{n}dev/{name}"] = {
+                "ms_per_step": s * 1e3, "session_chunks_per_s": ROLLOUT_SESSIONS / s,
+                "vs_1dev_no_mesh": rollout_base / s,
+                "vs_same_run_1_device": (same_run / s) if same_run else None}
+            rollout_rows.append((n, name, s * 1e3, ROLLOUT_SESSIONS / s, rollout_base / s,
+                                 "-" if not same_run else f"{same_run / s:.3f}"))
+    print(f"\nRollout.step of the tiny demo model: {ROLLOUT_SESSIONS} sessions, CFG, 3 denoise + 1 commit "
+          "forward, host to host")
+    harness.print_table(("devices", "case", "ms/step", "session-chunks/s", "x vs 1-dev no mesh",
+                         "x vs (1,1) same run"), rollout_rows)
     platform = results[8]["platform"]
     if platform == "cpu":
         print(f"NOTE: the 8 devices are XLA CPU host devices sharing this machine's {cores} cores, "

@@ -26,4 +26,8 @@ def test_readme_examples_run():
             assert namespace["cache"].sessions == ("alice",)
         if "rollout.leave" in block:
             assert namespace["video"].shape[0] == 13 * 2 and namespace["rollout"].num_traces == 1
+        if "mesh=mesh" in block:
+            rollout = namespace["rollout"]
+            assert rollout.cache.num_shards == len(rollout.sessions) == namespace["jax"].device_count()
+            assert all(len(rollout.latents(s)) == 2 for s in rollout.sessions)
     assert int(namespace["st"].free_count) == 255
