@@ -131,7 +131,7 @@ def single_device_run():
     return run_script(make_cache(None, sessions_per_shard=4))
 
 
-@pytest.mark.parametrize("shape", [(2, 4), (4, 2), (8, 1)], ids=lambda s: f"data{s[0]}_model{s[1]}")
+@pytest.mark.parametrize("shape", [(1, 8), (2, 4), (4, 2), (8, 1)], ids=lambda s: f"data{s[0]}_model{s[1]}")
 def test_sharded_cache_matches_one_device(shape, single_device_run):
     mesh = mesh_of(*shape)
     cache = make_cache(mesh, sessions_per_shard=-(-4 // shape[0]))
