@@ -189,7 +189,8 @@ class PagedKVCache:
         all sessions can run in one chunk.
       device: where everything lives without a mesh (default: the first local device).
       mesh: a ``("data", "model")`` mesh to shard over (see the module docstring); exclusive with
-        ``device``.
+        ``device``. A mesh with Explicit axes is used through its Auto view
+        (:func:`arkv_jax.sharding.auto_axes`, same devices), which :attr:`mesh` holds.
       backend: kernel backend for the commit write (see :mod:`pallas_kernels.backend`).
       fail_closed: close the sessions of a chunk whose forward raised, instead of keeping them at
         their last committed chunk.
@@ -212,6 +213,7 @@ class PagedKVCache:
         if device is not None and mesh is not None:
             raise ValueError("pass device (one device) or mesh (sharded), not both")
         data, model = (1, 1) if mesh is None else sharding.check_mesh(mesh)
+        mesh = None if mesh is None else sharding.auto_axes(mesh)
         local_geometry, local_cross = sharding.local_shapes(geometry, cross_attention, model)
         if plan is None:
             first_device = mesh.devices.flat[0] if mesh is not None else device

@@ -84,10 +84,11 @@ MODEL = "model"
 AXES = (DATA, MODEL)
 
 __all__ = [
-    "AXES", "DATA", "MODEL", "DevicePlan", "check_mesh", "cross_attention_spec", "gather_rows", "init_sharded_state",
-    "head_spec", "local_shapes", "make_mesh", "make_pools", "per_shard", "place", "plan_per_device", "pool_spec",
-    "row_spec", "shard_map", "sharded_window_attention", "sharded_write_chunk", "stack_states",
-    "state_spec", "unstack_state",
+    "AXES", "DATA", "MODEL", "DevicePlan", "auto_axes", "check_mesh", "cross_attention_spec",
+    "gather_rows", "head_spec", "init_sharded_state", "local_shapes", "make_mesh", "make_pools",
+    "per_shard", "place", "plan_per_device", "pool_spec", "row_spec", "shard_map",
+    "sharded_window_attention", "sharded_write_chunk", "stack_states", "state_spec",
+    "unstack_state",
 ]
 
 
@@ -157,6 +158,17 @@ def make_mesh(data: int, model: int, devices: Sequence[Any] | None = None) -> Me
         except TypeError:  # pragma: no cover - a make_mesh without axis_types/devices
             pass
     return Mesh(np.array(devices, dtype=object).reshape(data, model), AXES)
+
+
+def auto_axes(mesh: Mesh) -> Mesh:
+    """``mesh`` itself if every axis is Auto (or this JAX has no axis types), else a mesh of the
+    same devices in the same order and the same axis names with every axis Auto: what the cache
+    facade runs on, so that its host-built inputs need no explicit placement."""
+    axis_type = getattr(jax.sharding, "AxisType", None)
+    types = getattr(mesh, "axis_types", None)
+    if axis_type is None or types is None or all(t == axis_type.Auto for t in types):
+        return mesh
+    return Mesh(mesh.devices, mesh.axis_names, axis_types=(axis_type.Auto,) * len(mesh.axis_names))
 
 
 def check_mesh(mesh: Mesh) -> tuple[int, int]:

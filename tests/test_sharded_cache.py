@@ -280,6 +280,18 @@ def test_sharded_rollout_matches_one_device(shape, tiny_model, single_device_lat
         np.testing.assert_allclose(got[sid], expected, atol=1e-5, err_msg=sid)
 
 
+@pytest.mark.skipif(not hasattr(jax.sharding, "AxisType"), reason="this JAX has no mesh axis types")
+def test_a_mesh_with_explicit_axes_runs_through_its_auto_view(tiny_model, single_device_latents):
+    explicit = jax.sharding.AxisType.Explicit
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(4, 2), sh.AXES, axis_types=(explicit,) * 2)
+    rollout = tiny_rollout(tiny_model, mesh, 1)
+    assert rollout.cache.mesh.devices.tolist() == mesh.devices.tolist()
+    assert all(t == jax.sharding.AxisType.Auto for t in rollout.cache.mesh.axis_types)
+    got = churn(rollout)
+    for sid, expected in single_device_latents.items():
+        np.testing.assert_allclose(got[sid], expected, atol=1e-5, err_msg=sid)
+
+
 def test_sharded_rollout_is_bit_identical_with_the_same_batch_per_device(tiny_model):
     """Two slots per device on a (4, 1) mesh run the same program shapes as one device with two
     slots, so the latents are the same bits."""
