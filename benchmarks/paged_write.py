@@ -7,10 +7,12 @@ run, plus the memory figures of the jitted, donated write from ``memory_analysis
 - ``xla_vs_copy_ratio``: XLA-path bytes/s over contiguous-copy bytes/s (goal >= 0.8), bf16, 30
   layers of Wan-1.3B-sized pages (16 tokens x 12 KV heads x 128), frames of exactly one page;
 - ``xla_vs_runtime_offset_copy_ratio``: the same against the same copy at a start page known only
-  at run time. XLA:CPU runs a copy at a compile-time offset on all cores and any update at a
-  runtime offset (every paged write, this copy) on one, so with several cores the first ratio
-  mixes the write's cost with that parallelism (measured, fp32 30 layers, 2 cores: runtime-offset
-  copy 0.55x the constant-offset one; pinned to one core the XLA path is 0.85-0.92x the copy);
+  at run time, as a paged write's pages are.
+
+On several cores XLA:CPU may split one large copy over all of them, while the XLA path's page
+updates run one after another inside a loop, so the ratios also measure that parallelism. Measured
+on 2 cores (2026-11-30): fp32 30 layers 0.42-0.66, bf16 30 layers 0.89-1.17; pinned to one core
+(``taskset -c 0``) every case is 0.87-0.96.
 - ``temp_bytes_fraction``: compiled temp bytes / pool bytes (goal < 0.01);
 - ``aliased_pool_fraction``: aliased bytes / pool bytes (goal 1.0).
 
@@ -174,9 +176,9 @@ def bench_cpu(quick: bool, reps: int, rounds: int) -> dict[str, Any]:
     print_table(["case", "pages", "written MiB", "pools MiB", "xla ms", "copy ms", "xla GB/s",
                  "copy GB/s", "xla/copy", "xla/runtime-offset copy", "temp frac", "alias frac"], table)
     print("xla/runtime-offset copy: the same contiguous copy with its start page a runtime value, as "
-          "every paged write's is. XLA:CPU spreads a copy with a compile-time offset over all cores "
-          "but runs any update at a runtime offset on one, so on a multi-core CPU xla/copy also "
-          "measures that; pin the process to one core (taskset -c 0) to compare like with like.")
+          "a paged write's pages are. On several cores XLA:CPU may split one large copy over all of "
+          "them while the write's page updates run one after another in a loop; pin the process to "
+          "one core (taskset -c 0) to compare like with like.")
     main = figures["bf16_30L_T16"]
     return {"xla_vs_copy_ratio": main["xla_vs_copy_ratio"],
             "temp_bytes_fraction": main["temp_bytes_fraction"],
