@@ -191,7 +191,7 @@ def paged_peak_bytes(rollout: Rollout) -> int:
     write + commit that follows runs in place on the donated pools and needs less: measured 0.3x
     (tiny) and 0.5x (small) of this)."""
     cache, frames = rollout.cache, rollout.chunk_frames
-    rows = rollout.max_sessions * len(rollout.branches)
+    rows = cache.session_capacity * len(rollout.branches)
     visible = cache.window.resident_frames
 
     def i32(*shape):
@@ -200,7 +200,7 @@ def paged_peak_bytes(rollout: Rollout) -> int:
     ppf = cache.geometry.pages_per_frame
     inputs = ChunkInputs(i32(rows), i32(rows, visible * ppf), i32(rows), i32(rows, visible), i32(rows),
                          i32(rows, frames * ppf))
-    noise = jax.ShapeDtypeStruct((rollout.max_sessions, frames, *rollout.model.config.frame_shape), jnp.float32)
+    noise = jax.ShapeDtypeStruct((cache.session_capacity, frames, *rollout.model.config.frame_shape), jnp.float32)
     return peak_bytes(rollout.chunk_fn.lower(rollout.params, cache.pools, inputs,
                                              cache.cross_attention_kv(rollout.text_cache), noise))
 
