@@ -21,8 +21,10 @@ from pallas_kernels.paged_write import (
     write_chunk,
     write_chunk_reference,
 )
+from tests.device_backends import COMPILED_BACKENDS, compiled
 
-BACKENDS = ("xla", "pallas_tpu_interpret", "pallas_gpu_interpret", "pallas_tpu_simulate")
+BACKENDS = ("xla", "pallas_tpu_interpret", "pallas_gpu_interpret", "pallas_tpu_simulate",
+            *COMPILED_BACKENDS)
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 BLOCK = 16
 HEADS, HEAD_DIM = 2, 128
@@ -281,6 +283,7 @@ def test_shape_checks_run_under_jit_value_checks_do_not():
     ("xla", 16), ("xla", 24),
     ("pallas_tpu_interpret", 16),
     ("pallas_tpu_simulate", 16), ("pallas_tpu_simulate", 24),
+    compiled("pallas_gpu", 16), compiled("pallas_gpu", 24), compiled("pallas_tpu", 16), compiled("pallas_tpu", 24),
 ])
 def test_donated_write_is_in_place(backend, tokens_per_frame):
     """Donated: the outputs alias both whole pools and the temp stays under 1 % of the pools
@@ -320,7 +323,7 @@ def test_pallas_gpu_interpret_aliases_pools():
     assert analysis.alias_size_in_bytes == 2 * pool.nbytes
 
 
-@pytest.mark.parametrize("backend", ["xla", "pallas_tpu_interpret"])
+@pytest.mark.parametrize("backend", ["xla", "pallas_tpu_interpret", *COMPILED_BACKENDS])
 def test_donated_step_runs_in_place(backend):
     k_pool, v_pool, k_new, v_new, page_ids = make_case(8, tokens_per_frame=24)
     k_ref, v_ref = write_chunk_reference(k_pool, v_pool, k_new, v_new, page_ids,
@@ -333,7 +336,7 @@ def test_donated_step_runs_in_place(backend):
     assert_bitwise_equal(v_out, v_ref)
 
 
-@pytest.mark.parametrize("backend", ["xla", "pallas_tpu_interpret", "pallas_gpu_interpret"])
+@pytest.mark.parametrize("backend", ["xla", "pallas_tpu_interpret", "pallas_gpu_interpret", *COMPILED_BACKENDS])
 def test_new_page_id_values_do_not_retrace(backend):
     chex.clear_trace_counter()  # The counter is keyed by code, shared across parameters.
     k_pool, v_pool, k_new, v_new, page_ids = make_case(9, tokens_per_frame=24)

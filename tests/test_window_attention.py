@@ -25,8 +25,9 @@ from pallas_kernels.window_attention import (
     window_attention,
     window_attention_reference,
 )
+from tests.device_backends import COMPILED_BACKENDS
 
-FAST_BACKENDS = ("xla", "pallas_tpu_interpret", "pallas_gpu_interpret")
+FAST_BACKENDS = ("xla", "pallas_tpu_interpret", "pallas_gpu_interpret", *COMPILED_BACKENDS)
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 3e-2, jnp.float16: 4e-3}
 
 LAYERS, NUM_PAGES, BLOCK, KV_HEADS, HEAD_DIM = 2, 40, 16, 2, 16
