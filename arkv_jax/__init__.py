@@ -2,7 +2,8 @@
 
 Layers (top to bottom once per chunk): ``config`` (validated shapes), ``planner`` (host-side memory
 arithmetic), ``state`` (the immutable block-table state and its jitted steps), ``pallas_kernels``
-(paged chunk write and window attention), ``cache`` (the host facade), ``nnx`` and ``rollout``.
+(paged chunk write and window attention), ``cache`` (the host facade), ``nnx`` and ``rollout``;
+``sharding`` lays all of them out over a ``("data", "model")`` device mesh.
 """
 
 import logging
