@@ -22,5 +22,7 @@ def test_quickstart_notebook_runs_and_shows_its_results():
     assert "h100-80gb" in text and "tpu-v5e" in text
     assert "max_abs_diff" in text
     assert "chunk function traced 1x" in text
+    sharded = [line for line in text.splitlines() if "sharded vs one-device latents" in line]
+    assert len(sharded) == 1 and float(sharded[0].split()[-1]) < 1e-5
     pictures = [out for out in outputs if "image/png" in out.get("data", {})]
     assert len(pictures) == 2
