@@ -85,11 +85,28 @@ def _add_plan_parser(sub) -> None:
     p.add_argument("--batched-in-flight", action="store_true",
                    help="reserve in-flight pages for every session (all sessions in one batched chunk, as "
                         "arkv_jax.cache.PagedKVCache runs them) instead of the seed's one forward at a time")
+    p.add_argument("--mesh", type=_mesh_shape, metavar="DATAxMODEL",
+                   help="plan one device of a (data, model) mesh, e.g. 4x2: sessions split over data, K/V "
+                        "heads over model; --memory is then per device and --sessions counts every data shard")
     p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     p.set_defaults(run=_run_plan)
 
 
-def _plan_from_args(args: argparse.Namespace) -> planner.MemoryPlan:
+def _mesh_shape(text: str) -> tuple[int, int]:
+    """``"4x2"`` -> ``(4, 2)``."""
+    data, sep, model = text.lower().partition("x")
+    try:
+        shape = (int(data), int(model))
+    except ValueError:
+        shape = (0, 0)
+    if not sep or min(shape) < 1:
+        raise argparse.ArgumentTypeError(f"must look like DATAxMODEL with positive sizes, e.g. 4x2, got {text!r}")
+    return shape
+
+
+def _plan_from_args(args: argparse.Namespace):
+    """The :class:`~arkv_jax.planner.MemoryPlan` the flags ask for, or with ``--mesh`` a
+    :class:`~arkv_jax.sharding.DevicePlan`."""
     preset = presets.get_preset(args.preset)
     geometry = dataclasses.replace(preset.geometry, **{
         field: getattr(args, flag) for flag, field in _GEOMETRY_FLAGS.items()
@@ -101,11 +118,9 @@ def _plan_from_args(args: argparse.Namespace) -> planner.MemoryPlan:
         if getattr(args, flag) is not None})
     if args.reset_at_boundary:
         window = dataclasses.replace(window, reset_at_boundary=True)
-    return planner.plan_memory(
-        geometry, window, args.branches or preset.kv_branches,
-        available_bytes=args.memory if args.memory is not None else planner.device_free_bytes(),
+    sessions = args.sessions if args.sessions is not None else preset.session_capacity
+    common = dict(
         memory_fraction=args.fraction,
-        session_capacity=args.sessions if args.sessions is not None else preset.session_capacity,
         cross_attention=args.cross if args.cross is not None else preset.cross_attention,
         max_scratch_tokens_per_branch=(args.scratch_tokens if args.scratch_tokens is not None
                                        else preset.max_scratch_tokens_per_branch),
@@ -113,6 +128,17 @@ def _plan_from_args(args: argparse.Namespace) -> planner.MemoryPlan:
                                              else preset.model_owned_state_bytes_per_session),
         batched_in_flight=args.batched_in_flight,
     )
+    available = args.memory if args.memory is not None else planner.device_free_bytes()
+    branches = args.branches or preset.kv_branches
+    if args.mesh is not None:
+        from arkv_jax import sharding
+
+        data, model = args.mesh
+        return sharding.plan_per_device(geometry, window, branches, data=data, model=model,
+                                        available_bytes_per_device=available,
+                                        sessions_per_shard=-(-sessions // data), **common)
+    return planner.plan_memory(geometry, window, branches, available_bytes=available,
+                               session_capacity=sessions, **common)
 
 
 def _run_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

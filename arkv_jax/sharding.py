@@ -66,6 +66,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import json
 from typing import Any, Callable, Sequence
 
 import jax
@@ -74,7 +75,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from arkv_jax.config import CacheGeometry, CrossAttentionSpec, KVBranch, WindowPolicy
-from arkv_jax.planner import MemoryPlan, plan_memory
+from arkv_jax.planner import MemoryPlan, format_bytes, plan_memory
 from arkv_jax.state import BlockTableState, StateLayout, init_state
 from pallas_kernels.paged_write import write_chunk
 from pallas_kernels.window_attention import window_attention
@@ -573,6 +574,21 @@ class DevicePlan:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "plan"}
         out["plan"] = self.plan.to_dict()
         return out
+
+    def to_json(self) -> str:
+        """:meth:`to_dict` as one JSON object."""
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    def summary(self) -> str:
+        """The mesh-wide figures, then one device's :meth:`MemoryPlan.summary`."""
+        return "\n".join([
+            f"mesh: data={self.data} x model={self.model} ({self.num_devices} devices); the plan below "
+            f"is one device's (K/V heads / {self.model})",
+            f"  per device: pools {format_bytes(self.pool_bytes_per_device)}, everything reserved "
+            f"{format_bytes(self.bytes_per_device)}",
+            f"  sessions: {self.sessions_per_data_shard} per data shard x {self.data} = {self.total_sessions}; "
+            f"{self.pages_per_shard} pages per data shard",
+            self.plan.summary()])
 
 
 def local_shapes(geometry: CacheGeometry, cross_attention: Sequence[CrossAttentionSpec], model: int

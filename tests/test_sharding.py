@@ -8,6 +8,7 @@ attention to 1e-5 (fp32), the state leaf for leaf.
 from __future__ import annotations
 
 import functools
+import json
 import re
 import warnings
 
@@ -473,3 +474,27 @@ def test_plan_per_device_divides_heads_and_scales_sessions():
                            cross_attention=(CrossAttentionSpec("image", 16, num_kv_heads=4),))
     with pytest.raises(ValueError, match=r"mesh axis 'data' must be a positive int, got 0"):
         sh.plan_per_device(geometry, window, data=0, model=1, available_bytes_per_device=available)
+
+
+def test_cli_plans_one_device_of_a_mesh(capsys):
+    from arkv_jax import cli, get_preset
+
+    def run(*argv):
+        code = cli.main(["plan", "--preset", "wan-1.3b", "--memory", "tpu-v5e", "--fraction", "0.9", *argv])
+        return code, capsys.readouterr().out
+
+    code, out = run("--mesh", "4x2", "--sessions", "8", "--json")
+    wan = get_preset("wan-1.3b")
+    expected = sh.plan_per_device(wan.geometry, wan.window, wan.kv_branches, data=4, model=2,
+                                  available_bytes_per_device=16 * 2**30, memory_fraction=0.9,
+                                  sessions_per_shard=2, cross_attention=wan.cross_attention)
+    assert code == 0 and json.loads(out) == json.loads(expected.to_json())
+    code, out = run("--mesh", "4x2")
+    assert code == 0 and out.startswith("mesh: data=4 x model=2 (8 devices)")
+    assert "30 layers x 6 kv heads x 128" in out  # one device's heads
+    with pytest.raises(SystemExit):
+        run("--mesh", "2x5")  # 12 K/V heads
+    assert "kv_heads=12 must be divisible by the mesh axis 'model' of size 5" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        run("--mesh", "4")
+    assert "DATAxMODEL" in capsys.readouterr().err
