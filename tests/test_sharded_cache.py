@@ -8,6 +8,7 @@ demo runs in subprocesses, where ``--devices`` creates them itself.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -167,6 +168,31 @@ def test_sessions_spread_over_shards_and_stay_in_their_slice():
         assert np.all(pages // cache.pages_per_shard == shard) and np.all(pages % cache.pages_per_shard > 0)
     k_pool = cache.pools[0]
     assert k_pool.sharding.is_equivalent_to(jax.sharding.NamedSharding(mesh, sh.pool_spec()), k_pool.ndim)
+
+
+def test_the_cache_steps_compile_without_collectives():
+    """The facade's own jitted prepare and write + commit, on a (2, 4) mesh: no device talks to
+    another (rows, pages and free lists are per data shard; heads are independent)."""
+    from arkv_jax import cache as cache_module
+
+    mesh = mesh_of(2, 4)
+    cache = make_cache(mesh, sessions_per_shard=2)
+    for sid in "abc":
+        cache.open(sid)
+    with cache.chunk(list("abc"), 2) as step:
+        k, v = batch_kv(step, dict.fromkeys("abc", 0))
+        local_rows = np.asarray(step.inputs.rows).reshape(cache.num_shards, -1)
+        programs = {
+            "prepare": cache_module._prepare.lower(cache._state, local_rows, num_frames=2, mesh=cache._mesh),
+            "commit": cache_module._commit.lower(*cache.pools, step.pending, k, v, step.inputs, num_frames=2,
+                                                 tokens_per_frame=GEOMETRY.tokens_per_frame, backend="xla",
+                                                 mesh=cache._mesh),
+        }
+        for name, lowered in programs.items():
+            hlo = lowered.compile().as_text()
+            for op in ("all-gather", "all-reduce", "all-to-all", "collective-permute", "reduce-scatter"):
+                assert not re.search(rf"\b{op}\b", hlo), f"{op} in the cache's {name} step"
+        step.commit(k, v)
 
 
 def test_free_and_foreign_pages_never_reach_a_sharded_output():
