@@ -27,8 +27,10 @@ padding rows with no history, zero text and nothing to write), so the chunk func
 
 Devices. With a sharded cache (``PagedKVCache(..., mesh=...)``) the same code runs on the mesh: the
 noise and the batch are split over ``"data"`` like the cache's slots, attention runs per device
-through :func:`arkv_jax.sharding.sharded_window_attention` (heads over ``"model"``), the parameters
-are replicated, and XLA partitions the rest of the model.
+through :func:`arkv_jax.sharding.sharded_window_attention` (heads over ``"model"``), the blocks'
+weights are split over ``"model"`` tensor-parallel style
+(:func:`arkv_jax.models.dit.tensor_parallel_specs`; the rest is replicated), and XLA partitions the
+model's computation to match, adding one all-reduce per row-parallel layer.
 
 The reference. :class:`FullRecompute` generates the same videos without any cache: every forward
 runs the model over all frames so far (clean history at timestep 0, the noisy chunk at its
@@ -51,10 +53,10 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from arkv_jax.cache import ChunkInputs, PagedKVCache
 from arkv_jax.config import CacheGeometry, CrossAttentionSpec, KVBranch, WindowPolicy
-from arkv_jax.models.dit import CausalDiT, prompt_embedding
+from arkv_jax.models.dit import CausalDiT, prompt_embedding, tensor_parallel_specs
 from arkv_jax.nnx import MaskedHistory, PagedHistory, window_frame_mask
 from arkv_jax.planner import MemoryPlan, plan_memory
-from arkv_jax.sharding import DATA, local_shapes
+from arkv_jax.sharding import DATA, MODEL, local_shapes
 
 Array = jax.Array
 
@@ -212,7 +214,9 @@ class Rollout:
         self._graphdef, self.params = nnx.split(model)
         self._noise_sharding = None
         if cache.mesh is not None:
-            self.params = jax.device_put(self.params, NamedSharding(cache.mesh, P()))
+            specs = tensor_parallel_specs(self.params, cache.mesh.shape[MODEL])
+            self.params = jax.device_put(self.params, jax.tree_util.tree_map(
+                lambda spec: NamedSharding(cache.mesh, spec), specs, is_leaf=lambda x: isinstance(x, P)))
             self._noise_sharding = NamedSharding(cache.mesh, P(DATA))
         self._backend = backend or cache.backend
         self.chunk_fn = jax.jit(self._chunk_fn)

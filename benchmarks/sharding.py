@@ -17,7 +17,8 @@ The device count is fixed when JAX starts, so each count runs in its own subproc
 A second table times the user-level path: one ``Rollout.step()`` of the demo's tiny causal DiT
 (CFG, 3 denoise forwards + 1 commit forward, host to host) for 8 sessions through
 ``PagedKVCache`` without a mesh (1 device), and with ``mesh=`` on ``(8, 1)`` and ``(4, 2)`` meshes
-and a ``(1, 1)`` mesh on one of the 8 devices (8 devices), interleaved within each process.
+and a ``(1, 1)`` mesh on one of the 8 devices (8 devices), interleaved within each process, with the
+model's parameter bytes per device (the ``"model"`` axis splits the blocks' weights).
 
 On this project's CPU machine the 8 "devices" are 8 XLA host devices sharing the same 2 cores: one
 CPU device runs most of this step on one core, 8 devices keep both cores busy, so 8 devices can be
@@ -160,10 +161,13 @@ def _worker(devices: int, quick: bool, reps: int | None) -> dict:
         ok = run()[1]
         assert bool(np.asarray(ok).all()), "a session failed to allocate: the pool is too small"
     seconds = harness.interleaved_medians(cases, reps=reps, warmup=1)
-    rollout_seconds = harness.interleaved_medians(_rollout_cases(devices), reps=reps, warmup=1)
+    rollouts = _rollout_cases(devices)
+    rollout_seconds = harness.interleaved_medians({name: r.step for name, r in rollouts.items()},
+                                                  reps=reps, warmup=1)
     return {
         "devices": devices,
-        "rollout": {name: {"seconds_per_step": t} for name, t in rollout_seconds.items()},
+        "rollout": {name: {"seconds_per_step": t, "param_bytes_per_device": _bytes_per_device(rollouts[name].params)}
+                    for name, t in rollout_seconds.items()},
         "cases": {name: {"seconds_per_step": seconds[name] / cfg["steps"],
                          "pool_bytes_per_device": pool_bytes[name],
                          "mesh": meshes[name]} for name in cases},
@@ -177,9 +181,16 @@ def _worker(devices: int, quick: bool, reps: int | None) -> dict:
 ROLLOUT_SESSIONS = 8
 
 
+def _bytes_per_device(tree) -> int:
+    """Bytes of ``tree``'s arrays held by the first device (sharded leaves count their block)."""
+    import jax
+
+    return sum(leaf.addressable_shards[0].data.nbytes for leaf in jax.tree_util.tree_leaves(tree))
+
+
 def _rollout_cases(devices: int) -> dict:
-    """``Rollout.step`` callables of the tiny demo model with :data:`ROLLOUT_SESSIONS` sessions:
-    no mesh on 1 device; ``(1, 1)`` on one device, ``(8, 1)`` and ``(4, 2)`` on 8 devices."""
+    """:class:`Rollout` s of the tiny demo model with :data:`ROLLOUT_SESSIONS` sessions joined: no
+    mesh on 1 device; ``(1, 1)`` on one device, ``(8, 1)`` and ``(4, 2)`` on 8 devices."""
     import jax
 
     from arkv_jax import sharding as sh
@@ -199,7 +210,7 @@ def _rollout_cases(devices: int) -> dict:
         rollout = Rollout(model, cache, Sampler(num_steps=3, guidance_scale=3.0), max_traces=1)
         for i in range(ROLLOUT_SESSIONS):
             rollout.join(f"s{i}", f"prompt {i}", seed=i)
-        return rollout.step
+        return rollout
 
     if devices == 1:
         return {"rollout, no mesh": build(None)}
@@ -292,14 +303,15 @@ def main(argv=None) -> None:
             s = case["seconds_per_step"]
             figures[f"{n}dev/{name}"] = {
                 "ms_per_step": s * 1e3, "session_chunks_per_s": ROLLOUT_SESSIONS / s,
+                "param_bytes_per_device": case["param_bytes_per_device"],
                 "vs_1dev_no_mesh": rollout_base / s,
                 "vs_same_run_1_device": (same_run / s) if same_run else None}
-            rollout_rows.append((n, name, s * 1e3, ROLLOUT_SESSIONS / s, rollout_base / s,
-                                 "-" if not same_run else f"{same_run / s:.3f}"))
+            rollout_rows.append((n, name, s * 1e3, ROLLOUT_SESSIONS / s, case["param_bytes_per_device"] / 2**10,
+                                 rollout_base / s, "-" if not same_run else f"{same_run / s:.3f}"))
     print(f"\nRollout.step of the tiny demo model: {ROLLOUT_SESSIONS} sessions, CFG, 3 denoise + 1 commit "
           "forward, host to host")
-    harness.print_table(("devices", "case", "ms/step", "session-chunks/s", "x vs 1-dev no mesh",
-                         "x vs (1,1) same run"), rollout_rows)
+    harness.print_table(("devices", "case", "ms/step", "session-chunks/s", "param KiB/device",
+                         "x vs 1-dev no mesh", "x vs (1,1) same run"), rollout_rows)
     platform = results[8]["platform"]
     if platform == "cpu":
         print(f"NOTE: the 8 devices are XLA CPU host devices sharing this machine's {cores} cores, "

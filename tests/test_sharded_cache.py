@@ -16,11 +16,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from arkv_jax import sharding as sh
 from arkv_jax.cache import PagedKVCache
 from arkv_jax.config import CacheGeometry, CrossAttentionSpec, KVBranch, WindowPolicy
 from arkv_jax.models import MODEL_CONFIGS, init_random
+from arkv_jax.models.dit import tensor_parallel_specs
 from arkv_jax.nnx import PagedHistory
 from arkv_jax.presets import get_preset
 from arkv_jax.rollout import Rollout, Sampler, rollout_plan
@@ -304,6 +306,20 @@ def test_sharded_rollout_matches_one_device(shape, tiny_model, single_device_lat
     assert got.keys() == single_device_latents.keys()
     for sid, expected in single_device_latents.items():
         np.testing.assert_allclose(got[sid], expected, atol=1e-5, err_msg=sid)
+
+
+def test_the_model_axis_splits_the_blocks_weights(tiny_model):
+    rollout = tiny_rollout(tiny_model, mesh_of(4, 2), 1)
+    attention = rollout.params["blocks"]["self_attn"]
+    q, o = attention["q"]["kernel"][...], attention["o"]["kernel"][...]
+    assert q.sharding.spec == P(None, None, "model") and o.sharding.spec == P(None, "model", None)
+    assert q.addressable_shards[0].data.shape == (2, 64, 32)  # 2 of the 4 query heads per device
+    ffn_out = rollout.params["blocks"]["ffn_out"]["kernel"][...]
+    assert ffn_out.addressable_shards[0].data.shape == (2, 64, 64)
+    assert rollout.params["patch_embedding"]["kernel"][...].sharding.is_fully_replicated
+    # A model axis that divides none of the split dimensions leaves every weight whole.
+    specs = jax.tree.leaves(tensor_parallel_specs(rollout.params, 3), is_leaf=lambda x: isinstance(x, P))
+    assert specs and all(spec == P() for spec in specs)
 
 
 @pytest.mark.skipif(not hasattr(jax.sharding, "AxisType"), reason="this JAX has no mesh axis types")

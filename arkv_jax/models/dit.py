@@ -25,6 +25,10 @@ Text conditioning stands in for umT5: :func:`prompt_embedding` hashes each word 
 vector (zeros past the prompt, so the empty prompt, the CFG negative, is all zeros); the model's
 ``text_embedding`` MLP and each block's cross-attention ``kv`` turn it into the per-layer text K/V
 that go into the cache's cross-attention store.
+
+On a mesh, :func:`tensor_parallel_specs` lays the blocks' weights out over the ``"model"`` axis
+(Megatron style, whole heads per device, matching the cache's head sharding); ``Rollout`` places
+the parameters with it.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from arkv_jax import nnx as layers
 from arkv_jax.config import CacheGeometry, CrossAttentionSpec
@@ -293,6 +298,42 @@ class CausalDiT(nnx.Module):
         out = self.head(_modulate(self.head_norm(x), shift, scale, frames))
         velocity = unpatchify(out, frames, config.grid, config.patch_size)
         return (velocity, kv) if return_kv else velocity
+
+
+#: Tensor-parallel roles of a block's linear layers (Megatron style): column layers split their output
+#: features over the ``"model"`` mesh axis (q/k/v by whole heads, the MLP's hidden units), row layers
+#: their input features, so each device computes its heads and hidden units and one all-reduce per
+#: row layer sums the partial outputs.
+_COLUMN_LAYERS = ("q", "k", "v", "ffn_in")
+_ROW_LAYERS = ("o", "ffn_out")
+
+
+def tensor_parallel_specs(params: nnx.State, model_axis_size: int, axis: str = "model") -> nnx.State:
+    """``PartitionSpec`` per parameter of a :class:`CausalDiT`: its blocks' attention and MLP
+    weights split over ``axis`` as :data:`_COLUMN_LAYERS` / :data:`_ROW_LAYERS` say (and the q/k
+    RMSNorm scales with their features); everything else replicated, as is any weight whose split
+    dimension ``model_axis_size`` does not divide.
+
+    Args:
+      params: ``nnx.split(model)[1]``: the blocks' leaves carry a leading layer axis.
+      model_axis_size: size of ``axis`` in the mesh.
+    """
+    def spec(path, leaf) -> P:
+        names = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
+        if names[0] != "blocks":
+            return P()
+        layer, kind = names[-2], names[-1]
+        if layer in _COLUMN_LAYERS or (layer in ("norm_q", "norm_k") and kind == "scale"):
+            split = leaf.ndim - 1  # output features (kernel [L, in, out], bias/scale [L, out])
+        elif layer in _ROW_LAYERS and kind == "kernel":
+            split = 1  # input features of [L, in, out]
+        else:
+            return P()
+        if leaf.shape[split] % model_axis_size:
+            return P()
+        return P(*[axis if d == split else None for d in range(leaf.ndim)])
+
+    return jax.tree_util.tree_map_with_path(spec, params)
 
 
 def init_random(config: DiTConfig, seed: int = 0) -> CausalDiT:
