@@ -361,12 +361,15 @@ def run_demo_cli(*args, tmp_path):
 
 
 def test_demo_on_8_devices_prints_the_one_device_checksum(tmp_path):
-    one = run_demo_cli(tmp_path=tmp_path / "one")
-    eight = run_demo_cli("--devices", "8", tmp_path=tmp_path / "eight")
-    assert one.returncode == 0 and eight.returncode == 0, one.stderr[-2000:] + eight.stderr[-2000:]
-    assert "mesh: data=8 x model=1 over 8 cpu devices" in eight.stdout
-    checksums = [r.stdout.strip().splitlines()[-1] for r in (one, eight)]
-    assert checksums[0].startswith("checksum: ") and checksums[0] == checksums[1], checksums
+    runs = [run_demo_cli(tmp_path=tmp_path / "one"),
+            run_demo_cli("--devices", "8", tmp_path=tmp_path / "eight"),
+            run_demo_cli("--devices", "8", "--model-axis", "2", tmp_path=tmp_path / "tensor_parallel")]
+    for run in runs:
+        assert run.returncode == 0, run.stderr[-2000:]
+    assert "mesh: data=8 x model=1 over 8 cpu devices" in runs[1].stdout
+    assert "mesh: data=4 x model=2 over 8 cpu devices" in runs[2].stdout
+    checksums = [r.stdout.strip().splitlines()[-1] for r in runs]
+    assert checksums[0].startswith("checksum: ") and len(set(checksums)) == 1, checksums
 
 
 def test_demo_cli_refuses_a_mesh_the_model_cannot_use(tmp_path):
