@@ -44,8 +44,7 @@ from typing import Callable, Iterable, NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
 
 from arkv_jax import sharding
 from arkv_jax import state as core

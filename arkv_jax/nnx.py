@@ -38,7 +38,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
-
 from jax.sharding import Mesh
 
 from arkv_jax.cache import ChunkInputs

@@ -48,7 +48,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from arkv_jax.cache import ChunkInputs, PagedKVCache

@@ -221,8 +221,6 @@ def _rollout_cases(devices: int) -> dict:
 
 def _runner(step, carry, data_in, steps):
     """A callable that runs ``steps`` donated steps on its own carry; returns the last outputs."""
-    import jax
-
     holder = list(carry)
 
     def run():
