@@ -172,6 +172,39 @@ def test_sessions_spread_over_shards_and_stay_in_their_slice():
     assert k_pool.sharding.is_equivalent_to(jax.sharding.NamedSharding(mesh, sh.pool_spec()), k_pool.ndim)
 
 
+def test_sharded_lifecycle_lru_reset_and_cross_attention():
+    released = []
+    mesh = mesh_of(2, 4)
+    plan = rollout_plan(GEOMETRY, WINDOW, CFG, TEXT, 2, model=4)
+    cache = PagedKVCache(GEOMETRY, WINDOW, CFG, TEXT, plan=plan, mesh=mesh, backend="xla",
+                         on_release=lambda sid, reason: released.append((sid, reason)))
+    text = np.random.default_rng(0).standard_normal((GEOMETRY.num_layers, 5, 8, 8), np.float32)
+    for sid in "abcd":
+        cache.open(sid)
+        cache.populate_cross_attention(sid, "text", "positive", [(jnp.asarray(t), jnp.asarray(-t)) for t in text])
+    chunks = dict.fromkeys("abcd", 0)
+    with cache.chunk(list("abcd"), 2) as step:
+        step.commit(*batch_kv(step, chunks))
+    slot_a = cache.slot("a")
+    cache.open("e")  # at capacity: "a", the least recently used, is evicted and "e" takes its slot
+    assert released == [("a", "lru_eviction")] and cache.slot("e") == slot_a
+    assert "a" not in cache.sessions and len(cache.pages_held(["e"])["e"]) == 0
+    k_text, _ = cache.cross_attention_kv("text")
+    rows = cache.rows(["e"])
+    assert not np.asarray(k_text)[rows].any()  # a's text rows were zeroed on release
+    cache.reset("b", keep_cross_attention=("text",))
+    assert released[-1] == ("b", "reset") and len(cache.pages_held(["b"])["b"]) == 0
+    with cache.chunk(["b", "e"], 2) as step:
+        assert np.asarray(step.inputs.first_frame)[[i for i, s in enumerate(step.session_ids) if s == "b"]].tolist() == [0, 0]
+        text_k, _ = cache.cross_attention_rows(cache.cross_attention_kv("text"), step.inputs)
+        b_row = step.session_ids.index("b")  # positive branch first
+        np.testing.assert_array_equal(np.asarray(text_k)[:, b_row], text)  # kept across the reset
+        assert not np.asarray(text_k)[:, step.session_ids.index("e")].any()
+        step.commit(*batch_kv(step, {"b": 0, "e": 0}))
+    assert cache.num_free_pages() == cache.num_shards * (cache.pages_per_shard - 1) - sum(
+        len(p) for p in cache.pages_held(cache.sessions).values())
+
+
 def test_the_cache_steps_compile_without_collectives():
     """The facade's own jitted prepare and write + commit, on a (2, 4) mesh: no device talks to
     another (rows, pages and free lists are per data shard; heads are independent)."""
