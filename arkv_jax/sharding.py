@@ -127,6 +127,12 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def _check_axis_sizes(data: int, model: int) -> None:
+    for name, value in (("data", data), ("model", model)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"mesh axis {name!r} must be a positive int, got {value!r}")
+
+
 def make_mesh(data: int, model: int, devices: Sequence[Any] | None = None) -> Mesh:
     """A ``("data", "model")`` mesh of ``data * model`` devices with Auto axis types.
 
@@ -141,9 +147,7 @@ def make_mesh(data: int, model: int, devices: Sequence[Any] | None = None) -> Me
     Raises:
       ValueError: a size is not a positive int, or ``data * model`` differs from the device count.
     """
-    for name, value in (("data", data), ("model", model)):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-            raise ValueError(f"mesh axis {name!r} must be a positive int, got {value!r}")
+    _check_axis_sizes(data, model)
     devices = list(jax.devices() if devices is None else devices)
     if data * model != len(devices):
         raise ValueError(
@@ -646,9 +650,7 @@ def plan_per_device(
       ValueError: bad axis sizes, K/V or cross-attention heads not divisible by ``model``, or an
         input ``plan_memory`` rejects.
     """
-    for name, value in (("data", data), ("model", model)):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-            raise ValueError(f"mesh axis {name!r} must be a positive int, got {value!r}")
+    _check_axis_sizes(data, model)
     local, local_cross = local_shapes(geometry, cross_attention, model)
     plan = plan_memory(
         local, window, branches, available_bytes=available_bytes_per_device,
