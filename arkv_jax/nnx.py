@@ -232,7 +232,33 @@ def window_frame_mask(num_frames: int, chunk_frames: int, window: WindowPolicy) 
 # ------------------------------------------------------------------------------------------------
 
 
-class PagedSelfAttention(nnx.Module):
+class _HeadProjections(nnx.Module):
+    """The q/k/v/o projections and optional QK RMSNorm both attention layers share: queries from
+    ``dim``-wide tokens, keys and values from ``context_dim``-wide ones, ``num_kv_heads`` heads of
+    ``dim // num_heads``.
+
+    Raises:
+      ValueError: ``dim`` not a multiple of ``num_heads``, or ``num_heads`` of ``num_kv_heads``.
+    """
+
+    def __init__(self, dim: int, num_heads: int, num_kv_heads: int, *, context_dim: int, qk_norm: bool,
+                 eps: float, dtype, param_dtype, rngs: nnx.Rngs):
+        if dim % num_heads or num_heads % num_kv_heads:
+            raise ValueError(f"dim={dim} must be a multiple of num_heads={num_heads}, itself a multiple of "
+                             f"num_kv_heads={num_kv_heads}")
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, dim // num_heads
+        kv_dim = num_kv_heads * self.head_dim
+        linear = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.q = nnx.Linear(dim, dim, **linear)
+        self.k = nnx.Linear(context_dim, kv_dim, **linear)
+        self.v = nnx.Linear(context_dim, kv_dim, **linear)
+        self.o = nnx.Linear(dim, dim, **linear)
+        norm = dict(epsilon=eps, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.norm_q = nnx.RMSNorm(dim, **norm) if qk_norm else None
+        self.norm_k = nnx.RMSNorm(kv_dim, **norm) if qk_norm else None
+
+
+class PagedSelfAttention(_HeadProjections):
     """Self-attention of a chunk over its history (paged pools in production) and itself.
 
     Wan's layout: q/k/v/o projections, RMSNorm over all heads of q and of k, 3-D RoPE on q and k.
@@ -248,19 +274,8 @@ class PagedSelfAttention(nnx.Module):
 
     def __init__(self, dim: int, num_heads: int, num_kv_heads: int, *, qk_norm: bool = True,
                  eps: float = 1e-6, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
-        if dim % num_heads or num_heads % num_kv_heads:
-            raise ValueError(f"dim={dim} must be a multiple of num_heads={num_heads}, itself a multiple of "
-                             f"num_kv_heads={num_kv_heads}")
-        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, dim // num_heads
-        kv_dim = num_kv_heads * self.head_dim
-        linear = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.q = nnx.Linear(dim, dim, **linear)
-        self.k = nnx.Linear(dim, kv_dim, **linear)
-        self.v = nnx.Linear(dim, kv_dim, **linear)
-        self.o = nnx.Linear(dim, dim, **linear)
-        norm = dict(epsilon=eps, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.norm_q = nnx.RMSNorm(dim, **norm) if qk_norm else None
-        self.norm_k = nnx.RMSNorm(kv_dim, **norm) if qk_norm else None
+        super().__init__(dim, num_heads, num_kv_heads, context_dim=dim, qk_norm=qk_norm, eps=eps, dtype=dtype,
+                         param_dtype=param_dtype, rngs=rngs)
 
     def __call__(self, x: Array, rope: tuple[Array, Array], history: History, layer: Array
                  ) -> tuple[Array, tuple[Array, Array]]:
@@ -286,7 +301,7 @@ class PagedSelfAttention(nnx.Module):
         return self.o(out.reshape(batch, n, -1)), (k, v)
 
 
-class CachedCrossAttention(nnx.Module):
+class CachedCrossAttention(_HeadProjections):
     """Cross-attention over a session's cached context K/V (e.g. text).
 
     ``kv(context)`` computes the K/V once per session and branch (they go into the cache's
@@ -302,19 +317,8 @@ class CachedCrossAttention(nnx.Module):
     def __init__(self, dim: int, num_heads: int, num_kv_heads: int, *, context_dim: int | None = None,
                  qk_norm: bool = True, eps: float = 1e-6, dtype=jnp.float32, param_dtype=jnp.float32,
                  rngs: nnx.Rngs):
-        if dim % num_heads or num_heads % num_kv_heads:
-            raise ValueError(f"dim={dim} must be a multiple of num_heads={num_heads}, itself a multiple of "
-                             f"num_kv_heads={num_kv_heads}")
-        self.num_kv_heads, self.head_dim = num_kv_heads, dim // num_heads
-        kv_dim, context_dim = num_kv_heads * self.head_dim, context_dim or dim
-        linear = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.q = nnx.Linear(dim, dim, **linear)
-        self.k = nnx.Linear(context_dim, kv_dim, **linear)
-        self.v = nnx.Linear(context_dim, kv_dim, **linear)
-        self.o = nnx.Linear(dim, dim, **linear)
-        norm = dict(epsilon=eps, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.norm_q = nnx.RMSNorm(dim, **norm) if qk_norm else None
-        self.norm_k = nnx.RMSNorm(kv_dim, **norm) if qk_norm else None
+        super().__init__(dim, num_heads, num_kv_heads, context_dim=context_dim or dim, qk_norm=qk_norm, eps=eps,
+                         dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
     def kv(self, context: Array) -> tuple[Array, Array]:
         """``(k, v)``, each ``[B, T, Hkv, D]``, of ``context`` ``[B, T, context_dim]``."""
