@@ -561,7 +561,12 @@ class DevicePlan:
     @classmethod
     def from_plan(cls, plan: MemoryPlan, data: int, model: int) -> "DevicePlan":
         """The mesh-wide view of ``plan``, the plan of one device (heads already divided by
-        ``model``), when every one of the ``data`` shards holds the same plan."""
+        ``model``), when every one of the ``data`` shards holds the same plan.
+
+        Raises:
+          ValueError: ``data`` or ``model`` is not a positive int.
+        """
+        _check_axis_sizes(data, model)
         return cls(
             plan=plan, data=int(data), model=int(model), pool_bytes_per_device=plan.pool_bytes,
             bytes_per_device=(plan.pool_bytes + plan.cross_attention_reserved_bytes

@@ -275,6 +275,8 @@ def test_sharded_cache_refusals_change_nothing():
         with cache.chunk(["a", "b"], 3):
             pass
     jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, cache.state), state)
+    with pytest.raises(ValueError, match="mesh axis 'model' must be a positive int, got 0"):
+        sh.DevicePlan.from_plan(plan, 2, 0)
     with pytest.raises(ValueError, match="plan is for a \\(data=1, model=1\\) mesh"):
         PagedKVCache(GEOMETRY, WINDOW, CFG, TEXT, plan=sh.DevicePlan.from_plan(plan, 1, 1), mesh=mesh)
     with pytest.raises(ValueError, match="plan one device"):
@@ -353,6 +355,8 @@ def test_the_model_axis_splits_the_blocks_weights(tiny_model):
     # A model axis that divides none of the split dimensions leaves every weight whole.
     specs = jax.tree.leaves(tensor_parallel_specs(rollout.params, 3), is_leaf=lambda x: isinstance(x, P))
     assert specs and all(spec == P() for spec in specs)
+    with pytest.raises(ValueError, match="model_axis_size must be a positive int, got 0"):
+        tensor_parallel_specs(rollout.params, 0)
 
 
 @pytest.mark.skipif(not hasattr(jax.sharding, "AxisType"), reason="this JAX has no mesh axis types")

@@ -317,7 +317,13 @@ def tensor_parallel_specs(params: nnx.State, model_axis_size: int, axis: str = "
     Args:
       params: ``nnx.split(model)[1]``: the blocks' leaves carry a leading layer axis.
       model_axis_size: size of ``axis`` in the mesh.
+
+    Raises:
+      ValueError: ``model_axis_size`` is not a positive int.
     """
+    if isinstance(model_axis_size, bool) or not isinstance(model_axis_size, int) or model_axis_size < 1:
+        raise ValueError(f"model_axis_size must be a positive int, got {model_axis_size!r}")
+
     def spec(path, leaf) -> P:
         names = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
         if names[0] != "blocks":
