@@ -39,7 +39,7 @@ import collections
 import contextlib
 import dataclasses
 import functools
-from typing import Callable, Iterable, NamedTuple, Sequence
+from typing import Callable, Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -48,48 +48,13 @@ from jax.sharding import Mesh, NamedSharding
 
 from arkv_jax import sharding
 from arkv_jax import state as core
+from arkv_jax import step as step_lib
 from arkv_jax.config import CacheGeometry, CrossAttentionSpec, KVBranch, WindowPolicy, ceil_div, lookup
-from arkv_jax.planner import MemoryPlan, device_free_bytes, plan_memory
+from arkv_jax.planner import DevicePlan, MemoryPlan, device_free_bytes, local_shapes, plan_memory
+from arkv_jax.sharded_kernels import gather_rows
+from arkv_jax.step import ChunkInputs
 
 Array = jax.Array
-
-
-class ChunkInputs(NamedTuple):
-    """Everything a forward of one chunk needs from the cache (a pytree of device arrays).
-
-    ``B`` = rows of the batch, ``F`` = frames of the chunk. A batch row is one (session, KV branch)
-    or, in a full batch (see :meth:`PagedKVCache.chunk`), a padding row: no history (null pages,
-    length 0), frame 0, nothing to write.
-
-    Attributes:
-      rows: ``[B]`` int32 rows of the block-table state (session-major, branch-minor); with a mesh,
-        rows local to the batch row's data shard; -1 for padding rows.
-      pages: ``[B, (sink + window) * pages_per_frame]`` int32 visible history pages (0 = none);
-        with a mesh, page ids local to the row's data shard, as the kernels take them.
-      lengths: ``[B]`` int32 valid history tokens behind ``pages``.
-      history_frames: ``[B, sink + window]`` int32 absolute frame index of each visible history
-        frame, -1 past the end (rotary positions).
-      first_frame: ``[B]`` int32 absolute index of the chunk's first frame (its frames are
-        ``first_frame + 0 .. F - 1``).
-      write_pages: ``[B, F * pages_per_frame]`` int32 pages the commit writes the chunk into.
-    """
-
-    rows: Array
-    pages: Array
-    lengths: Array
-    history_frames: Array
-    first_frame: Array
-    write_pages: Array
-
-
-def _prepare_shard(state: core.BlockTableState, rows: Array, num_frames: int):
-    """One shard: visible window, then allocation of the chunk's pages in a pending state. Padding
-    rows (negative) get empty inputs and count as ok."""
-    pending, visible, pages, ok = core.prepare_chunk(state, rows, num_frames)
-    padding = rows < 0
-    first = jnp.where(padding, 0, core.computed_frames(state, jnp.maximum(rows, 0)))
-    inputs = ChunkInputs(rows, visible.pages, visible.lengths, visible.frame_ids, first, pages)
-    return pending, inputs, ok | padding
 
 
 def _flatten_shards(tree):
@@ -99,23 +64,27 @@ def _flatten_shards(tree):
 
 @functools.partial(jax.jit, static_argnames=("num_frames", "mesh"))
 def _prepare(state, rows, *, num_frames: int, mesh: Mesh):
-    """Every shard's :func:`_prepare_shard`; ``rows`` ``[data, B]`` local rows."""
-    prepare = sharding.per_shard(functools.partial(_prepare_shard, num_frames=num_frames), mesh)
+    """Every shard's :func:`arkv_jax.step.prepare_chunk`; ``rows`` ``[data, B]`` local rows."""
+    prepare = sharding.per_shard(functools.partial(step_lib.prepare_chunk, num_frames=num_frames), mesh)
     pending, inputs, ok = prepare(state, rows)
     return pending, _flatten_shards(inputs), ok
 
 
-@functools.partial(jax.jit, static_argnames=("num_frames", "tokens_per_frame", "backend", "mesh"),
-                   donate_argnums=(0, 1, 2))
-def _commit(k_pool, v_pool, pending, k_new, v_new, inputs: ChunkInputs, *, num_frames: int,
-            tokens_per_frame: int, backend: str, mesh: Mesh):
-    """Pools and pending state donated: page-granular write on every device, then commit on every
-    data shard."""
-    k_pool, v_pool = sharding.sharded_write_chunk(mesh, k_pool, v_pool, k_new, v_new, inputs.write_pages,
-                                                  tokens_per_frame=tokens_per_frame, backend=backend)
-    state, ok = sharding.per_shard(core.commit, mesh)(pending, inputs.rows.reshape(pending.tables.shape[0], -1),
-                                                      num_frames)
-    return k_pool, v_pool, state, ok
+@functools.partial(jax.jit, static_argnames=("num_frames", "backend", "mesh"), donate_argnums=(0, 1, 2))
+def _commit(k_pool, v_pool, pending, k_new, v_new, inputs: ChunkInputs, *, num_frames: int, backend: str,
+            mesh: Mesh):
+    """Pools and pending state donated: :func:`arkv_jax.step.commit_chunk` on every device's block
+    (the pools' pages and heads; each data shard's state, replicated over ``"model"``)."""
+    def body(kp, vp, state, kn, vn, inp):
+        state = jax.tree_util.tree_map(lambda x: x[0], state)
+        kp, vp, state, ok = step_lib.commit_chunk(kp, vp, state, inp, kn, vn, num_frames=num_frames,
+                                                  backend=backend)
+        return kp, vp, jax.tree_util.tree_map(lambda x: x[None], state), ok[None]
+
+    pools, rows = sharding.pool_spec(), jax.tree_util.tree_map(lambda x: sharding.row_spec(x.ndim), inputs)
+    return sharding.shard_map(body, mesh, (pools, pools, sharding.state_spec(), pools, pools, rows),
+                              (pools, pools, sharding.state_spec(), sharding.row_spec(2)), check=False)(
+        k_pool, v_pool, pending, k_new, v_new, inputs)
 
 
 @functools.partial(jax.jit, static_argnames="mesh", donate_argnums=0)
@@ -181,7 +150,7 @@ class PagedKVCache:
       cross_attention: named dense cross-attention caches per session and branch.
       plan: a :class:`MemoryPlan` of *one device* for these settings (with a mesh: heads divided by
         its ``"model"`` size, e.g. ``plan_per_device(...).plan``), or a
-        :class:`~arkv_jax.sharding.DevicePlan` for this mesh. Planned here when ``None``, from
+        :class:`~arkv_jax.DevicePlan` for this mesh. Planned here when ``None``, from
         ``available_bytes`` (per device; default: the first device's free memory),
         ``memory_fraction`` and ``session_capacity`` (sessions in all, split evenly over the data
         shards), with in-flight pages reserved for every session (``batched_in_flight=True``) since
@@ -205,7 +174,7 @@ class PagedKVCache:
     def __init__(self, geometry: CacheGeometry, window: WindowPolicy,
                  kv_branches: Sequence[KVBranch] = (KVBranch("main"),),
                  cross_attention: Sequence[CrossAttentionSpec] = (), *,
-                 plan: MemoryPlan | sharding.DevicePlan | None = None, available_bytes: int | None = None,
+                 plan: MemoryPlan | DevicePlan | None = None, available_bytes: int | None = None,
                  memory_fraction: float = 0.1, session_capacity: int = 1, device=None, mesh: Mesh | None = None,
                  backend: str = "auto", fail_closed: bool = False,
                  on_release: Callable[[str, str], None] | None = None) -> None:
@@ -213,7 +182,7 @@ class PagedKVCache:
             raise ValueError("pass device (one device) or mesh (sharded), not both")
         data, model = (1, 1) if mesh is None else sharding.check_mesh(mesh)
         mesh = None if mesh is None else sharding.auto_axes(mesh)
-        local_geometry, local_cross = sharding.local_shapes(geometry, cross_attention, model)
+        local_geometry, local_cross = local_shapes(geometry, cross_attention, model)
         if plan is None:
             first_device = mesh.devices.flat[0] if mesh is not None else device
             plan = plan_memory(
@@ -221,7 +190,7 @@ class PagedKVCache:
                 available_bytes=device_free_bytes(first_device) if available_bytes is None else available_bytes,
                 memory_fraction=memory_fraction, session_capacity=ceil_div(session_capacity, data),
                 batched_in_flight=True)
-        elif isinstance(plan, sharding.DevicePlan):
+        elif isinstance(plan, DevicePlan):
             if (plan.data, plan.model) != (data, model):
                 raise ValueError(f"plan is for a (data={plan.data}, model={plan.model}) mesh, the cache's "
                                  f"is (data={data}, model={model})")
@@ -230,7 +199,7 @@ class PagedKVCache:
                 local_geometry, window, tuple(kv_branches), local_cross):
             raise ValueError("plan was made for a different geometry, window, branches or cross-attention"
                              + ("" if model == 1 else " (with a mesh, plan one device: heads divided by the "
-                                                      "'model' axis, e.g. sharding.plan_per_device)"))
+                                                      "'model' axis, e.g. planner.plan_per_device)"))
         self.plan, self.geometry, self.window, self.mesh = plan, geometry, window, mesh
         self.kv_branches = plan.kv_branches
         self.cross_attention = {spec.name: spec for spec in cross_attention}
@@ -425,7 +394,7 @@ class PagedKVCache:
         ``cross_kv`` from :meth:`cross_attention_kv`, ``inputs`` from ``step.inputs``. Returns
         ``(k, v)``, each ``[layers, B, tokens, heads, head_dim]``; padding rows are zero. With a
         mesh each data shard reads its own rows (no communication)."""
-        return tuple(sharding.gather_rows(self._mesh, table, inputs.rows).swapaxes(0, 1)
+        return tuple(gather_rows(self._mesh, table, inputs.rows).swapaxes(0, 1)
                      for table in cross_kv)
 
     def clear_cross_attention(self, session_id: str) -> None:
@@ -511,7 +480,7 @@ class PagedKVCache:
         self._k_pool, self._v_pool, self._state, _ = _commit(
             self._k_pool, self._v_pool, step.pending, k_new.astype(self.geometry.dtype),
             v_new.astype(self.geometry.dtype), step.inputs, num_frames=step.num_frames,
-            tokens_per_frame=self.geometry.tokens_per_frame, backend=self.backend, mesh=self._mesh)
+            backend=self.backend, mesh=self._mesh)
         step.committed = True
 
     # -- helpers -------------------------------------------------------------------------------------

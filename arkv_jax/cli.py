@@ -106,7 +106,7 @@ def _mesh_shape(text: str) -> tuple[int, int]:
 
 def _plan_from_args(args: argparse.Namespace):
     """The :class:`~arkv_jax.planner.MemoryPlan` the flags ask for, or with ``--mesh`` a
-    :class:`~arkv_jax.sharding.DevicePlan`."""
+    :class:`~arkv_jax.planner.DevicePlan`."""
     preset = presets.get_preset(args.preset)
     geometry = dataclasses.replace(preset.geometry, **{
         field: getattr(args, flag) for flag, field in _GEOMETRY_FLAGS.items()
@@ -131,10 +131,9 @@ def _plan_from_args(args: argparse.Namespace):
     available = args.memory if args.memory is not None else planner.device_free_bytes()
     branches = args.branches or preset.kv_branches
     if args.mesh is not None:
-        from arkv_jax import sharding
 
         data, model = args.mesh
-        return sharding.plan_per_device(geometry, window, branches, data=data, model=model,
+        return planner.plan_per_device(geometry, window, branches, data=data, model=model,
                                         available_bytes_per_device=available,
                                         sessions_per_shard=-(-sessions // data), **common)
     return planner.plan_memory(geometry, window, branches, available_bytes=available,

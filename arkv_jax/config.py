@@ -230,6 +230,34 @@ def validate_cross_attention(specs: Iterable[CrossAttentionSpec]) -> tuple[Cross
     return specs
 
 
+def divisors(n: int) -> list[int]:
+    """The positive divisors of ``n``, ascending."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_axis_sizes(data: int, model: int) -> None:
+    """Checks the sizes of a ``("data", "model")`` mesh.
+
+    Raises:
+      ValueError: a size that is not a positive int.
+    """
+    for name, value in (("data", data), ("model", model)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"mesh axis {name!r} must be a positive int, got {value!r}")
+
+
+def check_divisible(what: str, value: int, axis: str, size: int) -> None:
+    """Checks that ``value`` (described as ``what``) splits evenly over a mesh axis.
+
+    Raises:
+      ValueError: ``value % size != 0``, naming the allowed axis sizes.
+    """
+    if value % size:
+        raise ValueError(
+            f"{what}={value} must be divisible by the mesh axis {axis!r} of size {size}; allowed "
+            f"{axis!r} sizes for {what}={value}: {divisors(value)}")
+
+
 def ceil_div(a: int, b: int) -> int:
     """``ceil(a / b)`` for non-negative integers."""
     return -(-a // b)

@@ -40,9 +40,9 @@ import numpy as np
 from flax import nnx, struct
 from jax.sharding import Mesh
 
-from arkv_jax.cache import ChunkInputs
 from arkv_jax.config import WindowPolicy
-from arkv_jax.sharding import sharded_window_attention
+from arkv_jax.sharded_kernels import sharded_window_attention
+from arkv_jax.step import ChunkInputs
 from pallas_kernels import window_attention
 
 Array = jax.Array
@@ -148,7 +148,7 @@ class PagedHistory:
       tokens_per_frame: tokens per frame (static).
       backend: kernel backend name (static), see :mod:`pallas_kernels.backend`.
       mesh: the cache's mesh (static), or ``None``: with a mesh, attention runs on every device's
-        rows and heads through :func:`arkv_jax.sharding.sharded_window_attention`.
+        rows and heads through :func:`arkv_jax.sharded_kernels.sharded_window_attention`.
     """
 
     k_pool: Array

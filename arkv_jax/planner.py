@@ -27,6 +27,8 @@ from arkv_jax.config import (
     KVBranch,
     WindowPolicy,
     ceil_div,
+    check_axis_sizes,
+    check_divisible,
     num_local_branches,
     validate_branches,
     validate_cross_attention,
@@ -340,6 +342,167 @@ def plan_memory(
         required_managed_blocks=required_managed, managed_num_blocks=managed_blocks,
         num_blocks_total=managed_blocks + scratch_blocks, batched_in_flight=batched_in_flight,
     )
+
+
+# ----------------------------------------------------------------------------------------------
+# Plans of one device of a mesh, and the rollout's smallest plan.
+
+
+@dataclasses.dataclass(frozen=True)
+class DevicePlan:
+    """The memory plan of one device of a ``(data, model)`` mesh, and what it adds up to.
+
+    Attributes:
+      plan: the :class:`~arkv_jax.planner.MemoryPlan` of one device: its geometry has
+        ``num_kv_heads // model`` heads (cross-attention heads divided too); its pages are the
+        pages of one data shard (every device of a data shard holds all of them, for its heads).
+      data, model: mesh axis sizes.
+      pool_bytes_per_device: K+V pool bytes one device holds (``plan.pool_bytes``).
+      bytes_per_device: everything reserved on one device: pools + cross-attention caches +
+        model-owned state of its sessions.
+      pages_per_shard: pool pages per data shard, null page included (``plan.num_blocks_total``):
+        the ``pages_per_shard`` of :func:`make_pools`.
+      sessions_per_data_shard: resident sessions one data shard holds (``plan.session_capacity``).
+      total_sessions: ``sessions_per_data_shard * data``.
+      rows_per_shard: state rows per data shard (sessions x logical KV branches).
+    """
+
+    plan: MemoryPlan
+    data: int
+    model: int
+    pool_bytes_per_device: int
+    bytes_per_device: int
+    pages_per_shard: int
+    sessions_per_data_shard: int
+    total_sessions: int
+    rows_per_shard: int
+
+    @classmethod
+    def from_plan(cls, plan: MemoryPlan, data: int, model: int) -> "DevicePlan":
+        """The mesh-wide view of ``plan``, the plan of one device (heads already divided by
+        ``model``), when every one of the ``data`` shards holds the same plan.
+
+        Raises:
+          ValueError: ``data`` or ``model`` is not a positive int.
+        """
+        check_axis_sizes(data, model)
+        return cls(
+            plan=plan, data=int(data), model=int(model), pool_bytes_per_device=plan.pool_bytes,
+            bytes_per_device=(plan.pool_bytes + plan.cross_attention_reserved_bytes
+                              + plan.model_owned_state_reserved_bytes),
+            pages_per_shard=plan.num_blocks_total, sessions_per_data_shard=plan.session_capacity,
+            total_sessions=plan.session_capacity * int(data),
+            rows_per_shard=plan.session_capacity * len(plan.kv_branches))
+
+    @property
+    def num_devices(self) -> int:
+        return self.data * self.model
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "plan"}
+        out["plan"] = self.plan.to_dict()
+        return out
+
+    def to_json(self) -> str:
+        """:meth:`to_dict` as one JSON object."""
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    def summary(self) -> str:
+        """The mesh-wide figures, then one device's :meth:`MemoryPlan.summary`."""
+        return "\n".join([
+            f"mesh: data={self.data} x model={self.model} ({self.num_devices} devices); the plan below "
+            f"is one device's (K/V heads / {self.model})",
+            f"  per device: pools {format_bytes(self.pool_bytes_per_device)}, everything reserved "
+            f"{format_bytes(self.bytes_per_device)}",
+            f"  sessions: {self.sessions_per_data_shard} per data shard x {self.data} = {self.total_sessions}; "
+            f"{self.pages_per_shard} pages per data shard",
+            self.plan.summary()])
+
+
+def local_shapes(geometry: CacheGeometry, cross_attention: Sequence[CrossAttentionSpec], model: int
+                 ) -> tuple[CacheGeometry, tuple[CrossAttentionSpec, ...]]:
+    """What one device of a model axis of size ``model`` holds: ``geometry`` and each
+    cross-attention cache with their K/V heads divided by ``model``.
+
+    Raises:
+      ValueError: K/V or cross-attention heads not divisible by ``model``.
+    """
+    check_divisible("kv_heads", geometry.num_kv_heads, "model", model)
+    local_cross = []
+    for spec in cross_attention:
+        if spec.num_kv_heads is not None:
+            check_divisible(f"cross-attention {spec.name!r} num_kv_heads", spec.num_kv_heads,
+                             "model", model)
+            spec = dataclasses.replace(spec, num_kv_heads=spec.num_kv_heads // model)
+        local_cross.append(spec)
+    return dataclasses.replace(geometry, num_kv_heads=geometry.num_kv_heads // model), tuple(local_cross)
+
+
+def plan_per_device(
+    geometry: CacheGeometry,
+    window: WindowPolicy,
+    branches: Sequence[KVBranch] = (KVBranch("main"),),
+    *,
+    data: int,
+    model: int,
+    available_bytes_per_device: int,
+    memory_fraction: float = 0.1,
+    sessions_per_shard: int = 1,
+    cross_attention: Sequence[CrossAttentionSpec] = (),
+    max_scratch_tokens_per_branch: int = 0,
+    model_owned_state_bytes_per_session: int = 0,
+    scratch_blocks_override: int | None = None,
+    batched_in_flight: bool = False,
+) -> DevicePlan:
+    """Plans one device of a ``(data, model)`` mesh with the single-device planner.
+
+    The pools of one data shard are split over ``model`` devices by heads, so one device plans with
+    ``geometry.num_kv_heads // model`` heads (and each cross-attention cache's heads ``// model``)
+    and its own ``available_bytes_per_device``. Every data shard holds the same plan, so the mesh
+    holds ``sessions_per_data_shard * data`` sessions.
+
+    Args:
+      geometry: the model's global geometry (all K/V heads).
+      window, branches, memory_fraction, cross_attention, max_scratch_tokens_per_branch,
+        scratch_blocks_override, batched_in_flight: as for :func:`arkv_jax.planner.plan_memory`.
+      data, model: mesh axis sizes.
+      available_bytes_per_device: free memory of one device (the smallest, if they differ).
+      sessions_per_shard: resident sessions requested per data shard.
+      model_owned_state_bytes_per_session: model state per session *on one device*.
+
+    Raises:
+      ValueError: bad axis sizes, K/V or cross-attention heads not divisible by ``model``, or an
+        input ``plan_memory`` rejects.
+    """
+    check_axis_sizes(data, model)
+    local, local_cross = local_shapes(geometry, cross_attention, model)
+    plan = plan_memory(
+        local, window, branches, available_bytes=available_bytes_per_device,
+        memory_fraction=memory_fraction, session_capacity=sessions_per_shard,
+        cross_attention=local_cross, max_scratch_tokens_per_branch=max_scratch_tokens_per_branch,
+        model_owned_state_bytes_per_session=model_owned_state_bytes_per_session,
+        scratch_blocks_override=scratch_blocks_override, batched_in_flight=batched_in_flight)
+    return DevicePlan.from_plan(plan, data, model)
+
+
+def rollout_plan(geometry: CacheGeometry, window: WindowPolicy, kv_branches: Sequence[KVBranch],
+                 cross_attention: Sequence[CrossAttentionSpec], sessions: int, *, model: int = 1) -> MemoryPlan:
+    """The smallest plan that holds ``sessions`` sessions and runs them all in one batched chunk
+    (the planner's ``batched_in_flight`` reservation, with a budget of exactly what it requires):
+    the pool is as small as the rollout allows, so page reuse shows in a short run.
+
+    For a mesh, ``sessions`` is per data shard and ``model`` the size of the ``"model"`` axis: the
+    plan is one device's (heads divided by ``model``), which ``PagedKVCache(..., mesh=)`` takes."""
+    geometry, cross_attention = local_shapes(geometry, cross_attention, model)
+    kw = dict(cross_attention=cross_attention, session_capacity=sessions, batched_in_flight=True)
+    probe = plan_memory(geometry, window, kv_branches, available_bytes=1 << 60, memory_fraction=1.0, **kw)
+    budget = (probe.scratch_reserved_bytes + probe.cross_attention_bytes_per_session * sessions
+              + probe.required_managed_blocks * probe.page_size_bytes)
+    return plan_memory(geometry, window, kv_branches, available_bytes=budget, memory_fraction=1.0, **kw)
+
+
+# ----------------------------------------------------------------------------------------------
+# Memory sizes.
 
 
 def parse_memory(text: str) -> int:

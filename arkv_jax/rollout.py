@@ -27,7 +27,7 @@ padding rows with no history, zero text and nothing to write), so the chunk func
 
 Devices. With a sharded cache (``PagedKVCache(..., mesh=...)``) the same code runs on the mesh: the
 noise and the batch are split over ``"data"`` like the cache's slots, attention runs per device
-through :func:`arkv_jax.sharding.sharded_window_attention` (heads over ``"model"``), the blocks'
+through :func:`arkv_jax.sharded_kernels.sharded_window_attention` (heads over ``"model"``), the blocks'
 weights are split over ``"model"`` tensor-parallel style
 (:func:`arkv_jax.models.dit.tensor_parallel_specs`; the rest is replicated), and XLA partitions the
 model's computation to match, adding one all-reduce per row-parallel layer.
@@ -50,12 +50,12 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from arkv_jax.cache import ChunkInputs, PagedKVCache
-from arkv_jax.config import CacheGeometry, CrossAttentionSpec, KVBranch, WindowPolicy
+from arkv_jax.cache import PagedKVCache
+from arkv_jax.config import WindowPolicy
 from arkv_jax.models.dit import CausalDiT, prompt_embedding, tensor_parallel_specs
 from arkv_jax.nnx import MaskedHistory, PagedHistory, window_frame_mask
-from arkv_jax.planner import MemoryPlan, plan_memory
-from arkv_jax.sharding import DATA, MODEL, local_shapes
+from arkv_jax.sharding import DATA, MODEL
+from arkv_jax.step import ChunkInputs
 
 Array = jax.Array
 
@@ -125,22 +125,6 @@ def denoise(velocity: Callable[[Array, Array], Array], noise: Array, sigmas: np.
 def _text_kv(graphdef, params, context: Array) -> tuple[Array, Array]:
     """The model's per-layer text K/V ``[L, B, T, Hkv, D]`` of ``context`` ``[B, T, text_dim]``."""
     return nnx.merge(graphdef, params).text_kv(context)
-
-
-def rollout_plan(geometry: CacheGeometry, window: WindowPolicy, kv_branches: Sequence[KVBranch],
-                 cross_attention: Sequence[CrossAttentionSpec], sessions: int, *, model: int = 1) -> MemoryPlan:
-    """The smallest plan that holds ``sessions`` sessions and runs them all in one batched chunk
-    (the planner's ``batched_in_flight`` reservation, with a budget of exactly what it requires):
-    the pool is as small as the rollout allows, so page reuse shows in a short run.
-
-    For a mesh, ``sessions`` is per data shard and ``model`` the size of the ``"model"`` axis: the
-    plan is one device's (heads divided by ``model``), which ``PagedKVCache(..., mesh=)`` takes."""
-    geometry, cross_attention = local_shapes(geometry, cross_attention, model)
-    kw = dict(cross_attention=cross_attention, session_capacity=sessions, batched_in_flight=True)
-    probe = plan_memory(geometry, window, kv_branches, available_bytes=1 << 60, memory_fraction=1.0, **kw)
-    budget = (probe.scratch_reserved_bytes + probe.cross_attention_bytes_per_session * sessions
-              + probe.required_managed_blocks * probe.page_size_bytes)
-    return plan_memory(geometry, window, kv_branches, available_bytes=budget, memory_fraction=1.0, **kw)
 
 
 def text_branches(prompt: str, num_branches: int) -> tuple[str, ...]:

@@ -63,10 +63,8 @@ must be divisible by the data axis. Tested only on CPU host devices (8 in one pr
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import inspect
-import json
 from typing import Any, Callable, Sequence
 
 import jax
@@ -74,22 +72,17 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from arkv_jax.config import CacheGeometry, CrossAttentionSpec, KVBranch, WindowPolicy
-from arkv_jax.planner import MemoryPlan, format_bytes, plan_memory
+from arkv_jax.config import CacheGeometry, check_axis_sizes, check_divisible, divisors
 from arkv_jax.state import BlockTableState, StateLayout, init_state
-from pallas_kernels.paged_write import write_chunk
-from pallas_kernels.window_attention import window_attention
 
 DATA = "data"
 MODEL = "model"
 AXES = (DATA, MODEL)
 
 __all__ = [
-    "AXES", "DATA", "MODEL", "DevicePlan", "auto_axes", "check_mesh", "cross_attention_spec",
-    "gather_rows", "head_spec", "init_sharded_state", "local_shapes", "make_mesh", "make_pools",
-    "per_shard", "place", "plan_per_device", "pool_spec", "row_spec", "shard_map",
-    "sharded_window_attention", "sharded_write_chunk", "stack_states", "state_spec",
-    "unstack_state",
+    "AXES", "DATA", "MODEL", "auto_axes", "check_heads", "check_mesh", "cross_attention_spec",
+    "head_spec", "init_sharded_state", "make_mesh", "make_pools", "per_shard", "place", "pool_spec",
+    "row_spec", "shard_map", "stack_states", "state_spec", "unstack_state",
 ]
 
 
@@ -123,16 +116,6 @@ def shard_map(f: Callable, mesh: Mesh, in_specs: Any, out_specs: Any, *, check: 
 # Meshes and validation.
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _check_axis_sizes(data: int, model: int) -> None:
-    for name, value in (("data", data), ("model", model)):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-            raise ValueError(f"mesh axis {name!r} must be a positive int, got {value!r}")
-
-
 def make_mesh(data: int, model: int, devices: Sequence[Any] | None = None) -> Mesh:
     """A ``("data", "model")`` mesh of ``data * model`` devices with Auto axis types.
 
@@ -147,13 +130,13 @@ def make_mesh(data: int, model: int, devices: Sequence[Any] | None = None) -> Me
     Raises:
       ValueError: a size is not a positive int, or ``data * model`` differs from the device count.
     """
-    _check_axis_sizes(data, model)
+    check_axis_sizes(data, model)
     devices = list(jax.devices() if devices is None else devices)
     if data * model != len(devices):
         raise ValueError(
             f"mesh shape (data={data}, model={model}) needs data * model = {data * model} devices, "
             f"but {len(devices)} are given; allowed (data, model) for {len(devices)} devices: "
-            f"{[(d, len(devices) // d) for d in _divisors(len(devices))]} (pass devices= to use a "
+            f"{[(d, len(devices) // d) for d in divisors(len(devices))]} (pass devices= to use a "
             "subset)")
     auto = getattr(jax.sharding, "AxisType", None)
     if auto is not None:
@@ -193,17 +176,15 @@ def check_mesh(mesh: Mesh) -> tuple[int, int]:
     return int(mesh.shape[DATA]), int(mesh.shape[MODEL])
 
 
-def _check_divisible(what: str, value: int, axis: str, size: int) -> None:
-    if value % size:
-        raise ValueError(
-            f"{what}={value} must be divisible by the mesh axis {axis!r} of size {size}; allowed "
-            f"{axis!r} sizes for {what}={value}: {_divisors(value)}")
+def check_heads(mesh_model: int, *, kv_heads: int, q_heads: int | None = None) -> None:
+    """Checks that K/V (and query) heads split evenly over a ``"model"`` axis of ``mesh_model``.
 
-
-def _check_heads(mesh_model: int, *, kv_heads: int, q_heads: int | None = None) -> None:
-    _check_divisible("kv_heads", kv_heads, MODEL, mesh_model)
+    Raises:
+      ValueError: heads not divisible by ``mesh_model``.
+    """
+    check_divisible("kv_heads", kv_heads, MODEL, mesh_model)
     if q_heads is not None:
-        _check_divisible("num_q_heads", q_heads, MODEL, mesh_model)
+        check_divisible("num_q_heads", q_heads, MODEL, mesh_model)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -278,7 +259,7 @@ def make_pools(geometry: CacheGeometry, pages_per_shard: int, mesh: Mesh
       ValueError: a mesh without the axes, heads not divisible by ``model``, fewer than 2 pages.
     """
     data, model = check_mesh(mesh)
-    _check_heads(model, kv_heads=geometry.num_kv_heads)
+    check_heads(model, kv_heads=geometry.num_kv_heads)
     if isinstance(pages_per_shard, bool) or not isinstance(pages_per_shard, (int, np.integer)) \
             or pages_per_shard < 2:
         raise ValueError(f"pages_per_shard must be an int >= 2 (the null page and one more), got "
@@ -388,279 +369,3 @@ def per_shard(fn: Callable[..., Any], mesh: Mesh, *, check: bool = True) -> Call
         return shard_map(body, mesh, (P(DATA),) + specs, P(DATA), check=check)(state, *arrays)
 
     return run
-
-
-# ------------------------------------------------------------------------------------------------
-# Kernel wrappers.
-
-
-def sharded_write_chunk(mesh: Mesh, k_pool: jax.Array, v_pool: jax.Array, k_new: jax.Array,
-                        v_new: jax.Array, page_ids: jax.Array, *,
-                        tokens_per_frame: int | None = None, backend: str = "auto"
-                        ) -> tuple[jax.Array, jax.Array]:
-    """:func:`pallas_kernels.paged_write.write_chunk` on every device's block of the pools.
-
-    Args:
-      mesh: a mesh with ``"data"`` and ``"model"`` axes.
-      k_pool, v_pool: ``[L, data * pages_per_shard, S, Hkv, hd]`` (spec :func:`pool_spec`).
-      k_new, v_new: ``[L, data * rows_per_shard, F * T, Hkv, hd]`` (spec :func:`pool_spec`).
-      page_ids: int ``[data * rows_per_shard, F * ppf]``, *local* page ids of each row's shard
-        (spec ``P("data", None)``); 0 or outside ``[1, pages_per_shard)`` skips (always: the
-        kernel runs traced, so concrete ids are not value-checked here).
-      tokens_per_frame, backend: as for ``write_chunk``.
-
-    Returns:
-      ``(k_pool, v_pool)``, sharded like the inputs. Jit the caller with ``donate_argnums`` on the
-      pools to update them in place.
-
-    Raises:
-      ValueError: a mesh without the axes; heads, rows or pages not divisible by the axis sizes;
-        shapes that ``write_chunk`` rejects (checked per shard).
-    """
-    data, model = check_mesh(mesh)
-    for name, x, rank in (("k_pool", k_pool, 5), ("v_pool", v_pool, 5), ("k_new", k_new, 5),
-                          ("v_new", v_new, 5), ("page_ids", page_ids, 2)):
-        if jnp.ndim(x) != rank:
-            raise ValueError(f"{name} must have rank {rank}, got shape {tuple(jnp.shape(x))}")
-    _check_heads(model, kv_heads=k_pool.shape[3])
-    _check_divisible("pool pages (k_pool.shape[1])", k_pool.shape[1], DATA, data)
-    _check_divisible("rows (k_new.shape[1])", k_new.shape[1], DATA, data)
-    _check_divisible("rows (page_ids.shape[0])", page_ids.shape[0], DATA, data)
-    return _sharded_write_jit(k_pool, v_pool, k_new, v_new, page_ids, mesh=mesh,
-                              tokens_per_frame=tokens_per_frame, backend=backend)
-
-
-@functools.partial(jax.jit, static_argnames=("mesh", "tokens_per_frame", "backend"))
-def _sharded_write_jit(k_pool, v_pool, k_new, v_new, page_ids, *, mesh, tokens_per_frame, backend):
-    def body(kp, vp, kn, vn, ids):
-        return write_chunk(kp, vp, kn, vn, ids, tokens_per_frame=tokens_per_frame, backend=backend)
-
-    pools = pool_spec()
-    return shard_map(body, mesh, (pools, pools, pools, pools, row_spec(2)), (pools, pools),
-                     check=False)(k_pool, v_pool, k_new, v_new, page_ids)
-
-
-def sharded_window_attention(mesh: Mesh, q: jax.Array, k_cur: jax.Array, v_cur: jax.Array,
-                             k_pool: jax.Array, v_pool: jax.Array, pages: jax.Array,
-                             lengths: jax.Array, *, layer: Any = 0, extra_k: jax.Array | None = None,
-                             extra_v: jax.Array | None = None, scale: float | None = None,
-                             tokens_per_frame: int | None = None, backend: str = "auto",
-                             block_q: int | None = None, block_k: int | None = None) -> jax.Array:
-    """:func:`pallas_kernels.window_attention.window_attention` on every device's block.
-
-    Rows (``q``, ``k_cur``, ``v_cur``, extras, ``pages``, ``lengths``) and pool pages are split over
-    data, query and K/V heads over model; ``pages`` holds *local* page ids of each row's shard and
-    is replicated over model, as are ``lengths``. ``layer`` may be traced (replicated). The other
-    keywords are ``window_attention``'s (``block_q``/``block_k``: Pallas tiles).
-
-    Returns:
-      ``[rows, q_len, num_q_heads, head_dim]`` sharded as ``q`` (``P("data", None, "model", None)``).
-
-    Raises:
-      ValueError: a mesh without the axes; query or K/V heads not divisible by ``model``; rows or
-        pool pages not divisible by ``data``; shapes ``window_attention`` rejects (per shard).
-    """
-    data, model = check_mesh(mesh)
-    for name, x, rank in (("q", q, 4), ("k_cur", k_cur, 4), ("v_cur", v_cur, 4),
-                          ("k_pool", k_pool, 5), ("v_pool", v_pool, 5), ("pages", pages, 2),
-                          ("lengths", lengths, 1)):
-        if jnp.ndim(x) != rank:
-            raise ValueError(f"{name} must have rank {rank}, got shape {tuple(jnp.shape(x))}")
-    _check_heads(model, kv_heads=k_cur.shape[2], q_heads=q.shape[2])
-    _check_divisible("kv_heads (k_pool.shape[3])", k_pool.shape[3], MODEL, model)
-    _check_divisible("rows (q.shape[0])", q.shape[0], DATA, data)
-    _check_divisible("pool pages (k_pool.shape[1])", k_pool.shape[1], DATA, data)
-    if (extra_k is None) != (extra_v is None):
-        raise ValueError("extra_k and extra_v must be given together (both or neither)")
-    if scale is None:
-        scale = float(q.shape[-1]) ** -0.5  # the kernel's default, fixed before sharding
-    return _sharded_attention_jit(q, k_cur, v_cur, k_pool, v_pool, pages, lengths,
-                                  jnp.asarray(layer, jnp.int32), extra_k, extra_v, mesh=mesh,
-                                  scale=scale, tokens_per_frame=tokens_per_frame, backend=backend,
-                                  block_q=block_q, block_k=block_k)
-
-
-@functools.partial(jax.jit, static_argnames=("mesh", "scale", "tokens_per_frame", "backend",
-                                             "block_q", "block_k"))
-def _sharded_attention_jit(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, layer, extra_k, extra_v,
-                           *, mesh, scale, tokens_per_frame, backend, block_q, block_k):
-    has_extra = extra_k is not None
-
-    def body(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, layer, *extra):
-        ek, ev = extra if has_extra else (None, None)
-        return window_attention(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, layer=layer,
-                                extra_k=ek, extra_v=ev, scale=scale,
-                                tokens_per_frame=tokens_per_frame, backend=backend,
-                                block_q=block_q, block_k=block_k)
-
-    heads, pools = head_spec(), pool_spec()
-    in_specs = (heads, heads, heads, pools, pools, row_spec(2), row_spec(1), P())
-    args = (q, k_cur, v_cur, k_pool, v_pool, pages, lengths, layer)
-    if has_extra:
-        in_specs += (heads, heads)
-        args += (extra_k, extra_v)
-    return shard_map(body, mesh, in_specs, heads, check=False)(*args)
-
-
-def gather_rows(mesh: Mesh, table: jax.Array, rows: jax.Array, *, head_axis: int = 3) -> jax.Array:
-    """``table[rows]`` within every data shard: the per-row caches (e.g. cross-attention K/V) of a
-    batch, without moving rows between devices.
-
-    Args:
-      mesh: a mesh with ``"data"`` and ``"model"`` axes.
-      table: ``[data * rows_per_shard, ...]``, rows split over data and axis ``head_axis`` over
-        model (:func:`cross_attention_spec`).
-      rows: int ``[data * B]`` *local* row indices of each shard's batch rows; negative = padding.
-
-    Returns:
-      ``[data * B, ...]`` sharded like ``table``; padding rows are zero.
-    """
-    spec = cross_attention_spec(jnp.ndim(table), 0, head_axis)
-
-    def body(block, local_rows):
-        taken = jnp.take(block, jnp.maximum(local_rows, 0), axis=0)
-        valid = (local_rows >= 0).reshape((-1,) + (1,) * (block.ndim - 1))
-        return jnp.where(valid, taken, jnp.zeros((), block.dtype))
-
-    return shard_map(body, mesh, (spec, row_spec(1)), spec)(table, rows)
-
-
-# ------------------------------------------------------------------------------------------------
-# Planner per device.
-
-
-@dataclasses.dataclass(frozen=True)
-class DevicePlan:
-    """The memory plan of one device of a ``(data, model)`` mesh, and what it adds up to.
-
-    Attributes:
-      plan: the :class:`~arkv_jax.planner.MemoryPlan` of one device: its geometry has
-        ``num_kv_heads // model`` heads (cross-attention heads divided too); its pages are the
-        pages of one data shard (every device of a data shard holds all of them, for its heads).
-      data, model: mesh axis sizes.
-      pool_bytes_per_device: K+V pool bytes one device holds (``plan.pool_bytes``).
-      bytes_per_device: everything reserved on one device: pools + cross-attention caches +
-        model-owned state of its sessions.
-      pages_per_shard: pool pages per data shard, null page included (``plan.num_blocks_total``):
-        the ``pages_per_shard`` of :func:`make_pools`.
-      sessions_per_data_shard: resident sessions one data shard holds (``plan.session_capacity``).
-      total_sessions: ``sessions_per_data_shard * data``.
-      rows_per_shard: state rows per data shard (sessions x logical KV branches).
-    """
-
-    plan: MemoryPlan
-    data: int
-    model: int
-    pool_bytes_per_device: int
-    bytes_per_device: int
-    pages_per_shard: int
-    sessions_per_data_shard: int
-    total_sessions: int
-    rows_per_shard: int
-
-    @classmethod
-    def from_plan(cls, plan: MemoryPlan, data: int, model: int) -> "DevicePlan":
-        """The mesh-wide view of ``plan``, the plan of one device (heads already divided by
-        ``model``), when every one of the ``data`` shards holds the same plan.
-
-        Raises:
-          ValueError: ``data`` or ``model`` is not a positive int.
-        """
-        _check_axis_sizes(data, model)
-        return cls(
-            plan=plan, data=int(data), model=int(model), pool_bytes_per_device=plan.pool_bytes,
-            bytes_per_device=(plan.pool_bytes + plan.cross_attention_reserved_bytes
-                              + plan.model_owned_state_reserved_bytes),
-            pages_per_shard=plan.num_blocks_total, sessions_per_data_shard=plan.session_capacity,
-            total_sessions=plan.session_capacity * int(data),
-            rows_per_shard=plan.session_capacity * len(plan.kv_branches))
-
-    @property
-    def num_devices(self) -> int:
-        return self.data * self.model
-
-    def to_dict(self) -> dict[str, Any]:
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "plan"}
-        out["plan"] = self.plan.to_dict()
-        return out
-
-    def to_json(self) -> str:
-        """:meth:`to_dict` as one JSON object."""
-        return json.dumps(self.to_dict(), sort_keys=True)
-
-    def summary(self) -> str:
-        """The mesh-wide figures, then one device's :meth:`MemoryPlan.summary`."""
-        return "\n".join([
-            f"mesh: data={self.data} x model={self.model} ({self.num_devices} devices); the plan below "
-            f"is one device's (K/V heads / {self.model})",
-            f"  per device: pools {format_bytes(self.pool_bytes_per_device)}, everything reserved "
-            f"{format_bytes(self.bytes_per_device)}",
-            f"  sessions: {self.sessions_per_data_shard} per data shard x {self.data} = {self.total_sessions}; "
-            f"{self.pages_per_shard} pages per data shard",
-            self.plan.summary()])
-
-
-def local_shapes(geometry: CacheGeometry, cross_attention: Sequence[CrossAttentionSpec], model: int
-                 ) -> tuple[CacheGeometry, tuple[CrossAttentionSpec, ...]]:
-    """What one device of a model axis of size ``model`` holds: ``geometry`` and each
-    cross-attention cache with their K/V heads divided by ``model``.
-
-    Raises:
-      ValueError: K/V or cross-attention heads not divisible by ``model``.
-    """
-    _check_heads(model, kv_heads=geometry.num_kv_heads)
-    local_cross = []
-    for spec in cross_attention:
-        if spec.num_kv_heads is not None:
-            _check_divisible(f"cross-attention {spec.name!r} num_kv_heads", spec.num_kv_heads,
-                             MODEL, model)
-            spec = dataclasses.replace(spec, num_kv_heads=spec.num_kv_heads // model)
-        local_cross.append(spec)
-    return dataclasses.replace(geometry, num_kv_heads=geometry.num_kv_heads // model), tuple(local_cross)
-
-
-def plan_per_device(
-    geometry: CacheGeometry,
-    window: WindowPolicy,
-    branches: Sequence[KVBranch] = (KVBranch("main"),),
-    *,
-    data: int,
-    model: int,
-    available_bytes_per_device: int,
-    memory_fraction: float = 0.1,
-    sessions_per_shard: int = 1,
-    cross_attention: Sequence[CrossAttentionSpec] = (),
-    max_scratch_tokens_per_branch: int = 0,
-    model_owned_state_bytes_per_session: int = 0,
-    scratch_blocks_override: int | None = None,
-    batched_in_flight: bool = False,
-) -> DevicePlan:
-    """Plans one device of a ``(data, model)`` mesh with the single-device planner.
-
-    The pools of one data shard are split over ``model`` devices by heads, so one device plans with
-    ``geometry.num_kv_heads // model`` heads (and each cross-attention cache's heads ``// model``)
-    and its own ``available_bytes_per_device``. Every data shard holds the same plan, so the mesh
-    holds ``sessions_per_data_shard * data`` sessions.
-
-    Args:
-      geometry: the model's global geometry (all K/V heads).
-      window, branches, memory_fraction, cross_attention, max_scratch_tokens_per_branch,
-        scratch_blocks_override, batched_in_flight: as for :func:`arkv_jax.planner.plan_memory`.
-      data, model: mesh axis sizes.
-      available_bytes_per_device: free memory of one device (the smallest, if they differ).
-      sessions_per_shard: resident sessions requested per data shard.
-      model_owned_state_bytes_per_session: model state per session *on one device*.
-
-    Raises:
-      ValueError: bad axis sizes, K/V or cross-attention heads not divisible by ``model``, or an
-        input ``plan_memory`` rejects.
-    """
-    _check_axis_sizes(data, model)
-    local, local_cross = local_shapes(geometry, cross_attention, model)
-    plan = plan_memory(
-        local, window, branches, available_bytes=available_bytes_per_device,
-        memory_fraction=memory_fraction, session_capacity=sessions_per_shard,
-        cross_attention=local_cross, max_scratch_tokens_per_branch=max_scratch_tokens_per_branch,
-        model_owned_state_bytes_per_session=model_owned_state_bytes_per_session,
-        scratch_blocks_override=scratch_blocks_override, batched_in_flight=batched_in_flight)
-    return DevicePlan.from_plan(plan, data, model)

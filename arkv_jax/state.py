@@ -387,21 +387,6 @@ def allocate(state: BlockTableState, rows: Array, num_tokens: Array) -> tuple[Bl
     ), ok
 
 
-def prepare_chunk(state: BlockTableState, rows: Array, num_frames: int
-                  ) -> tuple[BlockTableState, VisibleWindow, Array, Array]:
-    """The bookkeeping before a forward of ``num_frames`` frames: the visible window, then the
-    allocation of the chunk's pages and the pages the commit will write.
-
-    Returns:
-      ``(state, window, pages, ok)``: the state with the pages allocated, the
-      :class:`VisibleWindow` (taken before the allocation), ``[B, num_frames * pages_per_frame]``
-      write pages (see :func:`write_pages`) and the allocation's ``ok``.
-    """
-    window = visible_window(state, rows, num_frames)
-    state, ok = allocate(state, rows, num_frames * state.layout.tokens_per_frame)
-    return state, window, write_pages(state, rows, num_frames), ok
-
-
 def commit(state: BlockTableState, rows: Array, num_chunks: Array) -> tuple[BlockTableState, Array]:
     """Commits ``num_chunks`` frames per row, evicting after each one with the seed's rule.
 

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from arkv_jax import state as core
 from arkv_jax.cache import PagedKVCache
 from arkv_jax.config import CacheGeometry, WindowPolicy
+from arkv_jax.step import prepare_chunk
 from benchmarks import harness
 
 # The seed's test geometry (seed-semantics §5.4): a frame is one 16-token page; sink 1, window 5.
@@ -35,12 +36,9 @@ WINDOW = WindowPolicy(window_frames=5, sink_frames=1)
 
 def chunk_step(state: core.BlockTableState, rows: jax.Array):
     """The bookkeeping of one chunk for every row: what a rollout calls once per chunk."""
-    tokens = state.layout.tokens_per_frame
-    window = core.visible_window(state, rows, 1)
-    state, ok_alloc = core.allocate(state, rows, tokens)
-    slots = core.slot_mapping(state, rows, tokens)
+    state, inputs, ok_alloc = prepare_chunk(state, rows, 1)
     state, ok_commit = core.commit(state, rows, 1)
-    return state, (ok_alloc & ok_commit, window.lengths, slots[:, 0])
+    return state, (ok_alloc & ok_commit, inputs.lengths, inputs.write_pages[:, 0])
 
 
 def fresh_state(sessions: int) -> tuple[core.BlockTableState, jax.Array]:

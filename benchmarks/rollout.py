@@ -45,11 +45,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from arkv_jax.cache import ChunkInputs, PagedKVCache
+from arkv_jax.cache import PagedKVCache
 from arkv_jax.config import CacheGeometry, CrossAttentionSpec, KVBranch, WindowPolicy
 from arkv_jax.models.dit import MODEL_CONFIGS, DiTConfig, init_random
 from arkv_jax.nnx import masked_attention
-from arkv_jax.rollout import FullRecompute, Rollout, Sampler, chunk_noise, combine_branches, denoise, rollout_plan
+from arkv_jax.planner import rollout_plan
+from arkv_jax.rollout import FullRecompute, Rollout, Sampler, chunk_noise, combine_branches, denoise
+from arkv_jax.step import ChunkInputs
 from benchmarks import harness
 
 CFG = (KVBranch("positive", 0), KVBranch("negative", 1))

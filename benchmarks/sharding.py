@@ -68,6 +68,8 @@ def _worker(devices: int, quick: bool, reps: int | None) -> dict:
     from arkv_jax import sharding as sh
     from arkv_jax import state as core
     from arkv_jax.config import CacheGeometry, WindowPolicy
+    from arkv_jax.sharded_kernels import sharded_window_attention, sharded_write_chunk
+    from arkv_jax.step import prepare_chunk
     from pallas_kernels.paged_write import write_chunk
     from pallas_kernels.window_attention import window_attention
 
@@ -82,9 +84,9 @@ def _worker(devices: int, quick: bool, reps: int | None) -> dict:
     sessions = cfg["sessions"]
 
     def chunk_state(state, rows):
-        state, win, pages, ok = core.prepare_chunk(state, rows, 1)
+        state, chunk, ok = prepare_chunk(state, rows, 1)
         state, ok2 = core.commit(state, rows, 1)
-        return state, (win.pages, win.lengths, pages, ok & ok2)
+        return state, (chunk.pages, chunk.lengths, chunk.write_pages, ok & ok2)
 
     def pages_for(rows_per_shard):
         # Every row holds sink + window frames and allocates one more before its commit evicts:
@@ -109,10 +111,10 @@ def _worker(devices: int, quick: bool, reps: int | None) -> dict:
         def step(state, k_pool, v_pool, q, k_new, v_new):
             state, (pages, lengths, write, ok) = sh.per_shard(chunk_state, mesh)(state, rows)
             pages, lengths = pages.reshape(sessions, -1), lengths.reshape(sessions)
-            outs = [sh.sharded_window_attention(mesh, q, k_new[l], v_new[l], k_pool, v_pool, pages,
+            outs = [sharded_window_attention(mesh, q, k_new[l], v_new[l], k_pool, v_pool, pages,
                                                 lengths, layer=l, tokens_per_frame=tpf,
                                                 backend="xla") for l in range(L)]
-            k_pool, v_pool = sh.sharded_write_chunk(mesh, k_pool, v_pool, k_new, v_new,
+            k_pool, v_pool = sharded_write_chunk(mesh, k_pool, v_pool, k_new, v_new,
                                                     write.reshape(sessions, -1),
                                                     tokens_per_frame=tpf, backend="xla")
             return state, k_pool, v_pool, outs, ok  # outputs stay sharded: no reduction
@@ -197,7 +199,8 @@ def _rollout_cases(devices: int) -> dict:
     from arkv_jax.cache import PagedKVCache
     from arkv_jax.models import MODEL_CONFIGS, init_random
     from arkv_jax.presets import get_preset
-    from arkv_jax.rollout import Rollout, Sampler, rollout_plan
+    from arkv_jax.planner import rollout_plan
+    from arkv_jax.rollout import Rollout, Sampler
 
     preset, model = get_preset("tiny"), init_random(MODEL_CONFIGS["tiny"], seed=0)
 

@@ -16,12 +16,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from arkv_jax.cache import ChunkInputs, PagedKVCache
+from arkv_jax.cache import PagedKVCache
 from arkv_jax.config import KVBranch
 from arkv_jax.models import MODEL_CONFIGS, CausalDiT, init_random
 from arkv_jax.nnx import PagedHistory
 from arkv_jax.presets import get_preset
-from arkv_jax.rollout import FullRecompute, Rollout, Sampler, chunk_noise, rollout_plan
+from arkv_jax.planner import rollout_plan
+from arkv_jax.rollout import FullRecompute, Rollout, Sampler, chunk_noise
+from arkv_jax.step import ChunkInputs
 
 PRESET = get_preset("tiny")
 CONFIG = MODEL_CONFIGS["tiny"]

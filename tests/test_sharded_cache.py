@@ -25,7 +25,8 @@ from arkv_jax.models import MODEL_CONFIGS, init_random
 from arkv_jax.models.dit import tensor_parallel_specs
 from arkv_jax.nnx import PagedHistory
 from arkv_jax.presets import get_preset
-from arkv_jax.rollout import Rollout, Sampler, rollout_plan
+from arkv_jax.planner import DevicePlan, rollout_plan
+from arkv_jax.rollout import Rollout, Sampler
 
 NUM_DEVICES = 8
 pytestmark = pytest.mark.skipif(
@@ -220,8 +221,7 @@ def test_the_cache_steps_compile_without_collectives():
         programs = {
             "prepare": cache_module._prepare.lower(cache._state, local_rows, num_frames=2, mesh=cache._mesh),
             "commit": cache_module._commit.lower(*cache.pools, step.pending, k, v, step.inputs, num_frames=2,
-                                                 tokens_per_frame=GEOMETRY.tokens_per_frame, backend="xla",
-                                                 mesh=cache._mesh),
+                                                 backend="xla", mesh=cache._mesh),
         }
         for name, lowered in programs.items():
             hlo = lowered.compile().as_text()
@@ -276,9 +276,9 @@ def test_sharded_cache_refusals_change_nothing():
             pass
     jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, cache.state), state)
     with pytest.raises(ValueError, match="mesh axis 'model' must be a positive int, got 0"):
-        sh.DevicePlan.from_plan(plan, 2, 0)
+        DevicePlan.from_plan(plan, 2, 0)
     with pytest.raises(ValueError, match="plan is for a \\(data=1, model=1\\) mesh"):
-        PagedKVCache(GEOMETRY, WINDOW, CFG, TEXT, plan=sh.DevicePlan.from_plan(plan, 1, 1), mesh=mesh)
+        PagedKVCache(GEOMETRY, WINDOW, CFG, TEXT, plan=DevicePlan.from_plan(plan, 1, 1), mesh=mesh)
     with pytest.raises(ValueError, match="plan one device"):
         PagedKVCache(GEOMETRY, WINDOW, CFG, TEXT, plan=rollout_plan(GEOMETRY, WINDOW, CFG, TEXT, 1), mesh=mesh)
     with pytest.raises(ValueError, match="not both"):

@@ -22,7 +22,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from arkv_jax import sharding as sh
 from arkv_jax import state as core
 from arkv_jax.config import CacheGeometry, CrossAttentionSpec, KVBranch, WindowPolicy
+from arkv_jax import planner
 from arkv_jax.planner import plan_memory
+from arkv_jax.sharded_kernels import sharded_window_attention, sharded_write_chunk
+from arkv_jax.step import prepare_chunk
 from pallas_kernels.paged_write import write_chunk
 from pallas_kernels.window_attention import window_attention
 
@@ -92,7 +95,7 @@ def test_sharded_write_is_bit_identical(shape, dtype):
     want = jax.jit(functools.partial(write_chunk, tokens_per_frame=TPF, backend="xla"))(
         k_pool, v_pool, k_new, v_new, jnp.asarray(glob))
     placed = sh.place(mesh, (k_pool, v_pool, k_new, v_new), sh.pool_spec())
-    got = sh.sharded_write_chunk(mesh, *placed, sh.place(mesh, jnp.asarray(local), sh.row_spec(2)),
+    got = sharded_write_chunk(mesh, *placed, sh.place(mesh, jnp.asarray(local), sh.row_spec(2)),
                                  tokens_per_frame=TPF, backend="xla")
     for g, w in zip(got, want):
         _assert_sharded(g, mesh, sh.pool_spec())
@@ -136,7 +139,7 @@ def test_sharded_attention_matches_single_device(shape):
                             arrays["v_pool"], jnp.asarray(glob), jnp.asarray(lengths), layer=1,
                             extra_k=arrays["extra_k"], extra_v=arrays["extra_v"],
                             tokens_per_frame=TPF, backend="xla")
-    got = sh.sharded_window_attention(
+    got = sharded_window_attention(
         mesh, arrays["q"], arrays["k_cur"], arrays["v_cur"], arrays["k_pool"], arrays["v_pool"],
         jnp.asarray(local), jnp.asarray(lengths), layer=layer, extra_k=arrays["extra_k"],
         extra_v=arrays["extra_v"], tokens_per_frame=TPF, backend="xla")
@@ -154,16 +157,16 @@ def test_sharded_pallas_interpret(backend):
     args = (arrays["q"], arrays["k_cur"], arrays["v_cur"], arrays["k_pool"], arrays["v_pool"],
             jnp.asarray(local), jnp.asarray(lengths))
     kwargs = dict(layer=0, tokens_per_frame=TPF)
-    want = sh.sharded_window_attention(mesh, *args, **kwargs, backend="xla")
-    got = sh.sharded_window_attention(mesh, *args, **kwargs, backend=backend)
+    want = sharded_window_attention(mesh, *args, **kwargs, backend="xla")
+    got = sharded_window_attention(mesh, *args, **kwargs, backend=backend)
     chex.assert_trees_all_close(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
 
     new_shape = (LAYERS, data * ROWS_PER_SHARD, TPF, KV_HEADS, HEAD_DIM)
     k_new = jnp.asarray(rng.standard_normal(new_shape), jnp.float32)
     ids = jnp.asarray(_distinct_local_ids(rng, data, ROWS_PER_SHARD, PPF, PAGES_PER_SHARD))
     pools = (arrays["k_pool"], arrays["v_pool"], k_new, -k_new, ids)
-    want = sh.sharded_write_chunk(mesh, *pools, tokens_per_frame=TPF, backend="xla")
-    got = sh.sharded_write_chunk(mesh, *pools, tokens_per_frame=TPF, backend=backend)
+    want = sharded_write_chunk(mesh, *pools, tokens_per_frame=TPF, backend="xla")
+    got = sharded_write_chunk(mesh, *pools, tokens_per_frame=TPF, backend=backend)
     chex.assert_trees_all_equal(jax.device_get(got), jax.device_get(want))
 
 
@@ -179,7 +182,7 @@ def test_jitted_sharded_write_aliases_donated_pools():
     new_shape = (LAYERS, 2 * ROWS_PER_SHARD, TPF, KV_HEADS, HEAD_DIM)
     k_new = sh.place(mesh, jnp.ones(new_shape, jnp.float32), sh.pool_spec())
     ids = sh.place(mesh, jnp.asarray([[1, 2], [3, 4], [1, 2], [5, 6]], jnp.int32), sh.row_spec(2))
-    step = jax.jit(functools.partial(sh.sharded_write_chunk, mesh, tokens_per_frame=TPF,
+    step = jax.jit(functools.partial(sharded_write_chunk, mesh, tokens_per_frame=TPF,
                                      backend="xla"), donate_argnums=(0, 1))
     compiled = step.lower(k_pool, v_pool, k_new, k_new, ids).compile()
     per_device_pool = k_pool.addressable_shards[0].data.nbytes
@@ -235,7 +238,7 @@ def test_explicit_axis_mesh_needs_placed_inputs():
     k_pool, v_pool = sh.make_pools(geometry, 8, mesh)
     new = jnp.ones((LAYERS, 4, BLOCK, KV_HEADS, HEAD_DIM))
     ids = sh.place(mesh, jnp.asarray([[1], [2], [1], [2]], jnp.int32), sh.row_spec(2))
-    k_out, _ = sh.sharded_write_chunk(mesh, k_pool, v_pool, *sh.place(mesh, (new, new), sh.pool_spec()),
+    k_out, _ = sharded_write_chunk(mesh, k_pool, v_pool, *sh.place(mesh, (new, new), sh.pool_spec()),
                                       ids, backend="xla")
     # Local page 1 of each data shard (global pages 1 and 9) holds row 0 / row 2: all ones.
     pool = np.asarray(k_out)  # (indexing an Explicit-axes array needs out_sharding)
@@ -244,9 +247,9 @@ def test_explicit_axis_mesh_needs_placed_inputs():
 
 def _chunk_step(state, rows):
     """Per-shard bookkeeping of one chunk: window, allocate, pages to write, commit."""
-    state, window, pages, ok = core.prepare_chunk(state, rows, 1)
+    state, inputs, ok = prepare_chunk(state, rows, 1)
     state, ok2 = core.commit(state, rows, 1)
-    return state, (window.pages, window.lengths, pages, ok & ok2)
+    return state, (inputs.pages, inputs.lengths, inputs.write_pages, ok & ok2)
 
 
 def test_chunk_step_matches_per_shard_runs_and_has_no_collectives():
@@ -266,10 +269,10 @@ def test_chunk_step_matches_per_shard_runs_and_has_no_collectives():
     @chex.assert_max_traces(n=1)
     def step(state, k_pool, v_pool, q, k_new, v_new):
         state, (pages, lengths, write, ok) = sh.per_shard(_chunk_step, mesh)(state, rows_local)
-        out = sh.sharded_window_attention(mesh, q, k_new[0], v_new[0], k_pool, v_pool,
+        out = sharded_window_attention(mesh, q, k_new[0], v_new[0], k_pool, v_pool,
                                           pages.reshape(R, -1), lengths.reshape(R),
                                           tokens_per_frame=TPF, backend="xla")
-        k_pool, v_pool = sh.sharded_write_chunk(mesh, k_pool, v_pool, k_new, v_new,
+        k_pool, v_pool = sharded_write_chunk(mesh, k_pool, v_pool, k_new, v_new,
                                                 write.reshape(R, -1), tokens_per_frame=TPF,
                                                 backend="xla")
         return state, k_pool, v_pool, out, ok
@@ -402,24 +405,24 @@ def test_invalid_meshes_and_shapes_are_refused():
     bad_q = list(args)
     bad_q[0] = arrays["q"][:, :, :6]  # 6 query heads
     with pytest.raises(ValueError, match=r"num_q_heads=6 must be divisible by the mesh axis 'model'"):
-        sh.sharded_window_attention(mesh, *bad_q, tokens_per_frame=TPF)
+        sharded_window_attention(mesh, *bad_q, tokens_per_frame=TPF)
     bad_kv = list(args)
     bad_kv[0], bad_kv[1], bad_kv[2] = (arrays["q"][:, :, :12], arrays["k_cur"][:, :, :6],
                                        arrays["v_cur"][:, :, :6])
     with pytest.raises(ValueError, match=r"kv_heads=6 must be divisible"):
-        sh.sharded_window_attention(mesh, *bad_kv, tokens_per_frame=TPF)
+        sharded_window_attention(mesh, *bad_kv, tokens_per_frame=TPF)
     odd_rows = [a[:3] if i in (0, 1, 2, 5, 6) else a for i, a in enumerate(args)]
     with pytest.raises(ValueError, match=r"rows \(q.shape\[0\]\)=3 must be divisible by the mesh "
                                          r"axis 'data' of size 2"):
-        sh.sharded_window_attention(mesh, *odd_rows, tokens_per_frame=TPF)
+        sharded_window_attention(mesh, *odd_rows, tokens_per_frame=TPF)
     with pytest.raises(ValueError, match=r"rows \(k_new.shape\[1\]\)=3 must be divisible"):
         new = jnp.zeros((LAYERS, 3, TPF, KV_HEADS, HEAD_DIM))
-        sh.sharded_write_chunk(mesh, args[3], args[4], new, new, jnp.ones((3, PPF), jnp.int32),
+        sharded_write_chunk(mesh, args[3], args[4], new, new, jnp.ones((3, PPF), jnp.int32),
                                tokens_per_frame=TPF)
     odd_pool = jnp.zeros((LAYERS, 25, BLOCK, KV_HEADS, HEAD_DIM))
     with pytest.raises(ValueError, match=r"pool pages \(k_pool.shape\[1\]\)=25 must be divisible"):
         new = jnp.zeros((LAYERS, 4, TPF, KV_HEADS, HEAD_DIM))
-        sh.sharded_write_chunk(mesh, odd_pool, odd_pool, new, new, jnp.ones((4, PPF), jnp.int32),
+        sharded_write_chunk(mesh, odd_pool, odd_pool, new, new, jnp.ones((4, PPF), jnp.int32),
                                tokens_per_frame=TPF)
 
     layout = core.StateLayout.from_config(
@@ -446,7 +449,7 @@ def test_plan_per_device_divides_heads_and_scales_sessions():
     single = plan_memory(geometry, window, branches, available_bytes=available,
                          memory_fraction=0.5, session_capacity=1000, cross_attention=cross)
     for data, model in MESH_SHAPES + [(1, 1), (3, 2)]:
-        plan = sh.plan_per_device(geometry, window, branches, data=data, model=model,
+        plan = planner.plan_per_device(geometry, window, branches, data=data, model=model,
                                   available_bytes_per_device=available // model,
                                   memory_fraction=0.5, sessions_per_shard=1000,
                                   cross_attention=cross)
@@ -467,13 +470,13 @@ def test_plan_per_device_divides_heads_and_scales_sessions():
 
     with pytest.raises(ValueError, match=r"kv_heads=8 must be divisible by the mesh axis 'model' "
                                          r"of size 3"):
-        sh.plan_per_device(geometry, window, data=1, model=3, available_bytes_per_device=available)
+        planner.plan_per_device(geometry, window, data=1, model=3, available_bytes_per_device=available)
     with pytest.raises(ValueError, match=r"cross-attention 'image' num_kv_heads=4 must be divisible"
                                          r" by the mesh axis 'model' of size 8"):
-        sh.plan_per_device(geometry, window, data=1, model=8, available_bytes_per_device=available,
+        planner.plan_per_device(geometry, window, data=1, model=8, available_bytes_per_device=available,
                            cross_attention=(CrossAttentionSpec("image", 16, num_kv_heads=4),))
     with pytest.raises(ValueError, match=r"mesh axis 'data' must be a positive int, got 0"):
-        sh.plan_per_device(geometry, window, data=0, model=1, available_bytes_per_device=available)
+        planner.plan_per_device(geometry, window, data=0, model=1, available_bytes_per_device=available)
 
 
 def test_cli_plans_one_device_of_a_mesh(capsys):
@@ -485,7 +488,7 @@ def test_cli_plans_one_device_of_a_mesh(capsys):
 
     code, out = run("--mesh", "4x2", "--sessions", "8", "--json")
     wan = get_preset("wan-1.3b")
-    expected = sh.plan_per_device(wan.geometry, wan.window, wan.kv_branches, data=4, model=2,
+    expected = planner.plan_per_device(wan.geometry, wan.window, wan.kv_branches, data=4, model=2,
                                   available_bytes_per_device=16 * 2**30, memory_fraction=0.9,
                                   sessions_per_shard=2, cross_attention=wan.cross_attention)
     assert code == 0 and json.loads(out) == json.loads(expected.to_json())

@@ -14,6 +14,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from arkv_jax import state as core
 from arkv_jax.compat.vllm_omni import seed_block_table
 from arkv_jax.config import CacheGeometry, WindowPolicy
+from arkv_jax.step import prepare_chunk
 from tests.reference_model import RefCache
 
 NUM_ROWS = 3
@@ -185,9 +186,9 @@ class ChexVariants(chex.TestCase):
 
 def _chunk_step(state, rows, frames):
     """The per-chunk bookkeeping of a rollout: visible window, allocate, write pages, commit."""
-    state, window, pages, ok_alloc = core.prepare_chunk(state, rows, frames)
+    state, inputs, ok_alloc = prepare_chunk(state, rows, frames)
     state, ok_commit = core.commit(state, rows, frames)
-    return state, ok_alloc & ok_commit & (window.lengths >= 0) & jnp.all(pages > 0, axis=1)
+    return state, ok_alloc & ok_commit & (inputs.lengths >= 0) & jnp.all(inputs.write_pages > 0, axis=1)
 
 
 def test_one_compilation_across_a_thousand_chunks():

@@ -1,0 +1,158 @@
+"""The kernels on a ``("data", "model")`` mesh: each device runs the unsharded kernel on its block.
+
+Rows and pool pages are split over ``"data"``, K/V and query heads over ``"model"``
+(:mod:`arkv_jax.sharding` has the layouts). The wrappers add no math: a sharded write is
+bit-identical to the single-device write with global page ids, and attention matches it to float
+rounding. They check only mesh concerns (axes, divisibility); shapes are the kernels' to check.
+
+Donation: the wrappers do not donate by themselves; call them inside a step jitted with
+``donate_argnums`` on the pools and the outputs alias the pools on every device.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec as P
+
+from arkv_jax.config import check_divisible
+from arkv_jax.sharding import (DATA, MODEL, check_heads, check_mesh, cross_attention_spec, head_spec, pool_spec,
+                               row_spec, shard_map)
+from pallas_kernels.paged_write import write_chunk
+from pallas_kernels.window_attention import window_attention
+
+__all__ = ["gather_rows", "sharded_window_attention", "sharded_write_chunk"]
+
+
+def sharded_write_chunk(mesh: Mesh, k_pool: jax.Array, v_pool: jax.Array, k_new: jax.Array,
+                        v_new: jax.Array, page_ids: jax.Array, *,
+                        tokens_per_frame: int | None = None, backend: str = "auto"
+                        ) -> tuple[jax.Array, jax.Array]:
+    """:func:`pallas_kernels.paged_write.write_chunk` on every device's block of the pools.
+
+    Args:
+      mesh: a mesh with ``"data"`` and ``"model"`` axes.
+      k_pool, v_pool: ``[L, data * pages_per_shard, S, Hkv, hd]`` (spec :func:`pool_spec`).
+      k_new, v_new: ``[L, data * rows_per_shard, F * T, Hkv, hd]`` (spec :func:`pool_spec`).
+      page_ids: int ``[data * rows_per_shard, F * ppf]``, *local* page ids of each row's shard
+        (spec ``P("data", None)``); 0 or outside ``[1, pages_per_shard)`` skips (always: the
+        kernel runs traced, so concrete ids are not value-checked here).
+      tokens_per_frame, backend: as for ``write_chunk``.
+
+    Returns:
+      ``(k_pool, v_pool)``, sharded like the inputs. Jit the caller with ``donate_argnums`` on the
+      pools to update them in place.
+
+    Raises:
+      ValueError: a mesh without the axes; heads, rows or pages not divisible by the axis sizes;
+        shapes that ``write_chunk`` rejects (checked per shard).
+    """
+    data, model = check_mesh(mesh)
+    for name, x, rank in (("k_pool", k_pool, 5), ("v_pool", v_pool, 5), ("k_new", k_new, 5),
+                          ("v_new", v_new, 5), ("page_ids", page_ids, 2)):
+        if jnp.ndim(x) != rank:
+            raise ValueError(f"{name} must have rank {rank}, got shape {tuple(jnp.shape(x))}")
+    check_heads(model, kv_heads=k_pool.shape[3])
+    check_divisible("pool pages (k_pool.shape[1])", k_pool.shape[1], DATA, data)
+    check_divisible("rows (k_new.shape[1])", k_new.shape[1], DATA, data)
+    check_divisible("rows (page_ids.shape[0])", page_ids.shape[0], DATA, data)
+    return _sharded_write_jit(k_pool, v_pool, k_new, v_new, page_ids, mesh=mesh,
+                              tokens_per_frame=tokens_per_frame, backend=backend)
+
+
+@functools.partial(jax.jit, static_argnames=("mesh", "tokens_per_frame", "backend"))
+def _sharded_write_jit(k_pool, v_pool, k_new, v_new, page_ids, *, mesh, tokens_per_frame, backend):
+    def body(kp, vp, kn, vn, ids):
+        return write_chunk(kp, vp, kn, vn, ids, tokens_per_frame=tokens_per_frame, backend=backend)
+
+    pools = pool_spec()
+    return shard_map(body, mesh, (pools, pools, pools, pools, row_spec(2)), (pools, pools),
+                     check=False)(k_pool, v_pool, k_new, v_new, page_ids)
+
+
+def sharded_window_attention(mesh: Mesh, q: jax.Array, k_cur: jax.Array, v_cur: jax.Array,
+                             k_pool: jax.Array, v_pool: jax.Array, pages: jax.Array,
+                             lengths: jax.Array, *, layer: Any = 0, extra_k: jax.Array | None = None,
+                             extra_v: jax.Array | None = None, scale: float | None = None,
+                             tokens_per_frame: int | None = None, backend: str = "auto",
+                             block_q: int | None = None, block_k: int | None = None) -> jax.Array:
+    """:func:`pallas_kernels.window_attention.window_attention` on every device's block.
+
+    Rows (``q``, ``k_cur``, ``v_cur``, extras, ``pages``, ``lengths``) and pool pages are split over
+    data, query and K/V heads over model; ``pages`` holds *local* page ids of each row's shard and
+    is replicated over model, as are ``lengths``. ``layer`` may be traced (replicated). The other
+    keywords are ``window_attention``'s (``block_q``/``block_k``: Pallas tiles).
+
+    Returns:
+      ``[rows, q_len, num_q_heads, head_dim]`` sharded as ``q`` (``P("data", None, "model", None)``).
+
+    Raises:
+      ValueError: a mesh without the axes; query or K/V heads not divisible by ``model``; rows or
+        pool pages not divisible by ``data``; shapes ``window_attention`` rejects (per shard).
+    """
+    data, model = check_mesh(mesh)
+    for name, x, rank in (("q", q, 4), ("k_cur", k_cur, 4), ("v_cur", v_cur, 4),
+                          ("k_pool", k_pool, 5), ("v_pool", v_pool, 5), ("pages", pages, 2),
+                          ("lengths", lengths, 1)):
+        if jnp.ndim(x) != rank:
+            raise ValueError(f"{name} must have rank {rank}, got shape {tuple(jnp.shape(x))}")
+    check_heads(model, kv_heads=k_cur.shape[2], q_heads=q.shape[2])
+    check_divisible("kv_heads (k_pool.shape[3])", k_pool.shape[3], MODEL, model)
+    check_divisible("rows (q.shape[0])", q.shape[0], DATA, data)
+    check_divisible("pool pages (k_pool.shape[1])", k_pool.shape[1], DATA, data)
+    if (extra_k is None) != (extra_v is None):
+        raise ValueError("extra_k and extra_v must be given together (both or neither)")
+    if scale is None:
+        scale = float(q.shape[-1]) ** -0.5  # the kernel's default, fixed before sharding
+    return _sharded_attention_jit(q, k_cur, v_cur, k_pool, v_pool, pages, lengths,
+                                  jnp.asarray(layer, jnp.int32), extra_k, extra_v, mesh=mesh,
+                                  scale=scale, tokens_per_frame=tokens_per_frame, backend=backend,
+                                  block_q=block_q, block_k=block_k)
+
+
+@functools.partial(jax.jit, static_argnames=("mesh", "scale", "tokens_per_frame", "backend",
+                                             "block_q", "block_k"))
+def _sharded_attention_jit(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, layer, extra_k, extra_v,
+                           *, mesh, scale, tokens_per_frame, backend, block_q, block_k):
+    has_extra = extra_k is not None
+
+    def body(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, layer, *extra):
+        ek, ev = extra if has_extra else (None, None)
+        return window_attention(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, layer=layer,
+                                extra_k=ek, extra_v=ev, scale=scale,
+                                tokens_per_frame=tokens_per_frame, backend=backend,
+                                block_q=block_q, block_k=block_k)
+
+    heads, pools = head_spec(), pool_spec()
+    in_specs = (heads, heads, heads, pools, pools, row_spec(2), row_spec(1), P())
+    args = (q, k_cur, v_cur, k_pool, v_pool, pages, lengths, layer)
+    if has_extra:
+        in_specs += (heads, heads)
+        args += (extra_k, extra_v)
+    return shard_map(body, mesh, in_specs, heads, check=False)(*args)
+
+
+def gather_rows(mesh: Mesh, table: jax.Array, rows: jax.Array, *, head_axis: int = 3) -> jax.Array:
+    """``table[rows]`` within every data shard: the per-row caches (e.g. cross-attention K/V) of a
+    batch, without moving rows between devices.
+
+    Args:
+      mesh: a mesh with ``"data"`` and ``"model"`` axes.
+      table: ``[data * rows_per_shard, ...]``, rows split over data and axis ``head_axis`` over
+        model (:func:`cross_attention_spec`).
+      rows: int ``[data * B]`` *local* row indices of each shard's batch rows; negative = padding.
+
+    Returns:
+      ``[data * B, ...]`` sharded like ``table``; padding rows are zero.
+    """
+    spec = cross_attention_spec(jnp.ndim(table), 0, head_axis)
+
+    def body(block, local_rows):
+        taken = jnp.take(block, jnp.maximum(local_rows, 0), axis=0)
+        valid = (local_rows >= 0).reshape((-1,) + (1,) * (block.ndim - 1))
+        return jnp.where(valid, taken, jnp.zeros((), block.dtype))
+
+    return shard_map(body, mesh, (spec, row_spec(1)), spec)(table, rows)
