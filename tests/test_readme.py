@@ -1,13 +1,25 @@
-"""The README's first lines and its Python examples run as written."""
+"""The README's first lines, and the Python examples of the README and of ``docs/``, run as written."""
 
 import pathlib
 import re
 
-README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+DOCS = sorted((ROOT / "docs").glob("*.md"))
 
 
-def python_blocks():
-    return re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+def python_blocks(path: pathlib.Path) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", path.read_text(), flags=re.S)
+
+
+def run_blocks(path: pathlib.Path) -> dict:
+    """Executes every Python block of ``path`` in order, in one namespace; returns it."""
+    namespace: dict = {}
+    for block in python_blocks(path):
+        exec(compile(block, str(path), "exec"), namespace)
+    return namespace
 
 
 def test_readme_starts_with_the_two_commands():
@@ -16,18 +28,35 @@ def test_readme_starts_with_the_two_commands():
     assert 'pip install -e ".[test]" && pytest' in first_block
 
 
-def test_readme_examples_run():
-    namespace = {}
-    blocks = python_blocks()
-    assert len(blocks) >= 4
-    for block in blocks:
-        exec(compile(block, str(README), "exec"), namespace)
-        if 'cache.close("bob")' in block:
-            assert namespace["cache"].sessions == ("alice",)
-        if "rollout.leave" in block:
-            assert namespace["video"].shape[0] == 13 * 2 and namespace["rollout"].num_traces == 1
-        if "mesh=mesh" in block:
-            rollout = namespace["rollout"]
-            assert rollout.cache.num_shards == len(rollout.sessions) == namespace["jax"].device_count()
-            assert all(len(rollout.latents(s)) == 2 for s in rollout.sessions)
-    assert int(namespace["st"].free_count) == 255
+def test_readme_is_short_and_links_every_doc():
+    text = README.read_text()
+    assert len(text.splitlines()) <= 150
+    for doc in DOCS:
+        assert f"docs/{doc.name}" in text or doc.name == "status.md" and "docs/status.md" in text, doc.name
+
+
+def test_readme_example_runs():
+    namespace = run_blocks(README)
+    assert namespace["video"].shape[0] == 13 * 2 and namespace["rollout"].num_traces == 1
+
+
+# What each document's examples must leave behind, beyond running.
+CHECKS = {
+    "protocol.md": lambda ns: ns["cache"].sessions == ("alice",),
+    "rollout.md": lambda ns: ns["video"].shape[0] == 13 * 2 and ns["rollout"].num_traces == 1,
+    "functional-core.md": lambda ns: int(ns["st"].free_count) == 255,
+    "sharding.md": lambda ns: (ns["rollout"].cache.num_shards == len(ns["rollout"].sessions)
+                               == ns["jax"].device_count()
+                               and all(len(ns["rollout"].latents(s)) == 2 for s in ns["rollout"].sessions)),
+}
+
+
+@pytest.mark.parametrize("doc", [d for d in DOCS if python_blocks(d)], ids=lambda d: d.name)
+def test_doc_examples_run(doc):
+    namespace = run_blocks(doc)
+    check = CHECKS.get(doc.name)
+    assert check is None or check(namespace)
+
+
+def test_every_doc_with_examples_is_checked():
+    assert {d.name for d in DOCS if python_blocks(d)} >= set(CHECKS)
