@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -305,3 +306,10 @@ def test_bad_configs(tmp_path, official):
         load_wan(folder)
     # An explicit config wins over the file's config.json.
     assert load_wan(folder, WAN_TINY).config == WAN_TINY
+
+
+def test_pt_files_without_torch_name_the_extra(tmp_path, monkeypatch):
+    (tmp_path / "self_forcing_dmd.pt").write_bytes(b"PK\x03\x04 not really")
+    monkeypatch.setitem(sys.modules, "torch", None)  # as if torch were not installed
+    with pytest.raises(ImportError, match=r"pip install 'arkv-jax\[torch\]'"):
+        load_wan(tmp_path / "self_forcing_dmd.pt", WAN_TINY)
