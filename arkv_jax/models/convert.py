@@ -40,7 +40,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from typing import Any, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import jax
 import ml_dtypes

@@ -18,7 +18,8 @@ traced value, so a 30-layer model compiles one block. Timesteps are per frame (`
 a noisy chunk.
 
 Weights are random (the cache does not care what they are; :func:`init_random` draws them on the
-host, fast); :data:`MODEL_CONFIGS` has the ``tiny``
+host, fast) or loaded from a real checkpoint (:func:`arkv_jax.models.loader.load_wan`, below);
+:data:`MODEL_CONFIGS` has the ``tiny``
 shape (CPU tests and the demo: runs in milliseconds) and Wan-2.1-T2V-1.3B's shape (30 layers, dim
 1536, 12 heads, FFN 8960, 1560 tokens per 480x832 frame: 1.4 B parameters, for accelerators).
 Text conditioning stands in for umT5: :func:`prompt_embedding` hashes each word of a prompt to a
@@ -86,8 +87,9 @@ class DiTConfig:
         cross-attention norm's affine parameters) and the residual stream stay in float32 whatever
         ``dtype`` is, as Wan's ``autocast(float32)`` regions and diffusers'
         ``_keep_in_fp32_modules`` keep them; everything else runs in ``dtype``. ``"uniform"``:
-        every parameter and activation in ``dtype`` (all-bf16: about 1 % further from the float32
-        output). With ``dtype="float32"`` both are the same model.
+        every parameter and activation in ``dtype`` (all-bf16: on the tiny model 0.68 % relative RMS
+        from the float32 output, against 0.42 % under ``"mixed"``). With ``dtype="float32"`` both are
+        the same model.
     """
 
     num_layers: int

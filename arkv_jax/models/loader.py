@@ -37,17 +37,27 @@ import json
 import math
 import os
 import pickle
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import jax
 import ml_dtypes
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from arkv_jax.models.convert import (LeafPlan, LoraFactors, abstract_model, config_from_json, convert_leaf,
-                                     lora_factors, path_names, prepare)
+from arkv_jax.models.convert import (
+    LeafPlan,
+    LoraFactors,
+    abstract_model,
+    config_from_json,
+    convert_leaf,
+    lora_factors,
+    path_names,
+    prepare,
+)
 from arkv_jax.models.dit import CausalDiT, DiTConfig, tensor_parallel_specs
 
 #: safetensors dtype names and their NumPy dtypes.

@@ -17,26 +17,31 @@ import pytest
 from flax import nnx
 
 from arkv_jax.models import MODEL_CONFIGS, init_random
-from arkv_jax.models.convert import (CheckpointKeyError, canonicalize, config_from_json, config_from_shapes,
-                                     convert_state_dict, lora_factors, num_parameters, official_key_map,
-                                     plan_conversion)
+from arkv_jax.models.convert import (
+    CheckpointKeyError,
+    canonicalize,
+    config_from_json,
+    config_from_shapes,
+    convert_state_dict,
+    lora_factors,
+    num_parameters,
+    official_key_map,
+    plan_conversion,
+)
 from arkv_jax.models.dit import DiTConfig, tensor_parallel_specs
 from arkv_jax.models.loader import from_state_dict, load_wan, read_safetensors
 from arkv_jax.sharding import make_mesh
-from tests.models.wan_reference import (config_shapes, export_official, nnx_params, to_diffusers_name,
-                                        write_safetensors)
+from tests.models.wan_reference import (
+    DIFFUSERS_JSON,
+    OFFICIAL_JSON,
+    WAN_TINY,
+    assert_same_params,
+    config_shapes,
+    export_official,
+    to_diffusers_name,
+    write_safetensors,
+)
 
-#: A Wan-shaped tiny model (no GQA, unlike the ``tiny`` preset: Wan has as many K/V heads as queries).
-WAN_TINY = DiTConfig(num_layers=2, dim=64, num_heads=4, num_kv_heads=4, ffn_dim=128, in_channels=4, patch_size=2,
-                     grid=(4, 6), text_dim=32, text_tokens=7, freq_dim=64)
-OFFICIAL_JSON = {"_class_name": "WanModel", "model_type": "t2v", "dim": 64, "ffn_dim": 128, "freq_dim": 64,
-                 "in_dim": 4, "out_dim": 4, "num_heads": 4, "num_layers": 2, "text_len": 7, "text_dim": 32,
-                 "eps": 1e-6}
-DIFFUSERS_JSON = {"_class_name": "WanTransformer3DModel", "num_attention_heads": 4, "attention_head_dim": 16,
-                  "in_channels": 4, "out_channels": 4, "text_dim": 32, "freq_dim": 64, "ffn_dim": 128,
-                  "num_layers": 2, "patch_size": [1, 2, 2], "cross_attn_norm": True,
-                  "qk_norm": "rms_norm_across_heads", "eps": 1e-6, "image_dim": None, "added_kv_proj_dim": None,
-                  "rope_max_seq_len": 1024}
 # The released Wan2.1-T2V-1.3B config.json files (official repository and its diffusers port).
 WAN_1_3B_OFFICIAL_JSON = {"_class_name": "WanModel", "_diffusers_version": "0.30.0", "dim": 1536, "eps": 1e-06,
                           "ffn_dim": 8960, "freq_dim": 256, "in_dim": 16, "model_type": "t2v", "num_heads": 12,
@@ -72,14 +77,6 @@ def model():
 @pytest.fixture(scope="module")
 def official(model):
     return export_official(model)
-
-
-def assert_same_params(a, b):
-    pa, pb = nnx_params(a), nnx_params(b)
-    assert pa.keys() == pb.keys()
-    for key in pa:
-        assert pa[key].dtype == pb[key].dtype, key
-        np.testing.assert_array_equal(pa[key], pb[key], err_msg=str(key))
 
 
 # ------------------------------------------------------------------------------------------------

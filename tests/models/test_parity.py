@@ -22,13 +22,19 @@ from flax import nnx
 torch = pytest.importorskip("torch")
 diffusers = pytest.importorskip("diffusers")
 
-from arkv_jax.cache import PagedKVCache  # noqa: E402
-from arkv_jax.config import CacheGeometry, CrossAttentionSpec, KVBranch, WindowPolicy  # noqa: E402
-from arkv_jax.models.loader import load_wan  # noqa: E402
-from arkv_jax.nnx import MaskedHistory  # noqa: E402
-from arkv_jax.rollout import FullRecompute, Rollout, Sampler, rollout_plan  # noqa: E402
-from tests.models.test_convert import OFFICIAL_JSON, WAN_TINY, assert_same_params  # noqa: E402
-from tests.models.wan_reference import config_shapes, nnx_params, to_diffusers_name  # noqa: E402
+from arkv_jax.cache import PagedKVCache
+from arkv_jax.config import CacheGeometry, CrossAttentionSpec, KVBranch, WindowPolicy
+from arkv_jax.models.loader import load_wan
+from arkv_jax.nnx import MaskedHistory
+from arkv_jax.rollout import FullRecompute, Rollout, Sampler, rollout_plan
+from tests.models.wan_reference import (
+    OFFICIAL_JSON,
+    WAN_TINY,
+    assert_same_params,
+    config_shapes,
+    nnx_params,
+    to_diffusers_name,
+)
 
 TOL = 1e-4
 B, F = 2, 3

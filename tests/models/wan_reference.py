@@ -23,6 +23,29 @@ import jax
 import numpy as np
 from flax import nnx
 
+from arkv_jax.models.dit import DiTConfig
+
+#: A Wan-shaped tiny model (no GQA, unlike the ``tiny`` preset: Wan has as many K/V heads as queries).
+WAN_TINY = DiTConfig(num_layers=2, dim=64, num_heads=4, num_kv_heads=4, ffn_dim=128, in_channels=4, patch_size=2,
+                     grid=(4, 6), text_dim=32, text_tokens=7, freq_dim=64)
+OFFICIAL_JSON = {"_class_name": "WanModel", "model_type": "t2v", "dim": 64, "ffn_dim": 128, "freq_dim": 64,
+                 "in_dim": 4, "out_dim": 4, "num_heads": 4, "num_layers": 2, "text_len": 7, "text_dim": 32,
+                 "eps": 1e-6}
+DIFFUSERS_JSON = {"_class_name": "WanTransformer3DModel", "num_attention_heads": 4, "attention_head_dim": 16,
+                  "in_channels": 4, "out_channels": 4, "text_dim": 32, "freq_dim": 64, "ffn_dim": 128,
+                  "num_layers": 2, "patch_size": [1, 2, 2], "cross_attn_norm": True,
+                  "qk_norm": "rms_norm_across_heads", "eps": 1e-6, "image_dim": None, "added_kv_proj_dim": None,
+                  "rope_max_seq_len": 1024}
+
+
+def assert_same_params(a, b):
+    """The two models have the same parameters, bit for bit, with the same dtypes."""
+    pa, pb = nnx_params(a), nnx_params(b)
+    assert pa.keys() == pb.keys()
+    for key in pa:
+        assert pa[key].dtype == pb[key].dtype, key
+        np.testing.assert_array_equal(pa[key], pb[key], err_msg=str(key))
+
 
 def official_shapes(num_layers: int, dim: int, ffn_dim: int, in_channels: int, patch: int, text_dim: int,
                     freq_dim: int) -> dict[str, tuple[int, ...]]:
@@ -123,22 +146,23 @@ def export_official(model) -> dict[str, np.ndarray]:
     linear("head.head", ("head",))
     out["head.modulation"] = params[("head_modulation",)][None]
     blocks = {k[1:]: v for k, v in params.items() if k[0] == "blocks"}
+
+    def block_linear(i, layer, name, path):
+        out[f"blocks.{i}.{name}.weight"] = np.ascontiguousarray(layer[(*path, "kernel")].T)
+        out[f"blocks.{i}.{name}.bias"] = layer[(*path, "bias")]
+
     for i in range(config.num_layers):
         layer = {k: v[i] for k, v in blocks.items()}
 
-        def block_linear(name, path):
-            out[f"blocks.{i}.{name}.weight"] = np.ascontiguousarray(layer[(*path, "kernel")].T)
-            out[f"blocks.{i}.{name}.bias"] = layer[(*path, "bias")]
-
         for attn in ("self_attn", "cross_attn"):
             for proj in "qkvo":
-                block_linear(f"{attn}.{proj}", (attn, proj))
+                block_linear(i, layer, f"{attn}.{proj}", (attn, proj))
             for norm in ("norm_q", "norm_k"):
                 out[f"blocks.{i}.{attn}.{norm}.weight"] = layer[(attn, norm, "scale")]
         out[f"blocks.{i}.norm3.weight"] = layer[("norm3", "scale")]
         out[f"blocks.{i}.norm3.bias"] = layer[("norm3", "bias")]
-        block_linear("ffn.0", ("ffn_in",))
-        block_linear("ffn.2", ("ffn_out",))
+        block_linear(i, layer, "ffn.0", ("ffn_in",))
+        block_linear(i, layer, "ffn.2", ("ffn_out",))
         out[f"blocks.{i}.modulation"] = layer[("modulation",)][None]
     return out
 
