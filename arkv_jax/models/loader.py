@@ -85,9 +85,9 @@ class Checkpoint:
 
     Attributes:
       tensors: ``{key: array}`` (memory-mapped NumPy views or torch tensors).
-      config: the parsed ``config.json`` next to the weights, or ``None``.
+      config: the parsed ``config.json`` next to the weights, or ``None`` (none there, or not read).
       source: the file(s), for messages.
-      config_source: the ``config.json`` path, or ``None``.
+      config_source: the path of the ``config.json`` next to the weights, or ``None``.
     """
 
     tensors: Mapping[str, Any]
@@ -297,12 +297,9 @@ def _resolve(path: Path) -> tuple[str, Path]:
                      f"*.safetensors.index.json or a torch file ({', '.join(TORCH_SUFFIXES)})")
 
 
-def _read_config(folder: Path) -> tuple[dict | None, str | None]:
-    path = folder / "config.json"
-    if not path.is_file():
-        return None, None
+def _read_config(path: Path) -> dict:
     try:
-        return json.loads(path.read_text()), str(path)
+        return json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ValueError(f"{path}: not valid JSON ({exc})") from None
 
@@ -322,8 +319,10 @@ def read_checkpoint(path: str | os.PathLike, *, ema: bool | None = None, allow_p
         tensors, source = generator_state_dict(torch_load(file, allow_pickle=allow_pickle), ema=ema, source=str(file))
         return Checkpoint(tensors, None, source)
     tensors = read_safetensors(file) if kind == "safetensors" else read_sharded_safetensors(file)
-    config, config_source = _read_config(file.parent) if read_config else (None, None)
-    return Checkpoint(tensors, config, str(file), config_source)
+    config_path = file.parent / "config.json"
+    if not config_path.is_file():
+        return Checkpoint(tensors, None, str(file))
+    return Checkpoint(tensors, _read_config(config_path) if read_config else None, str(file), str(config_path))
 
 
 def read_lora(lora: str | os.PathLike | Mapping[str, Any], *, allow_pickle: bool = False) -> dict[str, LoraFactors]:
@@ -396,6 +395,24 @@ def from_state_dict(tensors: Mapping[str, Any], config: DiTConfig | None = None,
     return place(plans, base, config, mesh=mesh, model_axis=model_axis)
 
 
+#: The fields of a :class:`DiTConfig` that a checkpoint's ``config.json`` fixes.
+ARCHITECTURE_FIELDS = ("num_layers", "dim", "num_heads", "ffn_dim", "in_channels", "patch_size", "text_dim",
+                       "freq_dim")
+
+
+def _check_against_config_json(config: DiTConfig, path: Path) -> None:
+    """An explicit ``config`` must describe the model of the ``config.json`` beside the weights
+    where that file is a readable Wan config (the head count, for one, is not in the shapes)."""
+    try:
+        derived = config_from_json(_read_config(path), source=str(path))
+    except ValueError:
+        return  # not a Wan transformer config: the explicit config is all there is
+    diff = [f"{f}={getattr(derived, f)} (config: {getattr(config, f)})" for f in ARCHITECTURE_FIELDS
+            if getattr(derived, f) != getattr(config, f)]
+    if diff:
+        raise ValueError(f"{path} describes a different model than config=: {', '.join(diff)}")
+
+
 def load_wan(path: str | os.PathLike, config: DiTConfig | None = None, *, dtype: str | None = None,
              mesh: Mesh | None = None, model_axis: str = "model",
              lora: str | os.PathLike | Mapping[str, Any] | None = None, lora_alpha: float | None = None,
@@ -408,7 +425,8 @@ def load_wan(path: str | os.PathLike, config: DiTConfig | None = None, *, dtype:
       path: see :func:`read_checkpoint`.
       config: the model shape; ``None``: from the checkpoint's ``config.json``
         (:func:`arkv_jax.models.convert.config_from_json`), or read off the tensor shapes for a
-        ``.pt`` (:func:`arkv_jax.models.convert.config_from_shapes`).
+        ``.pt`` (:func:`arkv_jax.models.convert.config_from_shapes`). Given, it must agree with a
+        readable Wan ``config.json`` beside the weights on :data:`ARCHITECTURE_FIELDS`.
       dtype: parameter / compute dtype (overrides ``config.dtype``); default ``config.dtype``, or
         ``"bfloat16"`` for a derived config. Float32 islands follow ``config.precision``.
       mesh, model_axis: place the parameters tensor-parallel on ``mesh`` (see :func:`place`).
@@ -424,12 +442,15 @@ def load_wan(path: str | os.PathLike, config: DiTConfig | None = None, *, dtype:
       FileNotFoundError: no checkpoint there.
       ImportError: a ``.pt`` without torch installed.
       KeyError: tensors missing or left over (listed, with the file).
-      ValueError: a malformed file or config, or shapes that do not fit ``config``.
+      ValueError: a malformed file or config, shapes that do not fit ``config``, or a ``config``
+        that contradicts the checkpoint's ``config.json``.
     """
     ckpt = read_checkpoint(path, ema=ema, allow_pickle=allow_pickle, read_config=config is None)
     if config is None and ckpt.config is not None:
         config = config_from_json(ckpt.config, grid=grid, text_tokens=text_tokens, dtype=dtype or "bfloat16",
                                   source=ckpt.config_source)
+    elif config is not None and ckpt.config_source is not None:
+        _check_against_config_json(config, Path(ckpt.config_source))
     factors = read_lora(lora, allow_pickle=allow_pickle) if lora is not None else None
     return from_state_dict(ckpt.tensors, config, dtype=dtype, mesh=mesh, model_axis=model_axis, lora=factors,
                            lora_alpha=lora_alpha, source=ckpt.source, grid=grid, text_tokens=text_tokens)

@@ -301,8 +301,13 @@ def test_bad_configs(tmp_path, official):
     (folder / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match="config.json: not valid JSON"):
         load_wan(folder)
-    # An explicit config wins over the file's config.json.
+    # An explicit config wins over a config.json that is no Wan config...
     assert load_wan(folder, WAN_TINY).config == WAN_TINY
+    # ... but must agree with one that is (the head count is not in the shapes).
+    (folder / "config.json").write_text(json.dumps(OFFICIAL_JSON))
+    assert load_wan(folder, WAN_TINY).config == WAN_TINY
+    with pytest.raises(ValueError, match=r"describes a different model than config=: num_heads=4 \(config: 2\)"):
+        load_wan(folder, dataclasses.replace(WAN_TINY, num_heads=2, num_kv_heads=2))
 
 
 def test_pt_files_without_torch_name_the_extra(tmp_path, monkeypatch):
