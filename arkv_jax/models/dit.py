@@ -18,13 +18,24 @@ traced value, so a 30-layer model compiles one block. Timesteps are per frame (`
 a noisy chunk.
 
 Weights are random (the cache does not care what they are; :func:`init_random` draws them on the
-host, fast); :data:`MODEL_CONFIGS` has the ``tiny``
+host, fast) or loaded from a real checkpoint (:func:`arkv_jax.models.loader.load_wan`, below);
+:data:`MODEL_CONFIGS` has the ``tiny``
 shape (CPU tests and the demo: runs in milliseconds) and Wan-2.1-T2V-1.3B's shape (30 layers, dim
 1536, 12 heads, FFN 8960, 1560 tokens per 480x832 frame: 1.4 B parameters, for accelerators).
 Text conditioning stands in for umT5: :func:`prompt_embedding` hashes each word of a prompt to a
 vector (zeros past the prompt, so the empty prompt, the CFG negative, is all zeros); the model's
 ``text_embedding`` MLP and each block's cross-attention ``kv`` turn it into the per-layer text K/V
 that go into the cache's cross-attention store.
+
+Precision (:attr:`DiTConfig.precision`). Under the default ``"mixed"`` policy a bfloat16 model keeps
+what the reference implementations keep in float32: the timestep MLP and projection (Wan's
+``autocast(float32)`` region; diffusers' ``time_embedder``), the modulation tables (``modulation``,
+diffusers' ``scale_shift_table``), the layer norms with the cross-attention norm's affine parameters
+(diffusers' ``FP32LayerNorm`` ``norm1/2/3``) and the residual stream between blocks (Wan adds the
+gated branches in float32); the linear layers, attention and FFN run in ``dtype``, each casting its
+input. ``"uniform"`` puts everything in ``dtype``. Real weights come from
+:func:`arkv_jax.models.loader.load_wan` (official Wan 2.1, diffusers and Self-Forcing / CausVid /
+LongLive checkpoints; the key map is :mod:`arkv_jax.models.convert`).
 
 On a mesh, :func:`tensor_parallel_specs` lays the blocks' weights out over the ``"model"`` axis
 (Megatron style, whole heads per device, matching the cache's head sharding); ``Rollout`` places
@@ -48,6 +59,9 @@ from arkv_jax.config import CacheGeometry, CrossAttentionSpec
 
 Array = jax.Array
 
+#: Values of :attr:`DiTConfig.precision`.
+PRECISIONS = ("mixed", "uniform")
+
 
 @dataclasses.dataclass(frozen=True)
 class DiTConfig:
@@ -67,7 +81,15 @@ class DiTConfig:
       freq_dim: sinusoidal timestep features.
       rope_theta: RoPE base.
       eps: norm epsilon.
-      dtype: parameter and compute dtype name.
+      dtype: parameter and compute dtype name of the matmuls (linear layers, attention, FFN).
+      precision: ``"mixed"`` (default): the precision policy of the reference implementations:
+        the time embedding and projection, the modulation tables, the layer norms (with the
+        cross-attention norm's affine parameters) and the residual stream stay in float32 whatever
+        ``dtype`` is, as Wan's ``autocast(float32)`` regions and diffusers'
+        ``_keep_in_fp32_modules`` keep them; everything else runs in ``dtype``. ``"uniform"``:
+        every parameter and activation in ``dtype`` (all-bf16: on the tiny model 0.68 % relative RMS
+        from the float32 output, against 0.42 % under ``"mixed"``). With ``dtype="float32"`` both are
+        the same model.
     """
 
     num_layers: int
@@ -84,12 +106,21 @@ class DiTConfig:
     rope_theta: float = 10000.0
     eps: float = 1e-6
     dtype: str = "float32"
+    precision: str = "mixed"
 
     def __post_init__(self):
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
         if self.dim % self.num_heads or self.num_heads % self.num_kv_heads:
             raise ValueError(f"dim={self.dim} must be a multiple of num_heads={self.num_heads}, itself a "
                              f"multiple of num_kv_heads={self.num_kv_heads}")
         layers.rope_axis_pairs(self.head_dim)
+
+    @property
+    def island_dtype(self) -> jnp.dtype:
+        """dtype of the float32 islands of :attr:`precision` (time embedding, modulation, norms,
+        residual stream): float32 under ``"mixed"``, else :attr:`dtype`."""
+        return jnp.dtype(jnp.float32 if self.precision == "mixed" else self.dtype)
 
     @property
     def head_dim(self) -> int:
@@ -182,24 +213,29 @@ class DiTBlock(nnx.Module):
     """One Wan block: modulated self-attention, cross-attention on cached text K/V, modulated MLP."""
 
     def __init__(self, config: DiTConfig, *, rngs: nnx.Rngs):
-        dtype = jnp.dtype(config.dtype)
+        dtype, island = jnp.dtype(config.dtype), config.island_dtype
         kw = dict(dtype=dtype, param_dtype=dtype)
+        norm = dict(epsilon=config.eps, dtype=island, param_dtype=island, rngs=rngs)
         dim = config.dim
-        self.norm1 = nnx.LayerNorm(dim, epsilon=config.eps, use_bias=False, use_scale=False, rngs=rngs, **kw)
+        self.norm1 = nnx.LayerNorm(dim, use_bias=False, use_scale=False, **norm)
         self.self_attn = layers.PagedSelfAttention(dim, config.num_heads, config.num_kv_heads, eps=config.eps,
                                                    rngs=rngs, **kw)
-        self.norm3 = nnx.LayerNorm(dim, epsilon=config.eps, rngs=rngs, **kw)
+        self.norm3 = nnx.LayerNorm(dim, **norm)
         self.cross_attn = layers.CachedCrossAttention(dim, config.num_heads, config.num_kv_heads,
                                                       eps=config.eps, rngs=rngs, **kw)
-        self.norm2 = nnx.LayerNorm(dim, epsilon=config.eps, use_bias=False, use_scale=False, rngs=rngs, **kw)
+        self.norm2 = nnx.LayerNorm(dim, use_bias=False, use_scale=False, **norm)
         self.ffn_in = nnx.Linear(dim, config.ffn_dim, rngs=rngs, **kw)
         self.ffn_out = nnx.Linear(config.ffn_dim, dim, rngs=rngs, **kw)
         self.modulation = nnx.Param(
-            (jax.random.normal(rngs.params(), (6, dim)) / math.sqrt(dim)).astype(dtype))
+            (jax.random.normal(rngs.params(), (6, dim)) / math.sqrt(dim)).astype(island))
 
     def __call__(self, x: Array, time_mod: Array, rope: tuple[Array, Array], history: layers.History,
                  text_k: Array, text_v: Array, layer: Array) -> tuple[Array, tuple[Array, Array]]:
         """One block on ``x`` ``[B, F * tpf, dim]``.
+
+        Under the ``"mixed"`` precision ``x``, ``time_mod`` and the norms are float32 and each
+        linear layer casts its input to the matmul dtype (its output comes back in that dtype and
+        is added to the float32 residual after the gate).
 
         Args:
           time_mod: ``[B, F, 6, dim]`` the timestep projection (shared by all blocks).
@@ -232,15 +268,16 @@ class CausalDiT(nnx.Module):
 
     def __init__(self, config: DiTConfig, *, rngs: nnx.Rngs):
         self.config = config
-        dtype = jnp.dtype(config.dtype)
+        dtype, island = jnp.dtype(config.dtype), config.island_dtype
         kw = dict(dtype=dtype, param_dtype=dtype)
+        fp32 = dict(dtype=island, param_dtype=island)
         dim, p = config.dim, config.patch_size
         self.patch_embedding = nnx.Linear(p * p * config.in_channels, dim, rngs=rngs, **kw)
         self.text_in = nnx.Linear(config.text_dim, dim, rngs=rngs, **kw)
         self.text_out = nnx.Linear(dim, dim, rngs=rngs, **kw)
-        self.time_in = nnx.Linear(config.freq_dim, dim, rngs=rngs, **kw)
-        self.time_out = nnx.Linear(dim, dim, rngs=rngs, **kw)
-        self.time_projection = nnx.Linear(dim, 6 * dim, rngs=rngs, **kw)
+        self.time_in = nnx.Linear(config.freq_dim, dim, rngs=rngs, **fp32)
+        self.time_out = nnx.Linear(dim, dim, rngs=rngs, **fp32)
+        self.time_projection = nnx.Linear(dim, 6 * dim, rngs=rngs, **fp32)
 
         @nnx.split_rngs(splits=config.num_layers)
         @nnx.vmap(in_axes=0, out_axes=0)
@@ -248,10 +285,10 @@ class CausalDiT(nnx.Module):
             return DiTBlock(config, rngs=rngs)
 
         self.blocks = make_blocks(rngs)
-        self.head_norm = nnx.LayerNorm(dim, epsilon=config.eps, use_bias=False, use_scale=False, rngs=rngs, **kw)
+        self.head_norm = nnx.LayerNorm(dim, epsilon=config.eps, use_bias=False, use_scale=False, rngs=rngs, **fp32)
         self.head = nnx.Linear(dim, p * p * config.in_channels, rngs=rngs, **kw)
         self.head_modulation = nnx.Param(
-            (jax.random.normal(rngs.params(), (2, dim)) / math.sqrt(dim)).astype(dtype))
+            (jax.random.normal(rngs.params(), (2, dim)) / math.sqrt(dim)).astype(island))
 
     def text_kv(self, context: Array) -> tuple[Array, Array]:
         """Per-layer text K/V of ``context`` float ``[B, T, text_dim]`` (from
@@ -279,8 +316,9 @@ class CausalDiT(nnx.Module):
         config = self.config
         frames = latents.shape[1]
         x = self.patch_embedding(patchify(latents.astype(config.dtype), config.patch_size))
+        x = x.astype(config.island_dtype)  # the residual stream
         t_emb = self.time_out(jax.nn.silu(self.time_in(timestep_features(timesteps, config.freq_dim)
-                                                       .astype(config.dtype))))
+                                                       .astype(config.island_dtype))))
         time_mod = self.time_projection(jax.nn.silu(t_emb)).reshape(*timesteps.shape, 6, config.dim)
         rope = layers.rope_tables(layers.token_positions(first_frame, frames, config.grid), config.head_dim,
                                   config.rope_theta)
