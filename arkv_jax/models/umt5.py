@@ -36,8 +36,10 @@ Checkpoints (:func:`load_umt5`):
 
 The shape is read from the weights (vocabulary, width, layers, heads, FFN); ``config.json`` adds
 the norm epsilon and ``relative_attention_max_distance`` where there is one (defaults: umT5's
-``1e-6`` and ``128``). Reading ``.bin``/``.pth`` files needs ``torch``; safetensors need only the
-``safetensors`` package. Tokenisation (:func:`encode_prompts`) goes through
+``1e-6`` and ``128``). Reading ``.bin``/``.pth`` files needs ``torch``; safetensors files are
+memory-mapped directly (no package needed), and only the encoder's tensors are read. A directory
+holding Wan's file is read from it first (the official Wan 2.1 repository keeps it beside the
+DiT's and the VAE's weights). Tokenisation (:func:`encode_prompts`) goes through
 ``transformers.AutoTokenizer`` from a local directory (the ``google/umt5-xxl`` tokenizer Wan ships),
 with Wan's prompt cleaning (``ftfy`` if installed, HTML unescaping, whitespace collapsing).
 """
@@ -52,7 +54,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -325,54 +327,91 @@ def _torch_to_numpy(tensor) -> np.ndarray:
     return tensor.numpy()
 
 
-def read_state_dict(path: str | os.PathLike) -> dict[str, np.ndarray]:
+#: safetensors dtype names -> NumPy dtypes (bfloat16 and float8 through ``ml_dtypes``, as JAX has them).
+_SAFETENSORS_DTYPES = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": jnp.bfloat16,
+    "F8_E4M3": jnp.float8_e4m3fn, "F8_E5M2": jnp.float8_e5m2, "I64": np.int64, "I32": np.int32,
+    "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
+}
+
+
+def _read_safetensors(path: str, keep: Callable[[str], bool]) -> dict[str, np.ndarray]:
+    """The tensors of a ``.safetensors`` file as read-only NumPy views of a memory map (the format:
+    an 8-byte little-endian header length, a JSON header of name -> dtype, shape and byte
+    offsets, then the raw little-endian data). Needs no ``safetensors`` package and no device."""
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        try:
+            header = json.loads(f.read(size))
+        except ValueError as e:
+            raise ValueError(f"{path}: not a safetensors file (its header is not JSON)") from e
+    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + size)
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__" or not keep(name):
+            continue
+        if info["dtype"] not in _SAFETENSORS_DTYPES:
+            raise ValueError(f"{path}: tensor {name!r} has dtype {info['dtype']}, which this reader does not know")
+        start, end = info["data_offsets"]
+        dtype = np.dtype(_SAFETENSORS_DTYPES[info["dtype"]])
+        out[name] = data[start:end].view(dtype).reshape(info["shape"])
+    return out
+
+
+#: The weight files a checkpoint directory is read from, in order of preference (the first pattern
+#: that matches any file wins).
+DEFAULT_WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pth", "*.pt")
+
+
+def read_state_dict(path: str | os.PathLike, *, keep: Callable[[str], bool] | None = None,
+                    patterns: Sequence[str] = DEFAULT_WEIGHT_PATTERNS) -> dict[str, np.ndarray]:
     """Tensors of one checkpoint file or directory as NumPy arrays by name.
 
-    ``*.safetensors`` files are read with ``safetensors`` (bfloat16 kept); ``*.bin``/``*.pth``/
-    ``*.pt``/``*.ckpt`` torch state dicts with ``torch.load(weights_only=True)`` (a dict nested under
-    ``"state_dict"`` or ``"model"`` is unwrapped). A directory is read whole: its
-    ``*.safetensors`` files if it has any, else its ``*.bin``/``*.pth`` files.
+    ``*.safetensors`` files are memory-mapped (any dtype, bfloat16 kept; no ``safetensors``
+    package needed); ``*.bin``/``*.pth``/``*.pt``/``*.ckpt`` torch state dicts are read with
+    ``torch.load(weights_only=True)``, memory-mapped where the file allows (a dict nested under
+    ``"state_dict"`` or ``"model"`` is unwrapped). A directory is read from the files of the first
+    of ``patterns`` that matches any (all of them: sharded checkpoints).
+
+    Args:
+      keep: the names to read (default: all), e.g. only an encoder's from a whole model's file.
+      patterns: glob patterns tried in order for a directory.
 
     Raises:
       FileNotFoundError: nothing at ``path``, or a directory without weight files.
       ValueError: a file of an unknown kind, or one that is not a state dict.
     """
     path = os.fspath(path)
+    keep = keep or (lambda name: True)
     if os.path.isdir(path):
-        files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-        if not files:
-            files = sorted(f for ext in ("bin", "pth", "pt") for f in glob.glob(os.path.join(path, f"*.{ext}")))
-        if not files:
-            raise FileNotFoundError(f"{path}: no *.safetensors, *.bin or *.pth weight files in this directory")
-        out: dict[str, np.ndarray] = {}
-        for f in files:
-            out.update(read_state_dict(f))
-        return out
+        for pattern in patterns:
+            files = sorted(glob.glob(os.path.join(path, pattern)))
+            if files:
+                out: dict[str, np.ndarray] = {}
+                for f in files:
+                    out.update(read_state_dict(f, keep=keep))
+                return out
+        raise FileNotFoundError(f"{path}: no weight files ({', '.join(patterns)}) in this directory")
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path}: no such checkpoint file")
     if path.endswith(".safetensors"):
-        try:
-            from safetensors import safe_open
-        except ImportError as e:  # pragma: no cover - depends on the environment
-            raise ImportError(f"reading {path} needs the 'safetensors' package") from e
-        out = {}
-        with safe_open(path, framework="flax") as f:
-            for key in f.keys():
-                out[key] = np.asarray(f.get_tensor(key))
-        return out
+        return _read_safetensors(path, keep)
     if path.endswith((".bin", ".pth", ".pt", ".ckpt")):
         try:
             import torch
         except ImportError as e:  # pragma: no cover - depends on the environment
             raise ImportError(f"reading the torch checkpoint {path} needs 'torch' (or convert it to "
                               "safetensors)") from e
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError:  # a legacy (non-zip) file cannot be memory-mapped
+            state = torch.load(path, map_location="cpu", weights_only=True)
         for wrapper in ("state_dict", "model"):
             if isinstance(state, Mapping) and wrapper in state and isinstance(state[wrapper], Mapping):
                 state = state[wrapper]
         if not isinstance(state, Mapping):
             raise ValueError(f"{path}: expected a torch state dict (name -> tensor), got {type(state).__name__}")
-        return {k: _torch_to_numpy(v) for k, v in state.items() if hasattr(v, "detach")}
+        return {k: _torch_to_numpy(v) for k, v in state.items() if hasattr(v, "detach") and keep(k)}
     raise ValueError(f"{path}: unknown checkpoint kind (expected .safetensors, .bin, .pth, .pt or .ckpt)")
 
 
@@ -503,6 +542,29 @@ def from_state_dict(state: Mapping[str, np.ndarray], config: UMT5EncoderConfig) 
     return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(fill, abstract))
 
 
+def sibling_config(path: str | os.PathLike, accept: Callable[[dict], bool]) -> dict | None:
+    """The ``config.json`` in directory ``path`` (or beside file ``path``) if there is one and
+    ``accept`` takes it (a checkpoint directory can hold another model's config), else ``None``."""
+    path = os.fspath(path)
+    config_path = os.path.join(path if os.path.isdir(path) else os.path.dirname(path), "config.json")
+    if not os.path.exists(config_path):
+        return None
+    with open(config_path) as f:
+        config = json.load(f)
+    return config if isinstance(config, dict) and accept(config) else None
+
+
+#: Files a umT5 checkpoint directory is read from, in order: Wan's own encoder file (the official
+#: Wan 2.1 repository keeps it beside the DiT's and the VAE's weights), then ``transformers``' files.
+UMT5_WEIGHT_PATTERNS = ("models_t5_umt5-xxl-enc-*.pth", "model*.safetensors", "pytorch_model*.bin")
+
+
+def _is_encoder_key(name: str) -> bool:
+    """Whether a checkpoint tensor belongs to the encoder (``transformers``' or Wan's names): a
+    whole encoder-decoder checkpoint's decoder and LM head are not read."""
+    return name.startswith(("encoder.", "shared.", "token_embedding.", "blocks.")) or name == "norm.weight"
+
+
 def load_umt5(path: str | os.PathLike, *, dtype: str | None = None, text_len: int = 512) -> UMT5Encoder:
     """A :class:`UMT5Encoder` holding released umT5 encoder weights.
 
@@ -518,14 +580,10 @@ def load_umt5(path: str | os.PathLike, *, dtype: str | None = None, text_len: in
       FileNotFoundError, ValueError: see :func:`read_state_dict`, :func:`from_state_dict`.
     """
     path = os.fspath(path)
-    state = read_state_dict(path)
+    state = read_state_dict(path, keep=_is_encoder_key, patterns=UMT5_WEIGHT_PATTERNS)
     if "token_embedding.weight" in state or any(k.startswith("blocks.") for k in state):
         state = convert_wan_t5_state_dict(state)
-    config_path = os.path.join(path if os.path.isdir(path) else os.path.dirname(path), "config.json")
-    hf_config = None
-    if os.path.exists(config_path):
-        with open(config_path) as f:
-            hf_config = json.load(f)
+    hf_config = sibling_config(path, lambda c: c.get("model_type") in ("umt5", "t5", "mt5") or "d_model" in c)
     try:
         config = config_from_state_dict(state, hf_config, dtype=dtype, text_len=text_len)
     except ValueError as e:
@@ -594,5 +652,5 @@ def encode_prompts(texts: Sequence[str] | str, tokenizer_dir, encoder: UMT5Encod
 __all__ = [
     "UMT5_CONFIGS", "UMT5Block", "UMT5Encoder", "UMT5EncoderConfig", "clean_prompt", "config_from_state_dict",
     "convert_wan_t5_state_dict", "encode_ids", "encode_prompts", "from_state_dict", "init_random", "load_umt5",
-    "read_state_dict", "relative_position_buckets", "tokenize",
+    "read_state_dict", "relative_position_buckets", "sibling_config", "tokenize",
 ]

@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -58,7 +57,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from arkv_jax.models.umt5 import read_state_dict
+from arkv_jax.models.umt5 import read_state_dict, sibling_config
 
 Array = jax.Array
 
@@ -668,6 +667,11 @@ def config_from_diffusers(config: Mapping, *, dtype: str = "float32") -> WanVAEC
         dtype=dtype)
 
 
+#: Files a VAE checkpoint directory is read from, in order: the official file (the Wan 2.1
+#: repository keeps it beside the DiT's weights), then diffusers' ``vae/`` files.
+VAE_WEIGHT_PATTERNS = ("Wan2.1_VAE.pth", "diffusion_pytorch_model*.safetensors", "diffusion_pytorch_model*.bin")
+
+
 def load_wan_vae(path: str | os.PathLike, config: WanVAEConfig | None = None, *, dtype: str | None = None
                  ) -> WanVAEDecoder:
     """A :class:`WanVAEDecoder` holding released Wan 2.1 VAE weights.
@@ -684,14 +688,12 @@ def load_wan_vae(path: str | os.PathLike, config: WanVAEConfig | None = None, *,
       FileNotFoundError, ValueError: a missing file; a weight missing or of the wrong shape, named.
     """
     path = os.fspath(path)
-    state = read_state_dict(path)
+    state = read_state_dict(path, keep=lambda k: k.startswith(("decoder.", "post_quant_conv.", "conv2.")),
+                            patterns=VAE_WEIGHT_PATTERNS)
     if config is None:
-        config_path = os.path.join(path if os.path.isdir(path) else os.path.dirname(path), "config.json")
-        if os.path.exists(config_path):
-            with open(config_path) as f:
-                config = config_from_diffusers(json.load(f))
-        else:
-            config = VAE_CONFIGS["wan2.1"]
+        diffusers_config = sibling_config(
+            path, lambda c: c.get("_class_name") == "AutoencoderKLWan" or ("_class_name" not in c and "z_dim" in c))
+        config = VAE_CONFIGS["wan2.1"] if diffusers_config is None else config_from_diffusers(diffusers_config)
     if dtype is not None:
         config = dataclasses.replace(config, dtype=dtype)
     official = "decoder.conv1.weight" in state or any(re.match(r"decoder\.upsamples\.", k) for k in state)
@@ -704,7 +706,7 @@ def load_wan_vae(path: str | os.PathLike, config: WanVAEConfig | None = None, *,
 
 
 __all__ = [
-    "CACHE_FRAMES", "DecoderCache", "VAE_CONFIGS", "WAN21_LATENTS_MEAN", "WAN21_LATENTS_STD", "WanVAEConfig",
+    "CACHE_FRAMES", "DecoderCache", "VAE_CONFIGS", "VAE_WEIGHT_PATTERNS", "WAN21_LATENTS_MEAN", "WAN21_LATENTS_STD", "WanVAEConfig",
     "WanVAEDecoder", "config_from_diffusers", "convert_wan_vae_state_dict", "decode_chunk", "decode_video",
     "decoder_init_cache", "from_diffusers_state_dict", "init_random", "load_wan_vae", "official_vae_names",
 ]

@@ -6,6 +6,8 @@ padded token-id batches (float32, tolerance 1e-4). Nothing is fetched from a hub
 transformers (Python 3.12 CI) only the torch-free tests run.
 """
 
+import json
+
 import numpy as np
 import pytest
 
@@ -162,6 +164,21 @@ def test_torch_bin_and_wan_pth_load_the_same_weights(tmp_path):
                                _hf_hidden(model, ids, mask), atol=TOL, rtol=0)
 
 
+def test_official_wan_directory(tmp_path):
+    """The Wan 2.1 repository's layout: the encoder's .pth beside the DiT's safetensors and the
+    DiT's config.json (neither is read)."""
+    torch = pytest.importorskip("torch")
+    model = _hf_tiny(seed=5, relative_attention_max_distance=128)
+    torch.save(_wan_names(model.state_dict()), tmp_path / "models_t5_umt5-xxl-enc-bf16.pth")
+    (tmp_path / "diffusion_pytorch_model.safetensors").write_bytes(b"not read")
+    (tmp_path / "config.json").write_text(json.dumps({"_class_name": "WanModel", "dim": 1536, "eps": 1e-3}))
+    encoder = umt5.load_umt5(tmp_path)
+    assert encoder.config.max_distance == 128 and encoder.config.eps == 1e-6
+    ids, mask = _batch(seed=5)
+    np.testing.assert_allclose(np.asarray(encoder(jnp.asarray(ids), jnp.asarray(mask))), _hf_hidden(model, ids, mask),
+                               atol=TOL, rtol=0)
+
+
 def test_bfloat16_checkpoint_keeps_its_dtype(tmp_path):
     torch = pytest.importorskip("torch")
     model = _hf_tiny(seed=3)
@@ -175,6 +192,10 @@ def test_bfloat16_checkpoint_keeps_its_dtype(tmp_path):
     ids, mask = _batch(seed=3)
     out = umt5.encode_ids(encoder, ids, mask)
     assert out.dtype == jnp.bfloat16 and bool(jnp.isfinite(out.astype(jnp.float32)).all())
+    # The same weights as bfloat16 safetensors (memory-mapped, no safetensors package needed to read).
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    safetensors_torch.save_file({k: v.contiguous() for k, v in state.items()}, tmp_path / "enc.safetensors")
+    _same_params(umt5.load_umt5(tmp_path / "enc.safetensors"), encoder)
     # bfloat16 weights, float32 compute: close to the float32 reference of the same (rounded) weights.
     encoder32 = umt5.load_umt5(tmp_path / "enc.pth", dtype="float32")
     ref = np.asarray(umt5.encode_ids(encoder32, ids, mask))
@@ -251,7 +272,7 @@ def test_checkpoint_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="no such checkpoint"):
         umt5.load_umt5(tmp_path / "missing.safetensors")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(FileNotFoundError, match="no \\*.safetensors"):
+    with pytest.raises(FileNotFoundError, match="no weight files"):
         umt5.load_umt5(tmp_path / "empty")
     (tmp_path / "weights.npz").write_bytes(b"")
     with pytest.raises(ValueError, match="unknown checkpoint kind"):

@@ -118,6 +118,11 @@ def test_official_checkpoint_layout(reference, decoder, tmp_path):
     for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(decoder)):  # so it decodes as `decoder` does
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
+    # The Wan 2.1 repository's layout: the VAE's .pth beside the DiT's weights and config.json.
+    (tmp_path / "diffusion_pytorch_model.safetensors").write_bytes(b"not read")
+    (tmp_path / "config.json").write_text(json.dumps({"_class_name": "WanModel", "dim": 1536}))
+    assert vae.load_wan_vae(tmp_path, decoder.config).config == decoder.config
+
     # Without a config the official file is taken for Wan 2.1's full-size VAE: a named shape error.
     with pytest.raises(ValueError, match=r"Wan2.1_VAE.pth: decoder.*: shape .* does not fit"):
         vae.load_wan_vae(tmp_path / "Wan2.1_VAE.pth")
@@ -216,3 +221,20 @@ def test_cache_shape_and_input_errors():
         vae.WanVAEConfig(dim_mult=(1, 2), temporal_upsample=(True, True))
     with pytest.raises(ValueError, match="Wan 2.2-style"):
         vae.config_from_diffusers({"is_residual": True})
+
+
+def test_bfloat16_decoder_streams():
+    """bfloat16 weights and activations (norms and softmax in float32): float32 pixels close to
+    the float32 decoder's, decoded in two chunks through a bfloat16 cache."""
+    import dataclasses
+
+    latents = np.random.default_rng(3).standard_normal((3, 3, 5, 4)).astype(np.float32)
+    reference = np.asarray(vae.decode_video(vae.init_random(SMALL, seed=3), latents, per_frame=False))
+    decoder = vae.init_random(dataclasses.replace(SMALL, dtype="bfloat16"), seed=3)
+    cache = vae.decoder_init_cache(decoder, 3, 5)
+    assert all(f.dtype == jnp.bfloat16 for f in cache.frames)
+    first, cache = vae.decode_chunk(decoder, cache, latents[:1], per_frame=False)
+    rest, cache = vae.decode_chunk(decoder, cache, latents[1:], per_frame=False)
+    out = np.concatenate([first, rest])
+    assert out.dtype == np.float32 and out.shape == reference.shape
+    assert np.abs(out - reference).max() < 0.1
