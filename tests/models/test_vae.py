@@ -192,12 +192,14 @@ def test_batched_stream_compiles_once_per_phase():
     batch = np.random.default_rng(2).standard_normal((2, 6, 3, 5, 4)).astype(np.float32)
     cache = vae.decoder_init_cache(decoder, 3, 5, batch_size=2)
     assert cache.frames[0].shape == (2, 2, 3, 5, 4)
-    traces = vae._decode_chunk._cache_size()
+    traces = vae._decode_chunk_donating._cache_size()
     frames = []
     for start in range(0, 6, 2):
-        out, cache = vae.decode_chunk(decoder, cache, batch[:, start:start + 2], per_frame=False)
+        old = cache
+        out, cache = vae.decode_chunk(decoder, cache, batch[:, start:start + 2], per_frame=False, donate_cache=True)
+        assert old.frames[0].is_deleted()  # donated: the new cache took its buffers
         frames.append(np.asarray(out))
-    assert vae._decode_chunk._cache_size() - traces == 2  # the first chunk, then one for all later ones
+    assert vae._decode_chunk_donating._cache_size() - traces == 2  # the first chunk, then one for all later ones
     stream = np.concatenate(frames, axis=1)
     assert stream.shape == (2, 11, 6, 10, 3)
     whole = np.asarray(vae.decode_video(decoder, batch))
