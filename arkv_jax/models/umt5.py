@@ -1,0 +1,656 @@
+"""The umT5 text encoder Wan 2.1 conditions on, in Flax NNX, with loaders for the released weights.
+
+Wan 2.1 encodes a prompt with the encoder half of umT5-XXL (d_model 4,096, 64 heads of 64, gated-GELU
+FFN of 10,240, 24 layers, a 256,384-token vocabulary) and keeps, per prompt, only the real tokens'
+embeddings, zero-padded to ``text_len = 512`` tokens: that ``[B, 512, 4096]`` array is the
+``context`` the DiT's cross-attention reads (``Rollout.join(..., context=...)``).
+
+umT5 is T5 (v1.1) with one difference that matters here: **every layer has its own relative
+position bias** (T5 computes it in the first layer and shares it). A layer is
+
+* ``x + o(attention(q(n), k(n), v(n)) + bias)`` with ``n = rms_norm(x)``, the bias looked up from the
+  layer's ``[num_buckets, heads]`` table by the bucket of ``key - query`` (bidirectional: half the
+  buckets per sign, exact up to ``num_buckets / 4``, then logarithmic up to ``max_distance``),
+  **unscaled** logits (no ``1 / sqrt(head_dim)``: T5 folds it into the initialisation), padded keys
+  masked;
+* ``x + wo(gelu_tanh(wi_0(n)) * wi_1(n))`` with ``n = rms_norm(x)``;
+
+and a final RMSNorm. The norms are T5's: ``w * x / sqrt(mean(x^2) + eps)``, no mean subtraction,
+no bias; no linear layer has a bias. Norms and the softmax run in float32 whatever the parameter
+dtype (as ``transformers`` and Wan do).
+
+The blocks are stacked (``nnx.vmap`` at creation) and applied with ``jax.lax.scan``, as
+:class:`arkv_jax.models.dit.CausalDiT` does, so 24 layers compile one block.
+
+Checkpoints (:func:`load_umt5`):
+
+* the ``transformers`` layout (``UMT5EncoderModel`` or the whole ``UMT5ForConditionalGeneration``,
+  e.g. ``google/umt5-xxl`` or a Wan diffusers repository's ``text_encoder/``): a directory with
+  ``config.json`` and ``model.safetensors`` / sharded ``model-*.safetensors`` /
+  ``pytorch_model*.bin``, or one such file; decoder and LM-head weights are ignored;
+* the official Wan layout, ``models_t5_umt5-xxl-enc-bf16.pth`` (a torch state dict of Wan's own
+  ``T5Encoder``, ``wan/modules/t5.py``): ``token_embedding``, ``blocks.{i}.{norm1, attn.{q,k,v,o},
+  norm2, ffn.gate.0, ffn.fc1, ffn.fc2, pos_embedding.embedding}``, ``norm``; its names are mapped
+  onto the ``transformers`` ones by :func:`convert_wan_t5_state_dict` (``ffn.gate.0`` is the GELU
+  branch ``wi_0``, ``ffn.fc1`` the linear branch ``wi_1``, ``ffn.fc2`` is ``wo``).
+
+The shape is read from the weights (vocabulary, width, layers, heads, FFN); ``config.json`` adds
+the norm epsilon and ``relative_attention_max_distance`` where there is one (defaults: umT5's
+``1e-6`` and ``128``). Reading ``.bin``/``.pth`` files needs ``torch``; safetensors files are
+memory-mapped directly (no package needed), and only the encoder's tensors are read. A directory
+holding Wan's file is read from it first (the official Wan 2.1 repository keeps it beside the
+DiT's and the VAE's weights). Tokenisation (:func:`encode_prompts`) goes through
+``transformers.AutoTokenizer`` from a local directory (the ``google/umt5-xxl`` tokenizer Wan ships),
+with Wan's prompt cleaning (``ftfy`` if installed, HTML unescaping, whitespace collapsing).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import glob
+import html
+import json
+import math
+import os
+import re
+from collections.abc import Callable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+Array = jax.Array
+
+#: Logit added for a padded key: finite, so a row with no real key cannot produce NaN.
+MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+
+
+@dataclasses.dataclass(frozen=True)
+class UMT5EncoderConfig:
+    """Shape of a :class:`UMT5Encoder`.
+
+    Attributes:
+      vocab_size: token embedding rows.
+      dim: model width (``d_model``).
+      num_heads, head_dim: attention heads and their width (``d_kv``); ``num_heads * head_dim`` need
+        not equal ``dim``.
+      ffn_dim: gated-GELU hidden width (``d_ff``).
+      num_layers: encoder blocks.
+      num_buckets: relative-position buckets (both signs together).
+      max_distance: relative distance from which all positions share the last bucket.
+      eps: RMSNorm epsilon.
+      text_len: tokens per prompt of the context handed to the DiT (Wan: 512).
+      dtype: parameter and compute dtype name.
+    """
+
+    vocab_size: int
+    dim: int
+    num_heads: int
+    head_dim: int
+    ffn_dim: int
+    num_layers: int
+    num_buckets: int = 32
+    max_distance: int = 128
+    eps: float = 1e-6
+    text_len: int = 512
+    dtype: str = "float32"
+
+    def __post_init__(self):
+        for name in ("vocab_size", "dim", "num_heads", "head_dim", "ffn_dim", "num_layers", "text_len"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.num_buckets < 4 or self.num_buckets % 4:
+            raise ValueError(f"num_buckets must be a positive multiple of 4, got {self.num_buckets}")
+        if self.max_distance <= self.num_buckets // 4:
+            raise ValueError(f"max_distance={self.max_distance} must exceed num_buckets / 4 = "
+                             f"{self.num_buckets // 4}")
+
+    @property
+    def inner_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+
+#: Encoder shapes by name: ``tiny`` for CPU tests, ``umt5-xxl`` the one Wan 2.1 uses (5.7 B
+#: parameters, bfloat16 as Wan ships it).
+UMT5_CONFIGS: dict[str, UMT5EncoderConfig] = {
+    "tiny": UMT5EncoderConfig(vocab_size=64, dim=32, num_heads=4, head_dim=8, ffn_dim=48, num_layers=2,
+                              num_buckets=8, max_distance=16, text_len=16),
+    "umt5-xxl": UMT5EncoderConfig(vocab_size=256384, dim=4096, num_heads=64, head_dim=64, ffn_dim=10240,
+                                  num_layers=24, dtype="bfloat16"),
+}
+
+
+# ------------------------------------------------------------------------------------------------
+# Layers
+# ------------------------------------------------------------------------------------------------
+
+
+def relative_position_buckets(query_len: int, key_len: int, num_buckets: int = 32,
+                              max_distance: int = 128) -> np.ndarray:
+    """int32 ``[query_len, key_len]``: T5's bidirectional bucket of ``key - query`` per pair.
+
+    Half the buckets hold positive distances (keys after the query), half the others; in each half
+    distances below ``num_buckets / 4`` have a bucket each and larger ones share logarithmically
+    wider buckets up to ``max_distance``, the last bucket holding everything beyond. Computed on the
+    host in float32, the way ``transformers`` computes it (so bucket edges round the same).
+    """
+    rel = np.arange(key_len, dtype=np.int64)[None, :] - np.arange(query_len, dtype=np.int64)[:, None]
+    half = num_buckets // 2
+    buckets = (rel > 0).astype(np.int64) * half
+    rel = np.abs(rel)
+    max_exact = half // 2
+    ratio = (np.log(np.maximum(rel, 1).astype(np.float32) / np.float32(max_exact))
+             / np.float32(math.log(max_distance / max_exact)))
+    large = max_exact + (ratio * np.float32(half - max_exact)).astype(np.int64)
+    large = np.minimum(large, half - 1)
+    return (buckets + np.where(rel < max_exact, rel, large)).astype(np.int32)
+
+
+class RMSNorm(nnx.Module):
+    """T5's norm over the last axis: ``scale * x / sqrt(mean(x^2) + eps)`` (no mean, no bias),
+    computed in float32 and returned in ``dtype``."""
+
+    def __init__(self, dim: int, *, eps: float, dtype: jnp.dtype):
+        self.scale = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+        self.dtype = dtype
+
+    def __call__(self, x: Array) -> Array:
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
+        return (self.scale[...].astype(jnp.float32) * x32).astype(self.dtype)
+
+
+class UMT5Block(nnx.Module):
+    """One umT5 encoder layer: self-attention with this layer's relative position bias, then the
+    gated-GELU FFN, each pre-normed and residual."""
+
+    def __init__(self, config: UMT5EncoderConfig, *, rngs: nnx.Rngs):
+        dtype = jnp.dtype(config.dtype)
+        kw = dict(use_bias=False, dtype=dtype, param_dtype=dtype, rngs=rngs)
+        self.config = config
+        self.attn_norm = RMSNorm(config.dim, eps=config.eps, dtype=dtype)
+        self.q = nnx.Linear(config.dim, config.inner_dim, **kw)
+        self.k = nnx.Linear(config.dim, config.inner_dim, **kw)
+        self.v = nnx.Linear(config.dim, config.inner_dim, **kw)
+        self.o = nnx.Linear(config.inner_dim, config.dim, **kw)
+        self.relative_attention_bias = nnx.Param(
+            (jax.random.normal(rngs.params(), (config.num_buckets, config.num_heads))
+             / math.sqrt(config.dim)).astype(dtype))
+        self.ffn_norm = RMSNorm(config.dim, eps=config.eps, dtype=dtype)
+        self.wi_0 = nnx.Linear(config.dim, config.ffn_dim, **kw)
+        self.wi_1 = nnx.Linear(config.dim, config.ffn_dim, **kw)
+        self.wo = nnx.Linear(config.ffn_dim, config.dim, **kw)
+
+    def __call__(self, x: Array, buckets: Array, key_bias: Array) -> Array:
+        """The layer on ``x`` ``[B, T, dim]``.
+
+        Args:
+          buckets: int32 ``[T, T]`` relative-position bucket of each (query, key) pair.
+          key_bias: float32 ``[B, T]``, 0 for a real key and :data:`MASK_VALUE` for padding.
+        """
+        config = self.config
+        b, t, _ = x.shape
+        h = self.attn_norm(x)
+        q = self.q(h).reshape(b, t, config.num_heads, config.head_dim)
+        k = self.k(h).reshape(b, t, config.num_heads, config.head_dim)
+        v = self.v(h).reshape(b, t, config.num_heads, config.head_dim)
+        position_bias = jnp.take(self.relative_attention_bias[...], buckets, axis=0)  # [T, T, H]
+        logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
+        logits = (logits + position_bias.transpose(2, 0, 1).astype(jnp.float32)[None]
+                  + key_bias[:, None, None, :])
+        weights = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+        attn = jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(b, t, config.inner_dim)
+        x = x + self.o(attn)
+        h = self.ffn_norm(x)
+        return x + self.wo(jax.nn.gelu(self.wi_0(h), approximate=True) * self.wi_1(h))
+
+
+class UMT5Encoder(nnx.Module):
+    """The umT5 encoder stack; see the module docstring.
+
+    Args:
+      config: the encoder shape.
+      rngs: parameter initialisation (the loaders replace every parameter).
+    """
+
+    def __init__(self, config: UMT5EncoderConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        dtype = jnp.dtype(config.dtype)
+        self.embed = nnx.Embed(config.vocab_size, config.dim, dtype=dtype, param_dtype=dtype, rngs=rngs)
+
+        @nnx.split_rngs(splits=config.num_layers)
+        @nnx.vmap(in_axes=0, out_axes=0)
+        def make_blocks(rngs: nnx.Rngs) -> UMT5Block:
+            return UMT5Block(config, rngs=rngs)
+
+        self.blocks = make_blocks(rngs)
+        self.final_norm = RMSNorm(config.dim, eps=config.eps, dtype=dtype)
+
+    def __call__(self, input_ids: Array, attention_mask: Array | None = None) -> Array:
+        """Hidden states ``[B, T, dim]`` of token ids ``[B, T]`` (what ``transformers``'
+        ``UMT5EncoderModel(...).last_hidden_state`` returns, padded positions included).
+
+        Args:
+          input_ids: int ``[B, T]``.
+          attention_mask: ``[B, T]``, nonzero for real tokens (``None``: all real). Padded keys are
+            masked out of every query's attention.
+        """
+        config = self.config
+        b, t = input_ids.shape
+        if attention_mask is None:
+            attention_mask = jnp.ones((b, t), jnp.int32)
+        key_bias = jnp.where(attention_mask != 0, 0.0, MASK_VALUE).astype(jnp.float32)
+        buckets = jnp.asarray(relative_position_buckets(t, t, config.num_buckets, config.max_distance))
+        x = self.embed(input_ids.astype(jnp.int32))
+        graphdef, stacked = nnx.split(self.blocks)
+
+        def run_block(x, state):
+            return nnx.merge(graphdef, state)(x, buckets, key_bias), None
+
+        x, _ = jax.lax.scan(run_block, x, stacked)
+        return self.final_norm(x)
+
+    def context(self, input_ids: Array, attention_mask: Array, text_len: int | None = None) -> Array:
+        """Wan's text context ``[B, text_len, dim]``: each prompt's first ``sum(attention_mask)``
+        hidden states (its real tokens), zeros after them, cut or zero-padded to ``text_len``
+        (default ``config.text_len``) whatever ``T`` the ids have."""
+        text_len = self.config.text_len if text_len is None else text_len
+        hidden = self(input_ids, attention_mask)
+        lengths = jnp.sum(attention_mask != 0, axis=1)
+        keep = jnp.arange(hidden.shape[1])[None, :] < lengths[:, None]
+        hidden = jnp.where(keep[..., None], hidden, jnp.zeros((), hidden.dtype))
+        t = hidden.shape[1]
+        if t >= text_len:
+            return hidden[:, :text_len]
+        return jnp.pad(hidden, ((0, 0), (0, text_len - t), (0, 0)))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4))
+def _context(graphdef, params, input_ids: Array, attention_mask: Array, text_len: int) -> Array:
+    return nnx.merge(graphdef, params).context(input_ids, attention_mask, text_len)
+
+
+def encode_ids(encoder: UMT5Encoder, input_ids, attention_mask, text_len: int | None = None) -> Array:
+    """Jitted :meth:`UMT5Encoder.context` on host or device arrays ``[B, T]``: the DiT's
+    ``context`` ``[B, text_len, dim]`` in the encoder's dtype."""
+    text_len = encoder.config.text_len if text_len is None else int(text_len)
+    graphdef, params = nnx.split(encoder)
+    return _context(graphdef, params, jnp.asarray(input_ids, jnp.int32), jnp.asarray(attention_mask, jnp.int32),
+                    text_len)
+
+
+def init_random(config: UMT5EncoderConfig, seed: int = 0) -> UMT5Encoder:
+    """A :class:`UMT5Encoder` with random weights drawn on the host with NumPy (seeded): T5's
+    initialisation scales (embeddings ``N(0, 1)``, ``q`` ``N(0, 1 / (dim * head_dim))``, the other
+    kernels ``N(0, 1 / fan_in)``, bias tables ``N(0, 1 / dim)``, norm scales 1)."""
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: UMT5Encoder(config, rngs=nnx.Rngs(0))))
+    rng = np.random.default_rng(seed)
+
+    def draw(path, leaf: jax.ShapeDtypeStruct) -> Array:
+        names = _path_names(path)
+        if names[-1] == "scale":
+            value = np.ones(leaf.shape, np.float32)
+        elif names[-1] == "embedding":
+            value = rng.standard_normal(leaf.shape, np.float32)
+        else:
+            std = 1.0 / math.sqrt(config.dim)
+            if names[-2:] == ["q", "kernel"]:
+                std = 1.0 / math.sqrt(config.dim * config.head_dim)
+            elif names[-1] == "kernel":
+                std = 1.0 / math.sqrt(leaf.shape[-2])
+            value = rng.standard_normal(leaf.shape, np.float32) * np.float32(std)
+        return jnp.asarray(value, leaf.dtype)
+
+    return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(draw, abstract))
+
+
+def _path_names(path) -> list[str]:
+    return [str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey)]
+
+
+# ------------------------------------------------------------------------------------------------
+# Checkpoints
+# ------------------------------------------------------------------------------------------------
+
+
+def _torch_to_numpy(tensor) -> np.ndarray:
+    """A torch tensor as NumPy, bfloat16 kept as ``ml_dtypes.bfloat16`` (no float32 copy)."""
+    import torch
+
+    tensor = tensor.detach().cpu()
+    if tensor.dtype == torch.bfloat16:
+        return tensor.contiguous().view(torch.int16).numpy().view(jnp.bfloat16)
+    return tensor.numpy()
+
+
+#: safetensors dtype names -> NumPy dtypes (bfloat16 and float8 through ``ml_dtypes``, as JAX has them).
+_SAFETENSORS_DTYPES = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": jnp.bfloat16,
+    "F8_E4M3": jnp.float8_e4m3fn, "F8_E5M2": jnp.float8_e5m2, "I64": np.int64, "I32": np.int32,
+    "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
+}
+
+
+def _read_safetensors(path: str, keep: Callable[[str], bool]) -> dict[str, np.ndarray]:
+    """The tensors of a ``.safetensors`` file as read-only NumPy views of a memory map (the format:
+    an 8-byte little-endian header length, a JSON header of name -> dtype, shape and byte
+    offsets, then the raw little-endian data). Needs no ``safetensors`` package and no device."""
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        try:
+            header = json.loads(f.read(size))
+        except ValueError as e:
+            raise ValueError(f"{path}: not a safetensors file (its header is not JSON)") from e
+    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + size)
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__" or not keep(name):
+            continue
+        if info["dtype"] not in _SAFETENSORS_DTYPES:
+            raise ValueError(f"{path}: tensor {name!r} has dtype {info['dtype']}, which this reader does not know")
+        start, end = info["data_offsets"]
+        dtype = np.dtype(_SAFETENSORS_DTYPES[info["dtype"]])
+        out[name] = data[start:end].view(dtype).reshape(info["shape"])
+    return out
+
+
+#: The weight files a checkpoint directory is read from, in order of preference (the first pattern
+#: that matches any file wins).
+DEFAULT_WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pth", "*.pt")
+
+
+def read_state_dict(path: str | os.PathLike, *, keep: Callable[[str], bool] | None = None,
+                    patterns: Sequence[str] = DEFAULT_WEIGHT_PATTERNS) -> dict[str, np.ndarray]:
+    """Tensors of one checkpoint file or directory as NumPy arrays by name.
+
+    ``*.safetensors`` files are memory-mapped (any dtype, bfloat16 kept; no ``safetensors``
+    package needed); ``*.bin``/``*.pth``/``*.pt``/``*.ckpt`` torch state dicts are read with
+    ``torch.load(weights_only=True)``, memory-mapped where the file allows (a dict nested under
+    ``"state_dict"`` or ``"model"`` is unwrapped). A directory is read from the files of the first
+    of ``patterns`` that matches any (all of them: sharded checkpoints).
+
+    Args:
+      keep: the names to read (default: all), e.g. only an encoder's from a whole model's file.
+      patterns: glob patterns tried in order for a directory.
+
+    Raises:
+      FileNotFoundError: nothing at ``path``, or a directory without weight files.
+      ValueError: a file of an unknown kind, or one that is not a state dict.
+    """
+    path = os.fspath(path)
+    keep = keep or (lambda name: True)
+    if os.path.isdir(path):
+        for pattern in patterns:
+            files = sorted(glob.glob(os.path.join(path, pattern)))
+            if files:
+                out: dict[str, np.ndarray] = {}
+                for f in files:
+                    out.update(read_state_dict(f, keep=keep))
+                return out
+        raise FileNotFoundError(f"{path}: no weight files ({', '.join(patterns)}) in this directory")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path}: no such checkpoint file")
+    if path.endswith(".safetensors"):
+        return _read_safetensors(path, keep)
+    if path.endswith((".bin", ".pth", ".pt", ".ckpt")):
+        try:
+            import torch
+        except ImportError as e:  # pragma: no cover - depends on the environment
+            raise ImportError(f"reading the torch checkpoint {path} needs 'torch' (or convert it to "
+                              "safetensors)") from e
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError:  # a legacy (non-zip) file cannot be memory-mapped
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        for wrapper in ("state_dict", "model"):
+            if isinstance(state, Mapping) and wrapper in state and isinstance(state[wrapper], Mapping):
+                state = state[wrapper]
+        if not isinstance(state, Mapping):
+            raise ValueError(f"{path}: expected a torch state dict (name -> tensor), got {type(state).__name__}")
+        return {k: _torch_to_numpy(v) for k, v in state.items() if hasattr(v, "detach") and keep(k)}
+    raise ValueError(f"{path}: unknown checkpoint kind (expected .safetensors, .bin, .pth, .pt or .ckpt)")
+
+
+_WAN_BLOCK_KEYS = {
+    "norm1.weight": "layer.0.layer_norm.weight",
+    "attn.q.weight": "layer.0.SelfAttention.q.weight",
+    "attn.k.weight": "layer.0.SelfAttention.k.weight",
+    "attn.v.weight": "layer.0.SelfAttention.v.weight",
+    "attn.o.weight": "layer.0.SelfAttention.o.weight",
+    "pos_embedding.embedding.weight": "layer.0.SelfAttention.relative_attention_bias.weight",
+    "norm2.weight": "layer.1.layer_norm.weight",
+    "ffn.gate.0.weight": "layer.1.DenseReluDense.wi_0.weight",
+    "ffn.fc1.weight": "layer.1.DenseReluDense.wi_1.weight",
+    "ffn.fc2.weight": "layer.1.DenseReluDense.wo.weight",
+}
+
+
+def convert_wan_t5_state_dict(state: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The official Wan encoder checkpoint (``models_t5_umt5-xxl-enc-bf16.pth``, Wan's
+    ``T5Encoder`` names) renamed to ``transformers``' ``UMT5EncoderModel`` names.
+
+    Raises:
+      ValueError: a key that Wan's encoder does not have.
+    """
+    out = {}
+    for key, value in state.items():
+        if key == "token_embedding.weight":
+            out["shared.weight"] = value
+        elif key == "norm.weight":
+            out["encoder.final_layer_norm.weight"] = value
+        else:
+            m = re.fullmatch(r"blocks\.(\d+)\.(.+)", key)
+            if m is None or m.group(2) not in _WAN_BLOCK_KEYS:
+                raise ValueError(f"unexpected key {key!r} in a Wan T5 encoder checkpoint")
+            out[f"encoder.block.{m.group(1)}.{_WAN_BLOCK_KEYS[m.group(2)]}"] = value
+    return out
+
+
+def _hf_block_key(layer: int, suffix: str) -> str:
+    return f"encoder.block.{layer}.{suffix}"
+
+
+def config_from_state_dict(state: Mapping[str, np.ndarray], hf_config: Mapping | None = None, *,
+                           dtype: str | None = None, text_len: int = 512) -> UMT5EncoderConfig:
+    """The :class:`UMT5EncoderConfig` of a ``transformers``-named state dict: shapes from the
+    weights, ``eps``/``max_distance`` from ``hf_config`` (a ``config.json`` dict) when given,
+    ``dtype`` from the embedding's unless named.
+
+    Raises:
+      ValueError: a weight the encoder needs is missing.
+    """
+    hf_config = dict(hf_config or {})
+    embed = _embedding(state)
+    layers = sorted({int(m.group(1)) for k in state if (m := re.match(r"encoder\.block\.(\d+)\.", k))})
+    if not layers or layers != list(range(len(layers))):
+        raise ValueError(f"expected encoder.block.0 ... encoder.block.N-1 in the state dict, found layers {layers}")
+    bias = _require(state, _hf_block_key(0, "layer.0.SelfAttention.relative_attention_bias.weight"))
+    q = _require(state, _hf_block_key(0, "layer.0.SelfAttention.q.weight"))
+    wi = _require(state, _hf_block_key(0, "layer.1.DenseReluDense.wi_0.weight"))
+    num_buckets, num_heads = bias.shape
+    if dtype is None:
+        dtype = "bfloat16" if embed.dtype == jnp.bfloat16 else "float32"
+    return UMT5EncoderConfig(
+        vocab_size=int(embed.shape[0]), dim=int(embed.shape[1]), num_heads=int(num_heads),
+        head_dim=int(q.shape[0]) // int(num_heads), ffn_dim=int(wi.shape[0]), num_layers=len(layers),
+        num_buckets=int(num_buckets), max_distance=int(hf_config.get("relative_attention_max_distance", 128)),
+        eps=float(hf_config.get("layer_norm_epsilon", 1e-6)), text_len=text_len, dtype=dtype)
+
+
+def _embedding(state: Mapping[str, np.ndarray]) -> np.ndarray:
+    for key in ("shared.weight", "encoder.embed_tokens.weight"):
+        if key in state:
+            return state[key]
+    raise ValueError("the state dict has no token embedding (shared.weight or encoder.embed_tokens.weight)")
+
+
+def _require(state: Mapping[str, np.ndarray], key: str) -> np.ndarray:
+    if key not in state:
+        raise ValueError(f"the state dict has no {key!r}")
+    return state[key]
+
+
+def from_state_dict(state: Mapping[str, np.ndarray], config: UMT5EncoderConfig) -> UMT5Encoder:
+    """A :class:`UMT5Encoder` of ``config`` holding the ``transformers``-named weights ``state``
+    (torch ``Linear`` weights ``[out, in]`` are transposed; per-layer weights stacked).
+
+    Raises:
+      ValueError: a missing weight or one of the wrong shape, named.
+    """
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: UMT5Encoder(config, rngs=nnx.Rngs(0))))
+    torch_names = {
+        "attn_norm.scale": "layer.0.layer_norm.weight",
+        "q.kernel": "layer.0.SelfAttention.q.weight",
+        "k.kernel": "layer.0.SelfAttention.k.weight",
+        "v.kernel": "layer.0.SelfAttention.v.weight",
+        "o.kernel": "layer.0.SelfAttention.o.weight",
+        "relative_attention_bias": "layer.0.SelfAttention.relative_attention_bias.weight",
+        "ffn_norm.scale": "layer.1.layer_norm.weight",
+        "wi_0.kernel": "layer.1.DenseReluDense.wi_0.weight",
+        "wi_1.kernel": "layer.1.DenseReluDense.wi_1.weight",
+        "wo.kernel": "layer.1.DenseReluDense.wo.weight",
+    }
+
+    def fill(path, leaf: jax.ShapeDtypeStruct) -> Array:
+        names = _path_names(path)
+        if names[0] == "embed":
+            value, source = _embedding(state), "shared.weight"
+        elif names[0] == "final_norm":
+            source = "encoder.final_layer_norm.weight"
+            value = _require(state, source)
+        else:
+            suffix = torch_names[".".join(names[1:])]
+            per_layer = []
+            for i in range(config.num_layers):
+                source = _hf_block_key(i, suffix)
+                w = _require(state, source)
+                w = w.T if names[-1] == "kernel" else w
+                if tuple(w.shape) != tuple(leaf.shape[1:]):
+                    raise ValueError(f"{source}: shape {tuple(w.shape)} (as ours) does not fit the encoder's "
+                                     f"{tuple(leaf.shape[1:])} ({'.'.join(names)})")
+                per_layer.append(w)
+            value = np.stack(per_layer)
+        if tuple(value.shape) != tuple(leaf.shape):
+            raise ValueError(f"{source}: shape {tuple(value.shape)} does not fit the encoder's "
+                             f"{tuple(leaf.shape)} ({'.'.join(names)})")
+        return jnp.asarray(value, leaf.dtype)
+
+    return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(fill, abstract))
+
+
+def sibling_config(path: str | os.PathLike, accept: Callable[[dict], bool]) -> dict | None:
+    """The ``config.json`` in directory ``path`` (or beside file ``path``) if there is one and
+    ``accept`` takes it (a checkpoint directory can hold another model's config), else ``None``."""
+    path = os.fspath(path)
+    config_path = os.path.join(path if os.path.isdir(path) else os.path.dirname(path), "config.json")
+    if not os.path.exists(config_path):
+        return None
+    with open(config_path) as f:
+        config = json.load(f)
+    return config if isinstance(config, dict) and accept(config) else None
+
+
+#: Files a umT5 checkpoint directory is read from, in order: Wan's own encoder file (the official
+#: Wan 2.1 repository keeps it beside the DiT's and the VAE's weights), then ``transformers``' files.
+UMT5_WEIGHT_PATTERNS = ("models_t5_umt5-xxl-enc-*.pth", "model*.safetensors", "pytorch_model*.bin")
+
+
+def _is_encoder_key(name: str) -> bool:
+    """Whether a checkpoint tensor belongs to the encoder (``transformers``' or Wan's names): a
+    whole encoder-decoder checkpoint's decoder and LM head are not read."""
+    return name.startswith(("encoder.", "shared.", "token_embedding.", "blocks.")) or name == "norm.weight"
+
+
+def load_umt5(path: str | os.PathLike, *, dtype: str | None = None, text_len: int = 512) -> UMT5Encoder:
+    """A :class:`UMT5Encoder` holding released umT5 encoder weights.
+
+    Args:
+      path: a ``transformers`` checkpoint directory (``config.json`` beside safetensors or
+        ``pytorch_model*.bin``; a whole encoder-decoder checkpoint is fine, only the encoder is
+        read), one weight file in either layout (``.safetensors``, ``.bin``, or Wan's
+        ``models_t5_umt5-xxl-enc-bf16.pth``); the layout is told from the key names.
+      dtype: parameter dtype name (default: the checkpoint's, float32 or bfloat16).
+      text_len: ``config.text_len`` (tokens of the DiT's context).
+
+    Raises:
+      FileNotFoundError, ValueError: see :func:`read_state_dict`, :func:`from_state_dict`.
+    """
+    path = os.fspath(path)
+    state = read_state_dict(path, keep=_is_encoder_key, patterns=UMT5_WEIGHT_PATTERNS)
+    if "token_embedding.weight" in state or any(k.startswith("blocks.") for k in state):
+        state = convert_wan_t5_state_dict(state)
+    hf_config = sibling_config(path, lambda c: c.get("model_type") in ("umt5", "t5", "mt5") or "d_model" in c)
+    try:
+        config = config_from_state_dict(state, hf_config, dtype=dtype, text_len=text_len)
+    except ValueError as e:
+        raise ValueError(f"{path}: not a umT5 encoder checkpoint: {e}") from None
+    return from_state_dict(state, config)
+
+
+# ------------------------------------------------------------------------------------------------
+# Prompts
+# ------------------------------------------------------------------------------------------------
+
+
+def clean_prompt(text: str) -> str:
+    """Wan's prompt cleaning: ``ftfy.fix_text`` (when ``ftfy`` is installed), HTML entities
+    unescaped twice, runs of whitespace collapsed to one space, ends stripped."""
+    try:
+        import ftfy
+
+        text = ftfy.fix_text(text)
+    except ImportError:
+        pass
+    text = html.unescape(html.unescape(text)).strip()
+    return re.sub(r"\s+", " ", text).strip()
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer(directory: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(directory, local_files_only=True)
+
+
+def tokenize(texts: Sequence[str], tokenizer_dir, text_len: int = 512) -> tuple[np.ndarray, np.ndarray]:
+    """``(input_ids, attention_mask)``, int32 ``[B, text_len]`` each, as Wan tokenises: cleaned
+    prompts, special tokens added (the closing ``</s>``), cut to and padded to ``text_len``.
+
+    Args:
+      tokenizer_dir: a local tokenizer directory (read with ``transformers.AutoTokenizer``, never
+        from a hub) or a tokenizer object.
+    """
+    if isinstance(texts, str):
+        texts = [texts]
+    tokenizer = _tokenizer(os.fspath(tokenizer_dir)) if isinstance(tokenizer_dir, (str, os.PathLike)) \
+        else tokenizer_dir
+    out = tokenizer([clean_prompt(t) for t in texts], padding="max_length", max_length=text_len,
+                    truncation=True, add_special_tokens=True, return_attention_mask=True, return_tensors="np")
+    return np.asarray(out["input_ids"], np.int32), np.asarray(out["attention_mask"], np.int32)
+
+
+def encode_prompts(texts: Sequence[str] | str, tokenizer_dir, encoder: UMT5Encoder,
+                   text_len: int | None = None) -> Array:
+    """The DiT's text ``context`` ``[B, text_len, dim]`` of prompts: :func:`tokenize` then
+    :func:`encode_ids` (Wan's pipeline: real tokens' embeddings, zeros after them).
+
+    Args:
+      texts: one prompt or a list.
+      tokenizer_dir: see :func:`tokenize`.
+      encoder: e.g. from :func:`load_umt5`.
+      text_len: tokens per prompt (default ``encoder.config.text_len``, Wan's 512).
+    """
+    text_len = encoder.config.text_len if text_len is None else int(text_len)
+    ids, mask = tokenize(texts, tokenizer_dir, text_len)
+    return encode_ids(encoder, ids, mask, text_len)
+
+
+__all__ = [
+    "UMT5_CONFIGS", "UMT5Block", "UMT5Encoder", "UMT5EncoderConfig", "clean_prompt", "config_from_state_dict",
+    "convert_wan_t5_state_dict", "encode_ids", "encode_prompts", "from_state_dict", "init_random", "load_umt5",
+    "read_state_dict", "relative_position_buckets", "sibling_config", "tokenize",
+]

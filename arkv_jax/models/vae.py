@@ -1,0 +1,719 @@
+"""The Wan 2.1 VAE decoder in Flax NNX, decoding a latent stream chunk by chunk as chunks commit.
+
+Wan 2.1's VAE compresses video 8x in space and 4x in time with *causal* 3-D convolutions: a pixel
+frame depends on its own and earlier latent frames only, so a stream can be decoded as it is
+generated. The reference (``WanVAE_.decode`` in Wan's ``wan/modules/vae.py``, diffusers'
+``AutoencoderKLWan._decode``) decodes one latent frame at a time and keeps, per causal convolution,
+the last two frames of that convolution's input (its *feature cache*); the first latent frame
+decodes to 1 pixel frame, every later one to 4 (each temporal upsampling doubles the frames except
+for the stream's very first frame, which it passes through). This module does the same with the
+cache as an explicit value:
+
+* :func:`decoder_init_cache` gives a :class:`DecoderCache` (one ``[2, H_l, W_l, C_l]`` array per
+  causal convolution, zeros: the reference's zero padding before the first frame) and
+  :func:`decode_chunk` maps ``(decoder, cache, latents [F, h, w, z_dim]) -> (frames, cache)`` with
+  ``frames`` ``[F', 8h, 8w, 3]`` in ``[-1, 1]``: ``F' = 1 + 4 (F - 1)`` for the stream's first
+  chunk, ``4 F`` after it. Shapes are static; whether the stream has started is the one static
+  field of the cache (pytree metadata), so a stream compiles its first chunk and its later chunks
+  once each. A chunk is decoded one latent frame at a time (``lax.scan``, as the reference does,
+  bounding activation memory to one frame's) or all its frames at once (``per_frame=False``); both
+  equal the whole-video decode to float rounding, since every operation is either per frame or a
+  causal convolution whose history the cache carries.
+* Latents come as the DiT produces them, **normalised** per channel; decoding first maps them back
+  with Wan's ``latents_mean`` / ``latents_std`` (``z = latents * std + mean``, what the Wan and
+  diffusers pipelines do before calling the VAE).
+* Channels-last throughout: latents ``[frames, h, w, 16]`` (what the rollout produces), pixels
+  ``[frames, 8h, 8w, 3]``. A leading batch axis (``[B, F, h, w, z]``, cache made with
+  ``batch_size=B``) is decoded with ``jax.vmap``.
+
+The decoder (Wan 2.1, ``base_dim`` 96, ``dim_mult`` (1, 2, 4, 4), 2 residual blocks): a 1x1x1
+``post_quant_conv``, ``conv_in`` to 384 channels, a middle block (residual, single-head spatial
+attention per frame, residual), four up blocks of three residual blocks each (the first three end
+in an upsampler: nearest 2x in space then a 3x3 convolution halving the channels, the first two
+also doubling the frames with a ``(3, 1, 1)`` causal ``time_conv`` to twice the channels), then
+RMS norm, SiLU and ``conv_out`` to RGB, clamped to ``[-1, 1]``. Norms are Wan's
+``F.normalize(x) * sqrt(C) * gamma`` over channels.
+
+Checkpoints (:func:`load_wan_vae`): the diffusers layout (``AutoencoderKLWan``: ``config.json`` and
+``diffusion_pytorch_model.safetensors``, e.g. a Wan2.1 diffusers repository's ``vae/``) and the
+official ``Wan2.1_VAE.pth`` (Wan's ``WanVAE_`` names: ``decoder.conv1``, ``decoder.middle.{0,1,2}``,
+``decoder.upsamples.{k}`` a flat list of residual blocks and resamplers, ``residual.{0,2,3,6}`` for
+``norm1, conv1, norm2, conv2``, ``shortcut``, ``resample.1``, ``head.{0,2}``, ``conv2`` for the
+post-quant convolution; :func:`official_vae_names` is the map, checked in the tests against
+diffusers' own ``convert_wan_vae_to_diffusers``). Only the decoder is read; the encoder's weights
+are ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import re
+from collections.abc import Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, struct
+
+from arkv_jax.models.umt5 import read_state_dict, sibling_config
+
+Array = jax.Array
+
+#: Wan 2.1's per-channel latent statistics (``WanVAE`` in ``wan/modules/vae.py``, diffusers'
+#: ``AutoencoderKLWan`` defaults): the DiT's latents are ``(z - mean) / std``.
+WAN21_LATENTS_MEAN = (-0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508,
+                      0.4134, -0.0715, 0.5517, -0.3632, -0.1922, -0.9497, 0.2503, -0.2921)
+WAN21_LATENTS_STD = (2.8184, 1.4541, 2.3275, 2.6558, 1.2196, 1.7708, 2.6052, 2.0743,
+                     3.2687, 2.1526, 2.8652, 1.5579, 1.6382, 1.1253, 2.8251, 1.9160)
+
+#: Frames a causal convolution keeps between calls (kernel 3 in time: the last two input frames).
+CACHE_FRAMES = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class WanVAEConfig:
+    """Shape of a :class:`WanVAEDecoder` (the decoder half of Wan 2.1's ``AutoencoderKLWan``).
+
+    Attributes:
+      base_dim: the decoder's base width (diffusers ``decoder_base_dim or base_dim``; Wan 2.1: 96).
+      z_dim: latent channels.
+      dim_mult: width multipliers per level, encoder order (the decoder runs them reversed).
+      num_res_blocks: residual blocks per encoder level (the decoder has one more per level).
+      temporal_upsample: per up block but the last, whether its upsampler doubles the frames
+        (diffusers ``temperal_downsample[::-1]``; Wan 2.1: ``(True, True, False)``).
+      out_channels: pixel channels.
+      latents_mean, latents_std: per-channel statistics of the latents (``z_dim`` each).
+      dtype: parameter and compute dtype name (norms and attention softmax run in float32).
+    """
+
+    base_dim: int = 96
+    z_dim: int = 16
+    dim_mult: tuple[int, ...] = (1, 2, 4, 4)
+    num_res_blocks: int = 2
+    temporal_upsample: tuple[bool, ...] = (True, True, False)
+    out_channels: int = 3
+    latents_mean: tuple[float, ...] = WAN21_LATENTS_MEAN
+    latents_std: tuple[float, ...] = WAN21_LATENTS_STD
+    dtype: str = "float32"
+
+    def __post_init__(self):
+        object.__setattr__(self, "dim_mult", tuple(int(m) for m in self.dim_mult))
+        object.__setattr__(self, "temporal_upsample", tuple(bool(t) for t in self.temporal_upsample))
+        object.__setattr__(self, "latents_mean", tuple(float(m) for m in self.latents_mean))
+        object.__setattr__(self, "latents_std", tuple(float(s) for s in self.latents_std))
+        for name in ("base_dim", "z_dim", "num_res_blocks", "out_channels"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if len(self.dim_mult) < 2 or min(self.dim_mult) < 1:
+            raise ValueError(f"dim_mult must have at least two positive entries, got {self.dim_mult}")
+        if len(self.temporal_upsample) != len(self.dim_mult) - 1:
+            raise ValueError(f"temporal_upsample needs one entry per upsampler ({len(self.dim_mult) - 1}), "
+                             f"got {self.temporal_upsample}")
+        if len(self.latents_mean) != self.z_dim or len(self.latents_std) != self.z_dim:
+            raise ValueError(f"latents_mean and latents_std need z_dim={self.z_dim} entries, got "
+                             f"{len(self.latents_mean)} and {len(self.latents_std)}")
+        if min(self.latents_std) <= 0:
+            raise ValueError("latents_std must be positive")
+
+    @property
+    def dims(self) -> tuple[int, ...]:
+        """Channels entering the decoder and leaving each up block: ``base_dim * m`` over
+        ``[dim_mult[-1]] + dim_mult[::-1]``."""
+        return tuple(self.base_dim * m for m in (self.dim_mult[-1],) + self.dim_mult[::-1])
+
+    @property
+    def spatial_factor(self) -> int:
+        """Pixels per latent pixel along each side (Wan 2.1: 8)."""
+        return 2 ** (len(self.dim_mult) - 1)
+
+    @property
+    def temporal_factor(self) -> int:
+        """Pixel frames per latent frame after the first (Wan 2.1: 4)."""
+        return 2 ** sum(self.temporal_upsample)
+
+    def num_pixel_frames(self, num_latent_frames: int, first_chunk: bool) -> int:
+        """Pixel frames decoded from ``num_latent_frames`` latent frames: ``1 + 4 (F - 1)`` for
+        the stream's first chunk, ``4 F`` later (Wan 2.1)."""
+        f = self.temporal_factor * num_latent_frames
+        return f - self.temporal_factor + 1 if first_chunk and num_latent_frames else f
+
+
+#: Decoder shapes by name: ``tiny`` (CPU tests, the demo: 16 latent channels as Wan has) and Wan 2.1's.
+VAE_CONFIGS: dict[str, WanVAEConfig] = {
+    "tiny": WanVAEConfig(base_dim=8),
+    "wan2.1": WanVAEConfig(),
+}
+
+
+# ------------------------------------------------------------------------------------------------
+# The cache
+# ------------------------------------------------------------------------------------------------
+
+
+@struct.dataclass
+class DecoderCache:
+    """What a streaming decode carries from one chunk to the next.
+
+    Attributes:
+      frames: per causal convolution, in call order, the last :data:`CACHE_FRAMES` frames of its
+        input ``[2, H_l, W_l, C_l]`` (``[B, 2, ...]`` for a batched stream); zeros before the stream
+        starts.
+      started: static: whether the stream's first latent frame has been decoded (the first frame
+        passes the temporal upsamplers undoubled).
+    """
+
+    frames: tuple[Array, ...]
+    started: bool = struct.field(pytree_node=False, default=False)
+
+
+class _Stream:
+    """Trace-time threading of the per-convolution caches through the decoder, in call order
+    (the reference's ``feat_cache``/``feat_idx``, but functional: ``inputs`` are read, the new
+    entries collected in ``outputs``). With ``inputs=None`` every entry reads as zeros (used to
+    find the cache's shapes)."""
+
+    def __init__(self, inputs: Sequence[Array] | None):
+        self.inputs = inputs
+        self.outputs: list[Array] = []
+
+    def take(self, like: Array) -> Array:
+        """The next entry (``[2, H, W, C]`` for an input ``like`` ``[T, H, W, C]``)."""
+        i = len(self.outputs)
+        if self.inputs is None:
+            return jnp.zeros((CACHE_FRAMES, *like.shape[1:]), like.dtype)
+        if i >= len(self.inputs):
+            raise ValueError(f"the cache has {len(self.inputs)} entries; the decoder needs more")
+        entry = self.inputs[i]
+        if entry.shape != (CACHE_FRAMES, *like.shape[1:]):
+            raise ValueError(f"cache entry {i} has shape {entry.shape}; the decoder needs "
+                             f"{(CACHE_FRAMES, *like.shape[1:])} (was it made for this latent size?)")
+        return entry.astype(like.dtype)
+
+    def put(self, entry: Array) -> None:
+        self.outputs.append(entry)
+
+
+# ------------------------------------------------------------------------------------------------
+# Layers (unbatched, channels-last: x [T, H, W, C])
+# ------------------------------------------------------------------------------------------------
+
+
+def _conv_params(shape: tuple[int, ...], fan_in: int, dtype, rngs: nnx.Rngs) -> tuple[nnx.Param, nnx.Param]:
+    kernel = jax.random.normal(rngs.params(), shape) / np.sqrt(fan_in)
+    return nnx.Param(kernel.astype(dtype)), nnx.Param(jnp.zeros((shape[-1],), dtype))
+
+
+class CausalConv3d(nnx.Module):
+    """A 3-D convolution causal in time: ``kernel_t - 1`` frames of history (the cache, zeros at
+    the stream's start) before the input, zero ``"same"`` padding in space.
+
+    Parameters: ``kernel`` ``[kt, kh, kw, in, out]`` (torch's ``[out, in, kt, kh, kw]``
+    transposed), ``bias`` ``[out]``.
+    """
+
+    def __init__(self, in_dim: int, out_dim: int, kernel: tuple[int, int, int], *, dtype, rngs: nnx.Rngs):
+        self.kernel_size = tuple(kernel)
+        self.kernel, self.bias = _conv_params((*kernel, in_dim, out_dim), in_dim * int(np.prod(kernel)), dtype,
+                                              rngs)
+
+    @property
+    def history(self) -> int:
+        return self.kernel_size[0] - 1
+
+    def __call__(self, x: Array, stream: _Stream | None = None) -> Array:
+        """``x`` ``[T, H, W, in]`` -> ``[T, H, W, out]``; a temporal kernel reads and updates its
+        ``stream`` entry (the last frames of ``[cache, x]``)."""
+        kt, kh, kw = self.kernel_size
+        if kt > 1:
+            if kt - 1 != CACHE_FRAMES:
+                raise ValueError(f"a causal kernel of {kt} frames needs {kt - 1} cached frames, not {CACHE_FRAMES}")
+            x = jnp.concatenate([stream.take(x), x], axis=0)
+            stream.put(x[-CACHE_FRAMES:])
+        if (kt, kh, kw) == (1, 1, 1):
+            return jnp.einsum("thwc,co->thwo", x, self.kernel[...][0, 0, 0]) + self.bias[...]
+        y = jax.lax.conv_general_dilated(
+            x[None], self.kernel[...], window_strides=(1, 1, 1),
+            padding=((0, 0), (kh // 2, kh // 2), (kw // 2, kw // 2)),
+            dimension_numbers=("NDHWC", "DHWIO", "NDHWC"))[0]
+        return y + self.bias[...]
+
+
+class Conv2d(nnx.Module):
+    """A per-frame 2-D convolution, zero ``"same"`` padding (``kernel`` ``[kh, kw, in, out]``)."""
+
+    def __init__(self, in_dim: int, out_dim: int, size: int, *, dtype, rngs: nnx.Rngs):
+        self.size = size
+        self.kernel, self.bias = _conv_params((size, size, in_dim, out_dim), in_dim * size * size, dtype, rngs)
+
+    def __call__(self, x: Array) -> Array:
+        p = self.size // 2
+        y = jax.lax.conv_general_dilated(x, self.kernel[...], window_strides=(1, 1), padding=((p, p), (p, p)),
+                                         dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        return y + self.bias[...]
+
+
+class ChannelRMSNorm(nnx.Module):
+    """Wan's norm over channels: ``x / max(||x||_2, 1e-12) * sqrt(C) * gamma`` (float32 inside)."""
+
+    def __init__(self, dim: int, *, dtype):
+        self.gamma = nnx.Param(jnp.ones((dim,), dtype))
+        self.dim = dim
+
+    def __call__(self, x: Array) -> Array:
+        x32 = x.astype(jnp.float32)
+        norm = jnp.sqrt(jnp.sum(jnp.square(x32), axis=-1, keepdims=True))
+        y = x32 / jnp.maximum(norm, 1e-12) * np.float32(np.sqrt(self.dim)) * self.gamma[...].astype(jnp.float32)
+        return y.astype(x.dtype)
+
+
+class ResidualBlock(nnx.Module):
+    """``shortcut(x) + conv2(silu(norm2(conv1(silu(norm1(x))))))``, both convolutions 3x3x3 causal;
+    the shortcut is a 1x1x1 convolution where the width changes."""
+
+    def __init__(self, in_dim: int, out_dim: int, *, dtype, rngs: nnx.Rngs):
+        self.norm1 = ChannelRMSNorm(in_dim, dtype=dtype)
+        self.conv1 = CausalConv3d(in_dim, out_dim, (3, 3, 3), dtype=dtype, rngs=rngs)
+        self.norm2 = ChannelRMSNorm(out_dim, dtype=dtype)
+        self.conv2 = CausalConv3d(out_dim, out_dim, (3, 3, 3), dtype=dtype, rngs=rngs)
+        self.conv_shortcut = (CausalConv3d(in_dim, out_dim, (1, 1, 1), dtype=dtype, rngs=rngs)
+                              if in_dim != out_dim else None)
+
+    def __call__(self, x: Array, stream: _Stream) -> Array:
+        h = x if self.conv_shortcut is None else self.conv_shortcut(x)
+        x = self.conv1(jax.nn.silu(self.norm1(x)), stream)
+        x = self.conv2(jax.nn.silu(self.norm2(x)), stream)
+        return x + h
+
+
+class AttentionBlock(nnx.Module):
+    """Single-head self-attention over each frame's pixels (``x + proj(attn(qkv(norm(x))))``);
+    ``to_qkv`` and ``proj`` are 1x1 convolutions, kept as ``[C, 3C]`` / ``[C, C]`` matrices."""
+
+    def __init__(self, dim: int, *, dtype, rngs: nnx.Rngs):
+        self.norm = ChannelRMSNorm(dim, dtype=dtype)
+        self.to_qkv_kernel, self.to_qkv_bias = _conv_params((dim, 3 * dim), dim, dtype, rngs)
+        self.proj_kernel, self.proj_bias = _conv_params((dim, dim), dim, dtype, rngs)
+
+    def __call__(self, x: Array) -> Array:
+        t, h, w, c = x.shape
+        qkv = self.norm(x).reshape(t, h * w, c) @ self.to_qkv_kernel[...] + self.to_qkv_bias[...]
+        q, k, v = jnp.split(qkv, 3, axis=-1)
+        logits = jnp.einsum("tqc,tkc->tqk", q, k, preferred_element_type=jnp.float32) / np.float32(np.sqrt(c))
+        y = jnp.einsum("tqk,tkc->tqc", jax.nn.softmax(logits, axis=-1).astype(v.dtype), v)
+        y = y @ self.proj_kernel[...] + self.proj_bias[...]
+        return x + y.reshape(t, h, w, c)
+
+
+class Upsampler(nnx.Module):
+    """Nearest 2x in space then a 3x3 convolution to ``dim // 2`` channels; with ``temporal``,
+    first a ``(3, 1, 1)`` causal ``time_conv`` to ``2 dim`` channels whose halves become two frames
+    per input frame, except for the stream's first frame, which passes through (and is not part of
+    the time convolution's history)."""
+
+    def __init__(self, dim: int, temporal: bool, *, dtype, rngs: nnx.Rngs):
+        self.temporal = temporal
+        self.time_conv = CausalConv3d(dim, 2 * dim, (3, 1, 1), dtype=dtype, rngs=rngs) if temporal else None
+        self.conv = Conv2d(dim, dim // 2, 3, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x: Array, stream: _Stream, started: bool) -> Array:
+        if self.temporal:
+            first, rest = (x[:0], x) if started else (x[:1], x[1:])
+            if rest.shape[0]:
+                y = self.time_conv(rest, stream)  # [T, H, W, 2C]: channel halves are frames 2t, 2t+1
+                t, h, w, c2 = y.shape
+                y = y.reshape(t, h, w, 2, c2 // 2).transpose(0, 3, 1, 2, 4).reshape(2 * t, h, w, c2 // 2)
+            else:  # the stream's first chunk is its first frame alone: the history stays zeros
+                stream.put(stream.take(rest[:0]))
+                y = rest
+            x = jnp.concatenate([first, y], axis=0)
+        x = jnp.repeat(jnp.repeat(x, 2, axis=1), 2, axis=2)
+        return self.conv(x)
+
+
+class UpBlock(nnx.Module):
+    """``num_res_blocks + 1`` residual blocks, then an optional :class:`Upsampler`."""
+
+    def __init__(self, in_dim: int, out_dim: int, num_blocks: int, upsample: str | None, *, dtype,
+                 rngs: nnx.Rngs):
+        self.resnets = nnx.List([ResidualBlock(in_dim if i == 0 else out_dim, out_dim, dtype=dtype, rngs=rngs)
+                                 for i in range(num_blocks)])
+        self.upsampler = (Upsampler(out_dim, upsample == "temporal", dtype=dtype, rngs=rngs)
+                          if upsample else None)
+
+    def __call__(self, x: Array, stream: _Stream, started: bool) -> Array:
+        for resnet in self.resnets:
+            x = resnet(x, stream)
+        return x if self.upsampler is None else self.upsampler(x, stream, started)
+
+
+class WanVAEDecoder(nnx.Module):
+    """The Wan 2.1 VAE decoder (with the post-quant convolution); see the module docstring.
+
+    Args:
+      config: the decoder shape.
+      rngs: parameter initialisation (the loaders replace every parameter).
+    """
+
+    def __init__(self, config: WanVAEConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        dtype = jnp.dtype(config.dtype)
+        kw = dict(dtype=dtype, rngs=rngs)
+        dims = config.dims
+        self.post_quant_conv = CausalConv3d(config.z_dim, config.z_dim, (1, 1, 1), **kw)
+        self.conv_in = CausalConv3d(config.z_dim, dims[0], (3, 3, 3), **kw)
+        self.mid_resnets = nnx.List([ResidualBlock(dims[0], dims[0], **kw), ResidualBlock(dims[0], dims[0], **kw)])
+        self.mid_attention = AttentionBlock(dims[0], **kw)
+        blocks = []
+        for i, (in_dim, out_dim) in enumerate(zip(dims[:-1], dims[1:])):
+            if i > 0:
+                in_dim //= 2  # the previous upsampler halved the channels
+            last = i == len(dims) - 2
+            upsample = None if last else ("temporal" if config.temporal_upsample[i] else "spatial")
+            blocks.append(UpBlock(in_dim, out_dim, config.num_res_blocks + 1, upsample, **kw))
+        self.up_blocks = nnx.List(blocks)
+        self.norm_out = ChannelRMSNorm(dims[-1], dtype=dtype)
+        self.conv_out = CausalConv3d(dims[-1], config.out_channels, (3, 3, 3), **kw)
+
+    def denormalize(self, latents: Array) -> Array:
+        """``latents * std + mean`` per channel (the last axis): the VAE's own latent scale."""
+        mean = jnp.asarray(self.config.latents_mean, jnp.float32)
+        std = jnp.asarray(self.config.latents_std, jnp.float32)
+        return latents.astype(jnp.float32) * std + mean
+
+    def decode_frames(self, z: Array, stream: _Stream, started: bool) -> Array:
+        """Pixels ``[T', 8h, 8w, 3]`` (unclamped) of de-normalised latents ``z`` ``[T, h, w, z_dim]``
+        continuing the stream the caches in ``stream`` describe."""
+        x = self.post_quant_conv(z.astype(self.config.dtype))
+        x = self.conv_in(x, stream)
+        x = self.mid_resnets[0](x, stream)
+        x = self.mid_attention(x)
+        x = self.mid_resnets[1](x, stream)
+        for block in self.up_blocks:
+            x = block(x, stream, started)
+        return self.conv_out(jax.nn.silu(self.norm_out(x)), stream)
+
+    def init_cache(self, latent_height: int, latent_width: int) -> DecoderCache:
+        """The zero cache of an unstarted stream of ``latent_height x latent_width`` latents."""
+        config = self.config
+
+        def shapes():
+            stream = _Stream(None)
+            self.decode_frames(jnp.zeros((1, latent_height, latent_width, config.z_dim), jnp.float32), stream, True)
+            return tuple(stream.outputs)
+
+        return DecoderCache(tuple(jnp.zeros(s.shape, s.dtype) for s in jax.eval_shape(shapes)), started=False)
+
+    def __call__(self, latents: Array, cache: DecoderCache, *, per_frame: bool = True
+                 ) -> tuple[Array, DecoderCache]:
+        """Decode the next chunk of a stream (unbatched; :func:`decode_chunk` batches and jits).
+
+        Args:
+          latents: ``[F, h, w, z_dim]`` normalised latent frames (``F`` may be 0).
+          cache: the stream's cache (from :meth:`init_cache` or the previous chunk).
+          per_frame: decode one latent frame at a time (``lax.scan``; the reference's order and
+            activation memory) rather than the chunk's frames at once.
+
+        Returns:
+          ``(frames, cache)``: float32 pixels ``[F', 8h, 8w, 3]`` in ``[-1, 1]``
+          (:meth:`WanVAEConfig.num_pixel_frames` of them) and the cache after them.
+        """
+        z = self.denormalize(latents)
+        started = cache.started
+        entries = cache.frames
+        outputs = []
+        if z.shape[0] and not started:
+            stream = _Stream(entries)
+            first = z[:1] if per_frame else z
+            outputs.append(self.decode_frames(first, stream, False))
+            entries, started = tuple(stream.outputs), True
+            z = z[1:] if per_frame else z[:0]
+        if z.shape[0] and not per_frame:
+            stream = _Stream(entries)
+            outputs.append(self.decode_frames(z, stream, True))
+            entries = tuple(stream.outputs)
+        elif z.shape[0]:
+            def step(carry, frame):
+                stream = _Stream(carry)
+                out = self.decode_frames(frame[None], stream, True)
+                return tuple(stream.outputs), out
+
+            entries, out = jax.lax.scan(step, entries, z)
+            outputs.append(out.reshape(-1, *out.shape[2:]))
+        h, w = latents.shape[1] * self.config.spatial_factor, latents.shape[2] * self.config.spatial_factor
+        frames = (jnp.concatenate(outputs, axis=0) if outputs
+                  else jnp.zeros((0, h, w, self.config.out_channels), jnp.float32))
+        return jnp.clip(frames.astype(jnp.float32), -1.0, 1.0), DecoderCache(entries, started=started)
+
+
+# ------------------------------------------------------------------------------------------------
+# Functional entry points
+# ------------------------------------------------------------------------------------------------
+
+
+def decoder_init_cache(decoder: WanVAEDecoder, latent_height: int, latent_width: int,
+                       batch_size: int | None = None) -> DecoderCache:
+    """The zero :class:`DecoderCache` of a new stream (``batch_size`` streams side by side: a
+    leading axis on every entry)."""
+    cache = decoder.init_cache(latent_height, latent_width)
+    if batch_size is None:
+        return cache
+    return DecoderCache(tuple(jnp.zeros((batch_size, *f.shape), f.dtype) for f in cache.frames), started=False)
+
+
+def _decode_chunk_impl(graphdef, params, cache: DecoderCache, latents: Array, per_frame: bool):
+    decoder = nnx.merge(graphdef, params)
+    if latents.ndim == 5:
+        return jax.vmap(lambda c, x: decoder(x, c, per_frame=per_frame))(cache, latents)
+    return decoder(latents, cache, per_frame=per_frame)
+
+
+_decode_chunk = jax.jit(_decode_chunk_impl, static_argnums=(0, 4))
+_decode_chunk_donating = jax.jit(_decode_chunk_impl, static_argnums=(0, 4), donate_argnums=(2,))
+
+
+def decode_chunk(decoder: WanVAEDecoder, cache: DecoderCache, latents, *, per_frame: bool = True,
+                 donate_cache: bool = False) -> tuple[Array, DecoderCache]:
+    """Jitted :meth:`WanVAEDecoder.__call__`: ``(frames, cache)`` of the next chunk of normalised
+    latents ``[F, h, w, z_dim]`` (or ``[B, F, h, w, z_dim]`` with a cache from
+    ``decoder_init_cache(..., batch_size=B)``). Compiles once per (started, chunk shape).
+
+    The cache is large at full size (Wan 2.1 at 480x832: 32 entries, 3.5 GiB per stream in float32,
+    1.8 GiB in bfloat16); ``donate_cache=True`` lets XLA write the new cache over the old one's
+    buffers (the ``cache`` passed in is then consumed and must not be used again)."""
+    latents = jnp.asarray(latents)
+    if latents.ndim not in (4, 5) or latents.shape[-1] != decoder.config.z_dim:
+        raise ValueError(f"latents must be [F, h, w, {decoder.config.z_dim}] or [B, F, h, w, "
+                         f"{decoder.config.z_dim}], got {latents.shape}")
+    batched = cache.frames[0].ndim == 5
+    if batched != (latents.ndim == 5):
+        raise ValueError(f"a {'batched' if batched else 'single'} cache cannot decode latents of shape "
+                         f"{latents.shape}")
+    graphdef, params = nnx.split(decoder)
+    return (_decode_chunk_donating if donate_cache else _decode_chunk)(graphdef, params, cache, latents, per_frame)
+
+
+def decode_video(decoder: WanVAEDecoder, latents, *, per_frame: bool = True) -> Array:
+    """A whole video ``[F, h, w, z_dim]`` (or batched) in one call: pixels ``[1 + 4 (F - 1), 8h,
+    8w, 3]``."""
+    latents = jnp.asarray(latents)
+    cache = decoder_init_cache(decoder, latents.shape[-3], latents.shape[-2],
+                               latents.shape[0] if latents.ndim == 5 else None)
+    return decode_chunk(decoder, cache, latents, per_frame=per_frame, donate_cache=True)[0]
+
+
+def init_random(config: WanVAEConfig, seed: int = 0) -> WanVAEDecoder:
+    """A :class:`WanVAEDecoder` with random weights drawn on the host with NumPy (seeded):
+    kernels ``N(0, 1 / fan_in)``, biases ``N(0, 0.01)``, norm gains 1."""
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: WanVAEDecoder(config, rngs=nnx.Rngs(0))))
+    rng = np.random.default_rng(seed)
+
+    def draw(path, leaf: jax.ShapeDtypeStruct) -> Array:
+        name = _path_names(path)[-1]
+        if name == "gamma":
+            value = np.ones(leaf.shape, np.float32)
+        elif name.endswith("bias"):
+            value = 0.1 * rng.standard_normal(leaf.shape, np.float32)
+        else:
+            value = rng.standard_normal(leaf.shape, np.float32) / np.float32(np.sqrt(np.prod(leaf.shape[:-1])))
+        return jnp.asarray(value, leaf.dtype)
+
+    return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(draw, abstract))
+
+
+def _path_names(path) -> list[str]:
+    return [str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey)]
+
+
+# ------------------------------------------------------------------------------------------------
+# Checkpoints
+# ------------------------------------------------------------------------------------------------
+
+
+def _diffusers_name(names: list[str]) -> str:
+    """Our parameter path -> the diffusers ``AutoencoderKLWan`` state-dict key (``.weight`` /
+    ``.bias`` / ``.gamma``)."""
+    leaf = names[-1]
+    if names[0] == "post_quant_conv":
+        return f"post_quant_conv.{'weight' if leaf == 'kernel' else 'bias'}"
+    parts = list(names[:-1])
+    if parts[0] == "mid_resnets":
+        parts = ["mid_block", "resnets", *parts[1:]]
+    elif parts[0] == "mid_attention":  # norm.gamma, to_qkv_{kernel,bias}, proj_{kernel,bias}
+        layer, leaf = ("norm", leaf) if leaf == "gamma" else leaf.rsplit("_", 1)
+        parts = ["mid_block", "attentions", "0", layer]
+    elif parts[0] == "up_blocks" and len(parts) > 2 and parts[2] == "upsampler":
+        parts = [*parts[:2], "upsamplers", "0", *(["resample", "1"] if parts[3] == "conv" else parts[3:])]
+    leaf = {"kernel": "weight", "bias": "bias", "gamma": "gamma"}[leaf]
+    return ".".join(["decoder", *parts, leaf])
+
+
+def _torch_layout(value: np.ndarray, shape: tuple[int, ...], key: str) -> np.ndarray:
+    """A torch tensor (``[out, in, k...]`` conv weights, ``[C, 1, 1(, 1)]`` gains) in our layout
+    ``shape``."""
+    value = np.asarray(value)
+    if len(shape) == 1:
+        value = value.reshape(-1)
+    elif len(shape) == 2:  # a 1x1 conv2d as a matrix [in, out]
+        value = value.reshape(value.shape[0], -1).T
+    else:  # conv kernel: [out, in, *k] -> [*k, in, out]
+        value = np.transpose(value, (*range(2, value.ndim), 1, 0))
+    if tuple(value.shape) != tuple(shape):
+        raise ValueError(f"{key}: shape {tuple(value.shape)} (in our layout) does not fit the decoder's {shape}")
+    return value
+
+
+def from_diffusers_state_dict(state: Mapping[str, np.ndarray], config: WanVAEConfig) -> WanVAEDecoder:
+    """A :class:`WanVAEDecoder` of ``config`` holding the decoder weights of a diffusers-named
+    ``AutoencoderKLWan`` state dict (encoder weights ignored).
+
+    Raises:
+      ValueError: a missing weight or one of the wrong shape, named; or decoder weights the config
+        does not have (e.g. a Wan 2.2 VAE).
+    """
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: WanVAEDecoder(config, rngs=nnx.Rngs(0))))
+    used = set()
+
+    def fill(path, leaf: jax.ShapeDtypeStruct) -> Array:
+        key = _diffusers_name(_path_names(path))
+        if key not in state:
+            raise ValueError(f"the state dict has no {key!r} (is this a Wan 2.1 AutoencoderKLWan of this shape?)")
+        used.add(key)
+        return jnp.asarray(_torch_layout(state[key], tuple(leaf.shape), key), leaf.dtype)
+
+    params = jax.tree_util.tree_map_with_path(fill, abstract)
+    extra = sorted(k for k in state if (k.startswith("decoder.") or k.startswith("post_quant_conv.")) and k not in used)
+    if extra:
+        raise ValueError(f"decoder weights this config does not have: {extra[:5]}{' ...' if len(extra) > 5 else ''}")
+    return nnx.merge(graphdef, params)
+
+
+def official_vae_names(config: WanVAEConfig) -> dict[str, str]:
+    """diffusers ``AutoencoderKLWan`` key -> official ``WanVAE_`` key (Wan's ``wan/modules/vae.py``),
+    for every weight of the decoder of ``config`` and the post-quant convolution.
+
+    Official layout: ``conv2`` (post-quant), ``decoder.conv1``, ``decoder.middle.{0,2}`` residual
+    blocks around ``decoder.middle.1`` attention, ``decoder.upsamples.{k}`` flat (each level's
+    ``num_res_blocks + 1`` residual blocks, then its resampler), residual blocks as
+    ``residual.{0: norm1, 2: conv1, 3: norm2, 6: conv2}`` and ``shortcut``, resamplers as
+    ``resample.1`` (the 2-D convolution) and ``time_conv``, ``decoder.head.{0: norm, 2: conv}``.
+    """
+    _, abstract = nnx.split(nnx.eval_shape(lambda: WanVAEDecoder(config, rngs=nnx.Rngs(0))))
+    keys = [_diffusers_name(_path_names(path)) for path, _ in jax.tree_util.tree_leaves_with_path(abstract)]
+    residual = {"norm1.gamma": "residual.0.gamma", "conv1.weight": "residual.2.weight",
+                "conv1.bias": "residual.2.bias", "norm2.gamma": "residual.3.gamma",
+                "conv2.weight": "residual.6.weight", "conv2.bias": "residual.6.bias",
+                "conv_shortcut.weight": "shortcut.weight", "conv_shortcut.bias": "shortcut.bias"}
+    per_level = config.num_res_blocks + 2  # residual blocks and the resampler of each level
+
+    def official(key: str) -> str:
+        if key.startswith("post_quant_conv."):
+            return "conv2." + key.split(".")[-1]
+        if m := re.fullmatch(r"decoder\.conv_in\.(\w+)", key):
+            return f"decoder.conv1.{m.group(1)}"
+        if m := re.fullmatch(r"decoder\.conv_out\.(\w+)", key):
+            return f"decoder.head.2.{m.group(1)}"
+        if key == "decoder.norm_out.gamma":
+            return "decoder.head.0.gamma"
+        if m := re.fullmatch(r"decoder\.mid_block\.resnets\.(\d)\.(.+)", key):
+            return f"decoder.middle.{2 * int(m.group(1))}.{residual[m.group(2)]}"
+        if m := re.fullmatch(r"decoder\.mid_block\.attentions\.0\.(.+)", key):
+            return f"decoder.middle.1.{m.group(1)}"
+        if m := re.fullmatch(r"decoder\.up_blocks\.(\d+)\.resnets\.(\d+)\.(.+)", key):
+            return f"decoder.upsamples.{int(m.group(1)) * per_level + int(m.group(2))}.{residual[m.group(3)]}"
+        if m := re.fullmatch(r"decoder\.up_blocks\.(\d+)\.upsamplers\.0\.(.+)", key):
+            return f"decoder.upsamples.{int(m.group(1)) * per_level + per_level - 1}.{m.group(2)}"
+        raise AssertionError(key)  # every key of the decoder is covered above
+
+    return {key: official(key) for key in keys}
+
+
+def convert_wan_vae_state_dict(state: Mapping[str, np.ndarray], config: WanVAEConfig) -> dict[str, np.ndarray]:
+    """The decoder part of an official ``Wan2.1_VAE.pth`` state dict under diffusers' names
+    (:func:`official_vae_names` inverted); encoder and quant-conv weights are dropped.
+
+    Raises:
+      ValueError: a decoder key the map does not know.
+    """
+    inverse = {v: k for k, v in official_vae_names(config).items()}
+    out = {}
+    for key, value in state.items():
+        if key in inverse:
+            out[inverse[key]] = value
+        elif key.startswith("decoder.") or key.startswith("conv2."):
+            raise ValueError(f"unexpected decoder key {key!r} in an official Wan VAE checkpoint "
+                             f"(expected the layout of {config})")
+    return out
+
+
+def config_from_diffusers(config: Mapping, *, dtype: str = "float32") -> WanVAEConfig:
+    """A :class:`WanVAEConfig` from an ``AutoencoderKLWan`` ``config.json`` dict.
+
+    Raises:
+      ValueError: a Wan 2.2-style (residual, patchified) VAE, decoder attention, or a field out
+        of range.
+    """
+    if config.get("is_residual") or config.get("patch_size"):
+        raise ValueError("a Wan 2.2-style VAE (is_residual / patch_size) is not the Wan 2.1 decoder this module has")
+    if config.get("attn_scales"):
+        raise ValueError(f"attn_scales={config['attn_scales']}: the Wan 2.1 decoder has attention in its middle "
+                         "block only")
+    defaults = WanVAEConfig()
+    temporal_down = config.get("temperal_downsample", (False, True, True))
+    return WanVAEConfig(
+        base_dim=int(config.get("decoder_base_dim") or config.get("base_dim", defaults.base_dim)),
+        z_dim=int(config.get("z_dim", defaults.z_dim)),
+        dim_mult=tuple(config.get("dim_mult", defaults.dim_mult)),
+        num_res_blocks=int(config.get("num_res_blocks", defaults.num_res_blocks)),
+        temporal_upsample=tuple(temporal_down)[::-1],
+        out_channels=int(config.get("out_channels", 3)),
+        latents_mean=tuple(config.get("latents_mean", defaults.latents_mean)),
+        latents_std=tuple(config.get("latents_std", defaults.latents_std)),
+        dtype=dtype)
+
+
+#: Files a VAE checkpoint directory is read from, in order: the official file (the Wan 2.1
+#: repository keeps it beside the DiT's weights), then diffusers' ``vae/`` files.
+VAE_WEIGHT_PATTERNS = ("Wan2.1_VAE.pth", "diffusion_pytorch_model*.safetensors", "diffusion_pytorch_model*.bin")
+
+
+def load_wan_vae(path: str | os.PathLike, config: WanVAEConfig | None = None, *, dtype: str | None = None
+                 ) -> WanVAEDecoder:
+    """A :class:`WanVAEDecoder` holding released Wan 2.1 VAE weights.
+
+    Args:
+      path: a diffusers ``AutoencoderKLWan`` directory (``config.json`` and
+        ``diffusion_pytorch_model.safetensors``), one such weight file, or the official
+        ``Wan2.1_VAE.pth`` (told apart by its key names).
+      config: the decoder shape; default: the ``config.json`` in or beside ``path`` if there is
+        one, else Wan 2.1's (:data:`VAE_CONFIGS` ``"wan2.1"``, the official file's).
+      dtype: parameter dtype name (default ``config.dtype``, float32).
+
+    Raises:
+      FileNotFoundError, ValueError: a missing file; a weight missing or of the wrong shape, named.
+    """
+    path = os.fspath(path)
+    state = read_state_dict(path, keep=lambda k: k.startswith(("decoder.", "post_quant_conv.", "conv2.")),
+                            patterns=VAE_WEIGHT_PATTERNS)
+    if config is None:
+        diffusers_config = sibling_config(
+            path, lambda c: c.get("_class_name") == "AutoencoderKLWan" or ("_class_name" not in c and "z_dim" in c))
+        config = VAE_CONFIGS["wan2.1"] if diffusers_config is None else config_from_diffusers(diffusers_config)
+    if dtype is not None:
+        config = dataclasses.replace(config, dtype=dtype)
+    official = "decoder.conv1.weight" in state or any(re.match(r"decoder\.upsamples\.", k) for k in state)
+    try:
+        if official:
+            state = convert_wan_vae_state_dict(state, config)
+        return from_diffusers_state_dict(state, config)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+
+
+__all__ = [
+    "CACHE_FRAMES", "DecoderCache", "VAE_CONFIGS", "VAE_WEIGHT_PATTERNS", "WAN21_LATENTS_MEAN", "WAN21_LATENTS_STD", "WanVAEConfig",
+    "WanVAEDecoder", "config_from_diffusers", "convert_wan_vae_state_dict", "decode_chunk", "decode_video",
+    "decoder_init_cache", "from_diffusers_state_dict", "init_random", "load_wan_vae", "official_vae_names",
+]

@@ -1,0 +1,242 @@
+"""Wan 2.1 VAE decoder (arkv_jax.models.vae): parity with diffusers' AutoencoderKLWan, streaming.
+
+A tiny random ``AutoencoderKLWan`` (Wan 2.1's layout at ``base_dim`` 8, 16 latent channels,
+random per-channel latent statistics) is saved under a temporary directory, loaded with
+:func:`load_wan_vae` (diffusers layout, and the official ``Wan2.1_VAE.pth`` layout made by renaming
+its keys) and compared with diffusers' ``decode`` in float32: the whole video, and the same video
+decoded chunk by chunk through the explicit cache, to 1e-4; streaming equals the whole-video decode
+to float rounding. Without torch/diffusers (Python 3.12 CI) the torch-free tests run.
+"""
+
+import json
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from arkv_jax.models import vae
+
+TOL = 1e-4
+H, W = 4, 6  # latent frame: 32 x 48 pixels
+NUM_FRAMES = 7  # latent frames: 1 + 4 * 6 = 25 pixel frames
+CHUNKS = (1, 3, 3)  # the stream's chunks: 1, 12 and 12 pixel frames
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """(diffusers model, its directory, normalised latents, diffusers' pixels [T, H, W, 3])."""
+    torch = pytest.importorskip("torch")
+    diffusers = pytest.importorskip("diffusers")
+    rng = np.random.default_rng(0)
+    mean = rng.uniform(-1, 1, 16).round(4).tolist()
+    std = rng.uniform(0.5, 3, 16).round(4).tolist()
+    torch.manual_seed(0)
+    model = diffusers.AutoencoderKLWan(base_dim=8, z_dim=16, latents_mean=mean, latents_std=std).eval()
+    with torch.no_grad():  # non-trivial gains and biases (the defaults are 1 and 0)
+        for name, p in model.named_parameters():
+            if name.endswith("gamma"):
+                p.mul_(1 + 0.2 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.normal_(0, 0.1)
+    directory = tmp_path_factory.mktemp("vae") / "vae"
+    model.save_pretrained(directory)
+    latents = rng.standard_normal((NUM_FRAMES, H, W, 16)).astype(np.float32)
+    z = latents * np.asarray(std, np.float32) + np.asarray(mean, np.float32)  # the pipelines' de-normalisation
+    with torch.no_grad():
+        pixels = model.decode(torch.from_numpy(z).permute(3, 0, 1, 2)[None]).sample[0].permute(1, 2, 3, 0).numpy()
+    assert pixels.shape == (25, 32, 48, 3) and 0 < (np.abs(pixels) >= 1).mean() < 0.05  # little clamping
+    return model, directory, latents, pixels
+
+
+@pytest.fixture(scope="module")
+def decoder(reference):
+    return vae.load_wan_vae(reference[1])
+
+
+@pytest.fixture(scope="module")
+def whole(reference, decoder):
+    """Our whole-video decode of the reference latents."""
+    return np.asarray(vae.decode_video(decoder, reference[2]))
+
+
+def _err(a, b):
+    return float(np.abs(np.asarray(a) - np.asarray(b)).max())
+
+
+def test_loads_the_diffusers_config(reference, decoder):
+    model = reference[0]
+    assert decoder.config == vae.WanVAEConfig(base_dim=8, latents_mean=tuple(model.config.latents_mean),
+                                              latents_std=tuple(model.config.latents_std))
+    assert decoder.config.num_pixel_frames(NUM_FRAMES, True) == 25
+
+
+def test_whole_video_matches_diffusers(reference, whole):
+    pixels = reference[3]
+    assert whole.shape == pixels.shape and whole.dtype == np.float32
+    print(f"VAE whole-video decode vs diffusers: max abs err {_err(whole, pixels):.3e}")
+    assert _err(whole, pixels) < TOL
+
+
+def test_streaming_matches_diffusers_and_the_whole_video(reference, decoder, whole):
+    _, _, latents, pixels = reference
+    cache = vae.decoder_init_cache(decoder, H, W)
+    assert not cache.started and all(not np.asarray(f).any() for f in cache.frames)
+    frames, start = [], 0
+    for size in CHUNKS:
+        out, cache = vae.decode_chunk(decoder, cache, latents[start:start + size])
+        assert out.shape[0] == decoder.config.num_pixel_frames(size, start == 0) and cache.started
+        frames.append(np.asarray(out))
+        start += size
+    stream = np.concatenate(frames)
+    print(f"VAE streaming decode {CHUNKS} vs diffusers: max abs err {_err(stream, pixels):.3e}; "
+          f"vs whole-video decode {_err(stream, whole):.3e}")
+    assert _err(stream, pixels) < TOL
+    assert _err(stream, whole) < 1e-5
+
+
+def test_official_checkpoint_layout(reference, decoder, tmp_path):
+    """Wan2.1_VAE.pth names: made from the diffusers ones through the inverse of our map, which
+    diffusers' own converter (convert_wan_vae_to_diffusers) must map back."""
+    torch = pytest.importorskip("torch")
+    from diffusers.loaders.single_file_utils import convert_wan_vae_to_diffusers
+
+    state = reference[0].state_dict()
+    decoder_keys = {k for k in state if k.startswith(("decoder.", "post_quant_conv."))}
+    names = vae.official_vae_names(decoder.config)
+    assert set(names) == decoder_keys
+    official = {names[k]: state[k].clone() for k in decoder_keys}
+    back = convert_wan_vae_to_diffusers(dict(official))
+    assert set(back) == decoder_keys and all(back[k] is official[names[k]] for k in decoder_keys)
+
+    # Encoder weights in the file are ignored.
+    official.update({"encoder.conv1.weight": torch.zeros(8, 3, 3, 3, 3), "conv1.weight": torch.zeros(32, 32, 1, 1, 1)})
+    torch.save(official, tmp_path / "Wan2.1_VAE.pth")
+    loaded = vae.load_wan_vae(tmp_path / "Wan2.1_VAE.pth", decoder.config)
+    assert loaded.config == decoder.config
+    for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(decoder)):  # so it decodes as `decoder` does
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+    # The Wan 2.1 repository's layout: the VAE's .pth beside the DiT's weights and config.json.
+    (tmp_path / "diffusion_pytorch_model.safetensors").write_bytes(b"not read")
+    (tmp_path / "config.json").write_text(json.dumps({"_class_name": "WanModel", "dim": 1536}))
+    assert vae.load_wan_vae(tmp_path, decoder.config).config == decoder.config
+
+    # Without a config the official file is taken for Wan 2.1's full-size VAE: a named shape error.
+    with pytest.raises(ValueError, match=r"Wan2.1_VAE.pth: decoder.*: shape .* does not fit"):
+        vae.load_wan_vae(tmp_path / "Wan2.1_VAE.pth")
+    official["decoder.upsamples.99.residual.0.gamma"] = torch.ones(4)
+    torch.save(official, tmp_path / "bad.pth")
+    with pytest.raises(ValueError, match="unexpected decoder key 'decoder.upsamples.99.residual.0.gamma'"):
+        vae.load_wan_vae(tmp_path / "bad.pth", decoder.config)
+
+
+def test_safetensors_file_and_missing_weights(reference, decoder, tmp_path):
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    model = reference[0]
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    (tmp_path / "config.json").write_text((reference[1] / "config.json").read_text())
+    safetensors_torch.save_file(state, tmp_path / "vae.safetensors")
+    assert vae.load_wan_vae(tmp_path / "vae.safetensors").config == decoder.config
+    del state["decoder.up_blocks.1.resnets.0.conv_shortcut.bias"]
+    safetensors_torch.save_file(state, tmp_path / "vae.safetensors")
+    with pytest.raises(ValueError, match="no 'decoder.up_blocks.1.resnets.0.conv_shortcut.bias'"):
+        vae.load_wan_vae(tmp_path / "vae.safetensors")
+
+
+def test_default_statistics_are_diffusers_defaults():
+    diffusers = pytest.importorskip("diffusers")
+    import inspect
+
+    defaults = inspect.signature(diffusers.AutoencoderKLWan.__init__).parameters
+    assert vae.WAN21_LATENTS_MEAN == tuple(defaults["latents_mean"].default)
+    assert vae.WAN21_LATENTS_STD == tuple(defaults["latents_std"].default)
+    assert vae.config_from_diffusers({}) == vae.VAE_CONFIGS["wan2.1"]
+
+
+# ------------------------------------------------------------------------------------------------
+# Without torch
+# ------------------------------------------------------------------------------------------------
+
+SMALL = vae.WanVAEConfig(base_dim=4, z_dim=4, dim_mult=(1, 2), temporal_upsample=(True,), num_res_blocks=1,
+                         latents_mean=(0.1, -0.2, 0.3, 0.0), latents_std=(1.5, 0.5, 2.0, 1.0))
+
+
+def test_random_decoder_stream_equals_whole_video():
+    """Two levels, one temporal upsampler: 2 pixel frames per latent frame after the first."""
+    decoder = vae.init_random(SMALL, seed=1)
+    latents = np.random.default_rng(1).standard_normal((6, 3, 5, 4)).astype(np.float32)
+    whole = np.asarray(vae.decode_video(decoder, latents))
+    assert whole.shape == (SMALL.num_pixel_frames(6, True), 6, 10, 3) == (11, 6, 10, 3)
+    assert np.isfinite(whole).all() and np.abs(whole).max() <= 1 and whole.std() > 1e-3
+    cache = vae.decoder_init_cache(decoder, 3, 5)
+    frames = []
+    for chunk in (latents[:1], latents[1:1], latents[1:6]):  # the first frame alone, an empty chunk, the rest
+        out, cache = vae.decode_chunk(decoder, cache, chunk)
+        frames.append(np.asarray(out))
+    assert [f.shape[0] for f in frames] == [1, 0, 10]
+    np.testing.assert_allclose(np.concatenate(frames), whole, atol=1e-5, rtol=0)
+    # Causal: the pixels of the first frames do not depend on later latents.
+    changed = latents.copy()
+    changed[3:] += 1.0
+    changed_pixels = np.asarray(vae.decode_video(decoder, changed))
+    np.testing.assert_allclose(changed_pixels[:5], whole[:5], atol=1e-6, rtol=0)
+    assert np.abs(changed_pixels[5:] - whole[5:]).max() > 1e-2
+
+
+def test_batched_stream_compiles_once_per_phase():
+    """Two streams side by side (vmap), chunk by chunk: each equals its own whole-video decode;
+    the later chunks reuse one compilation."""
+    decoder = vae.init_random(SMALL, seed=2)
+    batch = np.random.default_rng(2).standard_normal((2, 6, 3, 5, 4)).astype(np.float32)
+    cache = vae.decoder_init_cache(decoder, 3, 5, batch_size=2)
+    assert cache.frames[0].shape == (2, 2, 3, 5, 4)
+    traces = vae._decode_chunk_donating._cache_size()
+    frames = []
+    for start in range(0, 6, 2):
+        old = cache
+        out, cache = vae.decode_chunk(decoder, cache, batch[:, start:start + 2], per_frame=False, donate_cache=True)
+        assert old.frames[0].is_deleted()  # donated: the new cache took its buffers
+        frames.append(np.asarray(out))
+    assert vae._decode_chunk_donating._cache_size() - traces == 2  # the first chunk, then one for all later ones
+    stream = np.concatenate(frames, axis=1)
+    assert stream.shape == (2, 11, 6, 10, 3)
+    whole = np.asarray(vae.decode_video(decoder, batch))
+    np.testing.assert_allclose(stream, whole, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(whole[1], np.asarray(vae.decode_video(decoder, batch[1])), atol=1e-5, rtol=0)
+
+
+def test_cache_shape_and_input_errors():
+    decoder = vae.init_random(SMALL)
+    cache = vae.decoder_init_cache(decoder, 3, 5)
+    # conv_in, 2 mid resnets x 2, 2 up blocks x 2 resnets x 2, the time_conv, conv_out
+    assert len(cache.frames) == 1 + 4 + 8 + 1 + 1
+    assert cache.frames[0].shape == (2, 3, 5, 4) and cache.frames[-1].shape == (2, 6, 10, 4)
+    with pytest.raises(ValueError, match=r"latents must be \[F, h, w, 4\]"):
+        vae.decode_chunk(decoder, cache, np.zeros((2, 3, 5, 16), np.float32))
+    with pytest.raises(ValueError, match="cache entry 0 has shape"):
+        vae.decode_chunk(decoder, cache, np.zeros((1, 4, 5, 4), np.float32))
+    with pytest.raises(ValueError, match="single cache cannot decode"):
+        vae.decode_chunk(decoder, cache, np.zeros((2, 1, 3, 5, 4), np.float32))
+    with pytest.raises(ValueError, match="temporal_upsample needs one entry"):
+        vae.WanVAEConfig(dim_mult=(1, 2), temporal_upsample=(True, True))
+    with pytest.raises(ValueError, match="Wan 2.2-style"):
+        vae.config_from_diffusers({"is_residual": True})
+
+
+def test_bfloat16_decoder_streams():
+    """bfloat16 weights and activations (norms and softmax in float32): float32 pixels close to
+    the float32 decoder's, decoded in two chunks through a bfloat16 cache."""
+    import dataclasses
+
+    latents = np.random.default_rng(3).standard_normal((3, 3, 5, 4)).astype(np.float32)
+    reference = np.asarray(vae.decode_video(vae.init_random(SMALL, seed=3), latents, per_frame=False))
+    decoder = vae.init_random(dataclasses.replace(SMALL, dtype="bfloat16"), seed=3)
+    cache = vae.decoder_init_cache(decoder, 3, 5)
+    assert all(f.dtype == jnp.bfloat16 for f in cache.frames)
+    first, cache = vae.decode_chunk(decoder, cache, latents[:1], per_frame=False)
+    rest, cache = vae.decode_chunk(decoder, cache, latents[1:], per_frame=False)
+    out = np.concatenate([first, rest])
+    assert out.dtype == np.float32 and out.shape == reference.shape
+    assert np.abs(out - reference).max() < 0.1
