@@ -72,8 +72,9 @@ def online_softmax_step(m_prev: jax.Array, l_prev: jax.Array, acc_prev: jax.Arra
 
     Args:
       m_prev, l_prev: ``[bq, 1]`` f32 running max and normaliser; acc_prev ``[bq, D]`` f32.
-      q: ``[bq, D]``; k, v: ``[bk, D]``; valid_row ``[1, bk]`` and valid_col ``[bk, 1]``: the same key
-        mask in both orientations (masked keys may hold NaN: they are selected away, not multiplied).
+      q: ``[bq, D]``; k, v: ``[bk, D]``; valid_row ``[1, bk]`` and valid_col ``[bk, 1]``: the same
+        key mask in both orientations (masked keys may hold NaN: they are selected away, not
+        multiplied).
       scale: the softmax scale, applied to the float32 logits.
 
     Returns:

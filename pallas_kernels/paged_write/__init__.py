@@ -101,7 +101,8 @@ def _write_chunk_jit(k_pool, v_pool, k_new, v_new, page_ids, *, tokens_per_frame
     backend = resolve_backend(backend_name)
     num_pages, block_size = k_pool.shape[1], k_pool.shape[2]
     ids = valid_page_ids(page_ids, num_pages)
-    k_frames, v_frames = chunk_frames(k_new, tokens_per_frame), chunk_frames(v_new, tokens_per_frame)
+    k_frames = chunk_frames(k_new, tokens_per_frame)
+    v_frames = chunk_frames(v_new, tokens_per_frame)
     ppf = pages_per_frame(tokens_per_frame, block_size)
     if backend.kind == "xla":
         return xla.write_chunk(k_pool, v_pool, k_frames, v_frames, ids, ppf)

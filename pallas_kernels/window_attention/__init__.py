@@ -1,10 +1,10 @@
-"""Paged window attention: the current chunk attends to its visible history pages, itself and extras.
+"""Paged window attention: the current chunk attends to its visible history pages, itself, extras.
 
-One call computes, for every row (a request slot: one session x KV branch), plain bidirectional softmax
-attention of the chunk's queries over
+One call computes, for every row (a request slot: one session x KV branch), plain bidirectional
+softmax attention of the chunk's queries over
 
 * the row's visible history tokens, read from the paged K/V pools through the row's page list,
-* every token of the current chunk (``k_cur``/``v_cur``, passed directly, never written to the pool),
+* every token of the current chunk (``k_cur``/``v_cur``, passed directly, never written to a pool),
 * every extra register token (``extra_k``/``extra_v``, e.g. action/state tokens), if given.
 
 No causal mask; the only masking is which history slots hold valid tokens. The pools are never

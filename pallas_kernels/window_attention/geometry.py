@@ -71,14 +71,15 @@ def history_capacity(max_pages: int, block_size: int, tokens_per_frame: int) -> 
 
 
 def visible_page_count(lengths: jax.Array, geom: WindowGeometry) -> jax.Array:
-    """int32 ``[rows]``: page-list entries up to and including the last one holding a valid token."""
+    """int32 ``[rows]``: page-list entries up to and including the last one holding a valid
+    token."""
     lengths = lengths.astype(jnp.int32)
     frames, offset = lengths // geom.tokens_per_frame, lengths % geom.tokens_per_frame
     return cdiv(frames * geom.frame_slots + offset, geom.block_size)
 
 
 def history_slot_valid(slots: jax.Array, lengths: jax.Array, geom: WindowGeometry) -> jax.Array:
-    """Whether page-list slot ``slots`` holds a valid token of a row with ``lengths`` history tokens.
+    """Whether page-list slot ``slots`` holds a valid token of a row of ``lengths`` history tokens.
 
     ``slots`` and ``lengths`` are non-negative int32 arrays that broadcast together.
     """

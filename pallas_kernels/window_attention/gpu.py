@@ -81,8 +81,8 @@ def _kernel(table_ref, nblk_ref, len_ref, q_ref, kp_ref, vp_ref, kt_ref, vt_ref,
     carry = (jnp.full((block_q, 1), MASK_VALUE, jnp.float32), jnp.zeros((block_q, 1), jnp.float32),
              jnp.zeros((block_q, geom.head_dim), jnp.float32))
     carry = lax.fori_loop(0, nblk_ref[row], history_block, carry)
-    _, l, acc = lax.fori_loop(0, kt_ref.shape[1] // block_k, tail_block, carry)
-    o_ref[...] = (acc / l).astype(o_ref.dtype)
+    _, denominator, acc = lax.fori_loop(0, kt_ref.shape[1] // block_k, tail_block, carry)
+    o_ref[...] = (acc / denominator).astype(o_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("geom", "scale", "block_q", "block_k", "backend"))

@@ -1,4 +1,5 @@
-"""Pure-jnp reference of paged window attention: slow, simple, what every backend is tested against."""
+"""Pure-jnp reference of paged window attention: slow and simple; every backend is tested
+against it."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Window attention as a Pallas TPU (Mosaic) kernel (``"pallas_tpu"``, ``_interpret``, ``_simulate``).
+"""Window attention as a Pallas TPU (Mosaic) kernel (``"pallas_tpu"``, ``_interpret``,
+``_simulate``).
 
 Grid ``(rows, query blocks, max_pages + tail blocks)``; the page table (with the layer folded in),
 the per-row visible page counts and the lengths are scalar-prefetched; each history step brings one
@@ -54,9 +55,10 @@ def _kernel(table_ref, nvis_ref, len_ref, q_ref, kp_ref, vp_ref, kt_ref, vt_ref,
     """Grid step ``(row, q block, key step)``; key steps ``[0, max_pages)`` are history pages, then
     tail blocks of ``block_t`` tokens.
 
-    Refs: ``q_ref``/``o_ref`` ``[Hq, bq, D]``; ``kp_ref``/``vp_ref`` one page ``[block_size, Hkv, D]``;
-    ``kt_ref``/``vt_ref`` ``[block_t, Hkv, D]``; scratch ``m_ref``/``l_ref`` ``[Hq, bq, 1]`` and
-    ``acc_ref`` ``[Hq, bq, D]`` float32. ``table_ref`` is unused here (read by the index maps).
+    Refs: ``q_ref``/``o_ref`` ``[Hq, bq, D]``; ``kp_ref``/``vp_ref`` one page
+    ``[block_size, Hkv, D]``; ``kt_ref``/``vt_ref`` ``[block_t, Hkv, D]``; scratch
+    ``m_ref``/``l_ref`` ``[Hq, bq, 1]`` and ``acc_ref`` ``[Hq, bq, D]`` float32. ``table_ref`` is
+    unused here (read by the index maps).
     """
     del table_ref
     row, step = pl.program_id(0), pl.program_id(2)
@@ -72,9 +74,9 @@ def _kernel(table_ref, nvis_ref, len_ref, q_ref, kp_ref, vp_ref, kt_ref, vt_ref,
             k = k_ref[:, kv_head, :]
             v = v_ref[:, kv_head, :]
             for head in range(kv_head * geom.group, (kv_head + 1) * geom.group):
-                m, l, acc = online_softmax_step(m_ref[head], l_ref[head], acc_ref[head],
-                                                q_ref[head], k, v, valid_row, valid_col, scale)
-                m_ref[head], l_ref[head], acc_ref[head] = m, l, acc
+                m_ref[head], l_ref[head], acc_ref[head] = online_softmax_step(
+                    m_ref[head], l_ref[head], acc_ref[head], q_ref[head], k, v, valid_row,
+                    valid_col, scale)
 
     def iotas(n):
         return (lax.broadcasted_iota(jnp.int32, (1, n), 1),

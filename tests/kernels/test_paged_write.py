@@ -329,7 +329,8 @@ def test_shape_checks_run_under_jit_value_checks_do_not():
     ("xla", 16), ("xla", 24),
     ("pallas_tpu_interpret", 16),
     ("pallas_tpu_simulate", 16), ("pallas_tpu_simulate", 24),
-    compiled("pallas_gpu", 16), compiled("pallas_gpu", 24), compiled("pallas_tpu", 16), compiled("pallas_tpu", 24),
+    compiled("pallas_gpu", 16), compiled("pallas_gpu", 24),
+    compiled("pallas_tpu", 16), compiled("pallas_tpu", 24),
 ])
 def test_donated_write_is_in_place(backend, tokens_per_frame):
     """Donated: the outputs alias both whole pools and the temp stays under 1 % of the pools
@@ -382,7 +383,8 @@ def test_donated_step_runs_in_place(backend):
     assert_bitwise_equal(v_out, v_ref)
 
 
-@pytest.mark.parametrize("backend", ["xla", "pallas_tpu_interpret", "pallas_gpu_interpret", *COMPILED_BACKENDS])
+@pytest.mark.parametrize("backend", ["xla", "pallas_tpu_interpret", "pallas_gpu_interpret",
+                                     *COMPILED_BACKENDS])
 def test_new_page_id_values_do_not_retrace(backend, fresh_trace_counter):
     k_pool, v_pool, k_new, v_new, page_ids = make_case(9, tokens_per_frame=24)
 

@@ -168,7 +168,8 @@ def test_lengths_not_page_multiples(backend):
 @pytest.mark.parametrize("backend", FAST_BACKENDS)
 def test_extra_tokens_frame_padding_and_poison(backend):
     """3 extra tokens, 24-token frames on 16-slot pages (8 padding slots per frame), NaN wherever a
-    row must not look (other layer, free/evicted/foreign pages, padding, stale page-list entries)."""
+    row must not look (other layer, free/evicted/foreign pages, padding, stale page-list
+    entries)."""
     case, owned = make_case(committed=(0, 2, 5), window=Window(tokens_per_frame=24), extra=3)
     check(poisoned(case, owned), backend, expected=case)
 
@@ -198,8 +199,8 @@ def test_small_tiles(backend, tiles):
 def test_tpu_simulator():
     """The TPU kernel under the simulator: DMAs emulated, OOB reads raise, races detected,
     uninitialised VMEM is NaN; GQA, extra tokens, frame padding, poison, rows at different fills."""
-    case, owned = make_case(committed=(0, 1, 4), window=Window(sink=1, recent=1, tokens_per_frame=24),
-                            extra=3)
+    window = Window(sink=1, recent=1, tokens_per_frame=24)
+    case, owned = make_case(committed=(0, 1, 4), window=window, extra=3)
     check(poisoned(case, owned), "pallas_tpu_simulate", expected=case)
 
 
