@@ -21,8 +21,8 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 python -c "import jax, platform; print('jax', jax.__version__, 'python', platform.python_version()); \
 print(jax.devices())" > "$out/env.txt" 2>&1
 
-timeout 240 python -m pytest -p no:cacheprovider -rs tests/test_paged_write.py \
-  tests/test_window_attention.py -k "pallas_gpu and not interpret" > "$out/tests.txt" 2>&1
+timeout 240 python -m pytest -p no:cacheprovider -rs tests/kernels/test_paged_write.py \
+  tests/kernels/test_window_attention.py -k "pallas_gpu and not interpret" > "$out/tests.txt" 2>&1
 echo "exit status $?" >> "$out/tests.txt"
 
 timeout 120 python -m benchmarks.paged_write --gpu > "$out/paged_write_gpu.txt" 2>&1

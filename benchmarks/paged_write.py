@@ -1,4 +1,4 @@
-"""Benchmark of the paged chunk write (pallas_kernels/paged_write.py).
+"""Benchmark of the paged chunk write (pallas_kernels/paged_write/).
 
 CPU (default): the XLA path's write bandwidth against a plain contiguous copy of the same bytes into
 the same pools (a donated ``dynamic_update_slice`` of one ``[L, N, S, H, D]`` slab), measured in one

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.harness import emit, median_seconds, parse_args, print_table
+from pallas_kernels.common import pages_per_frame
 from pallas_kernels.window_attention import window_attention
 
 H200_PEAK_TFLOPS = 790.0
@@ -83,7 +84,7 @@ def make_inputs(shape: Shape, block_size: int, seed: int = 0) -> dict:
     rng = np.random.default_rng(seed)
     dtype = jnp.dtype(shape.dtype)
     rows, heads, dim, tpf = shape.rows, shape.heads, shape.head_dim, shape.tokens_per_frame
-    ppf = -(-tpf // block_size)
+    ppf = pages_per_frame(tpf, block_size)
     max_pages = shape.history_frames * ppf
     num_pages = 1 + rows * max_pages + 8
     hist = shape.history_frames * tpf

@@ -1,8 +1,10 @@
 """Pallas kernels for arkv-jax: paged chunk writes and paged window attention.
 
-Every kernel has a plain-XLA path, a Pallas TPU kernel, a Pallas GPU kernel and a pure-jnp reference,
-chosen with one ``backend=`` argument (see :mod:`pallas_kernels.backend`). Kernels know pages and
-lengths, never sessions.
+One package per kernel (:mod:`pallas_kernels.paged_write`, :mod:`pallas_kernels.window_attention`),
+each with its public function, explicit ``static_validate_inputs`` / ``dynamic_validate_inputs``,
+one module per backend (``xla``, ``tpu``, ``gpu``) and a pure-jnp ``reference``; the backend is
+chosen with one ``backend=`` argument (see :mod:`pallas_kernels.backend`). Rules they share live in
+:mod:`pallas_kernels.common`. Kernels know pages and lengths, never sessions or meshes.
 """
 
 from pallas_kernels.backend import BACKEND_NAMES, Backend, resolve_backend

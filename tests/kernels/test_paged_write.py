@@ -1,4 +1,4 @@
-"""Tests of the paged chunk write (pallas_kernels/paged_write.py) on CPU.
+"""Tests of the paged chunk write (pallas_kernels/paged_write/) on CPU.
 
 Every backend runs here: ``xla`` compiled, the Pallas kernels in interpret mode only
 (``pallas_tpu_interpret``, ``pallas_gpu_interpret``, and ``pallas_tpu_simulate``, the TPU simulator
@@ -17,11 +17,17 @@ import numpy as np
 import pytest
 
 from pallas_kernels.paged_write import (
+    dynamic_validate_inputs,
     pages_per_frame,
+    static_validate_inputs,
     write_chunk,
     write_chunk_reference,
 )
-from tests.device_backends import COMPILED_BACKENDS, compiled
+from tests.kernels.device_backends import (
+    COMPILED_BACKENDS,
+    IGNORE_TRITON_DEPRECATION,
+    compiled,
+)
 
 BACKENDS = ("xla", "pallas_tpu_interpret", "pallas_gpu_interpret", "pallas_tpu_simulate",
             *COMPILED_BACKENDS)
@@ -151,20 +157,17 @@ def test_matches_reference_short_and_long_frames(backend, tokens_per_frame):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_skipped_ids_under_jit_corrupt_nothing(backend):
+@pytest.mark.parametrize("jitted", [True, False], ids=["jit", "eager"])
+def test_skipped_ids_corrupt_nothing(backend, jitted):
+    """0 and out-of-range ids skip, eagerly as under jit: the kernel never checks values."""
     k_pool, v_pool, k_new, v_new, page_ids = make_case(4, rows=3, tokens_per_frame=24)
     num_pages = k_pool.shape[1]
     skipped = (page_ids.at[0, :].set(0)            # a padding row
                .at[1, 1].set(num_pages)            # just out of range
                .at[1, 2].set(-1)                   # negative
                .at[2, 3].set(10 * num_pages))      # far out of range
-
-    @jax.jit
-    def step(k_pool, v_pool, k_new, v_new, page_ids):
-        return write_chunk(k_pool, v_pool, k_new, v_new, page_ids, tokens_per_frame=24,
-                           backend=backend)
-
-    k_out, v_out = step(k_pool, v_pool, k_new, v_new, skipped)
+    step = functools.partial(write_chunk, tokens_per_frame=24, backend=backend)
+    k_out, v_out = (jax.jit(step) if jitted else step)(k_pool, v_pool, k_new, v_new, skipped)
     k_ref, v_ref = write_chunk_reference(k_pool, v_pool, k_new, v_new, skipped,
                                          tokens_per_frame=24)
     assert_bitwise_equal(k_out, k_ref)
@@ -210,25 +213,35 @@ def _valid_args(**kwargs):
 ])
 def test_rejects_bad_page_id_values(bad_id, message):
     k_pool, v_pool, k_new, v_new, page_ids = _valid_args()
+    bad = page_ids.at[1, 2].set(bad_id)
     with pytest.raises(ValueError, match=message):
-        write_chunk(k_pool, v_pool, k_new, v_new, page_ids.at[1, 2].set(bad_id),
-                    tokens_per_frame=24)
+        dynamic_validate_inputs(k_pool, v_pool, k_new, v_new, bad, tokens_per_frame=24)
+    static_validate_inputs(k_pool, v_pool, k_new, v_new, bad, tokens_per_frame=24)
 
 
 def test_rejects_duplicate_page_ids():
     k_pool, v_pool, k_new, v_new, page_ids = _valid_args()
     dup = int(page_ids[0, 0])
     with pytest.raises(ValueError, match=rf"repeats page {dup}; .* \[1, 24\)"):
-        write_chunk(k_pool, v_pool, k_new, v_new, page_ids.at[1, 3].set(dup),
-                    tokens_per_frame=24)
+        dynamic_validate_inputs(k_pool, v_pool, k_new, v_new, page_ids.at[1, 3].set(dup),
+                                tokens_per_frame=24)
 
 
 def test_validation_accepts_numpy_page_ids():
     k_pool, v_pool, k_new, v_new, page_ids = _valid_args()
+    assert dynamic_validate_inputs(k_pool, v_pool, k_new, v_new, np.asarray(page_ids),
+                                   tokens_per_frame=24) is None
     k_out, _ = write_chunk(k_pool, v_pool, k_new, v_new, np.asarray(page_ids),
                            tokens_per_frame=24)
     k_ref, _ = write_chunk_reference(k_pool, v_pool, k_new, v_new, page_ids, tokens_per_frame=24)
     assert_bitwise_equal(k_out, k_ref)
+
+
+def test_dynamic_validation_needs_concrete_values():
+    k_pool, v_pool, k_new, v_new, page_ids = _valid_args()
+    with pytest.raises(jax.errors.TracerArrayConversionError):
+        jax.jit(lambda ids: dynamic_validate_inputs(k_pool, v_pool, k_new, v_new, ids,
+                                                    tokens_per_frame=24))(page_ids)
 
 
 def _swap(args, index, value):
@@ -255,15 +268,32 @@ def _swap(args, index, value):
     (lambda a: _swap(a, 4, a[4][:, :-1]), 24, r"page_ids must have shape .* = \[2, 4\]"),
     (lambda a: _swap(a, 4, a[4].astype(jnp.float32)), 24, r"page_ids must be integers"),
 ])
-def test_rejects_bad_shapes_and_dtypes(mutate, tokens_per_frame, message):
+@pytest.mark.parametrize("validate", [write_chunk, static_validate_inputs,
+                                      dynamic_validate_inputs])
+def test_rejects_bad_shapes_and_dtypes(mutate, tokens_per_frame, message, validate):
+    """Raised by the kernel, by its static validation and by its dynamic validation (which runs
+    the static one first)."""
     args = mutate(_valid_args())
     with pytest.raises(ValueError, match=message):
-        write_chunk(*args, tokens_per_frame=tokens_per_frame)
+        validate(*args, tokens_per_frame=tokens_per_frame)
 
 
-def test_rejects_unknown_backend():
+@pytest.mark.parametrize("validate", [write_chunk, static_validate_inputs])
+def test_rejects_unknown_backend(validate):
     with pytest.raises(ValueError, match="backend must be one of"):
-        write_chunk(*_valid_args(), tokens_per_frame=24, backend="cuda")
+        validate(*_valid_args(), tokens_per_frame=24, backend="cuda")
+
+
+def test_static_validation_accepts_abstract_inputs():
+    args = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in _valid_args()]
+    assert static_validate_inputs(*args, tokens_per_frame=24) == 24
+    assert static_validate_inputs(*args[:4], jax.ShapeDtypeStruct((2, 3), jnp.int32)) == BLOCK
+
+    def traced(*arrays):
+        assert static_validate_inputs(*arrays, tokens_per_frame=24) == 24
+        return arrays[0]
+
+    jax.eval_shape(traced, *args)
 
 
 def test_shape_checks_run_under_jit_value_checks_do_not():
@@ -283,7 +313,8 @@ def test_shape_checks_run_under_jit_value_checks_do_not():
     ("xla", 16), ("xla", 24),
     ("pallas_tpu_interpret", 16),
     ("pallas_tpu_simulate", 16), ("pallas_tpu_simulate", 24),
-    compiled("pallas_gpu", 16), compiled("pallas_gpu", 24), compiled("pallas_tpu", 16), compiled("pallas_tpu", 24),
+    compiled("pallas_gpu", 16), compiled("pallas_gpu", 24),
+    compiled("pallas_tpu", 16), compiled("pallas_tpu", 24),
 ])
 def test_donated_write_is_in_place(backend, tokens_per_frame):
     """Donated: the outputs alias both whole pools and the temp stays under 1 % of the pools
@@ -336,9 +367,9 @@ def test_donated_step_runs_in_place(backend):
     assert_bitwise_equal(v_out, v_ref)
 
 
-@pytest.mark.parametrize("backend", ["xla", "pallas_tpu_interpret", "pallas_gpu_interpret", *COMPILED_BACKENDS])
-def test_new_page_id_values_do_not_retrace(backend):
-    chex.clear_trace_counter()  # The counter is keyed by code, shared across parameters.
+@pytest.mark.parametrize("backend", ["xla", "pallas_tpu_interpret", "pallas_gpu_interpret",
+                                     *COMPILED_BACKENDS])
+def test_new_page_id_values_do_not_retrace(backend, fresh_trace_counter):
     k_pool, v_pool, k_new, v_new, page_ids = make_case(9, tokens_per_frame=24)
 
     @jax.jit
@@ -352,3 +383,19 @@ def test_new_page_id_values_do_not_retrace(backend):
         new_ids = jnp.asarray(ids[: page_ids.size].reshape(page_ids.shape), jnp.int32)
         k_pool, v_pool = step(k_pool, v_pool, k_new, v_new, new_ids)
     step(k_pool, v_pool, k_new, v_new, jnp.zeros_like(page_ids))
+
+
+@pytest.mark.parametrize("platform,backend,call", [
+    ("tpu", "pallas_tpu", "tpu_custom_call"),
+    pytest.param("cuda", "pallas_gpu", "triton", marks=IGNORE_TRITON_DEPRECATION),
+])
+@pytest.mark.parametrize("tokens_per_frame", [16, 24])
+def test_lowers_for_device(platform, backend, call, tokens_per_frame, lower_for_device):
+    """The kernels lower to a Mosaic TPU / Triton custom call (Pallas' own lowering rules), for
+    full and padded frames; the device compiler itself is not run here."""
+    ppf = pages_per_frame(tokens_per_frame, BLOCK)
+    pool = jax.ShapeDtypeStruct((2, 64, BLOCK, HEADS, HEAD_DIM), jnp.bfloat16)
+    new = jax.ShapeDtypeStruct((2, 2, 2 * tokens_per_frame, HEADS, HEAD_DIM), jnp.bfloat16)
+    ids = jax.ShapeDtypeStruct((2, 2 * ppf), jnp.int32)
+    write = functools.partial(write_chunk, tokens_per_frame=tokens_per_frame, backend=backend)
+    assert call in lower_for_device(write, (pool, pool, new, new, ids), platform)

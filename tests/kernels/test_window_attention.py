@@ -19,13 +19,15 @@ import pytest
 
 from pallas_kernels.window_attention import (
     WindowGeometry,
+    dynamic_validate_inputs,
     history_capacity,
     history_slot_valid,
+    static_validate_inputs,
     visible_page_count,
     window_attention,
     window_attention_reference,
 )
-from tests.device_backends import COMPILED_BACKENDS
+from tests.kernels.device_backends import COMPILED_BACKENDS, IGNORE_TRITON_DEPRECATION
 
 FAST_BACKENDS = ("xla", "pallas_tpu_interpret", "pallas_gpu_interpret", *COMPILED_BACKENDS)
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 3e-2, jnp.float16: 4e-3}
@@ -166,7 +168,8 @@ def test_lengths_not_page_multiples(backend):
 @pytest.mark.parametrize("backend", FAST_BACKENDS)
 def test_extra_tokens_frame_padding_and_poison(backend):
     """3 extra tokens, 24-token frames on 16-slot pages (8 padding slots per frame), NaN wherever a
-    row must not look (other layer, free/evicted/foreign pages, padding, stale page-list entries)."""
+    row must not look (other layer, free/evicted/foreign pages, padding, stale page-list
+    entries)."""
     case, owned = make_case(committed=(0, 2, 5), window=Window(tokens_per_frame=24), extra=3)
     check(poisoned(case, owned), backend, expected=case)
 
@@ -196,8 +199,8 @@ def test_small_tiles(backend, tiles):
 def test_tpu_simulator():
     """The TPU kernel under the simulator: DMAs emulated, OOB reads raise, races detected,
     uninitialised VMEM is NaN; GQA, extra tokens, frame padding, poison, rows at different fills."""
-    case, owned = make_case(committed=(0, 1, 4), window=Window(sink=1, recent=1, tokens_per_frame=24),
-                            extra=3)
+    window = Window(sink=1, recent=1, tokens_per_frame=24)
+    case, owned = make_case(committed=(0, 1, 4), window=window, extra=3)
     check(poisoned(case, owned), "pallas_tpu_simulate", expected=case)
 
 
@@ -219,10 +222,8 @@ def test_scale_argument():
 
 
 @pytest.mark.parametrize("backend", FAST_BACKENDS)
-def test_one_trace_while_window_fills(backend):
+def test_one_trace_while_window_fills(backend, fresh_trace_counter):
     """Lengths, pages and the layer change values only: a jitted step traces once."""
-    chex.clear_trace_counter()
-
     @jax.jit
     @chex.assert_max_traces(n=1)
     def step(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, layer):
@@ -243,9 +244,11 @@ def test_one_trace_while_window_fills(backend):
 # ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("platform,backend,call", [("tpu", "pallas_tpu", "tpu_custom_call"),
-                                                   ("cuda", "pallas_gpu", "triton")])
-def test_lowers_for_device(platform, backend, call):
+@pytest.mark.parametrize("platform,backend,call", [
+    ("tpu", "pallas_tpu", "tpu_custom_call"),
+    pytest.param("cuda", "pallas_gpu", "triton", marks=IGNORE_TRITON_DEPRECATION),
+])
+def test_lowers_for_device(platform, backend, call, lower_for_device):
     """The kernels lower to a Mosaic TPU / Triton custom call (Pallas' own lowering rules: block
     shapes, supported primitives); the device compiler itself is not run here."""
     sds = jax.ShapeDtypeStruct
@@ -260,8 +263,7 @@ def test_lowers_for_device(platform, backend, call):
         return window_attention(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, layer=layer,
                                 tokens_per_frame=24, backend=backend)
 
-    text = jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
-    assert call in text
+    assert call in lower_for_device(fn, args, platform)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -269,7 +271,7 @@ def test_lowers_for_device(platform, backend, call):
 # ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("change,message", [
+STATIC_ERRORS = [
     (lambda c: dict(q=c["q"][0]), r"q must have rank 4"),
     (lambda c: dict(q=c["q"][..., :8]), r"k_cur.shape=.* does not match"),
     (lambda c: dict(q=c["q"][:, :, :3]), r"num_q_heads=3 .* multiple of kv_heads=2"),
@@ -282,40 +284,104 @@ def test_lowers_for_device(platform, backend, call):
     (lambda c: dict(k_cur=c["k_cur"].astype(jnp.bfloat16)), r"k_cur.dtype must equal q.dtype"),
     (lambda c: dict(q=c["q"].astype(jnp.int32)), r"q.dtype must be one of"),
     (lambda c: dict(pages=c["pages"].astype(jnp.float32)), r"pages must be an integer array"),
-    (lambda c: dict(pages=c["pages"].at[1, 2].set(NUM_PAGES)),
-     rf"pages\[1, 2\]={NUM_PAGES} is not a page id; allowed \[0, {NUM_PAGES}\)"),
-    (lambda c: dict(pages=c["pages"].at[0, 0].set(-1)), r"pages\[0, 0\]=-1 .* allowed \[0, 40\)"),
-    (lambda c: dict(lengths=c["lengths"].at[1].set(49)), r"lengths\[1\]=49 .* allowed \[0, 48\]"),
-    (lambda c: dict(lengths=c["lengths"].at[0].set(-2)), r"lengths\[0\]=-2 .* allowed \[0, 48\]"),
-    (lambda c: dict(layer=LAYERS), r"layer=2 is out of range; allowed \[0, 2\)"),
     (lambda c: dict(layer=jnp.zeros((1,), jnp.int32)), r"layer must be an int scalar"),
     (lambda c: dict(tokens_per_frame=0), r"tokens_per_frame must be an int >= 1"),
     (lambda c: dict(extra_k=c["k_cur"][:, :3]), r"extra_k and extra_v must be given together"),
     (lambda c: dict(extra_k=c["k_cur"][:, :3], extra_v=c["v_cur"][:, :2]),
      r"extra_v.shape must equal extra_k.shape"),
     (lambda c: dict(k_cur=c["k_cur"][:, :0], v_cur=c["v_cur"][:, :0]), r"must all be >= 1"),
-])
-def test_validation_errors(change, message):
+]
+
+DYNAMIC_ERRORS = [
+    (lambda c: dict(pages=c["pages"].at[1, 2].set(NUM_PAGES)),
+     rf"pages\[1, 2\]={NUM_PAGES} is not a page id; allowed \[0, {NUM_PAGES}\)"),
+    (lambda c: dict(pages=c["pages"].at[0, 0].set(-1)), r"pages\[0, 0\]=-1 .* allowed \[0, 40\)"),
+    (lambda c: dict(lengths=c["lengths"].at[1].set(49)), r"lengths\[1\]=49 .* allowed \[0, 48\]"),
+    (lambda c: dict(lengths=c["lengths"].at[0].set(-2)), r"lengths\[0\]=-2 .* allowed \[0, 48\]"),
+    (lambda c: dict(layer=LAYERS), r"layer=2 is out of range; allowed \[0, 2\)"),
+]
+
+
+@pytest.mark.parametrize("validate", [window_attention, static_validate_inputs,
+                                      dynamic_validate_inputs])
+@pytest.mark.parametrize("change,message", STATIC_ERRORS)
+def test_validation_errors(change, message, validate):
+    """Shape, dtype and argument errors: raised by the kernel, by its static validation and by its
+    dynamic validation (which runs the static one first)."""
     case, _ = make_case(committed=(3, 1))
     with pytest.raises(ValueError, match=message):
-        window_attention(**dict(case, **change(case)), backend="xla")
+        validate(**dict(case, **change(case)), backend="xla")
 
 
-def test_validation_of_backend_options():
+@pytest.mark.parametrize("change,message", DYNAMIC_ERRORS)
+def test_dynamic_validation_errors(change, message):
+    """Page ids, lengths and the layer out of range: only ``dynamic_validate_inputs`` checks values
+    (the static validation, and hence the kernel, accepts them)."""
+    case, _ = make_case(committed=(3, 1))
+    bad = dict(case, **change(case))
+    with pytest.raises(ValueError, match=message):
+        dynamic_validate_inputs(**bad, backend="xla")
+    static_validate_inputs(**bad, backend="xla")
+
+
+def test_validation_of_valid_inputs():
+    case, _ = make_case(committed=(3, 1), extra=3)
+    geom = static_validate_inputs(**case, backend="xla")
+    assert (geom.rows, geom.num_extra, geom.capacity) == (2, 3, 48)
+    assert dynamic_validate_inputs(**case, backend="xla") is None
+
+
+def test_static_validation_accepts_abstract_inputs():
+    """Shapes and dtypes are all it needs: ``ShapeDtypeStruct`` s and tracers pass."""
+    case, _ = make_case(committed=(3, 1))
+    arrays = {k: v for k, v in case.items() if hasattr(v, "shape")}
+    specs = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in arrays.items()}
+    args = dict(case, **specs, layer=jax.ShapeDtypeStruct((), jnp.int32))
+    assert static_validate_inputs(**args, backend="pallas_gpu", block_k=32).max_pages == 3
+    with pytest.raises(ValueError, match=r"block_k=24 must be a power of two >= 16"):
+        static_validate_inputs(**args, backend="pallas_gpu", block_k=24)
+
+    def traced(**arrays):
+        static_validate_inputs(**dict(case, **arrays), backend="xla")
+        return arrays["q"]
+
+    jax.eval_shape(traced, **arrays)
+
+
+def test_dynamic_validation_needs_concrete_values():
+    case, _ = make_case(committed=(3, 1))
+    with pytest.raises(jax.errors.TracerArrayConversionError):
+        jax.jit(lambda pages: dynamic_validate_inputs(**dict(case, pages=pages)))(case["pages"])
+
+
+def test_kernel_does_not_check_values():
+    """Eager and jitted calls behave alike: out-of-range lengths are masked to the capacity,
+    nothing raises (value checks are ``dynamic_validate_inputs``' job)."""
+    case, _ = make_case(committed=(6, 6))
+    too_long = dict(case, lengths=case["lengths"].at[0].set(10_000))
+    eager = window_attention(**too_long, backend="xla")
+    jitted = jax.jit(lambda lengths: window_attention(**dict(too_long, lengths=lengths),
+                                                       backend="xla"))(too_long["lengths"])
+    np.testing.assert_array_equal(eager, jitted)
+    np.testing.assert_allclose(eager, window_attention_reference(**case), atol=1e-5)
+
+
+@pytest.mark.parametrize("validate", [window_attention, static_validate_inputs])
+def test_validation_of_backend_options(validate):
     case, _ = make_case(committed=(1,))
     with pytest.raises(ValueError, match=r"scale must be a positive finite number"):
-        window_attention(**case, backend="xla", scale=-0.5)
+        validate(**case, backend="xla", scale=-0.5)
     with pytest.raises(ValueError, match=r"backend must be one of"):
-        window_attention(**case, backend="cuda")
+        validate(**case, backend="cuda")
     with pytest.raises(ValueError, match=r"block_k=24 must be a power of two >= 16"):
-        window_attention(**case, backend="pallas_gpu_interpret", block_k=24)
+        validate(**case, backend="pallas_gpu_interpret", block_k=24)
     with pytest.raises(ValueError, match=r"block_q=12 must be a positive multiple of 8"):
-        window_attention(**case, backend="pallas_tpu_interpret", block_q=12)
+        validate(**case, backend="pallas_tpu_interpret", block_q=12)
     odd = dict(case, q=case["q"][..., :12], k_cur=case["k_cur"][..., :12],
-                   v_cur=case["v_cur"][..., :12], k_pool=case["k_pool"][..., :12],
-                   v_pool=case["v_pool"][..., :12])
+               v_cur=case["v_cur"][..., :12], k_pool=case["k_pool"][..., :12],
+               v_pool=case["v_pool"][..., :12])
     with pytest.raises(ValueError, match=r"head_dim=12 is not supported by the GPU kernel"):
-        window_attention(**odd, backend="pallas_gpu_interpret")
+        validate(**odd, backend="pallas_gpu_interpret")
 
 
 def test_values_not_checked_when_traced():

@@ -1,0 +1,111 @@
+"""Paged chunk write: copy the clean K/V of one chunk per row into the rows' pages, in place.
+
+Shapes (``L`` layers, ``P`` pages, ``S`` tokens per page = block size, ``H`` KV heads, ``D`` head
+dim, ``R`` rows, ``F`` frames per chunk, ``T`` tokens per frame):
+
+================  =====================================  ===========================================
+``k_pool``        ``[L, P, S, H, D]``                    one page = ``S * H * D`` elements per layer
+``v_pool``        ``[L, P, S, H, D]``                    same shape and dtype as ``k_pool``
+``k_new``         ``[L, R, F * T, H, D]``                the chunk's K, frame-major, pool dtype
+``v_new``         ``[L, R, F * T, H, D]``                same shape and dtype as ``k_new``
+``page_ids``      ``int32 [R, F * ceil(T / S)]``         physical page of each (row, frame, page)
+================  =====================================  ===========================================
+
+A frame takes ``pages_per_frame = ceil(T / S)`` consecutive entries of its row's page list; the last
+page of a frame is padded with zeros (the padding tokens are written as zeros). Page 0 is the null
+page: it is never written. Every write is a whole-page copy (all layers of a page at once); pages
+not named in ``page_ids`` stay bit-identical.
+
+Skip semantics: an entry equal to 0 or outside ``[1, P)`` writes nothing (padding rows and failed
+allocations use 0), in every backend, eager or under ``jit``.
+
+Validation: :func:`write_chunk` always runs :func:`static_validate_inputs` (shapes, dtypes; works
+on tracers). Eager callers that want skipped or repeated ids rejected call
+:func:`dynamic_validate_inputs` first.
+
+In place: call it inside a jitted step that donates the pools,
+``jax.jit(step, donate_argnums=(0, 1))``; the outputs then alias the pools and a write moves only
+the chunk's bytes (``2 * L * R * F * ceil(T / S) * S * H * D * itemsize``). Without donation XLA
+copies both pools first.
+
+Backends (``backend=``, see :mod:`pallas_kernels.backend`), one module each: ``xla``
+(:mod:`~pallas_kernels.paged_write.xla`, a loop of page updates, the CPU default), ``pallas_tpu*``
+(:mod:`~pallas_kernels.paged_write.tpu`, HBM-to-HBM DMAs), ``pallas_gpu*``
+(:mod:`~pallas_kernels.paged_write.gpu`, Triton vector copies). None makes a padded copy of the
+chunk: each reads the ``[L, R, F * T, H, D]`` chunk as it is and writes a frame's padding from
+zeros. :func:`write_chunk_reference` (:mod:`~pallas_kernels.paged_write.reference`) is the
+pure-jnp reference they are tested against.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+from pallas_kernels.backend import resolve_backend
+from pallas_kernels.common import pages_per_frame
+from pallas_kernels.paged_write import gpu, tpu, xla
+from pallas_kernels.paged_write.reference import (
+    chunk_frames,
+    valid_page_ids,
+    write_chunk_reference,
+)
+from pallas_kernels.paged_write.validation import dynamic_validate_inputs, static_validate_inputs
+
+__all__ = [
+    "dynamic_validate_inputs", "pages_per_frame", "static_validate_inputs", "write_chunk",
+    "write_chunk_reference",
+]
+
+
+def write_chunk(
+    k_pool: jax.Array,
+    v_pool: jax.Array,
+    k_new: jax.Array,
+    v_new: jax.Array,
+    page_ids: jax.Array,
+    *,
+    tokens_per_frame: int | None = None,
+    backend: str = "auto",
+) -> tuple[jax.Array, jax.Array]:
+    """Writes one chunk's K/V per row into the pages ``page_ids`` names, for all layers at once.
+
+    Args:
+      k_pool, v_pool: ``[L, P, S, H, D]`` pools (fp32, bf16 or fp16), page 0 the null page.
+      k_new, v_new: ``[L, R, F * T, H, D]``, the pools' dtype (no implicit cast: a mismatch raises).
+      page_ids: integer ``[R, F * ceil(T / S)]``; entry ``(r, f * ppf + j)`` is the physical page of
+        row ``r``, frame ``f``, page ``j`` of the frame. 0 or out of ``[1, P)`` skips; a page named
+        twice ends up holding one of its writes, or on TPU/GPU possibly a mix of them, and no other
+        page is touched.
+      tokens_per_frame: ``T``; defaults to the block size ``S``.
+      backend: a name from :data:`pallas_kernels.backend.BACKEND_NAMES`.
+
+    Returns:
+      ``(k_pool, v_pool)`` with the named pages replaced (aliasing the inputs when donated).
+
+    Raises:
+      ValueError: what :func:`static_validate_inputs` rejects. Skipped or repeated page ids are
+        not detected here (see :func:`dynamic_validate_inputs`).
+    """
+    tokens_per_frame = static_validate_inputs(k_pool, v_pool, k_new, v_new, page_ids,
+                                              tokens_per_frame=tokens_per_frame, backend=backend)
+    return _write_chunk_jit(k_pool, v_pool, k_new, v_new, page_ids,
+                            tokens_per_frame=tokens_per_frame,
+                            backend_name=resolve_backend(backend).name)
+
+
+@functools.partial(jax.jit, static_argnames=("tokens_per_frame", "backend_name"))
+def _write_chunk_jit(k_pool, v_pool, k_new, v_new, page_ids, *, tokens_per_frame: int,
+                     backend_name: str):
+    backend = resolve_backend(backend_name)
+    num_pages, block_size = k_pool.shape[1], k_pool.shape[2]
+    ids = valid_page_ids(page_ids, num_pages)
+    k_frames = chunk_frames(k_new, tokens_per_frame)
+    v_frames = chunk_frames(v_new, tokens_per_frame)
+    ppf = pages_per_frame(tokens_per_frame, block_size)
+    if backend.kind == "xla":
+        return xla.write_chunk(k_pool, v_pool, k_frames, v_frames, ids, ppf)
+    if backend.kind == "pallas_tpu":
+        return tpu.write_chunk(k_pool, v_pool, k_frames, v_frames, ids, ppf, backend.interpret)
+    return gpu.write_chunk(k_pool, v_pool, k_frames, v_frames, ids, ppf, backend.interpret)

@@ -1,0 +1,92 @@
+"""The paged chunk write as a Pallas GPU kernel, Triton lowering (``"pallas_gpu"``, ``_interpret``).
+
+One program per (page, layer, block of elements) copies ``block`` elements of a page with vector
+loads and stores; loads past a frame's end are masked to zero.
+
+Why Triton rather than Mosaic GPU: the write must alias the donated pools. Mosaic GPU's
+``pallas_call`` (which has ``input_output_aliases``) is deprecated in favour of ``plgpu.kernel``,
+and ``plgpu.kernel`` aliases only Refs, which it rejects as operands; its TMA copies also have no
+discharge rule, so the kernel cannot run under ``interpret=True``. The Triton ``pallas_call``
+aliases, runs under the generic interpreter on CPU, and a page copy needs no tensor cores or TMA.
+Triton offsets switch to 64 bits for pools over 4 GiB (Pallas' Triton lowering does that by buffer
+size). JAX deprecates the Triton backend from 0.11 on (its lowering warns), so it is imported only
+when this backend runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+MAX_BLOCK_ELEMENTS = 4096
+"""Most elements one program copies (a power of two; 4096 bf16 = 8 KiB)."""
+
+
+def _kernel(ids_ref, k_frames, v_frames, k_pool_in, v_pool_in, k_pool, v_pool, *, ppf: int,
+            block: int, padded: bool):
+    """Program ``(i, l, c)`` copies elements ``[c * block, (c + 1) * block)`` of layer ``l`` of page
+    ``i`` into page ``ids_ref[i]`` of both pools (nothing when it is 0).
+
+    Refs are whole arrays in global memory: the unpadded chunk ``[L, R * F, T * H * D]``, pools
+    ``[L, P, S * H * D]``, the pool outputs aliasing the pool inputs. When frames are ``padded``,
+    loads past a frame's end are masked to zero.
+    """
+    from jax.experimental.pallas import triton as pltriton
+
+    del k_pool_in, v_pool_in  # Aliased to k_pool / v_pool.
+    i, layer, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    page = ids_ref[i]
+    page_elements, frame_elements = k_pool.shape[2], k_frames.shape[2]
+
+    @pl.when(page != 0)
+    def _():
+        start = lax.rem(i, ppf) * page_elements + c * block
+        src = pl.ds(start, block)
+        if padded:
+            mask = start + lax.broadcasted_iota(jnp.int32, (block,), 0) < frame_elements
+        for frames, pool in ((k_frames, k_pool), (v_frames, v_pool)):
+            chunk = frames.at[layer, lax.div(i, ppf), src]
+            data = pltriton.load(chunk, mask=mask, other=0) if padded else chunk[...]
+            pool[layer, page, pl.ds(c * block, block)] = data
+
+
+def block_elements(page_elements: int) -> int:
+    """Largest power of two dividing ``page_elements``, at most :data:`MAX_BLOCK_ELEMENTS`
+    (Triton blocks must be powers of two)."""
+    return math.gcd(page_elements, MAX_BLOCK_ELEMENTS)
+
+
+def write_chunk(k_pool, v_pool, k_frames, v_frames, ids, ppf: int, interpret: Any):
+    """``(k_pool, v_pool)`` with page ``i`` of the chunk written at page ``ids[i]`` (0 skips).
+
+    ``k_frames``/``v_frames`` are the unpadded chunk as ``[L, R * F, T, H, D]``; ``ids`` flat int32
+    ``[R * F * ppf]`` with skipped entries already 0; ``interpret`` as for ``pl.pallas_call``.
+    Grid ``(N, L, S * H * D / block)``: pages on the grid axis with the largest CUDA limit. The
+    outputs alias the pool operands.
+    """
+    from jax.experimental.pallas import triton as pltriton
+
+    num_layers, num_pages, block_size, kv_heads, head_dim = k_pool.shape
+    page_elements = block_size * kv_heads * head_dim
+    block = block_elements(page_elements)
+    flat_pool = (num_layers, num_pages, page_elements)
+    flat_frames = (num_layers, k_frames.shape[1], k_frames.shape[2] * kv_heads * head_dim)
+    padded = ppf * block_size != k_frames.shape[2]
+    k_out, v_out = pl.pallas_call(
+        # A fresh partial per call (jax issue 40847).
+        functools.partial(_kernel, ppf=ppf, block=block, padded=padded),
+        grid=(ids.shape[0], num_layers, page_elements // block),
+        out_shape=[jax.ShapeDtypeStruct(flat_pool, k_pool.dtype)] * 2,
+        input_output_aliases={3: 0, 4: 1},
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="paged_write_gpu",
+    )(ids, k_frames.reshape(flat_frames), v_frames.reshape(flat_frames),
+      k_pool.reshape(flat_pool), v_pool.reshape(flat_pool))
+    return k_out.reshape(k_pool.shape), v_out.reshape(v_pool.shape)

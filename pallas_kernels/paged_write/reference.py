@@ -1,0 +1,62 @@
+"""Pure-jnp reference of the paged chunk write, and the two rules every backend shares: the chunk
+seen as frames, and which page ids are skipped."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.common import pages_per_frame
+
+
+def write_chunk_reference(
+    k_pool: jax.Array,
+    v_pool: jax.Array,
+    k_new: jax.Array,
+    v_new: jax.Array,
+    page_ids: jax.Array,
+    *,
+    tokens_per_frame: int | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Pure-jnp reference of :func:`pallas_kernels.paged_write.write_chunk` (same arguments and
+    skip semantics, no checks).
+
+    Every pool page picks the chunk page whose valid id names it (a one-hot match of page ids
+    against the page axis) or keeps its old bits: no scatter, no loop, ``O(P * R * F * ppf)``.
+    """
+    num_pages, block_size = k_pool.shape[1], k_pool.shape[2]
+    ids = valid_page_ids(page_ids, num_pages)
+    match = (ids[None, :] == jnp.arange(num_pages, dtype=jnp.int32)[:, None]) & (ids[None, :] != 0)
+    written = match.any(axis=1)[None, :, None, None, None]
+    source = jnp.argmax(match, axis=1)
+    tpf = block_size if tokens_per_frame is None else tokens_per_frame
+
+    def one(pool: jax.Array, new: jax.Array) -> jax.Array:
+        pages = chunk_to_pages(new, block_size, tpf)
+        return jnp.where(written, pages[:, source], pool)
+
+    return one(k_pool, k_new), one(v_pool, v_new)
+
+
+def chunk_frames(new: jax.Array, tokens_per_frame: int) -> jax.Array:
+    """``[L, R, F * T, H, D]`` -> ``[L, R * F, T, H, D]`` (a free reshape)."""
+    num_layers, rows, tokens, kv_heads, head_dim = new.shape
+    return new.reshape(num_layers, rows * tokens // tokens_per_frame, tokens_per_frame, kv_heads,
+                       head_dim)
+
+
+def chunk_to_pages(new: jax.Array, block_size: int, tokens_per_frame: int) -> jax.Array:
+    """``[L, R, F * T, H, D]`` -> ``[L, R * F * ppf, S, H, D]``, each frame's last page zero-padded
+    (the reference's layout; the kernels read the unpadded chunk directly)."""
+    frames = chunk_frames(new, tokens_per_frame)
+    ppf = pages_per_frame(tokens_per_frame, block_size)
+    pad = ppf * block_size - tokens_per_frame
+    frames = jnp.pad(frames, ((0, 0), (0, 0), (0, pad), (0, 0), (0, 0)))
+    num_layers, _, _, kv_heads, head_dim = new.shape
+    return frames.reshape(num_layers, -1, block_size, kv_heads, head_dim)
+
+
+def valid_page_ids(page_ids: jax.Array, num_pages: int) -> jax.Array:
+    """Flat int32 page ids with every skipped entry (0 or out of ``[1, P)``) set to 0."""
+    ids = page_ids.reshape(-1).astype(jnp.int32)
+    return jnp.where((ids >= 1) & (ids < num_pages), ids, 0)

@@ -1,0 +1,72 @@
+"""The paged chunk write in plain lax (the ``"xla"`` backend, the CPU default).
+
+A ``fori_loop`` over the ``N = R * F * ppf`` page ids: one ``dynamic_update_slice`` of a whole
+``[L, 1, S, H, D]`` page per pool, under ``lax.cond`` (id 0 skips). Choices, each measured on CPU
+against its alternative:
+
+- Not a scatter (``pool.at[:, ids].set(pages, unique_indices=True, mode="drop")``): XLA:CPU upcasts
+  bf16/fp16 scatters and dynamic-update-slices to f32 across the whole pool, so a bf16 scatter
+  costs time and a temp proportional to the pool; this loop costs time proportional to the chunk
+  with a temp under a KiB in fp32.
+- 16-bit pools move as uint16 bits, bitcast inside the loop body: the cheapest of the measured
+  options (bitcasts outside the loop become full-pool copies); the write is still O(pool) on CPU
+  for 16-bit pools. 32-bit pools are written directly (bitcasting them too made an fp32 write
+  O(pool) instead of O(chunk)).
+- A frame's padded last page is built page-sized inside the loop (slice, pad, select) rather than
+  from a padded copy of the chunk: XLA:CPU maps a fresh temp per call, and page-faulting a
+  chunk-sized temp made the write several times slower. Nor is it a third ``lax.switch`` branch:
+  two branches that both update the pools cost a full-pool copy.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+
+def write_chunk(k_pool, v_pool, k_frames, v_frames, ids, ppf: int):
+    """``(k_pool, v_pool)`` with page ``i`` of the chunk written at page ``ids[i]`` (0 skips).
+
+    ``k_frames``/``v_frames`` are the unpadded chunk as ``[L, R * F, T, H, D]``; ``ids`` flat int32
+    ``[R * F * ppf]`` with skipped entries already 0; ``ppf`` pages per frame.
+    """
+    num_layers, _, block_size, kv_heads, head_dim = k_pool.shape
+    last_tokens = k_frames.shape[2] - (ppf - 1) * block_size
+    # Page index i >= 0: lax.div/rem (truncating) equal // and %, without their sign fix-ups.
+
+    def page_at(frames, i):
+        """Page ``i`` of the chunk, ``[L, 1, S, H, D]`` raw bits, zero-padded if a frame's last."""
+        frame, j = lax.div(i, ppf), lax.rem(i, ppf)
+        if frames.dtype.itemsize == 2:
+            frames = lax.bitcast_convert_type(frames, jnp.uint16)
+
+        def tokens(start, size):
+            return lax.dynamic_slice(frames, (0, frame, start, 0, 0),
+                                     (num_layers, 1, size, kv_heads, head_dim))
+
+        if last_tokens == block_size:
+            return tokens(j * block_size, block_size)
+        last = jnp.pad(tokens((ppf - 1) * block_size, last_tokens),
+                       ((0, 0), (0, 0), (0, block_size - last_tokens), (0, 0), (0, 0)))
+        if ppf == 1:
+            return last
+        return jnp.where(j == ppf - 1, last, tokens(j * block_size, block_size))
+
+    def body(i, pools):
+        def write(pools):
+            return tuple(_put_page(pool, page_at(frames, i), ids[i])
+                         for pool, frames in zip(pools, (k_frames, v_frames)))
+        return lax.cond(ids[i] != 0, write, lambda pools: pools, pools)
+
+    return lax.fori_loop(0, ids.shape[0], body, (k_pool, v_pool))
+
+
+def _put_page(pool: jax.Array, page: jax.Array, page_id: jax.Array) -> jax.Array:
+    """``pool`` with ``page`` (a ``[L, 1, S, H, D]`` page, or its raw uint16 bits for a 16-bit pool)
+    written at ``page_id`` on axis 1."""
+    if page.dtype == pool.dtype:
+        return lax.dynamic_update_slice_in_dim(pool, page, page_id, axis=1)
+    bits = lax.bitcast_convert_type(pool, page.dtype)
+    out = lax.dynamic_update_slice_in_dim(bits, page, page_id, axis=1)
+    return lax.bitcast_convert_type(out, pool.dtype)

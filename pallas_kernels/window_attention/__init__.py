@@ -1,0 +1,124 @@
+"""Paged window attention: the current chunk attends to its visible history pages, itself, extras.
+
+One call computes, for every row (a request slot: one session x KV branch), plain bidirectional
+softmax attention of the chunk's queries over
+
+* the row's visible history tokens, read from the paged K/V pools through the row's page list,
+* every token of the current chunk (``k_cur``/``v_cur``, passed directly, never written to a pool),
+* every extra register token (``extra_k``/``extra_v``, e.g. action/state tokens), if given.
+
+No causal mask; the only masking is which history slots hold valid tokens. The pools are never
+written.
+
+Shapes and units (``rows`` rows, token counts in tokens, page counts in pages):
+
+=====================  ==============================================================  ===========
+``q``                  ``[rows, q_len, num_q_heads, head_dim]``                        f32/bf16/f16
+``k_cur``, ``v_cur``   ``[rows, cur_len, kv_heads, head_dim]`` (``cur_len >= 1``)      as ``q``
+``extra_k/_v``         ``[rows, num_extra, kv_heads, head_dim]``, all valid            as ``q``
+``k_pool``, ``v_pool`` ``[num_layers, num_pages, block_size, kv_heads, head_dim]``     as ``q``
+``pages``              int32 ``[rows, max_pages]``: page ids into the pools (0 = null)
+``lengths``            int32 ``[rows]``: valid history tokens, in ``[0, capacity]``
+``layer``              int32 scalar (may be traced): which layer of the stacked pools
+output                 ``[rows, q_len, num_q_heads, head_dim]``, ``q``'s dtype
+=====================  ==============================================================  ===========
+
+``num_q_heads`` is a multiple of ``kv_heads`` (GQA: query head ``h`` reads KV head
+``h // (num_q_heads // kv_heads)``). The softmax scale defaults to ``head_dim ** -0.5``; logits,
+softmax statistics and the output accumulator are float32.
+
+Frame-aligned pages (:mod:`~pallas_kernels.window_attention.geometry`): a frame of
+``tokens_per_frame`` tokens (default ``block_size``) fills ``pages_per_frame`` consecutive
+page-list entries and ends in padding slots; a page list of ``max_pages`` entries holds at most
+``history_capacity(max_pages, block_size, tokens_per_frame)`` tokens.
+
+Masked keys and values are removed by selection (``jnp.where``), never by multiplying with a 0/1
+mask, so NaN in free or foreign pages, in frame padding or past a row's length cannot reach the
+output. Page-list entries past the last page holding a valid token are replaced by the layer's null
+page before any read, and the Pallas kernels do not visit pages past it.
+
+Validation: :func:`window_attention` always runs :func:`static_validate_inputs` (shapes, dtypes,
+tiles; works on tracers). Values (page ids, lengths, layer) are not checked by the kernel: eager
+callers that want them checked call :func:`dynamic_validate_inputs` first.
+
+Backends (``backend=``, see :mod:`pallas_kernels.backend`), one module each: ``xla``
+(:mod:`~pallas_kernels.window_attention.xla`, the CPU default), ``pallas_tpu*``
+(:mod:`~pallas_kernels.window_attention.tpu`, Mosaic), ``pallas_gpu*``
+(:mod:`~pallas_kernels.window_attention.gpu`, Triton). :func:`window_attention_reference`
+(:mod:`~pallas_kernels.window_attention.reference`) is the pure-jnp reference they are tested
+against.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from pallas_kernels.backend import resolve_backend
+from pallas_kernels.window_attention import gpu, tpu, xla
+from pallas_kernels.window_attention.geometry import (
+    WindowGeometry,
+    history_capacity,
+    history_slot_valid,
+    layer_page_table,
+    visible_page_count,
+)
+from pallas_kernels.window_attention.reference import window_attention_reference
+from pallas_kernels.window_attention.validation import (
+    dynamic_validate_inputs,
+    static_validate_inputs,
+)
+
+__all__ = [
+    "WindowGeometry", "dynamic_validate_inputs", "history_capacity", "history_slot_valid",
+    "layer_page_table", "static_validate_inputs", "visible_page_count", "window_attention",
+    "window_attention_reference",
+]
+
+
+def window_attention(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, layer=0, extra_k=None,
+                     extra_v=None, scale=None, tokens_per_frame=None, backend="auto",
+                     block_q=None, block_k=None):
+    """Attention of the current chunk over its visible history pages, itself and extra tokens.
+
+    Args:
+      q: ``[rows, q_len, num_q_heads, head_dim]`` queries (f32, bf16 or f16).
+      k_cur, v_cur: ``[rows, cur_len, kv_heads, head_dim]`` the current chunk's keys/values.
+      k_pool, v_pool: ``[num_layers, num_pages, block_size, kv_heads, head_dim]`` paged pools (read
+        only; page 0 is the null page).
+      pages: int ``[rows, max_pages]`` each row's page list (frame after frame, unused entries 0),
+        ids in ``[0, num_pages)``.
+      lengths: int ``[rows]`` valid history tokens per row, in ``[0, capacity]``.
+      layer: int scalar, possibly traced: the pool layer to read, in ``[0, num_layers)``.
+      extra_k, extra_v: optional ``[rows, num_extra, kv_heads, head_dim]`` register tokens (both or
+        neither).
+      scale: softmax scale; defaults to ``head_dim ** -0.5``.
+      tokens_per_frame: tokens per frame; defaults to ``block_size``.
+      backend: a name from :data:`pallas_kernels.backend.BACKEND_NAMES`.
+      block_q: query tile (Pallas backends); default 128, shrunk for short chunks.
+      block_k: key tile in tokens: GPU key block (power of two >= 16, default 64) or TPU tail block
+        (default 512); history pages are always whole pages on TPU.
+
+    Returns:
+      ``[rows, q_len, num_q_heads, head_dim]`` in ``q``'s dtype.
+
+    Raises:
+      ValueError: what :func:`static_validate_inputs` rejects. Out-of-range values of ``pages``,
+        ``lengths`` or ``layer`` are not detected here (see :func:`dynamic_validate_inputs`).
+    """
+    geom = static_validate_inputs(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, layer=layer,
+                                  extra_k=extra_k, extra_v=extra_v, scale=scale,
+                                  tokens_per_frame=tokens_per_frame, backend=backend,
+                                  block_q=block_q, block_k=block_k)
+    resolved = resolve_backend(backend)
+    scale = geom.head_dim ** -0.5 if scale is None else float(scale)
+    layer = jnp.asarray(layer, jnp.int32)
+    args = (q, k_cur, v_cur, extra_k, extra_v, k_pool, v_pool, pages, lengths, layer)
+    if resolved.kind == "xla":
+        return xla.window_attention(*args, geom=geom, scale=scale)
+    if resolved.kind == "pallas_tpu":
+        block_q, block_t = tpu.tiles(geom, block_q, block_k)
+        return tpu.window_attention(*args, geom=geom, scale=scale, block_q=block_q,
+                                    block_t=block_t, backend=resolved.name)
+    block_q, block_k = gpu.tiles(geom, block_q, block_k)
+    return gpu.window_attention(*args, geom=geom, scale=scale, block_q=block_q, block_k=block_k,
+                                backend=resolved.name)

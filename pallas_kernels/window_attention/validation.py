@@ -1,0 +1,192 @@
+"""Input validation of :func:`pallas_kernels.window_attention.window_attention`.
+
+:func:`static_validate_inputs` checks what is known at trace time (ranks, shapes, dtypes, head
+counts, frame size, scale, backend name and tiles); ``window_attention`` always calls it, and it
+accepts tracers and ``jax.ShapeDtypeStruct`` s. :func:`dynamic_validate_inputs` also checks the
+values (page ids, lengths, layer); it needs concrete arrays, so eager callers call it themselves.
+Every error is a ``ValueError`` that names the parameter, the bad value and the allowed range.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.backend import resolve_backend
+from pallas_kernels.common import check_rank, check_supported_dtype
+from pallas_kernels.window_attention.geometry import WindowGeometry
+
+
+def static_validate_inputs(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, layer=0,
+                           extra_k=None, extra_v=None, scale=None, tokens_per_frame=None,
+                           backend="auto", block_q=None, block_k=None) -> WindowGeometry:
+    """Checks everything about a ``window_attention`` call that does not depend on array values.
+
+    Takes ``window_attention``'s arguments; any array may be a tracer or a ``ShapeDtypeStruct``.
+    ``block_q``/``block_k`` are checked against the backend's tile rules (powers of two >= 16 on
+    GPU, positive multiples of 8 on TPU); the GPU backend also needs a power-of-two
+    ``head_dim >= 16``.
+
+    Returns:
+      the call's :class:`WindowGeometry`.
+
+    Raises:
+      ValueError: a bad rank, shape, dtype, head count, frame size, layer rank, scale, backend name
+        or tile size.
+    """
+    geom = check_arrays(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, layer=layer,
+                        extra_k=extra_k, extra_v=extra_v, tokens_per_frame=tokens_per_frame)
+    kind = resolve_backend(backend).kind
+    if scale is not None:
+        _check_scale(scale)
+    if kind == "pallas_gpu":
+        _check_gpu_tile("block_q", block_q)
+        _check_gpu_head_dim(geom.head_dim)
+        _check_gpu_tile("block_k", block_k)
+    elif kind == "pallas_tpu":
+        _check_tpu_tile("block_q", block_q)
+        _check_tpu_tile("block_k", block_k)
+    return geom
+
+
+def dynamic_validate_inputs(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, layer=0,
+                            extra_k=None, extra_v=None, scale=None, tokens_per_frame=None,
+                            backend="auto", block_q=None, block_k=None) -> None:
+    """:func:`static_validate_inputs`, then the values: ``layer`` in ``[0, num_layers)``, every
+    ``pages`` entry in ``[0, num_pages)``, every length in ``[0, capacity]``.
+
+    ``layer``, ``pages`` and ``lengths`` must be concrete (not traced). Inside ``jit`` the kernel
+    does not check them: it reads only the null page past a row's visible pages and masks every
+    slot at or past a row's length.
+
+    Raises:
+      ValueError: as :func:`static_validate_inputs`, or a value out of its range.
+    """
+    geom = static_validate_inputs(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, layer=layer,
+                                  extra_k=extra_k, extra_v=extra_v, scale=scale,
+                                  tokens_per_frame=tokens_per_frame, backend=backend,
+                                  block_q=block_q, block_k=block_k)
+    layer_value = int(np.asarray(layer))
+    if not 0 <= layer_value < geom.num_layers:
+        raise ValueError(f"layer={layer_value} is out of range; allowed [0, {geom.num_layers}) "
+                         "(k_pool.shape[0])")
+    table = np.asarray(pages)
+    bad = np.argwhere((table < 0) | (table >= geom.num_pages))
+    if bad.size:
+        r, s = bad[0]
+        raise ValueError(f"pages[{r}, {s}]={table[r, s]} is not a page id; allowed "
+                         f"[0, {geom.num_pages}) (k_pool.shape[1])")
+    lens = np.asarray(lengths)
+    bad = np.flatnonzero((lens < 0) | (lens > geom.capacity))
+    if bad.size:
+        r = bad[0]
+        raise ValueError(
+            f"lengths[{r}]={lens[r]} is out of range; allowed [0, {geom.capacity}] (the "
+            f"capacity of {geom.max_pages} pages of {geom.block_size} slots at "
+            f"tokens_per_frame={geom.tokens_per_frame})")
+
+
+def check_arrays(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, layer=0, extra_k=None,
+                 extra_v=None, tokens_per_frame=None) -> WindowGeometry:
+    """The array part of :func:`static_validate_inputs` (no backend options); returns the geometry.
+
+    Raises:
+      ValueError: a bad rank, shape, dtype, head count, frame size or layer rank.
+    """
+    geom = _check_shapes(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, extra_k, extra_v,
+                         tokens_per_frame)
+    _check_dtypes(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, extra_k, extra_v)
+    if jnp.ndim(layer) != 0:
+        raise ValueError(f"layer must be an int scalar, got shape {jnp.shape(layer)}")
+    return geom
+
+
+def _check_shapes(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, extra_k, extra_v,
+                  tokens_per_frame) -> WindowGeometry:
+    check_rank("q", q, 4, "[rows, q_len, num_q_heads, head_dim]")
+    check_rank("k_cur", k_cur, 4, "[rows, cur_len, kv_heads, head_dim]")
+    check_rank("k_pool", k_pool, 5, "[num_layers, num_pages, block_size, kv_heads, head_dim]")
+    check_rank("pages", pages, 2, "[rows, max_pages]")
+    check_rank("lengths", lengths, 1, "[rows]")
+    rows, q_len, num_q_heads, head_dim = q.shape
+    _, cur_len, kv_heads, _ = k_cur.shape
+    num_layers, num_pages, block_size, _, _ = k_pool.shape
+    _same_shape("v_cur", v_cur, "k_cur", k_cur)
+    _same_shape("v_pool", v_pool, "k_pool", k_pool)
+    if (extra_k is None) != (extra_v is None):
+        raise ValueError("extra_k and extra_v must be given together (both or neither); got "
+                         f"extra_k={'None' if extra_k is None else 'an array'}, "
+                         f"extra_v={'None' if extra_v is None else 'an array'}")
+    num_extra = 0
+    if extra_k is not None:
+        check_rank("extra_k", extra_k, 4, "[rows, num_extra, kv_heads, head_dim]")
+        _same_shape("extra_v", extra_v, "extra_k", extra_k)
+        num_extra = extra_k.shape[1]
+        _expect("extra_k", extra_k.shape, (rows, num_extra, kv_heads, head_dim))
+    _expect("k_cur", k_cur.shape, (rows, cur_len, kv_heads, head_dim))
+    _expect("k_pool", k_pool.shape, (num_layers, num_pages, block_size, kv_heads, head_dim))
+    _expect("pages", pages.shape, (rows, pages.shape[1]))
+    _expect("lengths", lengths.shape, (rows,))
+    if min(rows, q_len, cur_len, head_dim, kv_heads, num_layers, num_pages, block_size) < 1:
+        raise ValueError("rows, q_len, cur_len, heads, head_dim, num_layers, num_pages and "
+                         f"block_size must all be >= 1; got q {q.shape}, k_cur {k_cur.shape}, "
+                         f"k_pool {k_pool.shape}")
+    if num_q_heads % kv_heads:
+        raise ValueError(f"num_q_heads={num_q_heads} (q.shape[2]) must be a positive multiple of "
+                         f"kv_heads={kv_heads} (k_cur.shape[2])")
+    tokens_per_frame = block_size if tokens_per_frame is None else tokens_per_frame
+    if not isinstance(tokens_per_frame, (int, np.integer)) or tokens_per_frame < 1:
+        raise ValueError(f"tokens_per_frame must be an int >= 1 (frames fill "
+                         f"ceil(tokens_per_frame / block_size={block_size}) pages); got "
+                         f"{tokens_per_frame!r}")
+    return WindowGeometry(rows, q_len, num_q_heads, kv_heads, head_dim, cur_len, num_extra,
+                          num_layers, num_pages, block_size, pages.shape[1], int(tokens_per_frame))
+
+
+def _check_dtypes(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, extra_k, extra_v) -> None:
+    check_supported_dtype("q.dtype", q.dtype)
+    named = {"k_cur": k_cur, "v_cur": v_cur, "k_pool": k_pool, "v_pool": v_pool,
+             "extra_k": extra_k, "extra_v": extra_v}
+    for name, x in named.items():
+        if x is not None and x.dtype != q.dtype:
+            raise ValueError(f"{name}.dtype must equal q.dtype={jnp.dtype(q.dtype).name}, got "
+                             f"{jnp.dtype(x.dtype).name}")
+    for name, x in (("pages", pages), ("lengths", lengths)):
+        if not jnp.issubdtype(x.dtype, jnp.integer):
+            raise ValueError(f"{name} must be an integer array (int32), got dtype "
+                             f"{jnp.dtype(x.dtype).name}")
+
+
+def _check_scale(scale) -> None:
+    if not isinstance(scale, (int, float, np.floating)) or not 0 < scale < math.inf:
+        raise ValueError(f"scale must be a positive finite number (a Python float), got {scale!r}")
+
+
+def _check_gpu_tile(name: str, value) -> None:
+    if value is not None and (value < 16 or value & (value - 1)):
+        raise ValueError(f"{name}={value} must be a power of two >= 16 for the GPU kernel")
+
+
+def _check_tpu_tile(name: str, value) -> None:
+    if value is not None and (value < 8 or value % 8):
+        raise ValueError(f"{name}={value} must be a positive multiple of 8 for the TPU kernel")
+
+
+def _check_gpu_head_dim(head_dim: int) -> None:
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        raise ValueError(f"head_dim={head_dim} is not supported by the GPU kernel; allowed: powers "
+                         "of two >= 16 (use backend='xla' otherwise)")
+
+
+def _same_shape(name, x, ref_name, ref) -> None:
+    if not hasattr(x, "shape") or tuple(x.shape) != tuple(ref.shape):
+        raise ValueError(f"{name}.shape must equal {ref_name}.shape={tuple(ref.shape)}, got "
+                         f"{getattr(x, 'shape', type(x).__name__)}")
+
+
+def _expect(name, shape, expected) -> None:
+    if tuple(shape) != tuple(expected):
+        raise ValueError(f"{name}.shape={tuple(shape)} does not match q, k_cur and k_pool: "
+                         f"expected {tuple(expected)}")
