@@ -236,7 +236,8 @@ def test_scratch_block_ids_and_errors():
         cache.scratch_block_ids(POS, -1, 1)
     with pytest.raises(RuntimeError, match=re.escape("scratch blocks exhausted: need [0, 4) of 3")):
         cache.scratch_block_ids(POS, 0, 4)
-    with pytest.raises(KeyError, match=re.escape("Unknown AR-Diffusion KV branch 'zz'; expected ('positive', 'negative')")):
+    with pytest.raises(KeyError,
+                       match=re.escape("Unknown AR-Diffusion KV branch 'zz'; expected ('positive', 'negative')")):
         cache.scratch_block_ids("zz", 0, 1)
 
 
@@ -245,8 +246,10 @@ def test_scratch_block_ids_and_errors():
     [
         (dict(config=ARDiffusionKVConfig(chunk_size=16, window_chunks=2)),
          "ARDiffusionKVCache built with a disabled ARDiffusionKVConfig"),
-        (dict(config=ARDiffusionKVConfig(enable=True, chunk_size=16)), "Phase 1 requires a bounded window (window_chunks)"),
-        (dict(config=ARDiffusionKVConfig(enable=True, window_chunks=2)), "ARDiffusionKVConfig.chunk_size must be set (> 0)"),
+        (dict(config=ARDiffusionKVConfig(enable=True, chunk_size=16)),
+         "Phase 1 requires a bounded window (window_chunks)"),
+        (dict(config=ARDiffusionKVConfig(enable=True, window_chunks=2)),
+         "ARDiffusionKVConfig.chunk_size must be set (> 0)"),
         (dict(kv_branches=()), "ARDiffusionKVCache requires at least one KV branch"),
         (dict(session_capacity=0), "session_capacity must be positive, got 0"),
         (dict(kv_branches=(ARDiffusionKVBranchSpec("m"), ARDiffusionKVBranchSpec("m"))),
@@ -255,7 +258,8 @@ def test_scratch_block_ids_and_errors():
          "ARDiffusionKVCache KV branch local_index values must be contiguous from zero, got [1]"),
         (dict(frames_per_block=0), "frames_per_block must be positive, got 0"),
         (dict(max_scratch_tokens_per_branch=-3), "max_scratch_tokens_per_branch must be non-negative, got -3"),
-        (dict(model_owned_state_bytes_per_session=-1), "model_owned_state_bytes_per_session must be non-negative, got -1"),
+        (dict(model_owned_state_bytes_per_session=-1),
+         "model_owned_state_bytes_per_session must be non-negative, got -1"),
         (dict(cross_attention_lengths={"text": 0}), "cross_attention_lengths must be positive, got {'text': 0}"),
         (dict(config=ARDiffusionKVConfig(enable=True, chunk_size=16, window_chunks=2, gpu_memory_fraction=0.0)),
          "gpu_memory_fraction must be in (0, 1], got 0.0"),
@@ -288,9 +292,9 @@ def test_allocate_num_tokens_must_be_positive_and_bad_adapters_are_refused():
     adapter = cache.begin_request("r")
     with pytest.raises(ValueError, match="^num_tokens must be positive, got 0$"):
         cache.allocate_token_slots(adapter, 0)
-    with pytest.raises(RuntimeError, match="committed before its blocks were allocated"):
-        cache.commit_chunk(adapter)
-    assert adapter.num_computed_tokens == 0
+    cache.commit_chunk(adapter)  # as in vLLM-Omni: advances although nothing was allocated
+    assert adapter.num_computed_tokens == 16 and cache.block_table(adapter) == []
+    assert cache.num_free_blocks() == 48
     with pytest.raises(ValueError, match="already active"):
         cache.begin_request("r")
     cache.end_request(adapter)
@@ -342,7 +346,8 @@ def test_cross_attention_read_before_populate_raises():
         with pytest.raises(RuntimeError, match="'text' for session 's1' was read before it was populated"):
             cache.read_cross_attention_kv("s1", "text", 0, branch)
     cache.populate_cross_attention("s1", "text", POS, layer_kv(1.0, 2.0))
-    with pytest.raises(RuntimeError, match="for session 's1' and KV branch 'negative' was read before it was populated"):
+    with pytest.raises(RuntimeError,
+                       match="for session 's1' and KV branch 'negative' was read before it was populated"):
         cache.read_cross_attention_kv("s1", "text", 0, NEG)
 
 
