@@ -5,6 +5,7 @@ import re
 import numpy as np
 import pytest
 
+from arkv_jax import state as core
 from arkv_jax.compat.vllm_omni import (
     ARDiffusionKVBranchSpec,
     ARDiffusionKVCache,
@@ -14,8 +15,10 @@ from arkv_jax.compat.vllm_omni import (
     compute_num_blocks,
     compute_slot_mapping,
     resident_block_ids,
+    resolve_device,
 )
 from arkv_jax.state import free_queue
+from tests.reference_model import RefCache
 
 POS, NEG = "positive", "negative"
 BRANCHES = (ARDiffusionKVBranchSpec(POS, 0), ARDiffusionKVBranchSpec(NEG, 1))
@@ -420,3 +423,396 @@ def test_paged_pool_layout_and_chunk_writes():
     assert float(abs(cache.key_cache(0)).max()) == 0.0 and float(abs(cache.key_cache(1)[0]).max()) == 0.0
     with pytest.raises(RuntimeError, match="require a configured pool device"):
         make_cache().key_cache(0)
+
+
+# -- device= (issue 13): platform strings, JAX devices, torch.device duck-typed -----------------------------
+
+def test_device_strings_map_to_jax_devices():
+    import types
+
+    import jax
+
+    cpus = jax.devices("cpu")
+    assert resolve_device(None) is None
+    assert resolve_device(cpus[0]) is cpus[0]
+    assert resolve_device("cpu") == cpus[0]
+    assert resolve_device(f"cpu:{len(cpus) - 1}") == cpus[-1]
+    # torch.device("cpu", 1) and torch.device("cuda"), read from .type/.index without importing torch
+    assert resolve_device(types.SimpleNamespace(type="cpu", index=len(cpus) - 1)) == cpus[-1]
+    assert resolve_device(types.SimpleNamespace(type="cpu", index=None)) == cpus[0]
+    cache = make_cache(device=f"cpu:{len(cpus) - 1}", layers=1)
+    assert cache.device == cpus[-1]
+    assert cache._k_pool.devices() == {cpus[-1]} and cache.key_cache(0).devices() == {cpus[-1]}
+    assert make_cache(device=None).device is None  # bookkeeping only, as in the seed
+
+
+@pytest.mark.parametrize("platform, spec", [("gpu", "cuda"), ("gpu", "cuda:1"), ("gpu", "gpu"), ("tpu", "tpu:0")])
+def test_device_platforms_jax_lacks_are_refused_naming_what_is_available(platform, spec):
+    import jax
+
+    try:
+        devices = jax.devices(platform)
+    except RuntimeError:
+        devices = []
+    index = int(spec.partition(":")[2] or 0)
+    if index < len(devices):  # a machine that has the platform: the string maps to its device
+        assert resolve_device(spec) == devices[index]
+        return
+    if devices:
+        message = rf"device='{spec}' asks for {platform} device {index}, but JAX has {len(devices)} {platform}"
+    else:
+        message = (rf"device='{spec}' asks for the JAX platform '{platform}', which JAX does not have here; "
+                   r"available platforms: cpu")
+    with pytest.raises(ValueError, match=f"^{message}"):
+        make_cache(device=spec)
+
+
+def test_device_values_that_are_not_platforms_are_refused():
+    import jax
+
+    n = len(jax.devices("cpu"))
+    with pytest.raises(ValueError, match=rf"^device='cpu:{n}' asks for cpu device {n}, but JAX has {n} cpu devices "
+                                         rf"here \(indices 0..{n - 1}\)$"):
+        resolve_device(f"cpu:{n}")
+    for bad in ("npu", "mps", "cuda:", "cuda:-1", "cuda:x", "", "cpu:0:1", " cpu"):
+        with pytest.raises(ValueError, match=f"^device={re.escape(repr(bad))} is not a platform string: expected "
+                                             "'cpu', 'cuda', 'gpu' or 'tpu', optionally followed by ':index'"):
+            make_cache(device=bad)
+    for bad in (0, 1, True, 1.5, object(), ["cpu"]):
+        with pytest.raises(TypeError, match="^device must be None, a jax.Device, a platform string "):
+            make_cache(device=bad)
+
+
+# -- commit_chunk of a chunk that was never allocated (issue 13): vLLM-Omni advances, it does not refuse ----
+#
+# vLLM's rules (seed-semantics §4.2, §4.4, §5.2, §5.3), chunk = block = 16, window W, sink S:
+#   commit:   completed += 1, n = computed tokens; skipped = floor(max(0, n - 16W - 16S) / 16) * 16;
+#             table indices [S, S + skipped/16), clipped to the table's length, walked backwards to the
+#             first null entry: each block passed is freed (appended to the free queue) and nulled.
+#   allocate: the same walk first, then cdiv(n + 16, 16) - len(table) blocks from the queue head are
+#             appended (the capacity check counts max(cdiv(n + 16, 16) - max(skipped/16, len(table)), 0)).
+
+def test_commit_without_allocation_follows_vllm_window_two():
+    """§5.4 geometry (48 free, queue 1..48), one request, window 2, sink 0."""
+    cache = make_cache()
+    adapter = cache.begin_request("ar::s::positive")
+    cache.commit_chunk(adapter)  # n=16, skipped 0, table empty: nothing to free
+    assert (adapter.num_computed_tokens, cache.block_table(adapter), cache.num_free_blocks()) == (16, [], 48)
+    # need cdiv(32, 16) = 2 blocks, holds 0: takes 1, 2; the chunk (positions 16..31) is index 1 -> block 2
+    assert cache.allocate_chunk(adapter) == [1, 2]
+    assert cache.chunk_write_slots(adapter).tolist() == list(range(32, 48))
+    cache.commit_chunk(adapter)  # n=32, skipped 0
+    assert cache.block_table(adapter) == [1, 2] and cache.num_free_blocks() == 46
+    cache.commit_chunk(adapter)  # unallocated: n=48, skipped 16 -> index [0, 1): block 1 freed
+    assert cache.block_table(adapter) == [0, 2] and queue(cache)[-2:] == [48, 1]
+    cache.commit_chunk(adapter)  # unallocated: n=64, skipped 32 -> [0, 2): index 1 (block 2) freed, index 0 null
+    assert cache.block_table(adapter) == [0, 0] and queue(cache)[-3:] == [48, 1, 2]
+    cache.commit_chunk(adapter)  # unallocated: n=80, skipped 48 -> [0, 3) clipped to 2: index 1 null, stop
+    assert cache.block_table(adapter) == [0, 0] and cache.num_free_blocks() == 48
+    assert cache.window_block_ids(adapter) == []
+    # need cdiv(96, 16) = 6, holds 2: takes 3, 4, 5, 6 (index 2 = block 3 is already out of the window;
+    # vLLM allocates it anyway and frees it at the next commit); the chunk is index 5 -> block 6
+    assert cache.allocate_chunk(adapter) == [0, 0, 3, 4, 5, 6]
+    assert cache.window_block_ids(adapter) == [3, 4, 5, 6] and cache.num_free_blocks() == 44
+    assert cache.chunk_write_slots(adapter).tolist() == list(range(96, 112))
+    assert queue(cache)[:2] == [7, 8]
+    cache.commit_chunk(adapter)  # n=96, skipped 64 -> [0, 4): index 3 (block 4), index 2 (block 3) freed
+    assert cache.block_table(adapter) == [0, 0, 0, 0, 5, 6] and cache.num_free_blocks() == 46
+    assert queue(cache)[-4:] == [1, 2, 4, 3]
+    cache.end_request(adapter)  # the table in reverse: 6, 5
+    assert cache.num_free_blocks() == 48 and queue(cache)[:1] == [7]
+    assert queue(cache)[-6:] == [1, 2, 4, 3, 6, 5]
+
+
+def test_commit_without_allocation_follows_vllm_with_a_sink():
+    """Window 2, sink 1, one branch: the sink index is never freed, the walk stops at the first null."""
+    cache = make_cache(sink=1, branches=(ARDiffusionKVBranchSpec("main", 0),), capacity=1)
+    adapter = cache.begin_request("r")
+    for _ in range(2):  # n=16, 32: skipped = max(0, n - 32 - 16) = 0
+        cache.commit_chunk(adapter)
+    assert cache.block_table(adapter) == []
+    free = cache.num_free_blocks()
+    # need cdiv(48, 16) = 3, holds 0: takes 1, 2, 3; the chunk (positions 32..47) is index 2 -> block 3
+    assert cache.allocate_chunk(adapter) == [1, 2, 3]
+    assert cache.chunk_write_slots(adapter).tolist() == list(range(48, 64))
+    cache.commit_chunk(adapter)  # n=48, skipped 0
+    cache.commit_chunk(adapter)  # unallocated: n=64, skipped 16 -> [1, 2): block 2 freed
+    assert cache.block_table(adapter) == [1, 0, 3]
+    cache.commit_chunk(adapter)  # unallocated: n=80, skipped 32 -> [1, 3): block 3 freed, index 1 null
+    assert cache.block_table(adapter) == [1, 0, 0] and queue(cache)[-2:] == [2, 3]
+    assert cache.num_free_blocks() == free - 1
+    # need cdiv(96, 16) = 6, holds 3: takes 4, 5, 6; the chunk (80..95) is index 5 -> block 6
+    assert cache.allocate_chunk(adapter) == [1, 0, 0, 4, 5, 6]
+    assert cache.chunk_write_slots(adapter).tolist() == list(range(96, 112))
+    assert cache.window_block_ids(adapter) == [1, 4, 5, 6]
+    cache.commit_chunk(adapter)  # n=96, skipped 48 -> [1, 4): block 4 freed, index 2 null
+    assert cache.block_table(adapter) == [1, 0, 0, 0, 5, 6] and queue(cache)[-3:] == [2, 3, 4]
+    assert cache.num_free_blocks() == free - 3
+
+
+def test_allocation_after_unallocated_commits_fails_as_vllm_does():
+    """§8.5 pool (5 managed blocks, 4 free: 1..4), one branch, window 2, sink 0."""
+    page = 2 * 2 * 16 * 4 * 64 * 2
+    cache = make_cache(branches=(ARDiffusionKVBranchSpec("main", 0),), capacity=1, available=6 * page, fraction=1.0)
+    b = cache.begin_request("B")
+    assert cache.allocate_chunk(b) == [1] and cache.num_free_blocks() == 3
+    a = cache.begin_request("A")
+    for _ in range(3):  # n=48: skipped 16, but A holds nothing to free
+        cache.commit_chunk(a)
+    # vLLM: check max(cdiv(64, 16) - max(16 // 16, 0), 0) = 3 <= 3 free passes, then
+    # BlockPool.get_new_blocks(4 - 0) raises; nothing was taken
+    with pytest.raises(ValueError, match=r"^Cannot get 4 free blocks from the pool$"):
+        cache.allocate_chunk(a)
+    assert (cache.block_table(a), cache.num_free_blocks(), queue(cache)) == ([], 3, [2, 3, 4])
+    d = cache.begin_request("D")  # nothing skipped: check 4 > 3 -> the seed's exhaustion error
+    with pytest.raises(RuntimeError, match=r"^AR-Diffusion KV pool exhausted while allocating paged attention slots$"):
+        cache.allocate_token_slots(d, 64)
+    cache.end_request(b)  # 4 free: 2, 3, 4, 1; A needs cdiv(64, 16) = 4
+    assert cache.allocate_chunk(a) == [2, 3, 4, 1]
+    cache.commit_chunk(a)  # n=64, skipped 32 -> [0, 2): block 3, then block 2
+    assert cache.block_table(a) == [0, 0, 4, 1] and queue(cache) == [3, 2]
+
+
+def test_native_commit_still_refuses_unallocated_chunks():
+    cache = make_cache()
+    cache.begin_request("r")
+    state, ok = core.commit(cache.state, np.array([0]), 1)
+    assert not bool(ok[0]) and int(state.committed_frames[0]) == 0
+    state, ok = core.advance(cache.state, np.array([0]), 1)
+    assert bool(ok[0]) and int(state.committed_frames[0]) == 1
+
+
+@pytest.mark.parametrize("tokens, block, sink, window, reset", [
+    (16, 16, 0, 2, False), (16, 16, 1, 3, False), (16, 16, 2, 1, True), (24, 16, 1, 2, False), (8, 16, 0, 1, False),
+])
+def test_random_sequences_with_unallocated_commits_match_the_reference_model(tokens, block, sink, window, reset):
+    """Random interleavings of allocate_chunk / allocate_token_slots / commit_chunk (allocated or not) /
+    begin / end on two requests, checked after every step against the pure-Python model of vLLM's rules
+    (tests/reference_model.py): tables, free queue, slots."""
+    rng = np.random.default_rng(tokens * 100 + block + sink * 7 + window)
+    ppf, page = -(-tokens // block), 2 * block * 4  # K+V of one fp32 token-slot per block
+    # a tight pool: one scratch frame, two full windows, the in-flight frame, the planner's two spare
+    # frames and 3 more blocks, so that allocations after unallocated commits run out
+    available = page * (ppf + 2 * (sink + window) * ppf + 3 * ppf + 3)
+    config = ARDiffusionKVConfig(enable=True, chunk_size=tokens, window_chunks=window, sink_chunks=sink,
+                                 reset_at_boundary=reset, gpu_memory_fraction=1.0)
+    cache = ARDiffusionKVCache(config, num_layers=1, num_kv_heads=1, head_size=1, dtype="float32", block_size=block,
+                               max_model_len=1 << 20, available_bytes=available,
+                               kv_branches=(ARDiffusionKVBranchSpec("main", 0),), session_capacity=2)
+    ref = RefCache(num_blocks=cache.managed_num_blocks, tokens_per_frame=tokens, block_size=block,
+                   sink_frames=sink, window_frames=window, reset_at_boundary=reset)
+    adapters = {}
+    for step in range(80):
+        rid = int(rng.integers(2))
+        op = rng.choice(["alloc", "alloc", "slots", "commit", "commit", "commit", "end"])
+        if rid not in adapters:
+            adapters[rid] = cache.begin_request(f"r{rid}")
+            ref.begin(rid)
+        adapter = adapters[rid]
+        if op in ("alloc", "slots"):
+            num = tokens if op == "alloc" else int(rng.integers(1, 3)) * tokens
+            expected_ok = ref.allocate(rid, num)
+            try:
+                cache.allocate_token_slots(adapter, num) if op == "slots" else cache.allocate_chunk(adapter)
+                assert expected_ok, step
+            except (RuntimeError, ValueError):
+                assert not expected_ok, step
+        elif op == "commit":
+            cache.commit_chunk(adapter)
+            ref.commit(rid, 1)
+        else:
+            cache.end_request(adapter)
+            ref.end(rid)
+            del adapters[rid]
+            continue
+        assert cache.block_table(adapter) == ref.table(rid), step
+        assert queue(cache) == list(ref.free), step
+        expected_slots = ref.slots(rid, tokens)
+        if -1 in expected_slots:
+            with pytest.raises(IndexError, match="has no allocated block for tokens"):
+                cache.chunk_write_slots(adapter)
+        else:
+            assert cache.chunk_write_slots(adapter).tolist() == expected_slots, step
+
+
+# -- chunk_size not a multiple of block_size: frame-aligned pages (issue 13) -------------------------------
+
+def frame_cache(layers=2):
+    """chunk 24, block 16 (ppf = 2: a frame's tokens 0..15 in its first page, 16..23 in the first half
+    of its second), window 1, sink 1, one branch, fp32, a large pool (ids handed out 1, 2, 3, ...)."""
+    import jax
+
+    config = ARDiffusionKVConfig(enable=True, chunk_size=24, window_chunks=1, sink_chunks=1, gpu_memory_fraction=1.0)
+    return ARDiffusionKVCache(config, num_layers=layers, num_kv_heads=2, head_size=4, dtype="float32",
+                              block_size=16, max_model_len=4096, available_bytes=1 << 20,
+                              kv_branches=(ARDiffusionKVBranchSpec("main", 0),), session_capacity=1,
+                              device=jax.devices()[0])
+
+
+def chunk_values(k, layer, dtype=np.float32):
+    """Distinct K/V per chunk, layer, token, head and channel (none of them zero)."""
+    return (1 + 1000 * k + 100 * layer + np.arange(24 * 2 * 4, dtype=dtype)).reshape(1, 24, 2, 4)
+
+
+def test_frame_aligned_slots_address_the_pages_the_state_allocated():
+    """Frame f owns table indices 2f, 2f + 1: slots table[2f]*16 + 0..15, then table[2f+1]*16 + 0..7.
+    vLLM-Omni's contiguous mapping (token p -> table[p // 16]) would address other frames' blocks and,
+    from chunk 5 on, the null block (chunk 5 = tokens 120..143 -> index 7, nulled by then)."""
+    cache = frame_cache()
+    adapter = cache.begin_request("r")
+    # (table after allocate, table after commit); the commit of frame f >= 2 evicts frame f - 1
+    # (skipped frames = f + 1 - window 1 - sink 1), its two blocks freed highest index first
+    expected = [
+        ([1, 2], [1, 2]),
+        ([1, 2, 3, 4], [1, 2, 3, 4]),
+        ([1, 2, 3, 4, 5, 6], [1, 2, 0, 0, 5, 6]),                      # frees 4, 3
+        ([1, 2, 0, 0, 5, 6, 7, 8], [1, 2, 0, 0, 0, 0, 7, 8]),          # frees 6, 5
+        ([1, 2, 0, 0, 0, 0, 7, 8, 9, 10], [1, 2, 0, 0, 0, 0, 0, 0, 9, 10]),
+        ([1, 2, 0, 0, 0, 0, 0, 0, 9, 10, 11, 12], [1, 2] + [0] * 8 + [11, 12]),
+    ]
+    for k, (allocated, committed) in enumerate(expected):
+        assert cache.allocate_chunk(adapter) == allocated
+        first, second = allocated[2 * k], allocated[2 * k + 1]
+        slots = cache.chunk_write_slots(adapter).tolist()
+        assert slots == list(range(16 * first, 16 * first + 16)) + list(range(16 * second, 16 * second + 8))
+        assert slots == np.asarray(core.slot_mapping(cache.state, np.array([0]), 24))[0].tolist()
+        for layer in range(2):
+            cache.write_chunk_kv(layer, chunk_values(k, layer), -chunk_values(k, layer), adapter)
+        for layer in range(2):  # the request's own chunk reads back from its pages, padding untouched
+            keys, values = np.asarray(cache.key_cache(layer)), np.asarray(cache.value_cache(layer))
+            data = chunk_values(k, layer)[0]
+            np.testing.assert_array_equal(keys[first], data[:16])
+            np.testing.assert_array_equal(keys[second, :8], data[16:])
+            np.testing.assert_array_equal(values[second, :8], -data[16:])
+            assert not keys[second, 8:].any() and not values[second, 8:].any()
+            # the null page stays exactly zero (no data, no NaN) in every layer
+            assert np.all(keys[0] == 0) and np.all(values[0] == 0)
+        cache.commit_chunk(adapter)
+        assert cache.block_table(adapter) == committed
+    # every resident frame's pages still hold that frame's data: the sink (frame 0) and frame 5
+    keys = np.asarray(cache.key_cache(1))
+    for frame, (first, second) in ((0, (1, 2)), (5, (11, 12))):
+        np.testing.assert_array_equal(np.concatenate([keys[first], keys[second, :8]]), chunk_values(frame, 1)[0])
+    assert cache.window_block_ids(adapter) == [1, 2, 11, 12]
+
+
+def test_frame_aligned_writes_never_touch_the_null_page_after_unallocated_commits():
+    cache = frame_cache(layers=1)
+    adapter = cache.begin_request("r")
+    for _ in range(3):  # frames 0..2 never allocated: nothing to evict
+        cache.commit_chunk(adapter)
+    # pages for 4 frames (96 tokens) = 8: takes 1..8; frame 3 is indices 6, 7 -> blocks 7, 8
+    assert cache.allocate_chunk(adapter) == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert cache.chunk_write_slots(adapter).tolist() == list(range(112, 128)) + list(range(128, 136))
+    cache.write_chunk_kv(0, chunk_values(3, 0), chunk_values(3, 0), adapter)
+    keys = np.asarray(cache.key_cache(0))
+    np.testing.assert_array_equal(np.concatenate([keys[7], keys[8, :8]]), chunk_values(3, 0)[0])
+    assert np.all(keys[0] == 0) and not np.isnan(keys).any()
+    assert np.count_nonzero(np.abs(keys).sum(axis=(1, 2, 3))) == 2  # exactly the two pages of frame 3
+    cache.commit_chunk(adapter)  # 4 frames: skipped 2 -> frames 1, 2 (blocks 3..6) freed, highest first
+    assert cache.block_table(adapter) == [1, 2, 0, 0, 0, 0, 7, 8] and queue(cache)[-4:] == [6, 5, 4, 3]
+
+
+# -- layer indices and chunk K/V (issue 13): refused with a clear error; a refused call changes nothing -----
+
+def snapshot(cache, adapters):
+    return (np.asarray(cache._k_pool).copy(), np.asarray(cache._v_pool).copy(), cache.num_free_blocks(),
+            queue(cache), [cache.block_table(a) for a in adapters])
+
+
+def assert_unchanged(cache, adapters, before):
+    after = snapshot(cache, adapters)
+    np.testing.assert_array_equal(after[0], before[0])
+    np.testing.assert_array_equal(after[1], before[1])
+    assert after[2:] == before[2:]
+
+
+def test_layer_indices_out_of_range_or_not_ints_are_refused():
+    cache = cross_cache()  # 2 layers, fp32, 4 heads, 64 dims, chunk 16
+    adapter = cache.begin_request("r")
+    cache.allocate_chunk(adapter)
+    cache.populate_cross_attention("s1", "text", POS, layer_kv(1.0, 2.0))
+    chunk = np.ones((1, 16, 4, 64), np.float32)
+    before = snapshot(cache, [adapter])
+    for index in (2, 3, -3, 1 << 40):
+        message = (rf"^layer_index {index} is out of range for 2 layers: expected 0 <= layer_index < 2 "
+                   r"\(or -2 <= layer_index < 0 from the end\)$")
+        with pytest.raises(IndexError, match=message):
+            cache.write_chunk_kv(index, chunk, chunk, adapter)
+        for read in (cache.key_cache, cache.value_cache):
+            with pytest.raises(IndexError, match=rf"^layer_idx {index} is out of range for 2 layers"):
+                read(index)
+        with pytest.raises(IndexError, match=rf"^layer_idx {index} is out of range for 2 layers"):
+            cache.read_cross_attention_kv("s1", "text", index, POS)
+    for index, kind in ((True, "bool"), (np.bool_(False), "bool"), (1.0, "float"), ("0", "str"), (None, "NoneType")):
+        with pytest.raises(TypeError, match=f"^layer_index must be an int, got {kind}"):
+            cache.write_chunk_kv(index, chunk, chunk, adapter)
+        with pytest.raises(TypeError, match=f"^layer_idx must be an int, got {kind}"):
+            cache.key_cache(index)
+        with pytest.raises(TypeError, match=f"^layer_idx must be an int, got {kind}"):
+            cache.read_cross_attention_kv("s1", "text", index, POS)
+    assert_unchanged(cache, [adapter], before)
+    # what the seed's per-layer lists accept: numpy ints, and negative indices from the end
+    np.testing.assert_array_equal(np.asarray(cache.key_cache(-1)), np.asarray(cache.key_cache(np.int64(1))))
+    assert float(cache.read_cross_attention_kv("s1", "text", -1, POS)["k"][0, 0, 0, 0]) == 2.0
+    assert float(cache.read_cross_attention_kv("s1", "text", np.int32(0), POS)["k"][0, 0, 0, 0]) == 1.0
+    cache.write_chunk_kv(-1, chunk, 2 * chunk, adapter)  # layer 1
+    block = cache.block_table(adapter)[0]
+    assert float(cache.key_cache(1)[block].min()) == 1.0 and float(abs(cache.key_cache(0)).max()) == 0.0
+
+
+def test_chunk_kv_of_the_wrong_shape_or_dtype_is_refused():
+    cache = cross_cache()
+    adapter = cache.begin_request("r")
+    cache.allocate_chunk(adapter)
+    good = np.ones((1, 16, 4, 64), np.float32)
+    before = snapshot(cache, [adapter])
+    for shape in ((1, 1, 4, 64), (1, 15, 4, 64), (1, 17, 4, 64), (0, 16, 4, 64), (1, 16, 2, 64), (1, 16, 4, 32),
+                  (16, 4), (4, 64), (1, 1, 16, 4, 64)):
+        message = (r"^new_k must have shape \(1, 16, 4, 64\) \(batch 0 is written\) or \(16, 4, 64\): one K/V per "
+                   rf"token of the chunk, got {re.escape(str(shape))}$")
+        with pytest.raises(ValueError, match=message):
+            cache.write_chunk_kv(0, np.ones(shape, np.float32), good, adapter)
+        with pytest.raises(ValueError, match="^new_v must have shape"):
+            cache.write_chunk_kv(0, good, np.ones(shape, np.float32), adapter)
+    for dtype in (np.int32, np.int8, np.uint8, bool, np.complex64):
+        with pytest.raises(TypeError, match=rf"^new_k must have a floating dtype \(the pool holds float32\), got "
+                                            rf"{np.dtype(dtype).name}$"):
+            cache.write_chunk_kv(0, np.ones((1, 16, 4, 64), dtype), good, adapter)
+        with pytest.raises(TypeError, match="^new_v must have a floating dtype"):
+            cache.write_chunk_kv(1, good, np.ones((1, 16, 4, 64), dtype), adapter)  # new_k valid: not written
+    with pytest.raises(TypeError, match="^new_k must have a floating dtype"):
+        cache.write_chunk_kv(0, [[1, 2]], good, adapter)
+    assert_unchanged(cache, [adapter], before)
+    # what the seed writes: batch 0 of a batched chunk, an unbatched chunk, other float dtypes cast
+    block = cache.block_table(adapter)[0]
+    batched = np.stack([good[0] * 3, good[0] * 4])
+    cache.write_chunk_kv(0, batched, np.ones((16, 4, 64), np.float16), adapter)
+    assert float(cache.key_cache(0)[block].max()) == 3.0 and float(cache.value_cache(0)[block].min()) == 1.0
+
+
+def test_writes_of_an_unallocated_chunk_are_refused_and_change_nothing():
+    cache = cross_cache()
+    adapter = cache.begin_request("r")
+    good = np.ones((1, 16, 4, 64), np.float32)
+    before = snapshot(cache, [adapter])
+    # the seed's table lookup raises IndexError too (torch indexing an empty / short table)
+    with pytest.raises(IndexError, match=r"^AR-Diffusion request 'r' has no allocated block for tokens \[0, 16\) "
+                                         r"of its in-flight chunk \(table \[\]\); call allocate_chunk"):
+        cache.write_chunk_kv(0, good, good, adapter)
+    with pytest.raises(IndexError, match="has no allocated block"):
+        cache.chunk_write_slots(adapter)
+    assert_unchanged(cache, [adapter], before)
+    cache.allocate_chunk(adapter)
+    cache.commit_chunk(adapter)  # the next chunk is not allocated yet
+    before = snapshot(cache, [adapter])
+    with pytest.raises(IndexError, match=r"for tokens \[16, 32\) of its in-flight chunk \(table \[1\]\)"):
+        cache.write_chunk_kv(0, good, good, adapter)
+    assert_unchanged(cache, [adapter], before)
+    partial = frame_cache(layers=1)  # chunk 24, block 16: 8 tokens take one page, tokens 16..23 have none
+    adapter = partial.begin_request("p")
+    assert partial.allocate_token_slots(adapter, 8) == [1]
+    before = snapshot(partial, [adapter])
+    with pytest.raises(IndexError, match=r"for tokens \[16, 24\) of its in-flight chunk \(table \[1\]\)"):
+        partial.write_chunk_kv(0, chunk_values(0, 0), chunk_values(0, 0), adapter)
+    assert_unchanged(partial, [adapter], before)
