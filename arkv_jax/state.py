@@ -577,7 +577,7 @@ def advance(state: BlockTableState, rows: Array, num_chunks: Array) -> tuple[Blo
     vLLM-Omni's ``ARDiffusionKVCache.commit_chunk`` does (:func:`commit` refuses that).
 
     After each chunk, the frames after the sink that left the window are evicted (highest table
-    index first, chunk after chunk, as in :func:`commit`), but only frames whose pages are
+    index first, chunk after chunk, as in :func:`commit`), but only frames whose pages are all
     allocated: vLLM clips the skipped range to the length of the request's table, so frames that
     were never allocated are simply skipped over. A later :func:`allocate` then allocates every
     page the computed tokens need (out-of-window ones included, in free-ring order), and the next

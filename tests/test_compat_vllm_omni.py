@@ -587,7 +587,7 @@ def test_native_commit_still_refuses_unallocated_chunks():
 ])
 def test_random_sequences_with_unallocated_commits_match_the_reference_model(tokens, block, sink, window, reset):
     """Random interleavings of allocate_chunk / allocate_token_slots / commit_chunk (allocated or not) /
-    begin / end on two requests, checked after every step against the pure-Python model of vLLM's rules
+    begin (with or without a prefill) / end on two requests, checked after every step against the pure-Python model of vLLM's rules
     (tests/reference_model.py): tables, free queue, slots."""
     rng = np.random.default_rng(tokens * 100 + block + sink * 7 + window)
     ppf, page = -(-tokens // block), 2 * block * 4  # K+V of one fp32 token-slot per block
@@ -606,8 +606,11 @@ def test_random_sequences_with_unallocated_commits_match_the_reference_model(tok
         rid = int(rng.integers(2))
         op = rng.choice(["alloc", "alloc", "slots", "commit", "commit", "commit", "end"])
         if rid not in adapters:
-            adapters[rid] = cache.begin_request(f"r{rid}")
-            ref.begin(rid)
+            # prefills longer than the window too (evicted at the first allocation); partial frames
+            # only where a frame is a page
+            prefill = int(rng.choice([0, 0, tokens, 3 * tokens] + ([tokens // 2] if tokens == block else [])))
+            adapters[rid] = cache.begin_request(f"r{rid}", prefill_prefix_tokens=prefill)
+            ref.begin(rid, prefill)
         adapter = adapters[rid]
         if op in ("alloc", "slots"):
             num = tokens if op == "alloc" else int(rng.integers(1, 3)) * tokens

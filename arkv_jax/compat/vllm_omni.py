@@ -14,23 +14,25 @@ What vLLM-Omni accepts, this accepts, with the same effect:
 * ``commit_chunk`` on a request whose chunk was never allocated: advanced by one chunk, with the
   window rule applied to the blocks the request holds (vLLM clips the skipped range to its table);
   the next ``allocate_chunk`` allocates every block the computed tokens need, in vLLM's order
-  (:func:`arkv_jax.state.advance`). The native :class:`arkv_jax.cache.PagedKVCache` refuses this.
+  (:func:`arkv_jax.state.advance`). The native ``PagedKVCache`` keeps refusing this.
   As in vLLM, an allocation whose capacity check passes but whose blocks do not fit (possible
   only after such commits: vLLM's check discounts blocks already out of the window) raises
   ``ValueError("Cannot get N free blocks from the pool")`` instead of the exhaustion error.
 
 Refused with a clear error, where vLLM-Omni fails obscurely or silently: layer indices out of
 range (``IndexError``; negative indices count from the end, like the seed's Python lists), bool or
-non-integer layer indices (``TypeError``), chunk K/V of the wrong shape (``ValueError``; torch
-would broadcast a single token over the chunk, or write the second axis of a 3-D tensor) or of a
-non-floating dtype (``TypeError``), and a chunk write whose blocks were not allocated
-(``IndexError``, as torch's indexing raises). A refused call changes nothing.
+non-integer layer indices (``TypeError``; the seed's lists take ``True`` as layer 1), chunk K/V
+with the wrong token count or heads/head size (``ValueError``; torch's indexed write would
+broadcast a single token over the whole chunk) or of a non-floating dtype (``TypeError``), and a
+chunk write or slot mapping whose blocks were not allocated (``IndexError``, as torch's indexing
+of the short table raises). A refused call changes nothing.
 
 Differences, all deliberate:
 
 * Block tables are compacted (vLLM-Omni S3), so ``max_model_len`` never clips a long session.
 * K/V arrays are JAX arrays; floating K/V are cast to the pool dtype (torch's indexed write
-  would refuse a dtype mismatch).
+  would refuse a dtype mismatch). An unbatched ``(chunk_size, heads, head_size)`` chunk is written
+  as is (the seed takes its index 0, one token, and broadcasts it over the chunk).
 * Pages are frame-aligned. When ``chunk_size`` is not a multiple of ``block_size``, vLLM-Omni
   (S2) lays a request's tokens out contiguously: ``chunk_slot_mapping`` maps token ``p`` to
   ``table[p // block_size] * block_size + p % block_size``, so a block may hold the end of one
@@ -257,8 +259,13 @@ class ARDiffusionKVCache:
     def allocate_chunk(self, adapter: ARDiffusionRequestAdapter) -> list[int]:
         """Allocates the in-flight chunk's blocks; returns the full table (null placeholders kept).
 
+        Allocates every block the computed tokens and the chunk need that the request does not
+        hold (after commits of unallocated chunks, that is more than the chunk's own blocks).
+
         Raises:
-          RuntimeError: the pool is exhausted (nothing changes).
+          RuntimeError: the pool is exhausted (nothing is allocated).
+          ValueError: ``Cannot get N free blocks from the pool``, where vLLM's capacity check
+            passes but its block pool cannot serve (only after commits of unallocated chunks).
         """
         return self._allocate(adapter, self.config.chunk_size, "a chunk")
 
@@ -266,8 +273,8 @@ class ARDiffusionKVCache:
         """Allocates blocks for ``num_tokens`` in-flight tokens without committing them.
 
         Raises:
-          ValueError: ``num_tokens <= 0``.
-          RuntimeError: the pool is exhausted (nothing changes).
+          ValueError: ``num_tokens <= 0``, or as :meth:`allocate_chunk`.
+          RuntimeError: the pool is exhausted (nothing is allocated).
         """
         if num_tokens <= 0:
             raise ValueError(f"num_tokens must be positive, got {num_tokens}")
