@@ -16,6 +16,7 @@ from arkv_jax.compat.vllm_omni import (
     compute_slot_mapping,
     resident_block_ids,
     resolve_device,
+    seed_block_table,
 )
 from arkv_jax.state import free_queue
 from tests.reference_model import RefCache
@@ -587,8 +588,8 @@ def test_native_commit_still_refuses_unallocated_chunks():
 ])
 def test_random_sequences_with_unallocated_commits_match_the_reference_model(tokens, block, sink, window, reset):
     """Random interleavings of allocate_chunk / allocate_token_slots / commit_chunk (allocated or not) /
-    begin (with or without a prefill) / end on two requests, checked after every step against the pure-Python model of vLLM's rules
-    (tests/reference_model.py): tables, free queue, slots."""
+    begin (with or without a prefill) / end on two requests, checked after every step against the
+    pure-Python model of vLLM's rules (tests/reference_model.py): tables, free queue, slots."""
     rng = np.random.default_rng(tokens * 100 + block + sink * 7 + window)
     ppf, page = -(-tokens // block), 2 * block * 4  # K+V of one fp32 token-slot per block
     # a tight pool: one scratch frame, two full windows, the in-flight frame, the planner's two spare
@@ -819,3 +820,32 @@ def test_writes_of_an_unallocated_chunk_are_refused_and_change_nothing():
     with pytest.raises(IndexError, match=r"for tokens \[16, 24\) of its in-flight chunk \(table \[1\]\)"):
         partial.write_chunk_kv(0, chunk_values(0, 0), chunk_values(0, 0), adapter)
     assert_unchanged(partial, [adapter], before)
+
+
+def test_state_advance_is_commit_when_allocated_and_clips_eviction_otherwise():
+    """state.advance (added for this layer): with every committed frame allocated it is state.commit,
+    batched and multi-chunk included; otherwise it evicts only allocated frames, as the reference model."""
+    import jax
+
+    from arkv_jax.config import CacheGeometry, WindowPolicy
+
+    layout = core.StateLayout.from_config(CacheGeometry(1, 1, 1, "float32", 16), WindowPolicy(2, 1), 40,
+                                          table_width=16)
+    state, _ = core.begin(core.init_state(layout, 3), np.array([0, 1]))
+    state, ok = core.allocate(state, np.array([0, 1]), np.array([16 * 6, 16 * 4]))
+    assert ok.tolist() == [True, True]
+    rows, chunks = np.array([1, -1, 0]), np.array([4, 2, 6])  # padding row in the middle
+    committed, ok_commit = jax.jit(core.commit)(state, rows, chunks)
+    advanced, ok_advance = jax.jit(core.advance)(state, rows, chunks)
+    assert ok_commit.tolist() == ok_advance.tolist() == [True, False, True]
+    jax.tree_util.tree_map(np.testing.assert_array_equal, committed, advanced)
+    # row 0 holds 6 frames' blocks; 9 more chunks: frames 1..5 can be evicted, 6..9 were never allocated
+    ref = RefCache(num_blocks=40, tokens_per_frame=16, block_size=16, sink_frames=1, window_frames=2)
+    for row, frames in ((0, 6), (1, 4)):
+        ref.begin(row)
+        ref.allocate(row, 16 * frames)
+    ref.commit(0, 9)
+    advanced, ok = jax.jit(core.advance)(state, np.array([0]), 9)
+    assert bool(ok[0]) and seed_block_table(advanced, 0) == ref.table(0) == [1, 0, 0, 0, 0, 0]
+    assert np.asarray(core.free_queue(advanced))[: int(advanced.free_count)].tolist() == list(ref.free)
+    assert int(advanced.committed_frames[0]) == 9
