@@ -1,4 +1,6 @@
-"""The seed's manager API on the functional core: seed-semantics §5.4 traces and §13.1-§13.3 cases."""
+"""The seed's manager API on the functional core: seed-semantics §5.4 traces, §13.1-§13.3 cases, and what
+vLLM-Omni accepts beyond them (issue 13: device strings, commits of unallocated chunks, frame-aligned
+pages, layer-index and chunk K/V refusals)."""
 
 import re
 
