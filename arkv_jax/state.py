@@ -566,3 +566,46 @@ def resize(state: BlockTableState, *, num_rows: int | None = None,
         active=grow(state.active),
         layout=dataclasses.replace(state.layout, table_width=table_width),
     )
+
+
+# ----------------------------------------------------------------------------------------------
+# vLLM-Omni's permissive commit (used by arkv_jax.compat.vllm_omni).
+
+
+def advance(state: BlockTableState, rows: Array, num_chunks: Array) -> tuple[BlockTableState, Array]:
+    """Commits ``num_chunks`` frames per row whether or not their pages were allocated, as
+    vLLM-Omni's ``ARDiffusionKVCache.commit_chunk`` does (:func:`commit` refuses that).
+
+    After each chunk, the frames after the sink that left the window are evicted (highest table
+    index first, chunk after chunk, as in :func:`commit`), but only frames whose pages are all
+    allocated: vLLM clips the skipped range to the length of the request's table, so frames that
+    were never allocated are simply skipped over. A later :func:`allocate` then allocates every
+    page the computed tokens need (out-of-window ones included, in free-ring order), and the next
+    commit evicts those that are out of the window. With every committed frame allocated this is
+    exactly :func:`commit`.
+
+    Args:
+      rows: ``[B]`` int32 row indices (negative = padding).
+      num_chunks: ``[B]`` or scalar, >= 0.
+
+    Returns:
+      ``(state, ok)``: ``ok[b]`` is False (and the row untouched) for padding, an inactive row or a
+      negative count.
+    """
+    layout = state.layout
+    ppf = layout.pages_per_frame
+    rows, valid, num_chunks = _batch(state, rows, num_chunks)
+    ok = valid & state.active[rows] & (num_chunks >= 0)
+    frames = computed_frames(state, rows)
+    before = state.evicted_pages[rows] // ppf
+    # Whole frames after the sink whose pages are in the table (evicted ones included).
+    allocated = (state.num_pages[rows] + state.evicted_pages[rows]) // ppf - layout.sink_frames
+
+    def evicted_after(chunks):
+        return jnp.maximum(before, jnp.minimum(_skipped_frames(layout, frames + chunks), allocated))
+
+    state, _ = _evict(state, rows, ok & (num_chunks > 0), evicted_after(1), evicted_after(num_chunks))
+    return state.replace(
+        committed_frames=_scatter_rows(state.committed_frames, rows, ok,
+                                       state.committed_frames[rows] + num_chunks),
+    ), ok

@@ -5,15 +5,53 @@ constructor keywords, attributes, return values, exception types and messages, b
 operation runs through :mod:`arkv_jax.state` (jitted, donated) and the arithmetic through
 :mod:`arkv_jax.planner`. Physical block ids and free-list order match the seed's.
 
-Differences, all deliberate: block tables are compacted (vLLM-Omni S3), so ``max_model_len`` never
-clips a long session; K/V arrays are JAX arrays; ``device=None`` means bookkeeping only, as in the
-seed.
+What vLLM-Omni accepts, this accepts, with the same effect:
+
+* ``device=``: ``None`` (bookkeeping only, as in the seed), a JAX device, a platform string
+  (``"cpu"``, ``"cuda"`` or ``"gpu"``, ``"tpu"``, optionally ``":index"``, e.g. ``"cuda:1"``) or a
+  ``torch.device`` (read duck-typed from ``.type`` and ``.index``; torch is never imported). A
+  string maps to ``jax.devices(platform)[index]``.
+* ``commit_chunk`` on a request whose chunk was never allocated: advanced by one chunk, with the
+  window rule applied to the blocks the request holds (vLLM clips the skipped range to its table);
+  the next ``allocate_chunk`` allocates every block the computed tokens need, in vLLM's order
+  (:func:`arkv_jax.state.advance`). The native ``PagedKVCache`` keeps refusing this.
+  As in vLLM, an allocation whose capacity check passes but whose blocks do not fit (possible
+  only after such commits: vLLM's check discounts blocks already out of the window) raises
+  ``ValueError("Cannot get N free blocks from the pool")`` instead of the exhaustion error.
+
+Refused with a clear error, where vLLM-Omni fails obscurely or silently: layer indices out of
+range (``IndexError``; negative indices count from the end, like the seed's Python lists), bool or
+non-integer layer indices (``TypeError``; the seed's lists take ``True`` as layer 1), chunk K/V
+with the wrong token count or heads/head size (``ValueError``; torch's indexed write would
+broadcast a single token over the whole chunk) or of a non-floating dtype (``TypeError``), and a
+chunk write or slot mapping whose blocks were not allocated (``IndexError``, as torch's indexing
+of the short table raises). A refused call changes nothing.
+
+Differences, all deliberate:
+
+* Block tables are compacted (vLLM-Omni S3), so ``max_model_len`` never clips a long session.
+* K/V arrays are JAX arrays; floating K/V are cast to the pool dtype (torch's indexed write
+  would refuse a dtype mismatch). An unbatched ``(chunk_size, heads, head_size)`` chunk is written
+  as is (the seed takes its index 0, one token, and broadcasts it over the chunk).
+* Pages are frame-aligned. When ``chunk_size`` is not a multiple of ``block_size``, vLLM-Omni
+  (S2) lays a request's tokens out contiguously: ``chunk_slot_mapping`` maps token ``p`` to
+  ``table[p // block_size] * block_size + p % block_size``, so a block may hold the end of one
+  frame and the start of the next. Here frame ``f`` owns table entries
+  ``[f * ppf, (f + 1) * ppf)`` with ``ppf = ceil(chunk_size / block_size)`` and its last page is
+  padded, so token ``p`` (frame ``f = p // chunk_size``, offset ``o = p % chunk_size``) sits at
+  ``table[f * ppf + o // block_size] * block_size + o % block_size``; that is what
+  ``chunk_write_slots`` and ``write_chunk_kv`` address. Block ids and table lengths therefore
+  differ from vLLM-Omni's for such geometries; with ``chunk_size == block_size`` (vLLM-Omni S1,
+  where a frame is a block) both layouts are the same and so are the block ids. The module helpers
+  :func:`compute_slot_mapping` and :func:`chunk_slot_mapping` keep the seed's contiguous formula.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
+import re
 from typing import Collection, Iterable, Sequence
 
 import jax
@@ -27,7 +65,7 @@ from arkv_jax.planner import check_plan_inputs, compute_num_blocks, plan_memory
 
 __all__ = [
     "ARDiffusionKVConfig", "ARDiffusionKVBranchSpec", "ARDiffusionRequestAdapter", "ARDiffusionKVCache",
-    "compute_num_blocks", "compute_slot_mapping", "chunk_slot_mapping", "resident_block_ids",
+    "compute_num_blocks", "compute_slot_mapping", "chunk_slot_mapping", "resident_block_ids", "resolve_device",
 ]
 
 #: The seed's branch spec: same fields, same validation messages.
@@ -126,7 +164,7 @@ def _write_slots(pool, layer: int, slots, new):
 
 _begin = jax.jit(core.begin, donate_argnums=0)
 _allocate = jax.jit(core.allocate, donate_argnums=0)
-_commit = jax.jit(core.commit, donate_argnums=0)
+_advance = jax.jit(core.advance, donate_argnums=0)
 _end = jax.jit(core.end, donate_argnums=0)
 
 
@@ -179,7 +217,7 @@ class ARDiffusionKVCache:
         self.frames_per_block = frames_per_block
         self.block_size, self.num_layers = block_size, num_layers
         self.num_kv_heads, self.head_size, self.dtype = num_kv_heads, head_size, self.geometry.dtype
-        self.device = device
+        self.device = resolve_device(device)
         self._branch_index = {b.name: b.local_index for b in self.kv_branches}
         layout = core.StateLayout.from_config(self.geometry, self.window, self.managed_num_blocks)
         self._state = core.init_state(layout, num_rows=max(4, 2 * self.session_capacity * len(self.kv_branches)))
@@ -187,10 +225,10 @@ class ARDiffusionKVCache:
         self._free_rows: list[int] = list(range(self._state.num_rows))
         self._k_pool = self._v_pool = None
         self._cross_sessions: dict[str, dict[str, dict[str, tuple[jax.Array, jax.Array]]]] = {}
-        if device is not None:
+        if self.device is not None:
             shape = (num_layers, self.num_blocks_total, block_size, num_kv_heads, head_size)
-            self._k_pool = jax.device_put(jnp.zeros(shape, self.dtype), device)
-            self._v_pool = jax.device_put(jnp.zeros(shape, self.dtype), device)
+            self._k_pool = jax.device_put(jnp.zeros(shape, self.dtype), self.device)
+            self._v_pool = jax.device_put(jnp.zeros(shape, self.dtype), self.device)
 
     # -- request lifecycle ------------------------------------------------------------------------
     def begin_request(self, request_id: str, *, prefill_prefix_tokens: int = 0) -> ARDiffusionRequestAdapter:
@@ -221,8 +259,13 @@ class ARDiffusionKVCache:
     def allocate_chunk(self, adapter: ARDiffusionRequestAdapter) -> list[int]:
         """Allocates the in-flight chunk's blocks; returns the full table (null placeholders kept).
 
+        Allocates every block the computed tokens and the chunk need that the request does not
+        hold (after commits of unallocated chunks, that is more than the chunk's own blocks).
+
         Raises:
-          RuntimeError: the pool is exhausted (nothing changes).
+          RuntimeError: the pool is exhausted (nothing is allocated).
+          ValueError: ``Cannot get N free blocks from the pool``, where vLLM's capacity check
+            passes but its block pool cannot serve (only after commits of unallocated chunks).
         """
         return self._allocate(adapter, self.config.chunk_size, "a chunk")
 
@@ -230,8 +273,8 @@ class ARDiffusionKVCache:
         """Allocates blocks for ``num_tokens`` in-flight tokens without committing them.
 
         Raises:
-          ValueError: ``num_tokens <= 0``.
-          RuntimeError: the pool is exhausted (nothing changes).
+          ValueError: ``num_tokens <= 0``, or as :meth:`allocate_chunk`.
+          RuntimeError: the pool is exhausted (nothing is allocated).
         """
         if num_tokens <= 0:
             raise ValueError(f"num_tokens must be positive, got {num_tokens}")
@@ -240,13 +283,12 @@ class ARDiffusionKVCache:
     def commit_chunk(self, adapter: ARDiffusionRequestAdapter) -> None:
         """Advances the request by one chunk and frees blocks that left the window.
 
-        Raises:
-          RuntimeError: the chunk's blocks were never allocated (nothing changes).
+        As in vLLM-Omni, the chunk's blocks need not have been allocated: the request advances all
+        the same and the window rule frees what it holds out of the window; the next
+        :meth:`allocate_chunk` then allocates every block the computed tokens need.
         """
-        self._state, ok = _commit(self._state, jnp.array([self._row(adapter)]), 1)
-        if not bool(ok[0]):
-            raise RuntimeError(f"AR-Diffusion chunk of request {adapter.request_id!r} committed before its "
-                               "blocks were allocated")
+        self._state, ok = _advance(self._state, jnp.array([self._row(adapter)]), 1)
+        assert bool(ok[0])
         adapter.on_chunk_committed()
 
     def block_table(self, adapter: ARDiffusionRequestAdapter) -> list[int]:
@@ -255,9 +297,16 @@ class ARDiffusionKVCache:
         return seed_block_table(self._state, self._row(adapter))
 
     def chunk_write_slots(self, adapter: ARDiffusionRequestAdapter) -> jax.Array:
-        """Slot mapping of the in-flight chunk (the K/V write target)."""
-        return chunk_slot_mapping(self.block_table(adapter), adapter.num_computed_tokens,
-                                  self.config.chunk_size, self.block_size)
+        """Slot mapping of the in-flight chunk (the K/V write target), ``(chunk_size,)`` int32.
+
+        Pages are frame-aligned (see the module docstring): with ``chunk_size == block_size`` this
+        is the seed's ``chunk_slot_mapping``.
+
+        Raises:
+          IndexError: some of the chunk's tokens have no allocated block (as the seed's table
+            lookup raises); call :meth:`allocate_chunk` first.
+        """
+        return jnp.asarray(self._chunk_slots(adapter), jnp.int32)
 
     def window_block_ids(self, adapter: ARDiffusionRequestAdapter) -> list[int]:
         """Resident (non-null) blocks of the request, table order."""
@@ -294,20 +343,44 @@ class ARDiffusionKVCache:
 
     # -- pools ------------------------------------------------------------------------------------
     def key_cache(self, layer_idx: int) -> jax.Array:
-        """Layer ``layer_idx``'s K pool, ``[num_blocks_total, block_size, heads, head_size]``."""
-        return self._pools()[0][layer_idx]
+        """Layer ``layer_idx``'s K pool, ``[num_blocks_total, block_size, heads, head_size]``.
+
+        Raises:
+          RuntimeError: no pool device. TypeError: ``layer_idx`` is not an int (or is a bool).
+          IndexError: ``layer_idx`` is out of range (negative indices count from the end).
+        """
+        k_pool = self._pools()[0]
+        return k_pool[self._layer(layer_idx, "layer_idx")]
 
     def value_cache(self, layer_idx: int) -> jax.Array:
-        """Layer ``layer_idx``'s V pool, ``[num_blocks_total, block_size, heads, head_size]``."""
-        return self._pools()[1][layer_idx]
+        """Layer ``layer_idx``'s V pool, ``[num_blocks_total, block_size, heads, head_size]``.
+
+        Raises: as :meth:`key_cache`.
+        """
+        v_pool = self._pools()[1]
+        return v_pool[self._layer(layer_idx, "layer_idx")]
 
     def write_chunk_kv(self, layer_index: int, new_k, new_v, adapter: ARDiffusionRequestAdapter) -> None:
-        """Writes one layer's K/V of the in-flight chunk (``(1, chunk, H, D)`` or ``(chunk, H, D)``)
-        into its slots, in place."""
-        slots = self.chunk_write_slots(adapter)
+        """Writes one layer's K/V of the in-flight chunk into its slots, in place.
+
+        ``new_k`` and ``new_v`` have shape ``(B, chunk_size, heads, head_size)`` (batch 0 is
+        written, as in the seed) or ``(chunk_size, heads, head_size)``, and a floating dtype (cast
+        to the pool's). Everything is checked before anything is written: a refused call changes
+        nothing.
+
+        Raises:
+          RuntimeError: no pool device. KeyError: the request is not active.
+          TypeError: ``layer_index`` is not an int (or is a bool), or K/V are not floating.
+          IndexError: ``layer_index`` is out of range, or the chunk's blocks were not allocated.
+          ValueError: K/V of the wrong shape (e.g. one token for a whole chunk).
+        """
         k_pool, v_pool = self._pools()
-        self._k_pool = _write_slots(k_pool, layer_index, slots, _drop_batch(new_k).astype(k_pool.dtype))
-        self._v_pool = _write_slots(v_pool, layer_index, slots, _drop_batch(new_v).astype(v_pool.dtype))
+        layer = self._layer(layer_index, "layer_index")
+        slots = self.chunk_write_slots(adapter)
+        new_k = self._chunk_kv("new_k", new_k)
+        new_v = self._chunk_kv("new_v", new_v)
+        self._k_pool = _write_slots(k_pool, layer, slots, new_k.astype(k_pool.dtype))
+        self._v_pool = _write_slots(v_pool, layer, slots, new_v.astype(v_pool.dtype))
 
     # -- cross-attention caches (per session x cache name x logical branch) -------------------------
     def populate_cross_attention(self, session_id: str, cache_name: str, kv_branch: str,
@@ -344,7 +417,9 @@ class ARDiffusionKVCache:
         """``{"is_init": True, "k": (1, L, H, D), "v": (1, L, H, D)}`` for one layer.
 
         Raises:
-          RuntimeError: the cache was not populated.
+          KeyError: unknown cache or branch. RuntimeError: the cache was not populated.
+          TypeError: ``layer_idx`` is not an int (or is a bool). IndexError: ``layer_idx`` is out of
+          range (negative indices count from the end).
         """
         self._cross_length(cache_name)
         self._kv_branch_index(kv_branch)
@@ -356,7 +431,8 @@ class ARDiffusionKVCache:
         if pool is None:
             raise RuntimeError(f"AR-Diffusion cross-attention cache {cache_name!r} for session {session_id!r} "
                                f"and KV branch {kv_branch!r} was read before it was populated")
-        return {"is_init": True, "k": pool[0][layer_idx][None], "v": pool[1][layer_idx][None]}
+        layer = self._layer(layer_idx, "layer_idx")
+        return {"is_init": True, "k": pool[0][layer][None], "v": pool[1][layer][None]}
 
     def retain_cross_attention(self, session_id: str, cache_names: Collection[str]) -> None:
         """Releases the session's caches whose names are not in ``cache_names``."""
@@ -378,6 +454,53 @@ class ARDiffusionKVCache:
             raise RuntimeError("AR-Diffusion K/V pools require a configured pool device")
         return self._k_pool, self._v_pool
 
+    def _layer(self, index, name: str) -> int:
+        """``index`` as a layer in ``[0, num_layers)``; negative indices count from the end, as the
+        seed's per-layer lists do."""
+        if isinstance(index, (bool, np.bool_)) or str(getattr(index, "dtype", "")) in ("bool", "torch.bool"):
+            raise TypeError(f"{name} must be an int, got bool {index!r}")
+        try:
+            layer = operator.index(index)
+        except TypeError:
+            raise TypeError(f"{name} must be an int, got {type(index).__name__} {index!r}") from None
+        if not -self.num_layers <= layer < self.num_layers:
+            raise IndexError(f"{name} {layer} is out of range for {self.num_layers} layers: expected "
+                             f"0 <= {name} < {self.num_layers} (or -{self.num_layers} <= {name} < 0 "
+                             "from the end)")
+        return layer % self.num_layers
+
+    def _chunk_kv(self, name: str, x) -> jax.Array:
+        """One chunk's K or V as ``(chunk_size, heads, head_size)``, checked."""
+        if not isinstance(x, (jax.Array, np.ndarray)):
+            x = np.asarray(x)
+        chunk, heads, dim = self.config.chunk_size, self.num_kv_heads, self.head_size
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise TypeError(f"{name} must have a floating dtype (the pool holds {jnp.dtype(self.dtype).name}), "
+                            f"got {x.dtype}")
+        shape = tuple(x.shape)
+        if not (shape == (chunk, heads, dim) or (len(shape) == 4 and shape[0] >= 1
+                                                    and shape[1:] == (chunk, heads, dim))):
+            raise ValueError(f"{name} must have shape (1, {chunk}, {heads}, {dim}) (batch 0 is written) or "
+                             f"({chunk}, {heads}, {dim}): one K/V per token of the chunk, got {shape}")
+        return jnp.asarray(x[0] if len(shape) == 4 else x)
+
+    def _chunk_slots(self, adapter: ARDiffusionRequestAdapter) -> np.ndarray:
+        """Frame-aligned flat slots of the in-flight chunk's tokens (host-side)."""
+        table = np.asarray(self.block_table(adapter), np.int64)
+        layout = self._state.layout
+        start = adapter.num_computed_tokens
+        tokens = np.arange(start, start + self.config.chunk_size, dtype=np.int64)
+        frame, offset = np.divmod(tokens, layout.tokens_per_frame)
+        index = frame * layout.pages_per_frame + offset // layout.block_size
+        pages = table[np.minimum(index, len(table) - 1)] if len(table) else np.zeros_like(index)
+        missing = (index >= len(table)) | (pages == self.null_block_id)
+        if missing.any():
+            first = int(tokens[np.argmax(missing)])
+            raise IndexError(f"AR-Diffusion request {adapter.request_id!r} has no allocated block for tokens "
+                             f"[{first}, {start + self.config.chunk_size}) of its in-flight chunk (table "
+                             f"{table.tolist()}); call allocate_chunk before writing the chunk")
+        return pages * layout.block_size + offset % layout.block_size
+
     def _cross_length(self, cache_name: str) -> int:
         return lookup(self.cross_attention_lengths, cache_name, "cross-attention cache")
 
@@ -398,8 +521,89 @@ class ARDiffusionKVCache:
             self._state = core.resize(self._state, table_width=max(needed, 2 * layout.table_width))
         self._state, ok = _allocate(self._state, jnp.array([row]), num_tokens)
         if not bool(ok[0]):
+            # vLLM checks max(required - max(skipped, held), 0) blocks against the free count but
+            # then takes required - held: after commits of unallocated chunks the check can pass
+            # and BlockPool.get_new_blocks raise (the out-of-window eviction already happened).
+            ppf, tpf = layout.pages_per_frame, layout.tokens_per_frame
+            computed = adapter.num_computed_tokens
+            required = _pages_for_tokens(layout, computed + num_tokens)
+            held = len(self.block_table(adapter))
+            skipped = _skipped_frames(layout, computed // tpf) * ppf
+            free = self.num_free_blocks()
+            if max(required - max(skipped, held), 0) <= free < required - held:
+                raise ValueError(f"Cannot get {required - held} free blocks from the pool")
             raise RuntimeError(f"AR-Diffusion KV pool exhausted while allocating {what}")
         return self.block_table(adapter)
+
+
+def _pages_for_tokens(layout: core.StateLayout, tokens: int) -> int:
+    """Frame-aligned pages holding the first ``tokens`` tokens of a request (host-side)."""
+    frames, rest = divmod(tokens, layout.tokens_per_frame)
+    return frames * layout.pages_per_frame + -(-rest // layout.block_size)
+
+
+def _skipped_frames(layout: core.StateLayout, frames: int) -> int:
+    """Frames after the sink out of the window once ``frames`` whole frames are computed (the
+    seed's skip rule, host-side)."""
+    if layout.reset_at_boundary:
+        return max(0, frames - layout.sink_frames)
+    return max(0, frames - layout.window_frames - layout.sink_frames)
+
+
+#: Platform strings vLLM-Omni users pass (torch's device types) -> JAX platform names.
+_PLATFORMS = {"cpu": "cpu", "cuda": "gpu", "gpu": "gpu", "tpu": "tpu"}
+
+
+def _available_platforms() -> list[str]:
+    found = []
+    for platform in ("cpu", "gpu", "tpu"):
+        try:
+            if jax.devices(platform):
+                found.append(platform)
+        except (RuntimeError, ValueError):
+            pass
+    return found
+
+
+def resolve_device(device) -> jax.Device | None:
+    """The JAX device for a seed-style ``device=`` argument.
+
+    ``None`` stays ``None`` (bookkeeping only). A :class:`jax.Device` is used as is. A platform
+    string ``"cpu"``, ``"cuda"`` (or ``"gpu"``) or ``"tpu"``, optionally with ``":index"`` (e.g.
+    ``"cuda:1"``), maps to ``jax.devices(platform)[index]`` (index 0 by default). A
+    ``torch.device`` is read duck-typed from its ``.type`` and ``.index``.
+
+    Raises:
+      TypeError: any other type (an int, a bool, ...).
+      ValueError: a string that is not such a platform, a platform JAX does not have here, or an
+        index past its devices; the message names ``device``, the value and what is available.
+    """
+    if device is None or isinstance(device, jax.Device):
+        return device
+    if isinstance(device, str):
+        spec = device
+    elif isinstance(getattr(device, "type", None), str) and not isinstance(device, (bool, int)):
+        index = getattr(device, "index", None)  # a torch.device, read without importing torch
+        spec = device.type if index is None else f"{device.type}:{index}"
+    else:
+        raise TypeError("device must be None, a jax.Device, a platform string ('cpu', 'cuda', 'cuda:1', "
+                        f"'gpu', 'tpu') or a torch.device, got {type(device).__name__} {device!r}")
+    match = re.fullmatch(r"(cpu|cuda|gpu|tpu)(?::(\d+))?", spec)
+    if match is None:
+        raise ValueError(f"device={device!r} is not a platform string: expected 'cpu', 'cuda', 'gpu' or 'tpu', "
+                         "optionally followed by ':index' (e.g. 'cuda:1')")
+    platform, index = _PLATFORMS[match[1]], int(match[2] or 0)
+    try:
+        devices = jax.devices(platform)
+    except (RuntimeError, ValueError):
+        devices = []
+    if not devices:
+        raise ValueError(f"device={device!r} asks for the JAX platform {platform!r}, which JAX does not have here; "
+                         f"available platforms: {', '.join(_available_platforms())}")
+    if index >= len(devices):
+        raise ValueError(f"device={device!r} asks for {platform} device {index}, but JAX has {len(devices)} "
+                         f"{platform} device{'s' if len(devices) != 1 else ''} here (indices 0..{len(devices) - 1})")
+    return devices[index]
 
 
 def seed_block_table(state: core.BlockTableState, row: int) -> list[int]:
@@ -410,8 +614,3 @@ def seed_block_table(state: core.BlockTableState, row: int) -> list[int]:
     sink = min(state.layout.sink_pages, len(stored))
     return stored[:sink] + [0] * evicted + stored[sink:]
 
-
-def _drop_batch(x) -> jax.Array:
-    """``(1, L, H, D) -> (L, H, D)``; 3-D arrays pass through."""
-    x = jnp.asarray(x)
-    return x[0] if x.ndim == 4 else x
