@@ -104,7 +104,8 @@ def compile_for_tpu(fn: Callable, shapes: Sequence[tuple[tuple[int, ...], object
     sharding = jax.sharding.SingleDeviceSharding(device)
     specs = [jax.ShapeDtypeStruct(s, d, sharding=sharding) for s, d in shapes]
     bound = functools.partial(fn, **(static_kwargs or {}))
-    return jax.jit(bound, donate_argnums=tuple(donate_argnums)).trace(*specs).lower().compile()
+    with jax.default_device(device):  # Lowering rules that ask for the chip see this one.
+        return jax.jit(bound, donate_argnums=tuple(donate_argnums)).trace(*specs).lower().compile()
 
 
 _COPY = re.compile(r"=\s*(\w+)\[([\d,]*)\]\S*\s+copy(?:-start)?\(")

@@ -518,7 +518,7 @@ def _kernel(table_ref, nvis_ref, len_ref, layer_ref, q_ref, kt_ref, vt_ref, k_hb
 
     # History: blocks of `ppb` page-list entries, double-buffered by hand.
     nvis, length, layer = nvis_ref[row], len_ref[row], layer_ref[0]
-    num_blocks = (nvis + ppb - 1) // ppb
+    num_blocks = lax.div(nvis + ppb - 1, ppb)
 
     def page_dmas(block, slot, i):
         entry = block * ppb + i

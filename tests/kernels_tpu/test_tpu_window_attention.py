@@ -197,3 +197,15 @@ def test_validation(change, message):
     case, _ = make_case(committed=(3, 1))
     with pytest.raises(ValueError, match=message):
         window_attention(**dict(case, **change(case)), interpret=True)
+
+
+def test_gather_baseline_matches_reference():
+    """The gather + splash baseline: GQA, extras, frame padding, NaN poison, ragged fills."""
+    from pallas_kernels.tpu_gather_baseline import gather_window_attention
+
+    case, owned = make_case(committed=(0, 2, 5), window=Window(tokens_per_frame=24), extra=3)
+    bad = poisoned(case, owned)
+    out = gather_window_attention(**bad, interpret=True, block_q=128, block_kv=128,
+                                  block_kv_compute=128)
+    assert bool(jnp.all(jnp.isfinite(out)))
+    np.testing.assert_allclose(out, window_attention_reference(**case), atol=2e-5, rtol=2e-5)
