@@ -93,8 +93,8 @@ class Blocks:
 
 
 TUNED_BLOCKS = {
-    "v5e": Blocks(block_q=1568, block_q_compute=512, block_kv_compute=512, keys_per_block=2048),
-    "v6e": Blocks(block_q=1568, block_q_compute=512, block_kv_compute=512, keys_per_block=2048),
+    "v5e": Blocks(block_q=1568, block_q_compute=784, block_kv_compute=512, keys_per_block=2048),
+    "v6e": Blocks(block_q=1568, block_q_compute=784, block_kv_compute=512, keys_per_block=2048),
 }
 """Default block sizes per generation (chosen from compiler bundle counts, ``benchmarks/tpu_compile.py``)."""
 VMEM_BUDGET = {"v5e": 100 << 20, "v6e": 100 << 20}
