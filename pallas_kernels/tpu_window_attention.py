@@ -577,7 +577,7 @@ def _kernel(table_ref, nvis_ref, len_ref, layer_ref, q_ref, kt_ref, vt_ref, k_hb
                 for start in range(0, size, bkc):
                     n = min(bkc, size - start)
                     keys = pl.ds(start, n)
-                    chunk(lambda: kbuf[slot, i, keys], lambda: vbuf[slot, i, keys],
+                    chunk(lambda keys=keys: kbuf[slot, i, keys], lambda keys=keys: vbuf[slot, i, keys],
                           [jnp.clip(limit - start, 0, n)], n)
                 return carry
 

@@ -191,7 +191,8 @@ def test_one_trace_while_window_fills():
     (lambda c: dict(scale=-1.0), r"scale must be a positive finite number"),
     (lambda c: dict(block_kv_compute=1 << 20), r"needs about .* MiB of VMEM, over the 100 MiB budget"),
     (lambda c: dict(k_pool=c["k_pool"][:, :, :, :12], v_pool=c["v_pool"][:, :, :, :12],
-                    lengths=c["lengths"] * 0, tokens_per_frame=12), r"block_size=12 \(pool.shape\[3\]\) must be a multiple of 8"),
+                    lengths=c["lengths"] * 0, tokens_per_frame=12),
+     r"block_size=12 \(pool.shape\[3\]\) must be a multiple of 8"),
 ])
 def test_validation(change, message):
     case, _ = make_case(committed=(3, 1))
