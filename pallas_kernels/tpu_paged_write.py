@@ -21,7 +21,8 @@ In place: inside ``jax.jit(step, donate_argnums=...)`` donating the pools, the o
 (``input_output_aliases``) and the call moves ``2 * L * H * R * F * ppf * S * D * itemsize`` bytes
 per pool (the chunk read, the pages written), never a pool. Compiled temporaries: at most the
 head-major copy of the chunk, ``2 * L * R * F * T * H * D * itemsize`` bytes (XLA usually folds the
-transpose into the chunk's HBM layout, leaving none), plus a ``[L, H, ppf * S - T, D]`` zero block when frames are padded.
+transpose into the chunk's HBM layout, leaving none), plus a ``[L, H, ppf * S - T, D]`` zero
+block when frames are padded.
 
 Kernel: grid-less; the page ids are scalar-prefetched into SMEM; step ``i`` starts the K and V
 DMAs of page ``i`` (``[L, H, S, D]`` strided slabs, all layers and heads) and waits for those of
