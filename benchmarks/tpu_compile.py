@@ -1,0 +1,308 @@
+"""Compile the TPU kernels for v5e and v6e on this CPU machine and report what the compiler decided.
+
+Needs libtpu (``pip install -e ".[tpu]"``); runs no kernel. At the ``wan-1.3b`` preset (30 layers,
+12 KV heads x 128, 1,560-token frames in 1,560-slot pages, a 3-frame chunk over 12 visible frames)
+for each generation it compiles, each in its own process (so each has its own bundle dump):
+
+* the paged window attention (:mod:`pallas_kernels.tpu_window_attention`), rows 1 and 4;
+* the gather + splash baseline (:mod:`pallas_kernels.tpu_gather_baseline`), rows 1 and 4;
+* the donated paged write (:mod:`pallas_kernels.tpu_paged_write`), one row's 3-frame commit.
+
+Reported: whether each compiled, the kernel's VMEM estimate and limit, temporaries and aliased
+bytes as fractions of the pools, pool copies in the optimized HLO, and a compiler-derived time:
+final VLIW bundles of each loop (``--xla_jf_dump_llo_text``) times its trip count at the chip
+clock, plus 0.35 us per grid step. That estimate assumes one bundle per cycle and omits stalls
+(MXU result latency beyond the schedule, VMEM bank conflicts), DMA waits, HBM contention and the
+XLA fusions around the kernels except the baseline's gather (counted as its HBM bytes over the
+bandwidth). ``--quick`` compiles rows 1 only. The last line is JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PRESET = dict(layers=30, kv_heads=12, head_dim=128, tokens_per_frame=1560, block_size=1560,
+              cur_frames=3, visible_frames=12)
+
+
+# ------------------------------------------------------------------------------------------------
+# Final-bundle parsing
+# ------------------------------------------------------------------------------------------------
+
+_BUNDLE = re.compile(r"^\s*(0x[0-9a-f]+|\d+)\s+(?:(LB|LH|LE|PB|PF|CT):|:)\s*(>*)\s*\{(.*)$")
+
+
+def parse_bundles(path: str) -> list[tuple[str, int, str]]:
+    """``(marker, loop depth, text)`` of every bundle of a ``*final_bundles.txt`` dump."""
+    out = []
+    for line in open(path):
+        m = _BUNDLE.match(line)
+        if m:
+            out.append((m.group(2) or "", len(m.group(3)), m.group(4)))
+    return out
+
+
+def loop_tree(bundles) -> list[dict]:
+    """The loops of a kernel in program order: ``{"start", "depth", "own", "children"}``, where
+    ``own`` counts the loop body's bundles outside nested loops. Empty bundles stay in their loop."""
+    loops, stack = [], []
+    for i, (mark, depth, text) in enumerate(bundles):
+        if text.strip().startswith("}"):
+            depth = stack[-1]["depth"] if stack else 0
+        while stack and (depth < stack[-1]["depth"] or (depth == stack[-1]["depth"] and mark == "LB")):
+            stack.pop()
+        if mark == "LB":
+            node = dict(start=i, depth=depth, own=0, children=[], mxu=0)
+            (stack[-1]["children"] if stack else loops).append(node)
+            stack.append(node)
+        if stack:
+            stack[-1]["own"] += 1
+            if "vmatmul" in text:
+                stack[-1]["mxu"] += 1
+    return loops
+
+
+def kernel_dump(dump_dir: str, name: str) -> str:
+    files = sorted(glob.glob(os.path.join(dump_dir, f"*{name}*final_bundles.txt")))
+    files = [f for f in files if "schedule-analysis" not in f]
+    if not files:
+        raise FileNotFoundError(f"no final bundles of {name} in {dump_dir}")
+    return files[-1]
+
+
+def _with_mxu(node) -> bool:
+    return node["mxu"] > 0 or any(_with_mxu(c) for c in node["children"])
+
+
+def attention_cycles(tree, trips: dict) -> tuple[float, str]:
+    """Cycles of one grid step of the paged kernel (pages cut into pieces, every page full).
+
+    Tree: the grid loop; inside it the tail-chunk loop (its query sub-block loop inside), the
+    tail remainder's sub-block loop, and the history-block loop whose children are, per piece of a
+    page, the unmasked then the masked sub-block loop (only the unmasked ones run on full pages).
+    """
+    grid = tree[0]
+    kids = [c for c in grid["children"] if _with_mxu(c)]
+    tail = [c for c in kids if c["children"]][:-1] if trips["full_tail"] else []
+    history = [c for c in kids if c["children"]][-1]
+    rest = [c for c in kids if not c["children"]]
+    sub = trips["sub_blocks"]
+    cycles = grid["own"]
+    for t in tail:
+        cycles += trips["full_tail"] * (t["own"] + sub * sum(c["own"] for c in t["children"]))
+    cycles += sum(sub * c["own"] for c in rest)
+    fast = history["children"][0::2]
+    cycles += trips["blocks"] * (history["own"] + sub * sum(c["own"] for c in fast))
+    note = (f"grid loop {grid['own']} bundles/step; tail chunk loop x{trips['full_tail']}; "
+            f"{trips['blocks']} history blocks of {history['own']} + {sub} x "
+            f"{[c['own'] for c in fast]} bundles (unmasked pieces)")
+    return cycles, note
+
+
+def splash_cycles(bundles, tree) -> tuple[float, float, str]:
+    """(per-grid-step cycles, once-per-query-block cycles) of splash attention's grid loop: the
+    steady body is the span between the first two predicated-region fallthroughs (after the
+    accumulator init, before the finalisation); the rest of the loop body runs once per query
+    block."""
+    grid = tree[0]
+    start = grid["start"]
+    pf = [i for i, (mark, _, _) in enumerate(bundles) if mark == "PF" and i > start]
+    steady = pf[1] - pf[0]
+    return steady, grid["own"] - steady, f"splash grid loop {grid['own']} bundles, steady {steady}"
+
+
+# ------------------------------------------------------------------------------------------------
+# Worker: one compile in this process (LIBTPU_INIT_ARGS set by the parent)
+# ------------------------------------------------------------------------------------------------
+
+
+def worker(gen: str, kind: str, rows: int, dump: str) -> dict:
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    sys.path.insert(0, ROOT)
+    import jax.numpy as jnp
+
+    from pallas_kernels import tpu_aot
+    from pallas_kernels import tpu_window_attention as twa
+    from pallas_kernels.tpu_gather_baseline import DEFAULT_BLOCKS, gather_window_attention
+    from pallas_kernels.tpu_layout import pool_shape
+    from pallas_kernels.tpu_paged_write import write_chunk
+
+    chip = tpu_aot.CHIPS[gen]
+    p = PRESET
+    bf = jnp.bfloat16
+    h, d, t, s = p["kv_heads"], p["head_dim"], p["tokens_per_frame"], p["block_size"]
+    q_len = p["cur_frames"] * t
+    max_pages = p["visible_frames"]
+    out: dict = dict(gen=gen, kind=kind, rows=rows)
+    if kind == "write":
+        pages = 16
+        shape = pool_shape(p["layers"], pages, s, h, d)
+        new = (p["layers"], rows, q_len, h, d)
+        specs = [(shape, bf)] * 2 + [(new, bf)] * 2 + [((rows, p["cur_frames"]), jnp.int32)]
+        fn = write_chunk
+        donate = (0, 1)
+    else:
+        pages = rows * max_pages + 1
+        shape = pool_shape(p["layers"], pages, s, h, d)
+        kv = (rows, q_len, h, d)
+        specs = [((rows, q_len, h, d), bf), (kv, bf), (kv, bf), (shape, bf), (shape, bf),
+                 ((rows, max_pages), jnp.int32), ((rows,), jnp.int32), ((), jnp.int32)]
+        donate = ()
+        if kind == "attention":
+            def fn(q, kc, vc, kp, vp, pg, ln, layer):
+                return twa.window_attention(q, kc, vc, kp, vp, pg, ln, layer=layer,
+                                            generation=gen)
+        else:
+            def fn(q, kc, vc, kp, vp, pg, ln, layer):
+                return gather_window_attention(q, kc, vc, kp, vp, pg, ln, layer=layer)
+    pool_bytes = 2 * 2 * int(_prod(shape))
+    try:
+        compiled = tpu_aot.compile_for_tpu(fn, specs, gen, donate_argnums=donate)
+    except Exception as e:  # Report a failed compile as data.
+        out.update(compiles=False, error=str(e).splitlines()[0][:300])
+        return out
+    rep = tpu_aot.report(compiled, [shape])
+    out.update(compiles=True, pool_copies=rep.pool_copies, pool_bytes=pool_bytes,
+               temp_bytes=rep.temp_bytes, temp_fraction=rep.temp_bytes / pool_bytes,
+               alias_fraction=rep.alias_bytes / pool_bytes)
+    flops = 4 * rows * q_len * (max_pages * t + q_len) * h * d  # QK and PV, useful keys only.
+    out["flops"] = flops
+    if kind == "write":
+        moved = 2 * p["layers"] * h * rows * p["cur_frames"] * s * d * 2  # K and V pages.
+        tree = loop_tree(parse_bundles(kernel_dump(dump, "tpu_paged_write")))
+        issue = sum(n["own"] for n in tree) * (rows * p["cur_frames"] + 8) / chip.clock_hz
+        hbm = 2 * moved / chip.hbm_bytes_per_s  # Read the chunk, write the pages.
+        out.update(bytes_moved=moved, hbm_ms=hbm * 1e3, issue_ms=issue * 1e3,
+                   est_ms=max(hbm, issue) * 1e3, fraction_of_hbm=hbm / max(hbm, issue))
+        return out
+    if kind == "attention":
+        geom = twa.Geometry(rows, q_len, h, h, d, q_len, 0, p["layers"], pages, s, max_pages, t,
+                            "bfloat16")
+        plan = twa.make_plan(geom, twa.TUNED_BLOCKS[gen])
+        bundles = parse_bundles(kernel_dump(dump, "tpu_window_attention"))
+        m = geom.group * plan.block_q
+        trips = dict(full_tail=geom.tail_len // plan.block_kv_compute,
+                     sub_blocks=m // plan.block_q_compute, blocks=-(-max_pages // plan.pages_per_block))
+        per_step, note = attention_cycles(loop_tree(bundles), trips)
+        steps = rows * h * plan.num_q_blocks
+        seconds = steps * per_step / chip.clock_hz + steps * tpu_aot.GRID_STEP_SECONDS
+        out.update(vmem_estimate=twa.vmem_estimate_bytes(geom, plan),
+                   vmem_limit=twa._vmem_limit(twa.vmem_estimate_bytes(geom, plan), gen),
+                   temp_bound=twa.temp_bound_bytes(geom, plan), grid_steps=steps,
+                   est_ms=seconds * 1e3, note=note)
+    else:
+        bundles = parse_bundles(kernel_dump(dump, "splash_mqa_fwd"))
+        steady, once, note = splash_cycles(bundles, loop_tree(bundles))
+        b = DEFAULT_BLOCKS
+        q_blocks = -(-q_len // b["block_q"])
+        kv_blocks = -(-(max_pages * t + q_len) // b["block_kv"])
+        steps = rows * h * q_blocks * kv_blocks
+        kernel_s = (steps * steady + rows * h * q_blocks * once) / chip.clock_hz \
+            + steps * tpu_aot.GRID_STEP_SECONDS
+        gathered = 2 * rows * h * kv_blocks * b["block_kv"] * d * 2  # K and V, written.
+        history = 2 * rows * h * max_pages * t * d * 2  # K and V pages, read.
+        gather_s = (gathered + history) / chip.hbm_bytes_per_s
+        out.update(grid_steps=steps, kernel_ms=kernel_s * 1e3, gather_ms=gather_s * 1e3,
+                   est_ms=(kernel_s + gather_s) * 1e3, note=note)
+    out["fraction_of_peak"] = flops / (out["est_ms"] * 1e-3) / chip.bf16_flops
+    return out
+
+
+def _prod(shape) -> int:
+    n = 1
+    for x in shape:
+        n *= int(x)
+    return n
+
+
+# ------------------------------------------------------------------------------------------------
+# Driver
+# ------------------------------------------------------------------------------------------------
+
+
+def run_job(gen: str, kind: str, rows: int) -> dict:
+    with tempfile.TemporaryDirectory() as dump:
+        env = dict(os.environ, JAX_PLATFORMS="cpu",
+                   LIBTPU_INIT_ARGS=f"--xla_jf_dump_to={dump} --xla_jf_dump_llo_text=true")
+        proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", gen, kind,
+                               str(rows), dump], env=env, capture_output=True, text=True)
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+        if proc.returncode or not lines:
+            return dict(gen=gen, kind=kind, rows=rows, compiles=False,
+                        error=(proc.stderr.strip().splitlines() or ["no output"])[-1][:300])
+        return json.loads(lines[-1])
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="rows 1 only")
+    parser.add_argument("--generations", default="v5e,v6e")
+    parser.add_argument("--worker", nargs=4, metavar=("GEN", "KIND", "ROWS", "DUMP"),
+                        help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        gen, kind, rows, dump = args.worker
+        print(json.dumps(worker(gen, kind, int(rows), dump)))
+        return 0
+    rows_list = (1,) if args.quick else (1, 4)
+    summary = {}
+    print("compiler-derived estimates: final bundles x trip counts at the chip clock + 0.35 us per "
+          "grid step; they omit stalls, DMA waits and HBM contention (see the module docstring)")
+    for gen in args.generations.split(","):
+        results = {}
+        for kind in ("attention", "baseline"):
+            for rows in rows_list:
+                results[(kind, rows)] = r = run_job(gen, kind, rows)
+                if r.get("compiles"):
+                    extra = (f" vmem est {r['vmem_estimate'] / 2**20:.1f} MiB (limit "
+                             f"{r['vmem_limit'] / 2**20:.0f} MiB)" if kind == "attention" else
+                             f" (kernel {r['kernel_ms']:.3f} ms + gather {r['gather_ms']:.3f} ms)")
+                    print(f"{gen} {kind:9s} rows={rows}: compiles, pool copies {r['pool_copies']}, "
+                          f"temp {r['temp_fraction']:.2%} of pools ({r['temp_bytes'] / 2**20:.1f} "
+                          f"MiB), est {r['est_ms']:.3f} ms = {r['est_ms'] / rows:.3f} ms per row "
+                          f"and layer, {r['fraction_of_peak']:.1%} of bf16 peak;{extra}; "
+                          f"{r['note']}")
+                else:
+                    print(f"{gen} {kind:9s} rows={rows}: DOES NOT COMPILE: {r.get('error')}")
+        w = run_job(gen, "write", 1)
+        if w.get("compiles"):
+            print(f"{gen} write rows=1: compiles, pool copies {w['pool_copies']}, temp "
+                  f"{w['temp_fraction']:.4%} and aliased {w['alias_fraction']:.3f} of both pools; "
+                  f"{w['bytes_moved'] / 2**20:.1f} MiB of pages per commit, HBM time "
+                  f"{w['hbm_ms']:.3f} ms, DMA issue {w['issue_ms']:.4f} ms -> "
+                  f"{w['fraction_of_hbm']:.1%} of HBM bandwidth")
+        else:
+            print(f"{gen} write: DOES NOT COMPILE: {w.get('error')}")
+        att, base = results[("attention", 1)], results[("baseline", 1)]
+        ok = att.get("compiles") and base.get("compiles")
+        summary[gen] = dict(
+            attention_compiles=bool(att.get("compiles")),
+            attention_pool_copies=int(att.get("pool_copies", -1)),
+            attention_est_ms=float(att.get("est_ms", float("nan"))),
+            baseline_est_ms=float(base.get("est_ms", float("nan"))),
+            attention_vs_baseline=float(base["est_ms"] / att["est_ms"]) if ok else float("nan"),
+            attention_fraction_of_peak=float(att.get("fraction_of_peak", float("nan"))),
+            baseline_fraction_of_peak=float(base.get("fraction_of_peak", float("nan"))),
+            write_pool_copies=int(w.get("pool_copies", -1)),
+            write_temp_fraction=float(w.get("temp_fraction", float("nan"))),
+            write_alias_fraction=float(w.get("alias_fraction", float("nan"))),
+            write_fraction_of_hbm=float(w.get("fraction_of_hbm", float("nan"))),
+        )
+        if not args.quick:
+            for kind in ("attention", "baseline"):
+                r4 = results[(kind, 4)]
+                summary[gen][f"{kind}_rows4_est_ms"] = float(r4.get("est_ms", float("nan")))
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

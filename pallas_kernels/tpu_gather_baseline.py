@@ -1,0 +1,124 @@
+"""Gather-then-flash window attention on TPU: the yardstick of the paged kernel, and a fallback.
+
+Same arguments, shapes and semantics as :func:`pallas_kernels.tpu_window_attention.window_attention`
+(head-major pools, frame-aligned pages, lengths, extras, GQA). For one layer it
+
+1. gathers each row's visible history tokens by position into contiguous head-major K/V
+   ``[rows, kv_heads, capacity, head_dim]`` (an XLA gather through the page table; frame padding is
+   skipped, slots past a row's length are selected to 0, so NaN in free or foreign pages never
+   enters), appends the current chunk and extras and pads the keys to ``block_kv``;
+2. runs jax's maintained splash attention kernel (``jax.experimental.pallas.ops.tpu.
+   splash_attention``, the MQA form per KV head, so a GQA group's query heads share their KV head)
+   with a full mask, padded and invalid keys removed by segment ids.
+
+Temporaries (compiled, per call): the gathered K and V, ``2 * rows * kv_heads * kv_pad * head_dim``
+elements, plus the padded, scaled queries and the output (``2 * rows * q_pad * num_q_heads *
+head_dim``); never a pool.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels.tpu_window_attention import check_inputs
+
+DEFAULT_BLOCKS = dict(block_q=1024, block_kv=2048, block_kv_compute=512)
+"""Splash block sizes used by default (tokamax/splash-style sizes for head dim 128)."""
+
+
+def gather_window_attention(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, layer=0,
+                            extra_k=None, extra_v=None, scale=None, tokens_per_frame=None,
+                            block_q=None, block_kv=None, block_kv_compute=None,
+                            interpret: bool = False):
+    """Window attention by gathering the visible pages and running splash attention.
+
+    Args: those of :func:`pallas_kernels.tpu_window_attention.window_attention`, plus splash's
+      ``block_q``, ``block_kv`` and ``block_kv_compute`` (multiples of 128, ``block_kv_compute``
+      dividing ``block_kv``; defaults :data:`DEFAULT_BLOCKS`) and ``interpret`` (a bool: splash's
+      interpret mode).
+
+    Returns:
+      ``[rows, q_len, num_q_heads, head_dim]`` in ``q``'s dtype.
+
+    Raises:
+      ValueError: those of ``window_attention``; a block size that is not a positive multiple of
+        128, or a ``block_kv_compute`` that does not divide ``block_kv``.
+    """
+    geom = check_inputs(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, layer=layer,
+                        extra_k=extra_k, extra_v=extra_v, tokens_per_frame=tokens_per_frame)
+    given = dict(block_q=block_q, block_kv=block_kv, block_kv_compute=block_kv_compute)
+    blocks = {k: DEFAULT_BLOCKS[k] if v is None else v for k, v in given.items()}
+    for name, value in blocks.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 128 or value % 128:
+            raise ValueError(f"{name}={value!r} must be a positive multiple of 128")
+    if blocks["block_kv"] % blocks["block_kv_compute"]:
+        raise ValueError(f"block_kv_compute={blocks['block_kv_compute']} must divide "
+                         f"block_kv={blocks['block_kv']}")
+    scale = geom.head_dim ** -0.5 if scale is None else float(scale)
+    if not 0 < scale < float("inf"):
+        raise ValueError(f"scale must be a positive finite number, got {scale!r}")
+    return _gather_attention(q, k_cur, v_cur, extra_k, extra_v, k_pool, v_pool, pages, lengths,
+                             jnp.asarray(layer, jnp.int32), geom=geom, scale=scale,
+                             blocks=tuple(sorted(blocks.items())), interpret=interpret)
+
+
+def gather_history(pool, pages, lengths, layer, geom):
+    """Each row's history tokens of ``layer`` by position: ``[rows, kv_heads, capacity, head_dim]``
+    (slots past ``lengths`` selected to 0) and their validity ``[rows, capacity]``."""
+    tpf = geom.tokens_per_frame
+    token = jnp.arange(geom.capacity, dtype=jnp.int32)
+    valid = token[None, :] < lengths.astype(jnp.int32)[:, None]
+    slot = (token // tpf) * geom.pages_per_frame * geom.block_size + token % tpf
+    page = jnp.where(valid, pages.astype(jnp.int32)[:, slot // geom.block_size], 0)
+    offset = jnp.where(valid, slot % geom.block_size, 0)
+    hist = lax.dynamic_index_in_dim(pool, layer, 0, keepdims=False)[:, page, offset]
+    hist = jnp.where(valid[None, :, :, None], hist, jnp.zeros((), pool.dtype))
+    return hist.transpose(1, 0, 2, 3), valid
+
+
+@functools.partial(jax.jit, static_argnames=("geom", "scale", "blocks", "interpret"))
+def _gather_attention(q, k_cur, v_cur, extra_k, extra_v, k_pool, v_pool, pages, lengths, layer, *,
+                      geom, scale: float, blocks: tuple, interpret: Any):
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
+
+    b = dict(blocks)
+    rows, hkv, g, d = geom.rows, geom.kv_heads, geom.group, geom.head_dim
+    q_pad = -(-geom.q_len // b["block_q"]) * b["block_q"]
+    kv_len = geom.capacity + geom.tail_len
+    kv_pad = -(-kv_len // b["block_kv"]) * b["block_kv"]
+
+    def keys(pool, cur, extra):
+        hist, valid = gather_history(pool, pages, lengths, layer, geom)
+        tail = [cur] + ([] if extra is None else [extra])
+        tail = jnp.concatenate(tail, axis=1).transpose(0, 2, 1, 3)
+        pad = jnp.zeros((rows, hkv, kv_pad - kv_len, d), pool.dtype)
+        return jnp.concatenate([hist, tail, pad], axis=2), valid
+
+    k, valid = keys(k_pool, k_cur, extra_k)
+    v, _ = keys(v_pool, v_cur, extra_v)
+    kv_segment = jnp.concatenate([jnp.where(valid, 0, 1), jnp.zeros((rows, geom.tail_len), jnp.int32),
+                                  jnp.ones((rows, kv_pad - kv_len), jnp.int32)], axis=1)
+    qs = (q.astype(jnp.float32) * scale).astype(q.dtype)
+    qs = jnp.pad(qs, ((0, 0), (0, q_pad - geom.q_len), (0, 0), (0, 0)))
+    qs = qs.reshape(rows, q_pad, hkv, g, d).transpose(0, 2, 3, 1, 4)  # [rows, Hkv, G, q, D]
+
+    mask = masks.MultiHeadMask([masks.FullMask((q_pad, kv_pad)) for _ in range(g)])
+    kernel = splash.make_splash_mqa_single_device(
+        mask, block_sizes=splash.BlockSizes(block_q=b["block_q"], block_kv=b["block_kv"],
+                                            block_kv_compute=b["block_kv_compute"]),
+        interpret=interpret)
+
+    def one(q_h, k_h, v_h, seg):  # one (row, KV head): q [G, q, D], k/v [kv, D]
+        ids = splash.SegmentIds(q=jnp.zeros((q_pad,), jnp.int32), kv=seg)
+        return kernel(q_h, k_h, v_h, segment_ids=ids)
+
+    per_head = jax.vmap(one, in_axes=(0, 0, 0, None))
+    out = jax.vmap(per_head)(qs, k, v, kv_segment)  # [rows, Hkv, G, q_pad, D]
+    out = out.transpose(0, 3, 1, 2, 4).reshape(rows, q_pad, geom.num_q_heads, d)
+    return out[:, :geom.q_len].astype(q.dtype)

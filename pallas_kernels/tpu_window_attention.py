@@ -1,0 +1,640 @@
+"""Paged window attention for TPU on the head-major pool layout (:mod:`pallas_kernels.tpu_layout`).
+
+The chunk's queries attend, bidirectionally, to each row's visible history pages, to the current
+chunk's own keys (``k_cur``/``v_cur``) and to extra tokens (``extra_k``/``extra_v``); the pools are
+read only. Semantics are those of :func:`pallas_kernels.window_attention.window_attention`
+(frame-aligned pages, ``lengths``, extras, GQA, NaN-safe selection, the null page 0) with the pools
+in the head-major layout.
+
+Shapes (``rows`` rows; token counts in tokens):
+
+=====================  ==============================================================  ===========
+``q``                  ``[rows, q_len, num_q_heads, head_dim]``                        f32/bf16/f16
+``k_cur``, ``v_cur``   ``[rows, cur_len, kv_heads, head_dim]`` (``cur_len >= 1``)      as ``q``
+``extra_k/_v``         ``[rows, num_extra, kv_heads, head_dim]``, all valid            as ``q``
+``k_pool``, ``v_pool`` ``[num_layers, kv_heads, num_pages, block_size, head_dim]``     as ``q``
+``pages``              int32 ``[rows, max_pages]``: page ids (0 = the null page)
+``lengths``            int32 ``[rows]``: valid history tokens, in ``[0, capacity]``
+``layer``              int32 scalar (may be traced)
+output                 ``[rows, q_len, num_q_heads, head_dim]``, ``q``'s dtype
+=====================  ==============================================================  ===========
+
+Frames: a frame of ``tokens_per_frame`` (``T``) tokens fills ``ppf = ceil(T / block_size)``
+consecutive page-list entries; page-list slot ``s`` holds a valid token iff its in-frame offset
+``s % (ppf * block_size)`` is below ``T`` and the token's position is below ``lengths[row]``. Within a
+page the valid slots are a prefix, which is how the kernel masks.
+
+Kernel (Mosaic). Grid ``(rows, kv_heads, query blocks)``; the page table, the visible page counts,
+the lengths and the layer are scalar-prefetched. Per grid step:
+
+* the queries of one query block of all ``group = num_q_heads // kv_heads`` query heads of the KV
+  head, as one ``[group * block_q, head_dim]`` matrix (GQA folded into M), pre-scaled by
+  ``scale * log2(e)`` so the softmax uses ``exp2``;
+* the current chunk + extras of the (row, KV head), ``[tail_pad, head_dim]``, through a BlockSpec
+  (fetched once per (row, head): consecutive query blocks reuse it);
+* history pages, ``pages_per_block`` at a time, DMA'd by hand from ``pool[layer, head, page]`` into a
+  double-buffered VMEM block ``[2, pages_per_block, block_size, head_dim]`` (block ``b + 1`` in flight
+  while block ``b`` is computed); only the row's visible pages are fetched and visited;
+* compute chunks of about ``block_kv_compute`` keys (several whole pages, or pieces of one page) times
+  query sub-blocks of ``block_q_compute`` rows: an online softmax with lane-dense ``m``/``l`` scratch
+  ``[group * block_q, 128]`` float32 and a float32 accumulator. A chunk whose slots are all valid is
+  computed with no masking at all; a partly valid chunk selects (``jnp.where``) its invalid keys to
+  a finite minimum and its invalid values to 0, so NaN in free or foreign pages, frame padding or
+  stale VMEM cannot reach the output; a chunk with no valid slot is skipped.
+
+VMEM: :func:`vmem_estimate_bytes` (blocks double-buffered, scratch, the compute chunk's float32
+intermediates); the call sets ``vmem_limit_bytes`` from it and raises a ValueError past the
+generation's budget. Block sizes come from :data:`TUNED_BLOCKS` (per generation), overridable.
+
+Temporaries outside the kernel (compiled, per call): the scaled head-major copy of ``q``, the
+kernel's output before its transpose back (``2 * rows * q_pad * num_q_heads * head_dim`` elements in
+all) and the head-major tail (``2 * rows * kv_heads * tail_pad * head_dim``), plus int32 tables; never
+a pool (:func:`temp_bound_bytes`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels.tpu_layout import check_tpu_block_size
+
+MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+"""Finite logit of masked keys: ``exp2(MASK_VALUE - m)`` is exactly 0 and no ``inf - inf`` arises."""
+SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+LANES = 128
+LOG2_E = math.log2(math.e)
+
+
+@dataclasses.dataclass(frozen=True)
+class Blocks:
+    """Block sizes of one call.
+
+    Attributes:
+      block_q: queries per query block and query head (M is ``group * block_q``).
+      block_q_compute: rows of M per softmax update (divides ``group * block_q``).
+      block_kv_compute: keys per compute chunk (a multiple of 128).
+      keys_per_block: target history keys per DMA block (``pages_per_block * block_size``).
+    """
+
+    block_q: int
+    block_q_compute: int
+    block_kv_compute: int
+    keys_per_block: int
+
+
+TUNED_BLOCKS = {
+    "v5e": Blocks(block_q=1568, block_q_compute=784, block_kv_compute=512, keys_per_block=2048),
+    "v6e": Blocks(block_q=1568, block_q_compute=784, block_kv_compute=512, keys_per_block=2048),
+}
+"""Default block sizes per generation (chosen from compiler bundle counts, ``benchmarks/tpu_compile.py``)."""
+VMEM_BUDGET = {"v5e": 100 << 20, "v6e": 100 << 20}
+"""Most scoped VMEM a call may ask for, bytes (of 128 MiB physical)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    """Static sizes of one call (hashable). Token counts in tokens, page counts in pages."""
+
+    rows: int
+    q_len: int
+    num_q_heads: int
+    kv_heads: int
+    head_dim: int
+    cur_len: int
+    num_extra: int
+    num_layers: int
+    num_pages: int
+    block_size: int
+    max_pages: int
+    tokens_per_frame: int
+    dtype: str
+
+    @property
+    def group(self) -> int:
+        return self.num_q_heads // self.kv_heads
+
+    @property
+    def pages_per_frame(self) -> int:
+        return -(-self.tokens_per_frame // self.block_size)
+
+    @property
+    def tail_len(self) -> int:
+        return self.cur_len + self.num_extra
+
+    @property
+    def capacity(self) -> int:
+        full, rest = divmod(self.max_pages, self.pages_per_frame)
+        return full * self.tokens_per_frame + min(rest * self.block_size, self.tokens_per_frame)
+
+    @property
+    def itemsize(self) -> int:
+        return jnp.dtype(self.dtype).itemsize
+
+    @property
+    def sublanes(self) -> int:
+        """Rows of one VMEM tile (8 for 32-bit, 16 for 16-bit types)."""
+        return 8 * 4 // self.itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Derived, static tiling of one call."""
+
+    block_q: int
+    num_q_blocks: int
+    block_q_compute: int
+    block_kv_compute: int
+    pages_per_block: int
+    pages_per_chunk: int  # > 0: chunks of whole pages; 0: pieces of one page.
+    tail_pad: int
+
+    @property
+    def q_pad(self) -> int:
+        return self.block_q * self.num_q_blocks
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def make_plan(geom: Geometry, blocks: Blocks) -> Plan:
+    """The static tiling for ``geom`` from the (validated) target ``blocks``."""
+    sub = geom.sublanes
+    num_q_blocks = -(-geom.q_len // blocks.block_q)
+    block_q = _round_up(-(-geom.q_len // num_q_blocks), sub)
+    m = geom.group * block_q
+    bqc = max(sub, min(blocks.block_q_compute, m) // sub * sub)
+    while m % bqc:
+        bqc -= sub
+    bkc, size = blocks.block_kv_compute, geom.block_size
+    if size % sub == 0 and size <= bkc:
+        per_chunk = max(1, min(bkc // size, geom.max_pages))
+        per_block = max(per_chunk, blocks.keys_per_block // size // per_chunk * per_chunk)
+        per_block = min(per_block, _round_up(geom.max_pages, per_chunk))
+    else:
+        per_chunk = 0
+        per_block = max(1, min(blocks.keys_per_block // size, geom.max_pages))
+    full, rest = divmod(geom.tail_len, bkc)
+    tail_pad = full * bkc + _round_up(rest, sub)
+    return Plan(block_q, num_q_blocks, bqc, bkc, per_block, per_chunk, tail_pad)
+
+
+def vmem_estimate_bytes(geom: Geometry, plan: Plan) -> int:
+    """Scoped VMEM the kernel needs: double-buffered q, output and tail blocks, the double-buffered
+    K and V page blocks, the ``m``/``l``/accumulator scratch and one compute chunk's float32
+    logits and probabilities (with their cast copy), in bytes."""
+    isz, d = geom.itemsize, geom.head_dim
+    m = geom.group * plan.block_q
+    slots = _round_up(geom.block_size, geom.sublanes)
+    blocks = 2 * 2 * m * d * isz + 2 * 2 * plan.tail_pad * d * isz
+    pages = 2 * 2 * plan.pages_per_block * slots * d * isz
+    scratch = 2 * m * LANES * 4 + m * _round_up(d, LANES) * 4
+    chunk = plan.block_q_compute * plan.block_kv_compute * (4 + 4 + isz) + 2 * plan.block_kv_compute * d * 4
+    return blocks + pages + scratch + chunk
+
+
+def temp_bound_bytes(geom: Geometry, plan: Plan) -> int:
+    """Upper bound of the compiled call's temporaries (outside the pools), bytes: the head-major
+    queries and output, the head-major tail, the tables, and 1 MiB for XLA's small buffers."""
+    isz = geom.itemsize
+    q = 2 * geom.rows * plan.q_pad * geom.num_q_heads * geom.head_dim * isz
+    tail = 2 * geom.rows * geom.kv_heads * plan.tail_pad * geom.head_dim * isz
+    return q + tail + 4 * geom.rows * (geom.max_pages + 2) + (1 << 20)
+
+
+# ------------------------------------------------------------------------------------------------
+# Public API
+# ------------------------------------------------------------------------------------------------
+
+
+def window_attention(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, layer=0, extra_k=None,
+                     extra_v=None, scale=None, tokens_per_frame=None, generation=None,
+                     block_q=None, block_q_compute=None, block_kv_compute=None,
+                     keys_per_block=None, interpret: Any = False):
+    """Attention of the current chunk over its visible history pages, itself and extra tokens.
+
+    Args:
+      q: ``[rows, q_len, num_q_heads, head_dim]``.
+      k_cur, v_cur: ``[rows, cur_len, kv_heads, head_dim]``.
+      k_pool, v_pool: ``[num_layers, kv_heads, num_pages, block_size, head_dim]`` (read only).
+      pages: int ``[rows, max_pages]`` page lists (frame after frame, unused entries 0).
+      lengths: int ``[rows]`` valid history tokens, in ``[0, capacity]``.
+      layer: int scalar, possibly traced.
+      extra_k, extra_v: optional ``[rows, num_extra, kv_heads, head_dim]`` (both or neither).
+      scale: softmax scale, default ``head_dim ** -0.5``.
+      tokens_per_frame: default ``block_size``.
+      generation: ``"v5e"`` or ``"v6e"``: which :data:`TUNED_BLOCKS` row and VMEM budget; default
+        the default device's generation, ``"v5e"`` off TPU.
+      block_q, block_q_compute, block_kv_compute, keys_per_block: override the tuned
+        :class:`Blocks` fields.
+      interpret: ``pl.pallas_call``'s ``interpret`` (False compiles for TPU; True or a
+        ``pltpu.InterpretParams`` runs on the CPU).
+
+    Returns:
+      ``[rows, q_len, num_q_heads, head_dim]`` in ``q``'s dtype.
+
+    Raises:
+      ValueError: a bad shape, dtype, head count, block size, page id, length, layer, frame size,
+        scale, generation or tile; a tiling whose VMEM estimate exceeds the generation's budget.
+        Value checks run on concrete inputs only.
+    """
+    geom = check_inputs(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, layer=layer,
+                        extra_k=extra_k, extra_v=extra_v, tokens_per_frame=tokens_per_frame)
+    check_tpu_block_size(geom.block_size)
+    generation = default_generation() if generation is None else generation
+    blocks = resolve_blocks(generation, block_q=block_q, block_q_compute=block_q_compute,
+                            block_kv_compute=block_kv_compute, keys_per_block=keys_per_block)
+    plan = make_plan(geom, blocks)
+    vmem = vmem_estimate_bytes(geom, plan)
+    if vmem > VMEM_BUDGET[generation]:
+        raise ValueError(f"the tiling {blocks} needs about {vmem >> 20} MiB of VMEM, over the "
+                         f"{VMEM_BUDGET[generation] >> 20} MiB budget of {generation}; use smaller "
+                         "block_q / block_kv_compute / keys_per_block")
+    scale = _check_scale(geom.head_dim ** -0.5 if scale is None else scale)
+    return _window_attention(q, k_cur, v_cur, extra_k, extra_v, k_pool, v_pool, pages, lengths,
+                             jnp.asarray(layer, jnp.int32), geom=geom, plan=plan, scale=scale,
+                             vmem_limit=_vmem_limit(vmem, generation), interpret=interpret)
+
+
+def window_attention_reference(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, layer=0,
+                               extra_k=None, extra_v=None, scale=None, tokens_per_frame=None):
+    """Pure-jnp reference of :func:`window_attention` on the head-major pools: every history token
+    is gathered by its logical position, all keys are concatenated, masked (by selection) and
+    passed through a float32 softmax."""
+    geom = check_inputs(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, layer=layer,
+                        extra_k=extra_k, extra_v=extra_v, tokens_per_frame=tokens_per_frame)
+    scale = geom.head_dim ** -0.5 if scale is None else scale
+    f32, tpf = jnp.float32, geom.tokens_per_frame
+    tokens = jnp.arange(geom.capacity, dtype=jnp.int32)
+    valid = tokens[None, :] < lengths.astype(jnp.int32)[:, None]
+    slot = (tokens // tpf) * geom.pages_per_frame * geom.block_size + tokens % tpf
+    page = jnp.take_along_axis(pages.astype(jnp.int32), jnp.broadcast_to(
+        slot // geom.block_size, valid.shape), axis=1)
+    page = jnp.where(valid, page, 0)
+    offset = jnp.where(valid, slot % geom.block_size, 0)
+
+    def history(pool):  # [rows, capacity, kv_heads, head_dim]
+        hist = pool[layer][:, page, offset]  # [kv_heads, rows, capacity, head_dim]
+        return jnp.where(valid[None, :, :, None], hist, 0).transpose(1, 2, 0, 3)
+
+    keys = [history(k_pool), k_cur] + ([] if extra_k is None else [extra_k])
+    values = [history(v_pool), v_cur] + ([] if extra_v is None else [extra_v])
+    k = jnp.repeat(jnp.concatenate(keys, axis=1).astype(f32), geom.group, axis=2)
+    v = jnp.repeat(jnp.concatenate(values, axis=1).astype(f32), geom.group, axis=2)
+    mask = jnp.concatenate([valid, jnp.ones((geom.rows, geom.tail_len), bool)], axis=1)
+    logits = jnp.einsum("rqhd,rkhd->rhqk", q.astype(f32), k, precision=lax.Precision.HIGHEST)
+    logits = jnp.where(mask[:, None, None, :], logits * scale, -jnp.inf)
+    probs = jax.nn.softmax(logits, axis=-1)
+    out = jnp.einsum("rhqk,rkhd->rqhd", probs, v, precision=lax.Precision.HIGHEST)
+    return out.astype(q.dtype)
+
+
+def default_generation() -> str:
+    """``"v6e"`` or ``"v5e"`` from the default device's kind; ``"v5e"`` off TPU."""
+    device = jax.devices()[0]
+    kind = getattr(device, "device_kind", "").lower()
+    return "v6e" if device.platform == "tpu" and ("v6" in kind) else "v5e"
+
+
+def resolve_blocks(generation: str, **overrides) -> Blocks:
+    """The tuned :class:`Blocks` of ``generation`` with the non-None ``overrides`` applied.
+
+    Raises:
+      ValueError: unknown generation, or a block size out of range.
+    """
+    if generation not in TUNED_BLOCKS:
+        raise ValueError(f"generation must be one of {sorted(TUNED_BLOCKS)}, got {generation!r}")
+    given = {k: v for k, v in overrides.items() if v is not None}
+    blocks = dataclasses.replace(TUNED_BLOCKS[generation], **given)
+    for name in ("block_q", "block_q_compute", "keys_per_block"):
+        value = getattr(blocks, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 8 or value % 8:
+            raise ValueError(f"{name}={value!r} must be a positive multiple of 8")
+    bkc = blocks.block_kv_compute
+    if isinstance(bkc, bool) or not isinstance(bkc, int) or bkc < LANES or bkc % LANES:
+        raise ValueError(f"block_kv_compute={bkc!r} must be a positive multiple of {LANES}")
+    return blocks
+
+
+def _vmem_limit(estimate: int, generation: str) -> int:
+    return int(min(VMEM_BUDGET[generation], max(32 << 20, estimate * 5 // 4 + (4 << 20))))
+
+
+# ------------------------------------------------------------------------------------------------
+# Validation (host side)
+# ------------------------------------------------------------------------------------------------
+
+
+def check_inputs(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, layer=0, extra_k=None,
+                 extra_v=None, tokens_per_frame=None) -> Geometry:
+    """Validates shapes and dtypes always and values when concrete; returns the :class:`Geometry`.
+
+    Raises:
+      ValueError: naming the bad argument, its value and the allowed range.
+    """
+    for name, x, rank, axes in (
+            ("q", q, 4, "[rows, q_len, num_q_heads, head_dim]"),
+            ("k_cur", k_cur, 4, "[rows, cur_len, kv_heads, head_dim]"),
+            ("v_cur", v_cur, 4, "[rows, cur_len, kv_heads, head_dim]"),
+            ("k_pool", k_pool, 5, "[num_layers, kv_heads, num_pages, block_size, head_dim]"),
+            ("v_pool", v_pool, 5, "[num_layers, kv_heads, num_pages, block_size, head_dim]"),
+            ("pages", pages, 2, "[rows, max_pages]"), ("lengths", lengths, 1, "[rows]")):
+        if len(getattr(x, "shape", ())) != rank:
+            raise ValueError(f"{name} must have rank {rank} {axes}, got shape "
+                             f"{getattr(x, 'shape', type(x).__name__)}")
+    rows, q_len, num_q_heads, head_dim = q.shape
+    cur_len, kv_heads = k_cur.shape[1], k_cur.shape[2]
+    num_layers, _, num_pages, block_size, _ = k_pool.shape
+    if (extra_k is None) != (extra_v is None):
+        raise ValueError("extra_k and extra_v must be given together (both or neither)")
+    num_extra = 0 if extra_k is None else extra_k.shape[1]
+    kv = (rows, cur_len, kv_heads, head_dim)
+    expected = {"k_cur": kv, "v_cur": kv,
+                "k_pool": (num_layers, kv_heads, num_pages, block_size, head_dim),
+                "v_pool": (num_layers, kv_heads, num_pages, block_size, head_dim),
+                "pages": (rows, pages.shape[1]), "lengths": (rows,)}
+    if extra_k is not None:
+        expected.update(extra_k=(rows, num_extra, kv_heads, head_dim),
+                        extra_v=(rows, num_extra, kv_heads, head_dim))
+    given = dict(k_cur=k_cur, v_cur=v_cur, k_pool=k_pool, v_pool=v_pool, pages=pages,
+                 lengths=lengths, extra_k=extra_k, extra_v=extra_v)
+    for name, shape in expected.items():
+        if tuple(given[name].shape) != shape:
+            raise ValueError(f"{name}.shape={tuple(given[name].shape)} does not match q "
+                             f"{tuple(q.shape)} and k_cur {tuple(k_cur.shape)}: expected {shape}")
+    if min(rows, q_len, cur_len, head_dim, kv_heads, num_layers, block_size) < 1 or num_pages < 2:
+        raise ValueError(f"rows, q_len, cur_len, heads, head_dim, num_layers and block_size must "
+                         f"be >= 1 and num_pages >= 2; got q {q.shape}, k_cur {k_cur.shape}, "
+                         f"k_pool {k_pool.shape}")
+    if num_q_heads % kv_heads:
+        raise ValueError(f"num_q_heads={num_q_heads} (q.shape[2]) must be a multiple of "
+                         f"kv_heads={kv_heads} (k_cur.shape[2])")
+    if jnp.dtype(q.dtype) not in SUPPORTED_DTYPES:
+        raise ValueError(f"q.dtype must be one of {[d.name for d in SUPPORTED_DTYPES]}, got "
+                         f"{jnp.dtype(q.dtype).name}")
+    for name in ("k_cur", "v_cur", "k_pool", "v_pool", "extra_k", "extra_v"):
+        if given[name] is not None and given[name].dtype != q.dtype:
+            raise ValueError(f"{name}.dtype must equal q.dtype={jnp.dtype(q.dtype).name}, got "
+                             f"{jnp.dtype(given[name].dtype).name}")
+    for name in ("pages", "lengths"):
+        if not jnp.issubdtype(given[name].dtype, jnp.integer):
+            raise ValueError(f"{name} must be an integer array (int32), got "
+                             f"{jnp.dtype(given[name].dtype).name}")
+    tpf = block_size if tokens_per_frame is None else tokens_per_frame
+    if isinstance(tpf, bool) or not isinstance(tpf, (int, np.integer)) or tpf < 1:
+        raise ValueError(f"tokens_per_frame must be an int >= 1, got {tokens_per_frame!r}")
+    geom = Geometry(rows, q_len, num_q_heads, kv_heads, head_dim, cur_len, num_extra, num_layers,
+                    num_pages, block_size, pages.shape[1], int(tpf), jnp.dtype(q.dtype).name)
+    _check_values(pages, lengths, layer, geom)
+    return geom
+
+
+def _check_values(pages, lengths, layer, geom: Geometry) -> None:
+    if jnp.ndim(layer) != 0:
+        raise ValueError(f"layer must be an int scalar, got shape {jnp.shape(layer)}")
+    if not isinstance(layer, jax.core.Tracer):
+        value = int(np.asarray(layer))
+        if not 0 <= value < geom.num_layers:
+            raise ValueError(f"layer={value} is out of range; allowed [0, {geom.num_layers})")
+    if not isinstance(pages, jax.core.Tracer):
+        table = np.asarray(pages)
+        bad = np.argwhere((table < 0) | (table >= geom.num_pages))
+        if bad.size:
+            r, s = bad[0]
+            raise ValueError(f"pages[{r}, {s}]={table[r, s]} is not a page id; allowed "
+                             f"[0, {geom.num_pages}) (k_pool.shape[2])")
+    if not isinstance(lengths, jax.core.Tracer):
+        lens = np.asarray(lengths)
+        bad = np.flatnonzero((lens < 0) | (lens > geom.capacity))
+        if bad.size:
+            raise ValueError(f"lengths[{bad[0]}]={lens[bad[0]]} is out of range; allowed "
+                             f"[0, {geom.capacity}] ({geom.max_pages} pages of "
+                             f"{geom.block_size} slots, tokens_per_frame={geom.tokens_per_frame})")
+
+
+def _check_scale(scale) -> float:
+    if not isinstance(scale, (int, float, np.floating)) or not 0 < scale < math.inf:
+        raise ValueError(f"scale must be a positive finite number, got {scale!r}")
+    return float(scale)
+
+
+# ------------------------------------------------------------------------------------------------
+# Kernel
+# ------------------------------------------------------------------------------------------------
+
+
+def _lanes(x, n: int):
+    """A lane-dense ``[rows, 128]`` statistic widened (or cut) to ``n`` lanes."""
+    reps, rest = divmod(n, LANES)
+    parts = ([jnp.tile(x, (1, reps))] if reps else []) + ([x[:, :rest]] if rest else [])
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
+
+
+def _prefix_masks(n: int, limits):
+    """Key masks of a chunk of ``n`` keys made of ``len(limits)`` equal pages, page ``i`` valid in
+    its first ``limits[i]`` slots: ``([1, n], [n, 1])`` booleans."""
+    size = n // len(limits)
+    masks = []
+    for shape, axis in (((1, n), 1), ((n, 1), 0)):
+        pos = lax.broadcasted_iota(jnp.int32, shape, axis)
+        mask = None
+        for i, lim in enumerate(limits):
+            part = (pos >= i * size) & (pos < i * size + lim)
+            mask = part if mask is None else mask | part
+        masks.append(mask)
+    return masks
+
+
+def _kernel(table_ref, nvis_ref, len_ref, layer_ref, q_ref, kt_ref, vt_ref, k_hbm, v_hbm, o_ref,
+            kbuf, vbuf, sems, m_ref, l_ref, acc_ref, *, geom: Geometry, plan: Plan):
+    """Grid step ``(row, kv head, query block)``; see the module docstring.
+
+    Refs: SMEM ``table_ref`` ``[rows * max_pages]`` (0 past the visible pages), ``nvis_ref``
+    ``[rows]``, ``len_ref`` ``[rows]``, ``layer_ref`` ``[1]``; VMEM ``q_ref``/``o_ref`` ``[M, D]``,
+    ``kt_ref``/``vt_ref`` ``[tail_pad, D]``; HBM pools ``[L, H, P, S, D]``; scratch ``kbuf``/``vbuf``
+    ``[2, pages_per_block, S, D]``, DMA ``sems`` ``[2, 2]`` (K/V x buffer), ``m_ref``/``l_ref``
+    ``[M, 128]`` and ``acc_ref`` ``[M, D]`` float32.
+    """
+    row, head = pl.program_id(0), pl.program_id(1)
+    size, ppb, bkc, bqc = geom.block_size, plan.pages_per_block, plan.block_kv_compute, \
+        plan.block_q_compute
+    m_rows = q_ref.shape[0]
+    precision = lax.Precision.HIGHEST if geom.dtype == "float32" else lax.Precision.DEFAULT
+    m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
+    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    def update(k, v, masks=None):
+        """Online-softmax update of every query sub-block with one chunk of keys ``k``/``v``."""
+        n = k.shape[0]
+        if masks is not None:
+            v = jnp.where(masks[1], v, jnp.zeros_like(v))
+
+        def sub_block(i, carry):
+            rows_ = pl.ds(pl.multiple_of(i * bqc, bqc), bqc)
+            s = lax.dot_general(q_ref[rows_], k, (((1,), (1,)), ((), ())), precision=precision,
+                                preferred_element_type=jnp.float32)
+            if masks is not None:
+                s = jnp.where(masks[0], s, MASK_VALUE)
+            m_prev, l_prev = m_ref[rows_], l_ref[rows_]
+            m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+            p = jnp.exp2(s - _lanes(m_next, n))
+            alpha = jnp.exp2(m_prev - m_next)
+            l_ref[rows_] = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
+            m_ref[rows_] = m_next
+            pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+                                 precision=precision, preferred_element_type=jnp.float32)
+            acc_ref[rows_] = acc_ref[rows_] * _lanes(alpha, geom.head_dim) + pv
+            return carry
+
+        lax.fori_loop(0, m_rows // bqc, sub_block, 0)
+
+    # The current chunk and extras first: every row then has a real running max before any
+    # partly valid history chunk.
+    full_tail = geom.tail_len // bkc
+
+    def tail_chunk(c, carry):
+        keys = pl.ds(pl.multiple_of(c * bkc, bkc), bkc)
+        update(kt_ref[keys], vt_ref[keys])
+        return carry
+
+    if full_tail:
+        lax.fori_loop(0, full_tail, tail_chunk, 0)
+    if plan.tail_pad > full_tail * bkc:
+        n = plan.tail_pad - full_tail * bkc
+        keys = pl.ds(full_tail * bkc, n)
+        valid = geom.tail_len - full_tail * bkc
+        update(kt_ref[keys], vt_ref[keys], None if valid == n else _prefix_masks(n, [valid]))
+
+    # History: blocks of `ppb` page-list entries, double-buffered by hand.
+    nvis, length, layer = nvis_ref[row], len_ref[row], layer_ref[0]
+    num_blocks = lax.div(nvis + ppb - 1, ppb)
+
+    def page_dmas(block, slot, i):
+        entry = block * ppb + i
+        page = table_ref[row * geom.max_pages + jnp.minimum(entry, geom.max_pages - 1)]
+        return entry, [pltpu.make_async_copy(pool.at[layer, head, page], buf.at[slot, i],
+                                             sems.at[kind, slot])
+                       for kind, (pool, buf) in enumerate(((k_hbm, kbuf), (v_hbm, vbuf)))]
+
+    def for_block(block, slot, action: str):
+        def one(i, carry):
+            entry, dmas = page_dmas(block, slot, i)
+
+            @pl.when(entry < nvis)
+            def _():
+                for dma in dmas:
+                    getattr(dma, action)()
+            return carry
+
+        lax.fori_loop(0, ppb, one, 0, unroll=ppb <= 8)
+
+    def valid_slots(entry):
+        """Valid slots (a prefix) of page-list entry ``entry``."""
+        frame, first = lax.div(entry, geom.pages_per_frame), \
+            lax.rem(entry, geom.pages_per_frame) * size
+        n = jnp.minimum(geom.tokens_per_frame - first, length - frame * geom.tokens_per_frame - first)
+        return jnp.clip(n, 0, size)
+
+    def chunk(k, v, limits, n):
+        """Computes one chunk: unmasked if every slot is valid, masked if some, skipped if none."""
+        full = functools.reduce(jnp.logical_and, [lim == n // len(limits) for lim in limits])
+        some = functools.reduce(jnp.logical_or, [lim > 0 for lim in limits])
+        pl.when(full)(lambda: update(k(), v()))
+        pl.when(some & jnp.logical_not(full))(
+            lambda: update(k(), v(), _prefix_masks(n, limits)))
+
+    def history_block(block, carry):
+        slot = lax.rem(block, 2)
+        pl.when(block + 1 < num_blocks)(lambda: for_block(block + 1, 1 - slot, "start"))
+        for_block(block, slot, "wait")
+        first = block * ppb
+        if plan.pages_per_chunk:
+            g = plan.pages_per_chunk
+            n = g * size
+
+            def page_chunk(c, carry):
+                pages_ = pl.ds(pl.multiple_of(c * g, g), g)
+                limits = [valid_slots(first + c * g + i) for i in range(g)]
+                chunk(lambda: kbuf[slot, pages_].reshape(n, geom.head_dim),
+                      lambda: vbuf[slot, pages_].reshape(n, geom.head_dim), limits, n)
+                return carry
+
+            lax.fori_loop(0, ppb // g, page_chunk, 0)
+        else:
+            def page(i, carry):
+                limit = valid_slots(first + i)
+                for start in range(0, size, bkc):
+                    n = min(bkc, size - start)
+                    keys = pl.ds(start, n)
+                    chunk(lambda keys=keys: kbuf[slot, i, keys], lambda keys=keys: vbuf[slot, i, keys],
+                          [jnp.clip(limit - start, 0, n)], n)
+                return carry
+
+            lax.fori_loop(0, ppb, page, 0)
+        return carry
+
+    pl.when(num_blocks > 0)(lambda: for_block(0, 0, "start"))
+    lax.fori_loop(0, num_blocks, history_block, 0)
+    o_ref[...] = (acc_ref[...] / _lanes(l_ref[...], geom.head_dim)).astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("geom", "plan", "scale", "vmem_limit", "interpret"))
+def _window_attention(q, k_cur, v_cur, extra_k, extra_v, k_pool, v_pool, pages, lengths, layer, *,
+                      geom: Geometry, plan: Plan, scale: float, vmem_limit: int, interpret: Any):
+    """Wrapper of :func:`_kernel`: scales ``q`` and lays it out ``[rows, kv_heads, q blocks, M, D]``
+    (GQA folded into M), builds the head-major tail, the page table and the visible counts."""
+    rows, hkv, g, d, bq = geom.rows, geom.kv_heads, geom.group, geom.head_dim, plan.block_q
+    nqb, m = plan.num_q_blocks, geom.group * plan.block_q
+    qs = (q.astype(jnp.float32) * (scale * LOG2_E)).astype(q.dtype)
+    qs = jnp.pad(qs, ((0, 0), (0, plan.q_pad - geom.q_len), (0, 0), (0, 0)))
+    qs = qs.reshape(rows, nqb, bq, hkv, g, d).transpose(0, 3, 1, 4, 2, 5).reshape(rows, hkv, nqb,
+                                                                                   m, d)
+    pad = plan.tail_pad - geom.tail_len
+    parts_k = [k_cur] + ([] if extra_k is None else [extra_k])
+    parts_v = [v_cur] + ([] if extra_v is None else [extra_v])
+    zeros = [jnp.zeros((rows, pad, hkv, d), q.dtype)] if pad else []
+    k_tail = jnp.concatenate(parts_k + zeros, axis=1).transpose(0, 2, 1, 3)
+    v_tail = jnp.concatenate(parts_v + zeros, axis=1).transpose(0, 2, 1, 3)
+
+    lengths = lengths.astype(jnp.int32)
+    frames, offset = lengths // geom.tokens_per_frame, lengths % geom.tokens_per_frame
+    nvis = (frames * geom.pages_per_frame * geom.block_size + offset + geom.block_size - 1) \
+        // geom.block_size
+    entry = jnp.arange(geom.max_pages, dtype=jnp.int32)[None, :]
+    table = jnp.where(entry < nvis[:, None], pages.astype(jnp.int32), 0).reshape(-1)
+
+    q_spec = pl.BlockSpec((None, None, None, m, d), lambda r, h, b, *_: (r, h, b, 0, 0))
+    tail_spec = pl.BlockSpec((None, None, plan.tail_pad, d), lambda r, h, b, *_: (r, h, 0, 0))
+    hbm = pl.BlockSpec(memory_space=pl.ANY)
+    buf = pltpu.VMEM((2, plan.pages_per_block, geom.block_size, d), q.dtype)
+    out = pl.pallas_call(
+        functools.partial(_kernel, geom=geom, plan=plan),
+        out_shape=jax.ShapeDtypeStruct((rows, hkv, nqb, m, d), q.dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=4,
+            grid=(rows, hkv, nqb),
+            in_specs=[q_spec, tail_spec, tail_spec, hbm, hbm],
+            out_specs=q_spec,
+            scratch_shapes=[buf, buf, pltpu.SemaphoreType.DMA((2, 2)),
+                            pltpu.VMEM((m, LANES), jnp.float32),
+                            pltpu.VMEM((m, LANES), jnp.float32),
+                            pltpu.VMEM((m, d), jnp.float32)]),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "arbitrary"),
+            vmem_limit_bytes=vmem_limit),
+        interpret=interpret,
+        name="tpu_window_attention",
+    )(table, nvis, lengths, layer.reshape(1), qs, k_tail, v_tail, k_pool, v_pool)
+    out = out.reshape(rows, hkv, nqb, g, bq, d).transpose(0, 2, 4, 1, 3, 5)
+    return out.reshape(rows, plan.q_pad, geom.num_q_heads, d)[:, :geom.q_len]

@@ -1,0 +1,212 @@
+"""The head-major TPU window-attention kernel against its reference, in interpret mode and under the
+TPU simulator (races detected, out-of-bounds reads raise, uninitialised memory is NaN).
+
+NaN goes wherever a row must not look (``poisoned``): the other layer, free, evicted and foreign
+pages, frame padding, slots past a row's length, stale page-list entries.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.backend import tpu_simulator_params
+from pallas_kernels.tpu_layout import pool_shape
+from pallas_kernels.tpu_window_attention import window_attention, window_attention_reference
+
+TOLERANCE = {jnp.float32: 2e-5, jnp.bfloat16: 3e-2, jnp.float16: 4e-3}
+LAYERS, NUM_PAGES, BLOCK, KV_HEADS, HEAD_DIM = 2, 40, 16, 2, 128
+# Small tiles so that several query blocks, sub-blocks, DMA blocks and compute chunks are visited.
+SMALL = dict(block_q=16, block_q_compute=16, block_kv_compute=128, keys_per_block=64)
+
+
+@dataclasses.dataclass(frozen=True)
+class Window:
+    sink: int = 1
+    recent: int = 2
+    tokens_per_frame: int = BLOCK
+    block: int = BLOCK
+
+    @property
+    def pages_per_frame(self) -> int:
+        return -(-self.tokens_per_frame // self.block)
+
+    @property
+    def max_pages(self) -> int:
+        return (self.sink + self.recent) * self.pages_per_frame
+
+    def visible_frames(self, committed: int) -> list[int]:
+        sink = list(range(min(committed, self.sink)))
+        return sink + list(range(max(self.sink, committed - self.recent), committed))
+
+
+def make_case(*, committed=(0, 2, 6), window=Window(), extra=0, cur_frames=1, num_q_heads=4,
+              dtype=jnp.float32, layer=1, lengths=None, seed=0):
+    """Inputs for ``len(committed)`` rows; rows own disjoint, scattered pages."""
+    rng = np.random.default_rng(seed)
+    rows, tpf, ppf = len(committed), window.tokens_per_frame, window.pages_per_frame
+    free = list(rng.permutation(np.arange(1, NUM_PAGES)))
+    tables = np.zeros((rows, window.max_pages), np.int32)
+    owned = []
+    for row, frames in enumerate(committed):
+        frame_pages = [[free.pop() for _ in range(ppf)] for _ in range(frames)]
+        visible = [p for f in window.visible_frames(frames) for p in frame_pages[f]]
+        tables[row, :len(visible)] = visible
+        owned.append([p for pages in frame_pages for p in pages])
+    if lengths is None:
+        lengths = [len(window.visible_frames(n)) * tpf for n in committed]
+
+    def normal(*shape):
+        return jnp.asarray(rng.normal(size=shape), dtype)
+
+    shape = pool_shape(LAYERS, NUM_PAGES, window.block, KV_HEADS, HEAD_DIM)
+    cur = cur_frames * tpf
+    case = dict(q=normal(rows, cur + extra, num_q_heads, HEAD_DIM),
+                k_cur=normal(rows, cur, KV_HEADS, HEAD_DIM),
+                v_cur=normal(rows, cur, KV_HEADS, HEAD_DIM),
+                k_pool=normal(*shape).at[:, :, 0].set(0), v_pool=normal(*shape).at[:, :, 0].set(0),
+                pages=jnp.asarray(tables), lengths=jnp.asarray(lengths, jnp.int32), layer=layer,
+                tokens_per_frame=tpf,
+                extra_k=normal(rows, extra, KV_HEADS, HEAD_DIM) if extra else None,
+                extra_v=normal(rows, extra, KV_HEADS, HEAD_DIM) if extra else None)
+    return case, owned
+
+
+def poisoned(case: dict, owned: list[list[int]]) -> dict:
+    """NaN in every pool slot no row may read; stale page-list entries past the visible pages."""
+    tables, lengths = np.asarray(case["pages"]), np.asarray(case["lengths"])
+    rows, max_pages = tables.shape
+    tpf, block = case["tokens_per_frame"], case["k_pool"].shape[3]
+    ppf = -(-tpf // block)
+    readable = np.zeros((LAYERS, NUM_PAGES, block), bool)
+    readable[:, 0] = True
+    stale = tables.copy()
+    for row in range(rows):
+        for t in range(lengths[row]):
+            slot = (t // tpf) * ppf * block + t % tpf
+            readable[case["layer"], tables[row, slot // block], slot % block] = True
+        used = -(-((lengths[row] // tpf) * ppf * block + lengths[row] % tpf) // block)
+        unread = [p for p in owned[row] if p not in tables[row, :used]] or [0]
+        stale[row, used:] = np.resize(unread, max_pages - used)
+    mask = jnp.asarray(readable)[:, None, :, :, None]
+    return dict(case, k_pool=jnp.where(mask, case["k_pool"], jnp.nan),
+                v_pool=jnp.where(mask, case["v_pool"], jnp.nan), pages=jnp.asarray(stale))
+
+
+def check(case, interpret=True, expected=None, **kwargs):
+    out = window_attention(**case, interpret=interpret, **kwargs)
+    want = window_attention_reference(**(expected or case))
+    assert out.shape == case["q"].shape and out.dtype == case["q"].dtype
+    assert bool(jnp.all(jnp.isfinite(out))), "NaN/inf reached the output"
+    tol = TOLERANCE[jnp.dtype(case["q"].dtype).type]
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want, np.float32),
+                               atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("tiles", [{}, SMALL], ids=["tuned", "small"])
+def test_fill_levels(tiles):
+    """No history, sink only, partial, full, after eviction; rows at different fill levels; GQA."""
+    for committed in [(0, 0, 0), (1, 0, 2), (6, 9, 4)]:
+        case, owned = make_case(committed=committed)
+        check(poisoned(case, owned), expected=case, **tiles)
+
+
+@pytest.mark.parametrize("tiles", [{}, SMALL], ids=["tuned", "small"])
+def test_ragged_lengths(tiles):
+    case, owned = make_case(committed=(3, 3, 1), lengths=[5, 37, 16])
+    check(poisoned(case, owned), expected=case, **tiles)
+
+
+@pytest.mark.parametrize("tiles", [{}, SMALL], ids=["tuned", "small"])
+def test_extras_frame_padding_and_poison(tiles):
+    """3 extra tokens, 24-token frames on 16-slot pages (8 padding slots per frame)."""
+    case, owned = make_case(committed=(0, 2, 5), window=Window(tokens_per_frame=24), extra=3)
+    check(poisoned(case, owned), expected=case, **tiles)
+
+
+def test_mha_layer0_two_frame_chunk():
+    case, owned = make_case(committed=(4, 1), num_q_heads=KV_HEADS, layer=0, cur_frames=2)
+    check(poisoned(case, owned), expected=case, **SMALL)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_half_precision(dtype):
+    case, owned = make_case(committed=(0, 3, 6), extra=3, dtype=dtype)
+    check(poisoned(case, owned), expected=case, **dict(SMALL, block_q=32))
+
+
+@pytest.mark.parametrize("block,tpf,dtype", [(272, 260, jnp.float32), (24, 40, jnp.bfloat16)])
+def test_pages_cut_into_pieces(block, tpf, dtype):
+    """Pages computed piece by piece: larger than the 128-key chunk (272 = 128 + 128 + 16 slots,
+    12 of them frame padding), or not a whole number of bf16 tiles (24 slots)."""
+    window = Window(sink=1, recent=1, tokens_per_frame=tpf, block=block)
+    case, owned = make_case(committed=(0, 2, 5), window=window, extra=3, dtype=dtype,
+                            lengths=[0, 2 * tpf - 7, tpf + 5])
+    check(poisoned(case, owned), expected=case, block_q=32, block_q_compute=16,
+          block_kv_compute=128, keys_per_block=block)
+
+
+def test_simulator_races_and_oob():
+    """The TPU simulator: DMAs emulated, races detected, OOB reads raise, uninitialised VMEM NaN;
+    GQA, extras, frame padding, poison, rows at different fills, two DMA blocks per row."""
+    case, owned = make_case(committed=(0, 1, 4), window=Window(sink=1, recent=1, tokens_per_frame=24),
+                            extra=3)
+    check(poisoned(case, owned), interpret=tpu_simulator_params(), expected=case,
+          block_q=32, block_q_compute=16, block_kv_compute=128, keys_per_block=32)
+
+
+def test_one_trace_while_window_fills():
+    chex.clear_trace_counter()
+
+    @jax.jit
+    @chex.assert_max_traces(n=1)
+    def step(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, layer):
+        return window_attention(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, layer=layer,
+                                tokens_per_frame=24, interpret=True, **SMALL)
+
+    window = Window(tokens_per_frame=24)
+    for frames in range(5):
+        case, _ = make_case(committed=(frames, max(frames - 2, 0)), window=window,
+                            layer=frames % LAYERS, seed=frames)
+        args = [case[k] for k in ("q", "k_cur", "v_cur", "k_pool", "v_pool", "pages", "lengths")]
+        out = step(*args, jnp.int32(case["layer"]))
+        np.testing.assert_allclose(out, window_attention_reference(**case), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda c: dict(q=c["q"][0]), r"q must have rank 4"),
+    (lambda c: dict(q=c["q"][:, :, :3]), r"num_q_heads=3 .* multiple of kv_heads=2"),
+    (lambda c: dict(pages=c["pages"].at[1, 2].set(NUM_PAGES)), r"pages\[1, 2\]=40 is not a page id"),
+    (lambda c: dict(lengths=c["lengths"].at[0].set(-1)), r"lengths\[0\]=-1 is out of range; allowed \[0, 48\]"),
+    (lambda c: dict(layer=LAYERS), r"layer=2 is out of range; allowed \[0, 2\)"),
+    (lambda c: dict(k_cur=c["k_cur"].astype(jnp.bfloat16)), r"k_cur.dtype must equal q.dtype"),
+    (lambda c: dict(block_kv_compute=100), r"block_kv_compute=100 must be a positive multiple of 128"),
+    (lambda c: dict(block_q=12), r"block_q=12 must be a positive multiple of 8"),
+    (lambda c: dict(generation="v4"), r"generation must be one of \['v5e', 'v6e'\]"),
+    (lambda c: dict(scale=-1.0), r"scale must be a positive finite number"),
+    (lambda c: dict(block_kv_compute=1 << 20), r"needs about .* MiB of VMEM, over the 100 MiB budget"),
+    (lambda c: dict(k_pool=c["k_pool"][:, :, :, :12], v_pool=c["v_pool"][:, :, :, :12],
+                    lengths=c["lengths"] * 0, tokens_per_frame=12),
+     r"block_size=12 \(pool.shape\[3\]\) must be a multiple of 8"),
+])
+def test_validation(change, message):
+    case, _ = make_case(committed=(3, 1))
+    with pytest.raises(ValueError, match=message):
+        window_attention(**dict(case, **change(case)), interpret=True)
+
+
+def test_gather_baseline_matches_reference():
+    """The gather + splash baseline: GQA, extras, frame padding, NaN poison, ragged fills."""
+    from pallas_kernels.tpu_gather_baseline import gather_window_attention
+
+    case, owned = make_case(committed=(0, 2, 5), window=Window(tokens_per_frame=24), extra=3)
+    bad = poisoned(case, owned)
+    out = gather_window_attention(**bad, interpret=True, block_q=128, block_kv=128,
+                                  block_kv_compute=128)
+    assert bool(jnp.all(jnp.isfinite(out)))
+    np.testing.assert_allclose(out, window_attention_reference(**case), atol=2e-5, rtol=2e-5)
