@@ -43,7 +43,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from arkv_jax.config import CacheGeometry, WindowPolicy, pages_per_frame
+from arkv_jax.config import CacheGeometry, WindowPolicy, ceil_div, pages_per_frame
 
 Array = jax.Array
 
@@ -201,8 +201,8 @@ def _scatter_rows(array: Array, rows: Array, keep: Array, values: Array) -> Arra
 
 def _pages_for_tokens(layout: StateLayout, tokens: Array) -> Array:
     """Pages that hold the first ``tokens`` tokens of a row (frame-aligned)."""
-    tpf, bs = layout.tokens_per_frame, layout.block_size
-    return (tokens // tpf) * layout.pages_per_frame + (tokens % tpf + bs - 1) // bs
+    tpf = layout.tokens_per_frame
+    return (tokens // tpf) * layout.pages_per_frame + ceil_div(tokens % tpf, layout.block_size)
 
 
 def _committed_tokens_pages(state: BlockTableState, rows: Array, extra_tokens: Array = 0) -> Array:
