@@ -25,8 +25,9 @@ page
   Pages are frame-aligned: a frame takes ``ceil(tokens_per_frame / block_size)`` pages, its last
   page padded. Page 0 (of each shard) is the null page: never allocated, where unused table
   entries point. vLLM-Omni calls it a *block*; arkv-jax says "block" only where
-  ``arkv_jax.compat`` mirrors vLLM-Omni's names and in names kept from it (``block_size``,
-  ``StateLayout.num_blocks``, the planner's ``*_blocks`` attributes).
+  ``arkv_jax.compat`` mirrors vLLM-Omni's names and in names kept from it: the *block table*
+  (``BlockTableState``: each state row's page ids), ``block_size``, ``StateLayout.num_blocks``
+  and the planner's ``*_blocks`` attributes.
 pool
   The K and V arrays ``[layers, pages, block_size, kv_heads, head_dim]`` holding every page; on a
   mesh each data shard owns a slice of ``pages_per_shard`` pages (*pool page* =

@@ -36,7 +36,7 @@ pools. Outputs of :func:`per_shard` keep the leading ``D`` axis; ``x.reshape(D *
 The kernels on this layout (:func:`~arkv_jax.sharded_kernels.sharded_write_chunk`,
 :func:`~arkv_jax.sharded_kernels.sharded_window_attention`, :func:`~arkv_jax.sharded_kernels.gather_rows`)
 live in :mod:`arkv_jax.sharded_kernels`. GQA survives head sharding because heads are split in
-contiguous blocks: model shard ``i`` holds query heads ``[i * Hq / M, (i + 1) * Hq / M)`` and exactly
+contiguous groups: model shard ``i`` holds query heads ``[i * Hq / M, (i + 1) * Hq / M)`` and exactly
 the K/V heads they read.
 
 Meshes: :func:`make_mesh` builds a ``("data", "model")`` mesh with *Auto* axis types, so inputs that
@@ -245,7 +245,7 @@ def place(mesh: Mesh, tree: Any, spec: Any) -> Any:
 def make_pools(geometry: CacheGeometry, pages_per_shard: int, mesh: Mesh
                ) -> tuple[jax.Array, jax.Array]:
     """Zero-filled K and V pools ``[L, data * pages_per_shard, S, Hkv, hd]``, born sharded with
-    :func:`pool_spec` (each device allocates only its block; two distinct buffers, donatable).
+    :func:`pool_spec` (each device allocates only its part; two distinct buffers, donatable).
 
     ``geometry.num_kv_heads`` is the global head count (before sharding). Page 0 of every data shard
     (global page ``s * pages_per_shard``) is that shard's null page.

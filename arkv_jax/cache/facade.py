@@ -89,7 +89,7 @@ class ChunkStep:
             pool dtype, one row per batch row (padding rows are not written).
 
         Raises:
-          RuntimeError: the step is not in flight (committed already, or its block has exited).
+          RuntimeError: the step is not in flight (committed already, or its ``with`` block has exited).
           ValueError: wrong shapes.
         """
         self.on_commit(self, k_new, v_new)
@@ -324,7 +324,7 @@ class PagedKVCache:
         """Prepares one chunk of ``num_frames`` frames for ``session_ids`` x ``branches``.
 
         Yields a :class:`ChunkStep`: run the denoise steps and the commit forward on
-        ``step.inputs``, then call ``step.commit(k_new, v_new)``. If the block raises, nothing is
+        ``step.inputs``, then call ``step.commit(k_new, v_new)``. If the ``with`` block raises, nothing is
         committed (or, with ``fail_closed``, the sessions are closed) and the exception propagates.
 
         Batch layout: by default the batch holds the rows of ``session_ids`` x ``branches`` in that
@@ -377,7 +377,7 @@ class PagedKVCache:
     def _commit(self, step: ChunkStep, k_new: Array, v_new: Array) -> None:
         """:meth:`ChunkStep.commit`: checks the step and the shapes, then writes and commits."""
         if self._in_flight is not step or step.committed:
-            raise RuntimeError("this chunk is not in flight (already committed, or its block has exited)")
+            raise RuntimeError("this chunk is not in flight (already committed, or its with-block has exited)")
         g = self.geometry
         expected = (g.num_layers, len(step.session_ids), step.num_frames * g.tokens_per_frame, g.num_kv_heads,
                     g.head_dim)
@@ -392,7 +392,7 @@ class PagedKVCache:
 
     def _require_idle(self, what: str) -> None:
         if self._in_flight is not None:
-            raise RuntimeError(f"cannot {what} while a chunk is in flight; commit it or leave its block first")
+            raise RuntimeError(f"cannot {what} while a chunk is in flight; commit it or leave its with-block first")
 
     def _release(self, session_id: str, reason: str) -> None:
         slot = self._sessions.remove(session_id)

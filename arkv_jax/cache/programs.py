@@ -36,7 +36,7 @@ def prepare(state, rows, *, num_frames: int, mesh: Mesh):
 @functools.partial(jax.jit, static_argnames=("num_frames", "backend", "mesh"), donate_argnums=(0, 1, 2))
 def commit(k_pool, v_pool, pending, k_new, v_new, inputs: ChunkInputs, *, num_frames: int, backend: str,
            mesh: Mesh):
-    """:func:`arkv_jax.step.commit_chunk` on every device's block (the pools' pages and heads; each
+    """:func:`arkv_jax.step.commit_chunk` on every device's part (its pages and heads of the pools; each
     data shard's state, replicated over ``"model"``). Returns ``(k_pool, v_pool, state, ok)``."""
     def body(kp, vp, state, kn, vn, inp):
         state = jax.tree_util.tree_map(lambda x: x[0], state)
