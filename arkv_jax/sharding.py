@@ -43,17 +43,16 @@ Meshes: :func:`make_mesh` builds a ``("data", "model")`` mesh with *Auto* axis t
 are not yet placed are resharded by ``jit`` as needed. With a mesh of *Explicit* axes (the default of
 ``jax.make_mesh`` in newer JAX) ``shard_map`` requires every input to already carry the sharding of
 its spec: place them with :func:`place` first. A mesh may have further axes; everything here is
-replicated over them (untested).
+replicated over them.
 
-Communication: none. A jitted chunk step built from :func:`per_shard` and the sharded kernels compiles
-without any collective (tested on a ``(2, 4)`` mesh: no all-gather, all-reduce, all-to-all,
-collective-permute or reduce-scatter), as long as the inputs arrive with the specs above; what the
-model does around attention (projections, the output all-reduce of tensor parallelism) is the
-model's business.
+Communication: none. A jitted chunk step built from :func:`per_shard` and the sharded kernels
+compiles without any collective (no all-gather, all-reduce, all-to-all, collective-permute or
+reduce-scatter), as long as the inputs arrive with the specs above; what the model does around
+attention (projections, the output all-reduce of tensor parallelism) is the model's business.
 
 Limits: K/V heads must be divisible by the model axis (no KV-head replication when
 ``kv_heads < model``, as tpu-inference does; refused with a clear error instead); rows and pool pages
-must be divisible by the data axis. Tested only on CPU host devices (8 in one process).
+must be divisible by the data axis.
 """
 
 from __future__ import annotations

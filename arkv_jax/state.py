@@ -526,7 +526,7 @@ def visible_window(state: BlockTableState, rows: Array, num_current_frames: Arra
     with the current frames, at most ``sink + window`` frames are visible. The current frames'
     K/V are not in the pool; the attention kernel takes them directly. For a row whose every
     earlier frame is resident this is :meth:`arkv_jax.config.WindowPolicy.visible_history` on the
-    row's next frame (tested).
+    row's next frame.
 
     Rows must be frame-aligned (no partial prefill frame).
 

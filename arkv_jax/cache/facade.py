@@ -19,8 +19,8 @@ are closed instead, as vLLM-Omni's runner does. One chunk is in flight at a time
 
 Isolation. A row's visible window only ever names pages that row holds (the state guarantees it),
 padding and unused entries point at the null page, and the attention kernels mask by length with
-selection, so freed pages and other sessions' pages never reach an output (tested with NaN-filled
-pages). Cross-attention rows are zeroed when a session releases them.
+selection, so freed pages and other sessions' pages never reach an output, even NaN-filled ones.
+Cross-attention rows are zeroed when a session releases them.
 
 Devices. Without a mesh everything lives on one device, as a ``(1, 1)`` mesh. With ``mesh=`` (a
 ``("data", "model")`` mesh from :func:`arkv_jax.sharding.make_mesh`) the sessions are split over
