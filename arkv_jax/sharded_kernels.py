@@ -16,11 +16,21 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from arkv_jax.config import check_divisible
-from arkv_jax.sharding import (DATA, MODEL, check_heads, check_mesh, cross_attention_spec, head_spec, pool_spec,
-                               row_spec, shard_map)
+from arkv_jax.sharding import (
+    DATA,
+    MODEL,
+    check_heads,
+    check_mesh,
+    cross_attention_spec,
+    head_spec,
+    pool_spec,
+    row_spec,
+    shard_map,
+)
 from pallas_kernels.paged_write import write_chunk
 from pallas_kernels.window_attention import window_attention
 

@@ -64,7 +64,8 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from arkv_jax.config import CacheGeometry, check_axis_sizes, check_divisible, divisors
 from arkv_jax.state import BlockTableState, StateLayout, init_state

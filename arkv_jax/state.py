@@ -336,7 +336,8 @@ def _catch_up_eviction(state: BlockTableState, rows: Array, ok: Array) -> tuple[
     ppf = layout.pages_per_frame
     before = state.evicted_pages[rows] // ppf
     allocated_after_sink = (state.num_pages[rows] + state.evicted_pages[rows]) // ppf - layout.sink_frames
-    target = jnp.maximum(before, jnp.minimum(_skipped_frames(layout, computed_frames(state, rows)), allocated_after_sink))
+    skipped = _skipped_frames(layout, computed_frames(state, rows))
+    target = jnp.maximum(before, jnp.minimum(skipped, allocated_after_sink))
     return _evict(state, rows, ok, target, target)
 
 

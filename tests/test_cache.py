@@ -102,7 +102,7 @@ def test_a_failed_forward_commits_nothing_and_leaks_nothing():
     state_before = jax.tree.map(np.asarray, cache.state)
     with pytest.raises(ZeroDivisionError):
         with cache.chunk(["a"], 2) as step:
-            1 / 0
+            _ = 1 / 0
     assert cache.num_free_pages() == free
     jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, cache.state), state_before)
     with cache.chunk(["a"], 2) as step:  # the cache is usable and resumes at frame 2

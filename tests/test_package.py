@@ -5,6 +5,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 import arkv_jax
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -22,12 +24,8 @@ def test_the_facade_and_the_rollout_are_exported_lazily():
     from arkv_jax.rollout import Rollout, Sampler
 
     assert (arkv_jax.PagedKVCache, arkv_jax.Rollout, arkv_jax.Sampler) == (PagedKVCache, Rollout, Sampler)
-    try:
-        arkv_jax.no_such_name
-    except AttributeError as exc:
-        assert "no_such_name" in str(exc)
-    else:
-        raise AssertionError("expected AttributeError")
+    with pytest.raises(AttributeError, match="no_such_name"):
+        _ = arkv_jax.no_such_name
 
 
 def test_compat_loads_the_cross_attention_store_not_the_facade():

@@ -44,7 +44,7 @@ def test_new_sessions_go_to_the_least_loaded_shard_and_lru_order_is_kept():
     with pytest.raises(KeyError, match="Unknown KV branch 'x'"):
         table.rows(["a"], ["x"])
     with pytest.raises(KeyError, match="no session is resident"):
-        SessionTable(1, 1, BRANCHES).least_recent
+        _ = SessionTable(1, 1, BRANCHES).least_recent
 
 
 def test_batches():

@@ -24,8 +24,8 @@ from arkv_jax.config import CacheGeometry, CrossAttentionSpec, KVBranch, WindowP
 from arkv_jax.models import MODEL_CONFIGS, init_random
 from arkv_jax.models.dit import tensor_parallel_specs
 from arkv_jax.nnx import PagedHistory
-from arkv_jax.presets import get_preset
 from arkv_jax.planner import DevicePlan, plan_per_device, rollout_plan
+from arkv_jax.presets import get_preset
 from arkv_jax.rollout import Rollout, Sampler
 
 NUM_DEVICES = 8
@@ -196,7 +196,8 @@ def test_sharded_lifecycle_lru_reset_and_cross_attention():
     cache.reset("b", keep_cross_attention=("text",))
     assert released[-1] == ("b", "reset") and len(cache.pages_held(["b"])["b"]) == 0
     with cache.chunk(["b", "e"], 2) as step:
-        assert np.asarray(step.inputs.first_frame)[[i for i, s in enumerate(step.session_ids) if s == "b"]].tolist() == [0, 0]
+        b_rows = [i for i, s in enumerate(step.session_ids) if s == "b"]
+        assert np.asarray(step.inputs.first_frame)[b_rows].tolist() == [0, 0]
         text_k, _ = cache.cross_attention_rows(cache.cross_attention_kv("text"), step.inputs)
         b_row = step.session_ids.index("b")  # positive branch first
         np.testing.assert_array_equal(np.asarray(text_k)[:, b_row], text)  # kept across the reset

@@ -17,12 +17,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
+from arkv_jax import planner
 from arkv_jax import sharding as sh
 from arkv_jax import state as core
 from arkv_jax.config import CacheGeometry, CrossAttentionSpec, KVBranch, WindowPolicy, pages_per_frame
-from arkv_jax import planner
 from arkv_jax.planner import plan_memory
 from arkv_jax.sharded_kernels import sharded_window_attention, sharded_write_chunk
 from arkv_jax.step import prepare_chunk
@@ -363,7 +364,7 @@ def test_per_shard_state_steps_equal_separate_runs():
         slot = slots(sharded, jnp.asarray(rows), 5)
         for s in range(data):
             w = plain_window(separate[s], rows[s], 1)
-            chex.assert_trees_all_equal(jax.device_get(jax.tree_util.tree_map(lambda x: x[s], win)),
+            chex.assert_trees_all_equal(jax.device_get(jax.tree_util.tree_map(lambda x, s=s: x[s], win)),
                                         jax.device_get(w))
             np.testing.assert_array_equal(np.asarray(slot[s]),
                                           np.asarray(plain_slots(separate[s], rows[s], 5)))

@@ -157,7 +157,8 @@ class StateMachine(RuleBasedStateMachine):
                 window = visible(state, jnp.asarray([row]), current)
                 ref_pages, ref_length = ref.visible(row, current)
                 assert int(window.lengths[0]) == ref_length
-                assert np.asarray(window.pages[0]).tolist() == ref_pages + [0] * (window.pages.shape[1] - len(ref_pages))
+                padding = [0] * (window.pages.shape[1] - len(ref_pages))
+                assert np.asarray(window.pages[0]).tolist() == ref_pages + padding
 
     @precondition(lambda self: hasattr(self, "ref"))
     @invariant()
