@@ -13,6 +13,9 @@ capacity is computed in closed form: ``required(c)`` is affine in ``c``, so the 
 
 All arithmetic is on Python ints (bytes, pages); nothing here touches a device except
 :func:`device_free_bytes`.
+
+One module of some 600 lines, much of it docstrings: the single-device plan, its mesh view and the
+facade's plan resolution take the same inputs and are one concern, so callers import one planner.
 """
 
 from __future__ import annotations
