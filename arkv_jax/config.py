@@ -1,8 +1,12 @@
 """Frozen, validated configuration types: cache geometry, window policy, KV branches, cross-attention.
 
-These are host-side values (hashable, usable as static jit arguments). Every check names the bad value
-and the allowed range; where vLLM-Omni (the seed) has the same check, the condition and message are the
-seed's.
+These are host-side values (hashable, usable as static jit arguments). Every check names the bad field
+and the allowed range in these types' own terms; vLLM-Omni's names and messages live in
+:mod:`arkv_jax.compat.vllm_omni`, which checks its inputs before building these.
+
+The small shared rules live here once: :func:`ceil_div`, :func:`pages_per_frame`,
+:data:`SUPPORTED_DTYPES` and the frame-level window rule (:meth:`WindowPolicy.visible_history`,
+:meth:`WindowPolicy.frame_visible`).
 
 Units: sizes in tokens, frames or pages as the field name says; bytes are plain ``int``.
 """
@@ -42,14 +46,28 @@ def dtype_itemsize(dtype: str) -> int:
     return int(np.dtype(jnp.dtype(dtype)).itemsize)
 
 
+def ceil_div(a: int, b: int) -> int:
+    """``ceil(a / b)`` for non-negative integers."""
+    return -(-a // b)
+
+
+def pages_per_frame(tokens_per_frame: int, block_size: int) -> int:
+    """Pages one frame occupies when pages are frame-aligned: ``ceil(tokens_per_frame / block_size)``."""
+    return ceil_div(tokens_per_frame, block_size)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
 def _require_positive(name: str, value: int) -> None:
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"AR-Diffusion {name} must be positive, got {value!r}")
+    if not _is_int(value) or value <= 0:
+        raise ValueError(f"{name} must be positive, got {value!r}")
 
 
 def _require_non_negative(name: str, value: int) -> None:
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
-        raise ValueError(f"AR-Diffusion {name} must be non-negative, got {value!r}")
+    if not _is_int(value) or value < 0:
+        raise ValueError(f"{name} must be non-negative, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,10 +79,11 @@ class CacheGeometry:
       num_kv_heads: K/V heads per layer (on one device, before any head sharding).
       head_dim: features per head.
       dtype: storage dtype name, one of ``SUPPORTED_DTYPES`` (strings, NumPy and JAX dtypes accepted).
-      tokens_per_frame: K/V tokens per latent frame (one AR "chunk" of the seed).
+      tokens_per_frame: K/V tokens per latent frame (vLLM-Omni's ``chunk_size``).
       block_size: tokens per page; ``None`` means one page per frame (``tokens_per_frame``). Pages
         are frame-aligned: a frame takes ``pages_per_frame`` pages and its last page is padded.
-      frames_per_forward: frames a model forward commits at once (the seed's ``frames_per_block``).
+      frames_per_forward: frames of one chunk, the frames a model forward commits at once
+        (vLLM-Omni's ``frames_per_block``).
     """
 
     num_layers: int
@@ -81,14 +100,13 @@ class CacheGeometry:
         if self.block_size is None:
             object.__setattr__(self, "block_size", int(self.tokens_per_frame))
         _require_positive("block_size", self.block_size)
-        if not isinstance(self.frames_per_forward, (int, np.integer)) or self.frames_per_forward <= 0:
-            raise ValueError(f"frames_per_block must be positive, got {self.frames_per_forward!r}")
+        _require_positive("frames_per_forward", self.frames_per_forward)
         object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
 
     @property
     def pages_per_frame(self) -> int:
-        """Pages one frame occupies: ``ceil(tokens_per_frame / block_size)``."""
-        return -(-self.tokens_per_frame // self.block_size)
+        """Pages one frame occupies: :func:`pages_per_frame`."""
+        return pages_per_frame(self.tokens_per_frame, self.block_size)
 
     @property
     def padding_tokens_per_frame(self) -> int:
@@ -107,7 +125,7 @@ class CacheGeometry:
 
     @property
     def page_bytes(self) -> int:
-        """Bytes of one page across all layers, K and V (the seed's "all-layer page")."""
+        """Bytes of one page across all layers, K and V (vLLM-Omni's "all-layer page")."""
         return self.page_bytes_per_layer * self.num_layers
 
     @property
@@ -121,11 +139,12 @@ class WindowPolicy:
     """Which frames attention sees and which the cache keeps.
 
     Attributes:
-      window_frames: recent frames kept after a commit, the current frames counting inside the window
-        when attending (the seed's ``window_chunks``). Must be positive: an unbounded window is refused.
-      sink_frames: leading frames never evicted (the attention sink, the seed's ``sink_chunks``).
-      reset_at_boundary: the seed's reset mode: every commit evicts everything after the sink,
-        including the frame just committed.
+      window_frames: recent frames kept after a commit, the current chunk's frames counting inside
+        the window when attending (vLLM-Omni's ``window_chunks``). Must be positive: an unbounded
+        window is refused.
+      sink_frames: leading frames never evicted (the attention sink, vLLM-Omni's ``sink_chunks``).
+      reset_at_boundary: every commit evicts everything after the sink, including the frames just
+        committed, so a chunk sees only the sink and itself.
     """
 
     window_frames: int
@@ -133,22 +152,49 @@ class WindowPolicy:
     reset_at_boundary: bool = False
 
     def __post_init__(self):
-        if self.window_frames is None:
-            raise ValueError("Phase 1 requires a bounded window (window_chunks)")
-        if not isinstance(self.window_frames, (int, np.integer)) or self.window_frames <= 0:
-            raise ValueError(
-                f"ARDiffusionKVConfig.window_chunks must be positive, got {self.window_frames!r}"
-            )
-        if not isinstance(self.sink_frames, (int, np.integer)) or self.sink_frames < 0:
-            raise ValueError(
-                f"ARDiffusionKVConfig.sink_chunks must be non-negative, got {self.sink_frames!r}"
-            )
+        _require_positive("window_frames", self.window_frames)
+        _require_non_negative("sink_frames", self.sink_frames)
         object.__setattr__(self, "reset_at_boundary", bool(self.reset_at_boundary))
 
     @property
     def resident_frames(self) -> int:
         """Frames a session holds between chunks: sink plus window."""
         return self.sink_frames + self.window_frames
+
+    def visible_history(self, chunk_first_frame, chunk_frames) -> tuple[np.ndarray, np.ndarray]:
+        """The history a chunk sees, on frame indices: the window rule without pages.
+
+        A chunk of ``chunk_frames`` frames whose first frame is ``chunk_first_frame`` (every earlier
+        frame committed, none skipped) sees the sink frames ``[0, sink)`` and the recent frames
+        ``[chunk_first_frame - recent, chunk_first_frame)``, where ``sink = min(chunk_first_frame,
+        sink_frames)`` and, with the chunk, at most ``sink_frames + window_frames`` frames are
+        visible: ``recent`` is every earlier non-sink frame while the chunk still fits, else
+        ``window_frames - chunk_frames`` of them (at least 0); in reset mode it is 0.
+
+        Args:
+          chunk_first_frame, chunk_frames: non-negative ints or integer arrays (broadcast).
+
+        Returns:
+          ``(sink, recent)``: int arrays of the broadcast shape.
+        """
+        first = np.asarray(chunk_first_frame)
+        frames = np.asarray(chunk_frames)
+        sink = np.minimum(first, self.sink_frames)
+        live = first - sink
+        if self.reset_at_boundary:
+            return sink, np.zeros_like(live)
+        fits = first + frames <= self.resident_frames
+        return sink, np.where(fits, live, np.minimum(live, np.maximum(0, self.window_frames - frames)))
+
+    def frame_visible(self, frame, chunk_first_frame, chunk_frames) -> np.ndarray:
+        """Whether frame ``frame`` is visible to (every query of) the chunk of ``chunk_frames``
+        frames starting at ``chunk_first_frame``: a sink or recent history frame of
+        :meth:`visible_history`, or a frame of the chunk itself (attention inside a chunk is
+        bidirectional). Integer arrays broadcast; returns a bool array.
+        """
+        frame, first = np.asarray(frame), np.asarray(chunk_first_frame)
+        sink, recent = self.visible_history(first, chunk_frames)
+        return (frame < sink) | ((frame >= first - recent) & (frame < first + np.asarray(chunk_frames)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,11 +210,8 @@ class KVBranch:
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:
-            raise ValueError("AR-Diffusion KV branch names must be non-empty")
-        if not isinstance(self.local_index, (int, np.integer)) or self.local_index < 0:
-            raise ValueError(
-                f"AR-Diffusion KV branch local_index must be non-negative, got {self.local_index}"
-            )
+            raise ValueError(f"KV branch name must be a non-empty string, got {self.name!r}")
+        _require_non_negative("KV branch local_index", self.local_index)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,32 +230,27 @@ class CrossAttentionSpec:
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:
-            raise ValueError("AR-Diffusion cross-attention names must be non-empty")
-        if not isinstance(self.num_tokens, (int, np.integer)) or self.num_tokens <= 0:
-            raise ValueError(
-                f"AR-Diffusion cross-attention num_tokens must be positive, got {self.num_tokens!r}"
-            )
+            raise ValueError(f"cross-attention name must be a non-empty string, got {self.name!r}")
+        _require_positive("cross-attention num_tokens", self.num_tokens)
         if self.num_kv_heads is not None:
             _require_positive("cross-attention num_kv_heads", self.num_kv_heads)
 
 
-def validate_branches(branches: Iterable[KVBranch], owner: str = "ARDiffusionKVCache") -> tuple[KVBranch, ...]:
-    """Checks a branch list as the seed does and returns it as a tuple.
+def validate_branches(branches: Iterable[KVBranch]) -> tuple[KVBranch, ...]:
+    """Checks a branch list and returns it as a tuple.
 
     Raises:
       ValueError: no branch, duplicate names, or local indices not contiguous from zero.
     """
     branches = tuple(branches)
     if not branches:
-        raise ValueError(f"{owner} requires at least one KV branch")
+        raise ValueError("kv_branches must hold at least one KV branch")
     names = [b.name for b in branches]
     if len(names) != len(set(names)):
-        raise ValueError(f"{owner} KV branch names must be unique, got {names}")
+        raise ValueError(f"KV branch names must be unique, got {names}")
     indices = {b.local_index for b in branches}
     if indices != set(range(max(indices) + 1)):
-        raise ValueError(
-            f"{owner} KV branch local_index values must be contiguous from zero, got {sorted(indices)}"
-        )
+        raise ValueError(f"KV branch local_index values must be contiguous from zero, got {sorted(indices)}")
     return branches
 
 
@@ -226,7 +264,7 @@ def validate_cross_attention(specs: Iterable[CrossAttentionSpec]) -> tuple[Cross
     specs = tuple(specs)
     names = [s.name for s in specs]
     if len(names) != len(set(names)):
-        raise ValueError(f"AR-Diffusion cross-attention names must be unique, got {names}")
+        raise ValueError(f"cross-attention names must be unique, got {names}")
     return specs
 
 
@@ -242,7 +280,7 @@ def check_axis_sizes(data: int, model: int) -> None:
       ValueError: a size that is not a positive int.
     """
     for name, value in (("data", data), ("model", model)):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        if not _is_int(value) or value < 1:
             raise ValueError(f"mesh axis {name!r} must be a positive int, got {value!r}")
 
 
@@ -258,15 +296,9 @@ def check_divisible(what: str, value: int, axis: str, size: int) -> None:
             f"{axis!r} sizes for {what}={value}: {divisors(value)}")
 
 
-def ceil_div(a: int, b: int) -> int:
-    """``ceil(a / b)`` for non-negative integers."""
-    return -(-a // b)
-
-
 def lookup(mapping: Mapping, key, what: str):
-    """``mapping[key]``, or a ``KeyError`` in the seed's words: ``Unknown AR-Diffusion {what}
-    {key!r}; expected {tuple(mapping)}``."""
+    """``mapping[key]``, or a ``KeyError``: ``Unknown {what} {key!r}; expected {tuple(mapping)}``."""
     try:
         return mapping[key]
     except KeyError:
-        raise KeyError(f"Unknown AR-Diffusion {what} {key!r}; expected {tuple(mapping)}") from None
+        raise KeyError(f"Unknown {what} {key!r}; expected {tuple(mapping)}") from None

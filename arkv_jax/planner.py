@@ -1,14 +1,21 @@
 """Host-side memory planner: how many sessions fit, and how many pages the pool gets.
 
-This reproduces vLLM-Omni's AR-Diffusion budget arithmetic exactly (scratch sizing, page bytes,
+:func:`plan_memory` reproduces vLLM-Omni's budget arithmetic exactly (scratch sizing, page bytes,
 cross-attention and model-owned reservations, the soft floor that admits one session, the capacity,
 leftover budget to managed pages), generalised to frame-aligned pages: a frame takes
-``pages_per_frame = ceil(tokens_per_frame / block_size)`` pages (identical to the seed when a frame is
-one page). The capacity is computed in closed form: ``required(c)`` is affine in ``c``, so the largest
+:func:`~arkv_jax.config.pages_per_frame` pages (identical to vLLM-Omni when a frame is one page). The
+capacity is computed in closed form: ``required(c)`` is affine in ``c``, so the largest
 ``c <= requested`` with ``required(c) <= budget`` is one division, not a search.
+
+:class:`DevicePlan` and :func:`plan_per_device` plan one device of a ``(data, model)`` mesh;
+:func:`resolve_plan` turns the cache facade's plan arguments into one device's plan;
+:func:`rollout_plan` is the smallest plan a batched rollout runs in.
 
 All arithmetic is on Python ints (bytes, pages); nothing here touches a device except
 :func:`device_free_bytes`.
+
+One module of some 600 lines, much of it docstrings: the single-device plan, its mesh view and the
+facade's plan resolution take the same inputs and are one concern, so callers import one planner.
 """
 
 from __future__ import annotations
@@ -66,7 +73,8 @@ _UNITS = {
 
 
 def compute_num_blocks(available_bytes: int, gpu_memory_fraction: float, page_size_bytes: int) -> int:
-    """Pages of ``page_size_bytes`` that fit in ``int(available_bytes * fraction)`` (the seed's helper).
+    """Pages of ``page_size_bytes`` that fit in ``int(available_bytes * fraction)`` (vLLM-Omni's
+    helper, with its parameter names and messages).
 
     Raises:
       ValueError: ``page_size_bytes <= 0`` or the fraction is outside (0, 1].
@@ -112,12 +120,12 @@ def cross_attention_bytes_per_session(geometry: CacheGeometry, specs: Sequence[C
 
 def managed_blocks_required(geometry: CacheGeometry, window: WindowPolicy, num_local: int,
                             sessions: int, batched_in_flight: bool = False) -> int:
-    """Managed pages needed for ``sessions`` resident sessions (the seed's ``managed(c)``).
+    """Managed pages needed for ``sessions`` resident sessions (vLLM-Omni's ``managed(c)``).
 
     Every session keeps sink + window frames per local branch; ``+2`` frames cover the null page and
-    one spare. In flight: the seed runs one forward at a time, so one forward's frames per local
-    branch; with ``batched_in_flight`` every session may have a forward in flight at once (a
-    batched chunk of all sessions, as :class:`arkv_jax.cache.PagedKVCache` runs them).
+    one spare. In flight: vLLM-Omni runs one forward at a time, so one chunk's frames per local
+    branch; with ``batched_in_flight`` every session may have a chunk in flight at once (a batched
+    chunk of all sessions, as :class:`arkv_jax.cache.PagedKVCache` runs them).
     """
     ppf = geometry.pages_per_frame
     in_flight = sessions if batched_in_flight else 1
@@ -127,9 +135,8 @@ def managed_blocks_required(geometry: CacheGeometry, window: WindowPolicy, num_l
 
 @dataclasses.dataclass(frozen=True)
 class MemoryPlan:
-    """The planner's answer. Attribute names match the seed's ``ARDiffusionKVCache`` where it has one.
-
-    All ``*_bytes`` are bytes; ``*_blocks`` are pages (a page spans all layers, K and V).
+    """The planner's answer. Attribute names match vLLM-Omni's ``ARDiffusionKVCache`` where it has
+    one, so ``*_blocks`` count pages (a page spans all layers, K and V); ``*_bytes`` are bytes.
     """
 
     geometry: CacheGeometry
@@ -180,7 +187,7 @@ class MemoryPlan:
         return self.num_blocks_total * self.page_size_bytes
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict: the seed's attribute names plus the inputs and derived sizes."""
+        """A JSON-ready dict: the attributes plus the inputs and derived sizes."""
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         fields["geometry"] = dataclasses.asdict(self.geometry)
         fields["window"] = dataclasses.asdict(self.window)
@@ -236,26 +243,44 @@ class MemoryPlan:
         return "\n".join(lines)
 
 
-def check_plan_inputs(session_capacity: int, kv_branches: Sequence[KVBranch], frames_per_block: int,
-                      max_scratch_tokens_per_branch: int, model_owned_state_bytes_per_session: int
-                      ) -> tuple[KVBranch, ...]:
-    """The seed's constructor checks, in the seed's order; returns the branches as a tuple.
+class InsufficientMemoryError(ValueError):
+    """One session does not fit in the available memory.
 
-    Raises:
-      ValueError: the first input out of range, with the seed's message.
+    Attributes:
+      available: bytes available.
+      required: bytes one session needs: its managed pages, the scratch pages, its cross-attention
+        caches and its model-owned state.
     """
+
+    def __init__(self, available: int, required: int) -> None:
+        super().__init__(
+            f"available device memory cannot fit one session: available={available} bytes, "
+            f"required={required} bytes (managed self-attention + cross-attention + scratch + "
+            "model-owned state).")
+        self.available, self.required = available, required
+
+
+def _check_plan_inputs(session_capacity: int, kv_branches: Sequence[KVBranch],
+                       cross_attention: Sequence[CrossAttentionSpec], available_bytes: int,
+                       memory_fraction: float, max_scratch_tokens_per_branch: int,
+                       model_owned_state_bytes_per_session: int
+                       ) -> tuple[tuple[KVBranch, ...], tuple[CrossAttentionSpec, ...]]:
+    """Checks :func:`plan_memory`'s inputs; returns the branches and cross-attention specs as tuples."""
     if session_capacity <= 0:
         raise ValueError(f"session_capacity must be positive, got {session_capacity}")
     kv_branches = validate_branches(kv_branches)
-    if frames_per_block <= 0:
-        raise ValueError(f"frames_per_block must be positive, got {frames_per_block}")
+    cross_attention = validate_cross_attention(cross_attention)
+    if available_bytes < 0:
+        raise ValueError(f"available_bytes must be non-negative, got {available_bytes}")
+    if not 0.0 < memory_fraction <= 1.0:
+        raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
     if max_scratch_tokens_per_branch < 0:
         raise ValueError(
             f"max_scratch_tokens_per_branch must be non-negative, got {max_scratch_tokens_per_branch}")
     if model_owned_state_bytes_per_session < 0:
         raise ValueError("model_owned_state_bytes_per_session must be non-negative, "
                          f"got {model_owned_state_bytes_per_session}")
-    return kv_branches
+    return kv_branches, cross_attention
 
 
 def plan_memory(
@@ -272,7 +297,7 @@ def plan_memory(
     scratch_blocks_override: int | None = None,
     batched_in_flight: bool = False,
 ) -> MemoryPlan:
-    """Plans the paged pool for one model on one device (the seed's arithmetic, exactly).
+    """Plans the paged pool for one model on one device (vLLM-Omni's arithmetic, exactly).
 
     Args:
       geometry: cache geometry (per device: heads after any sharding).
@@ -286,16 +311,15 @@ def plan_memory(
       model_owned_state_bytes_per_session: per-session model state outside the pool, in bytes.
       scratch_blocks_override: raises the scratch pages per branch; ``None`` reads the environment.
       batched_in_flight: reserve in-flight pages for every session (all sessions in one batched
-        chunk) instead of the seed's one forward at a time. Off reproduces the seed exactly.
+        chunk) instead of vLLM-Omni's one forward at a time. Off reproduces vLLM-Omni exactly.
 
     Raises:
-      ValueError: an input is out of range, or one session does not fit in ``available_bytes``.
+      ValueError: an input is out of range.
+      InsufficientMemoryError: one session does not fit in ``available_bytes``.
     """
-    kv_branches = check_plan_inputs(session_capacity, kv_branches, geometry.frames_per_forward,
-                                    max_scratch_tokens_per_branch, model_owned_state_bytes_per_session)
-    cross_attention = validate_cross_attention(cross_attention)
-    if available_bytes < 0:
-        raise ValueError(f"available_bytes must be non-negative, got {available_bytes}")
+    kv_branches, cross_attention = _check_plan_inputs(
+        session_capacity, kv_branches, cross_attention, available_bytes, memory_fraction,
+        max_scratch_tokens_per_branch, model_owned_state_bytes_per_session)
 
     num_local = num_local_branches(kv_branches)
     scratch_per_branch = scratch_blocks_per_branch(
@@ -303,7 +327,6 @@ def plan_memory(
     scratch_blocks = num_local * scratch_per_branch
     page = geometry.page_bytes
     configured = int(available_bytes * memory_fraction)
-    compute_num_blocks(available_bytes, memory_fraction, page)  # the seed validates through it
 
     scratch_bytes = scratch_blocks * page
     cross = cross_attention_bytes_per_session(geometry, cross_attention, len(kv_branches))
@@ -315,10 +338,7 @@ def plan_memory(
     per_session = cross + owned + (managed(1) - managed(0)) * page
     one_session = fixed + per_session
     if one_session > available_bytes:
-        raise ValueError(
-            "AR-Diffusion available device memory cannot fit one session: "
-            f"available={available_bytes} bytes, required={one_session} bytes "
-            "(managed self-attention + cross-attention + scratch + model-owned state).")
+        raise InsufficientMemoryError(available_bytes, one_session)
     budget = max(configured, one_session)
     if budget > configured:
         _log.warning("raised the configured memory budget from %d to %d bytes to admit one session",
@@ -357,11 +377,15 @@ class DevicePlan:
         ``num_kv_heads // model`` heads (cross-attention heads divided too); its pages are the
         pages of one data shard (every device of a data shard holds all of them, for its heads).
       data, model: mesh axis sizes.
-      pool_bytes_per_device: K+V pool bytes one device holds (``plan.pool_bytes``).
-      bytes_per_device: everything reserved on one device: pools + cross-attention caches +
+      pool_bytes_per_device: K+V pool bytes one device of a :class:`~arkv_jax.cache.PagedKVCache`
+        holds: its managed pages (``pages_per_shard * plan.page_size_bytes``). The plan's scratch
+        pages stay in its budget (vLLM-Omni's arithmetic) but are never allocated: denoise steps
+        never write the pool.
+      bytes_per_device: everything allocated for one device: pools + cross-attention caches +
         model-owned state of its sessions.
-      pages_per_shard: pool pages per data shard, null page included (``plan.num_blocks_total``):
-        the ``pages_per_shard`` of :func:`make_pools`.
+      pages_per_shard: pool pages per data shard, null page included (``plan.managed_num_blocks``):
+        :attr:`PagedKVCache.pages_per_shard <arkv_jax.cache.PagedKVCache.pages_per_shard>` and the
+        ``pages_per_shard`` of :func:`arkv_jax.sharding.make_pools`.
       sessions_per_data_shard: resident sessions one data shard holds (``plan.session_capacity``).
       total_sessions: ``sessions_per_data_shard * data``.
       rows_per_shard: state rows per data shard (sessions x logical KV branches).
@@ -386,11 +410,12 @@ class DevicePlan:
           ValueError: ``data`` or ``model`` is not a positive int.
         """
         check_axis_sizes(data, model)
+        pool_bytes = plan.managed_num_blocks * plan.page_size_bytes
         return cls(
-            plan=plan, data=int(data), model=int(model), pool_bytes_per_device=plan.pool_bytes,
-            bytes_per_device=(plan.pool_bytes + plan.cross_attention_reserved_bytes
+            plan=plan, data=int(data), model=int(model), pool_bytes_per_device=pool_bytes,
+            bytes_per_device=(pool_bytes + plan.cross_attention_reserved_bytes
                               + plan.model_owned_state_reserved_bytes),
-            pages_per_shard=plan.num_blocks_total, sessions_per_data_shard=plan.session_capacity,
+            pages_per_shard=plan.managed_num_blocks, sessions_per_data_shard=plan.session_capacity,
             total_sessions=plan.session_capacity * int(data),
             rows_per_shard=plan.session_capacity * len(plan.kv_branches))
 
@@ -399,6 +424,7 @@ class DevicePlan:
         return self.data * self.model
 
     def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict: the mesh-wide figures, and the device's plan under ``"plan"``."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "plan"}
         out["plan"] = self.plan.to_dict()
         return out
@@ -483,6 +509,48 @@ def plan_per_device(
         model_owned_state_bytes_per_session=model_owned_state_bytes_per_session,
         scratch_blocks_override=scratch_blocks_override, batched_in_flight=batched_in_flight)
     return DevicePlan.from_plan(plan, data, model)
+
+
+def resolve_plan(geometry: CacheGeometry, window: WindowPolicy, kv_branches: Sequence[KVBranch],
+                 cross_attention: Sequence[CrossAttentionSpec], *, data: int = 1, model: int = 1,
+                 plan: MemoryPlan | DevicePlan | None = None, available_bytes: int | None = None,
+                 memory_fraction: float = 0.1, session_capacity: int = 1, device: Any = None
+                 ) -> MemoryPlan:
+    """The plan of one device of a cache on ``data`` x ``model`` devices (1 x 1 without a mesh).
+
+    Args:
+      geometry, window, kv_branches, cross_attention: the cache's settings (``geometry`` with all
+        K/V heads).
+      data, model: mesh axis sizes.
+      plan: a :class:`MemoryPlan` of one device for these settings (heads divided by ``model``, e.g.
+        ``plan_per_device(...).plan``), a :class:`DevicePlan` for this mesh, or ``None``: planned
+        from ``available_bytes`` (per device; ``None`` probes ``device`` with
+        :func:`device_free_bytes`), ``memory_fraction`` and ``session_capacity`` (sessions in all,
+        ``ceil(session_capacity / data)`` per data shard), with in-flight pages for every session
+        (``batched_in_flight=True``), since all sessions can run in one chunk.
+
+    Raises:
+      ValueError: K/V or cross-attention heads not divisible by ``model``, a :class:`DevicePlan`
+        for another mesh, a plan for other settings, or an input :func:`plan_memory` rejects.
+    """
+    local_geometry, local_cross = local_shapes(geometry, cross_attention, model)
+    if plan is None:
+        return plan_memory(
+            local_geometry, window, kv_branches, cross_attention=local_cross,
+            available_bytes=device_free_bytes(device) if available_bytes is None else available_bytes,
+            memory_fraction=memory_fraction, session_capacity=ceil_div(session_capacity, data),
+            batched_in_flight=True)
+    if isinstance(plan, DevicePlan):
+        if (plan.data, plan.model) != (data, model):
+            raise ValueError(f"plan is for a (data={plan.data}, model={plan.model}) mesh, the cache's "
+                             f"is (data={data}, model={model})")
+        plan = plan.plan
+    if (plan.geometry, plan.window, plan.kv_branches, plan.cross_attention) != (
+            local_geometry, window, tuple(kv_branches), local_cross):
+        raise ValueError("plan was made for a different geometry, window, branches or cross-attention"
+                         + ("" if model == 1 else " (with a mesh, plan one device: heads divided by the "
+                                                  "'model' axis, e.g. planner.plan_per_device)"))
+    return plan
 
 
 def rollout_plan(geometry: CacheGeometry, window: WindowPolicy, kv_branches: Sequence[KVBranch],

@@ -64,7 +64,7 @@ PRESETS: dict[str, ModelPreset] = {
         ModelPreset(
             name="lingbot-v2",
             description="LingBot World v2 at 832x480 as shipped in vLLM-Omni: 40 layers, 40 heads x 128, "
-                        "1560 tokens/frame, 3-frame blocks, sink 9 + window 9",
+                        "1560 tokens/frame, 3-frame chunks, sink 9 + window 9",
             geometry=CacheGeometry(num_layers=40, num_kv_heads=40, head_dim=128, dtype="bfloat16",
                                    tokens_per_frame=1560, block_size=1560, frames_per_forward=3),
             window=WindowPolicy(window_frames=9, sink_frames=9),
@@ -75,7 +75,7 @@ PRESETS: dict[str, ModelPreset] = {
         ModelPreset(
             name="dreamzero-14b",
             description="DreamZero t2v (Wan-14B backbone) at 180x320 as in vLLM-Omni: 40 layers, "
-                        "40 heads x 128, 220 tokens/frame, 2-frame blocks, window 36, CFG",
+                        "40 heads x 128, 220 tokens/frame, 2-frame chunks, window 36, CFG",
             geometry=CacheGeometry(num_layers=40, num_kv_heads=40, head_dim=128, dtype="bfloat16",
                                    tokens_per_frame=220, block_size=220, frames_per_forward=2),
             window=WindowPolicy(window_frames=36, sink_frames=0),

@@ -1,4 +1,4 @@
-"""The kernels on a ``("data", "model")`` mesh: each device runs the unsharded kernel on its block.
+"""The kernels on a ``("data", "model")`` mesh: each device runs the unsharded kernel on its part.
 
 Rows and pool pages are split over ``"data"``, K/V and query heads over ``"model"``
 (:mod:`arkv_jax.sharding` has the layouts). The wrappers add no math: a sharded write is
@@ -16,11 +16,21 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from arkv_jax.config import check_divisible
-from arkv_jax.sharding import (DATA, MODEL, check_heads, check_mesh, cross_attention_spec, head_spec, pool_spec,
-                               row_spec, shard_map)
+from arkv_jax.sharding import (
+    DATA,
+    MODEL,
+    check_heads,
+    check_mesh,
+    cross_attention_spec,
+    head_spec,
+    pool_spec,
+    row_spec,
+    shard_map,
+)
 from pallas_kernels.paged_write import write_chunk
 from pallas_kernels.window_attention import window_attention
 
@@ -31,7 +41,7 @@ def sharded_write_chunk(mesh: Mesh, k_pool: jax.Array, v_pool: jax.Array, k_new:
                         v_new: jax.Array, page_ids: jax.Array, *,
                         tokens_per_frame: int | None = None, backend: str = "auto"
                         ) -> tuple[jax.Array, jax.Array]:
-    """:func:`pallas_kernels.paged_write.write_chunk` on every device's block of the pools.
+    """:func:`pallas_kernels.paged_write.write_chunk` on every device's part of the pools.
 
     Args:
       mesh: a mesh with ``"data"`` and ``"model"`` axes.
@@ -79,7 +89,7 @@ def sharded_window_attention(mesh: Mesh, q: jax.Array, k_cur: jax.Array, v_cur: 
                              extra_v: jax.Array | None = None, scale: float | None = None,
                              tokens_per_frame: int | None = None, backend: str = "auto",
                              block_q: int | None = None, block_k: int | None = None) -> jax.Array:
-    """:func:`pallas_kernels.window_attention.window_attention` on every device's block.
+    """:func:`pallas_kernels.window_attention.window_attention` on every device's part.
 
     Rows (``q``, ``k_cur``, ``v_cur``, extras, ``pages``, ``lengths``) and pool pages are split over
     data, query and K/V heads over model; ``pages`` holds *local* page ids of each row's shard and
@@ -150,9 +160,9 @@ def gather_rows(mesh: Mesh, table: jax.Array, rows: jax.Array, *, head_axis: int
     """
     spec = cross_attention_spec(jnp.ndim(table), 0, head_axis)
 
-    def body(block, local_rows):
-        taken = jnp.take(block, jnp.maximum(local_rows, 0), axis=0)
-        valid = (local_rows >= 0).reshape((-1,) + (1,) * (block.ndim - 1))
-        return jnp.where(valid, taken, jnp.zeros((), block.dtype))
+    def body(part, local_rows):
+        taken = jnp.take(part, jnp.maximum(local_rows, 0), axis=0)
+        valid = (local_rows >= 0).reshape((-1,) + (1,) * (part.ndim - 1))
+        return jnp.where(valid, taken, jnp.zeros((), part.dtype))
 
     return shard_map(body, mesh, (spec, row_spec(1)), spec)(table, rows)

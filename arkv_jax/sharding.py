@@ -33,32 +33,26 @@ kernels' row axis, and page ``p`` of shard ``s`` is global page ``s * pages_per_
 pools. Outputs of :func:`per_shard` keep the leading ``D`` axis; ``x.reshape(D * B, ...)`` turns a
 ``[D, B, ...]`` output into the kernels' row axis without moving data (both are split over ``"data"``).
 
-The kernel wrappers (:func:`sharded_write_chunk`, :func:`sharded_window_attention`) run the
-unsharded kernels unchanged on each device's block: no new math, so a sharded write is bit-identical
-to the single-device write with global page ids, and attention matches to float rounding. GQA
-survives head sharding because heads are split in contiguous blocks: model shard ``i`` holds query
-heads ``[i * Hq / M, (i + 1) * Hq / M)`` and exactly the K/V heads they read.
-
-Donation: the wrappers do not donate by themselves (like :func:`pallas_kernels.paged_write
-.write_chunk`); call them inside a step jitted with ``donate_argnums`` on the pools and the outputs
-alias the pools on every device (tested).
+The kernels on this layout (:func:`~arkv_jax.sharded_kernels.sharded_write_chunk`,
+:func:`~arkv_jax.sharded_kernels.sharded_window_attention`, :func:`~arkv_jax.sharded_kernels.gather_rows`)
+live in :mod:`arkv_jax.sharded_kernels`. GQA survives head sharding because heads are split in
+contiguous groups: model shard ``i`` holds query heads ``[i * Hq / M, (i + 1) * Hq / M)`` and exactly
+the K/V heads they read.
 
 Meshes: :func:`make_mesh` builds a ``("data", "model")`` mesh with *Auto* axis types, so inputs that
 are not yet placed are resharded by ``jit`` as needed. With a mesh of *Explicit* axes (the default of
 ``jax.make_mesh`` in newer JAX) ``shard_map`` requires every input to already carry the sharding of
 its spec: place them with :func:`place` first. A mesh may have further axes; everything here is
-replicated over them (untested).
+replicated over them.
 
-Communication: none. A jitted chunk step built from :func:`per_shard` and the two wrappers compiles
-without any collective (tested on a ``(2, 4)`` mesh: no all-gather, all-reduce, all-to-all,
-collective-permute or reduce-scatter), as long as the inputs arrive with the specs above; what the
-model does around attention (projections, the output all-reduce of tensor parallelism) is the
-model's business.
+Communication: none. A jitted chunk step built from :func:`per_shard` and the sharded kernels
+compiles without any collective (no all-gather, all-reduce, all-to-all, collective-permute or
+reduce-scatter), as long as the inputs arrive with the specs above; what the model does around
+attention (projections, the output all-reduce of tensor parallelism) is the model's business.
 
 Limits: K/V heads must be divisible by the model axis (no KV-head replication when
 ``kv_heads < model``, as tpu-inference does; refused with a clear error instead); rows and pool pages
-must be divisible by the data axis. Tested only on CPU host devices (8 in one process).
-
+must be divisible by the data axis.
 """
 
 from __future__ import annotations
@@ -70,7 +64,8 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from arkv_jax.config import CacheGeometry, check_axis_sizes, check_divisible, divisors
 from arkv_jax.state import BlockTableState, StateLayout, init_state
@@ -250,7 +245,7 @@ def place(mesh: Mesh, tree: Any, spec: Any) -> Any:
 def make_pools(geometry: CacheGeometry, pages_per_shard: int, mesh: Mesh
                ) -> tuple[jax.Array, jax.Array]:
     """Zero-filled K and V pools ``[L, data * pages_per_shard, S, Hkv, hd]``, born sharded with
-    :func:`pool_spec` (each device allocates only its block; two distinct buffers, donatable).
+    :func:`pool_spec` (each device allocates only its part; two distinct buffers, donatable).
 
     ``geometry.num_kv_heads`` is the global head count (before sharding). Page 0 of every data shard
     (global page ``s * pages_per_shard``) is that shard's null page.

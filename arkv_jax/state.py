@@ -1,9 +1,10 @@
 """The block-table state: an immutable pytree and pure, jittable steps on it.
 
-One *row* is one (session, logical KV branch): vLLM-Omni's request adapter. A
-:class:`BlockTableState` holds every row's page table and the pool's free list; the functions here
+One *row* (a state row, a row of the block table) is one (session, logical KV branch):
+vLLM-Omni's request adapter. A :class:`BlockTableState` holds every row's page table and the pool's
+free list; the functions here
 (:func:`begin`, :func:`allocate`, :func:`commit`, :func:`end`, and the read-only
-:func:`slot_mapping`, :func:`write_pages`, :func:`resident_blocks`, :func:`visible_window`) take a
+:func:`slot_mapping`, :func:`write_pages`, :func:`resident_pages`, :func:`visible_window`) take a
 batch of row indices, run as one jitted computation for all of them, and return a new state. Nothing
 here syncs with the host or depends on a value for its shape, so a window filling up, sessions
 joining or leaving, and a video growing to any length never recompile.
@@ -12,22 +13,27 @@ Layout of a row (vLLM-Omni's block table after S3 compaction): ``tables[row, :nu
 the sink pages, then the live history pages in time order, then pages allocated for frames in
 flight; evicted pages are removed (compacted) instead of left as null entries, so the width stays
 ``sink + window + in flight`` forever while positions stay absolute. ``evicted_pages`` remembers how
-many pages were removed from just after the sink, which is all that is needed to rebuild the seed's
+many pages were removed from just after the sink, which is all that is needed to rebuild vLLM-Omni's
 table with its null placeholders.
 
 Pages are frame-aligned: frame ``f`` owns absolute pages ``[f * ppf, (f + 1) * ppf)`` with
-``ppf = ceil(tokens_per_frame / block_size)``; token ``t`` of the row (counting a prefill prefix)
-sits in frame ``t // tokens_per_frame`` at offset ``t % tokens_per_frame``. With
-``tokens_per_frame == block_size`` this is exactly the seed's token-to-block layout.
+``ppf`` = :func:`~arkv_jax.config.pages_per_frame`; token ``t`` of the row (counting a prefill
+prefix) sits in frame ``t // tokens_per_frame`` at offset ``t % tokens_per_frame``. With
+``tokens_per_frame == block_size`` this is exactly vLLM-Omni's token-to-block layout.
 
 Free pages live in a FIFO ring (``free_ids``, ``free_head``, ``free_count``) holding page ids
 ``1 .. num_blocks - 1``; page 0 is the null page and is never handed out. Allocation pops from the
 head; frees append at the tail: evicted pages highest table index first, a finished row's table in
 reverse, rows of one call in the order given. This is vLLM's ``BlockPool`` order, so physical page
-ids match the seed's for any sequence of operations.
+ids match vLLM-Omni's for any sequence of operations.
 
 Failures are values: every mutating step returns ``ok`` per row; a row that fails is left exactly as
 it was and does not affect the others.
+
+The state is a pytree registered with :func:`jax.tree_util.register_dataclass` (its
+:class:`StateLayout` is static metadata), so it passes through ``jit``, ``shard_map`` and donation
+as it is; this module needs nothing but JAX. It is one module of some 590 lines because every step
+shares the same private helpers over row batches, page arithmetic and the free ring.
 """
 
 from __future__ import annotations
@@ -37,9 +43,8 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from flax import struct
 
-from arkv_jax.config import CacheGeometry, WindowPolicy, ceil_div
+from arkv_jax.config import CacheGeometry, WindowPolicy, ceil_div, pages_per_frame
 
 Array = jax.Array
 
@@ -49,11 +54,11 @@ class StateLayout:
     """Static facts about a state (hashable; part of the pytree's structure).
 
     Attributes:
-      tokens_per_frame: tokens of one frame (one committed chunk).
+      tokens_per_frame: tokens of one frame.
       block_size: tokens per page.
       sink_frames: leading frames never evicted.
       window_frames: recent frames kept after a commit (sliding mode).
-      reset_at_boundary: the seed's reset mode (evict everything after the sink on each commit).
+      reset_at_boundary: reset mode (evict everything after the sink on each commit).
       table_width: pages a row's compacted table can hold.
       num_blocks: managed pages, null page 0 included.
     """
@@ -68,7 +73,8 @@ class StateLayout:
 
     @property
     def pages_per_frame(self) -> int:
-        return ceil_div(self.tokens_per_frame, self.block_size)
+        """Pages of one frame: :func:`~arkv_jax.config.pages_per_frame`."""
+        return pages_per_frame(self.tokens_per_frame, self.block_size)
 
     @property
     def sink_pages(self) -> int:
@@ -95,15 +101,15 @@ class StateLayout:
                    window.window_frames, window.reset_at_boundary, int(table_width), int(num_blocks))
 
 
-@struct.dataclass
+@dataclasses.dataclass(frozen=True)
 class BlockTableState:
-    """Page tables of ``R`` rows and the pool's free ring. All leaves are int32/bool arrays.
+    """Page tables of ``R`` state rows and the pool's free ring. All leaves are int32/bool arrays.
 
     Attributes:
       tables: ``[R, table_width]`` compacted page ids per row (0 past ``num_pages``).
       num_pages: ``[R]`` pages stored in each row's table.
       evicted_pages: ``[R]`` pages evicted (and compacted away) from just after the sink.
-      committed_frames: ``[R]`` chunks (frames) committed since :func:`begin`.
+      committed_frames: ``[R]`` frames committed since :func:`begin`.
       prefill_tokens: ``[R]`` prefix tokens counted as computed at :func:`begin`.
       active: ``[R]`` whether the row is in use.
       free_ids: ``[num_blocks - 1]`` ring buffer of free page ids.
@@ -121,7 +127,7 @@ class BlockTableState:
     free_ids: Array
     free_head: Array
     free_count: Array
-    layout: StateLayout = struct.field(pytree_node=False)
+    layout: StateLayout
 
     @property
     def num_rows(self) -> int:
@@ -131,9 +137,19 @@ class BlockTableState:
     def ring_size(self) -> int:
         return self.free_ids.shape[0]
 
+    def replace(self, **changes) -> "BlockTableState":
+        """A copy with the given fields replaced."""
+        return dataclasses.replace(self, **changes)
+
+
+jax.tree_util.register_dataclass(
+    BlockTableState,
+    data_fields=[f.name for f in dataclasses.fields(BlockTableState) if f.name != "layout"],
+    meta_fields=["layout"])
+
 
 class VisibleWindow(NamedTuple):
-    """What a forward of ``num_current_frames`` new frames attends to in the pool.
+    """What a forward of ``num_current_frames`` new frames attends to in the pool (``B`` batch rows).
 
     Attributes:
       pages: ``[B, visible_frames * pages_per_frame]`` int32 page ids: the sink frames' pages, then
@@ -186,8 +202,8 @@ def _scatter_rows(array: Array, rows: Array, keep: Array, values: Array) -> Arra
 
 def _pages_for_tokens(layout: StateLayout, tokens: Array) -> Array:
     """Pages that hold the first ``tokens`` tokens of a row (frame-aligned)."""
-    tpf, bs = layout.tokens_per_frame, layout.block_size
-    return (tokens // tpf) * layout.pages_per_frame + (tokens % tpf + bs - 1) // bs
+    tpf = layout.tokens_per_frame
+    return (tokens // tpf) * layout.pages_per_frame + ceil_div(tokens % tpf, layout.block_size)
 
 
 def _committed_tokens_pages(state: BlockTableState, rows: Array, extra_tokens: Array = 0) -> Array:
@@ -210,7 +226,7 @@ def _stored_index(state: BlockTableState, rows: Array, absolute_page: Array) -> 
 
 def _skipped_frames(layout: StateLayout, frames: Array) -> Array:
     """Frames after the sink that are out of the window once ``frames`` whole frames are committed
-    (the seed's skip rule at frame granularity)."""
+    (vLLM-Omni's skip rule at frame granularity)."""
     if layout.reset_at_boundary:
         return jnp.maximum(0, frames - layout.sink_frames)
     return jnp.maximum(0, frames - layout.window_frames - layout.sink_frames)
@@ -281,7 +297,7 @@ def _evict(state: BlockTableState, rows: Array, ok: Array, first_frames: Array, 
     Frames ``[evicted, first_frames)`` (after the sink) are freed first, highest table index first,
     then frames ``[first_frames, all_frames)`` one frame at a time in time order, each frame's pages
     highest index first: the order vLLM frees them in when one eviction catches up several frames and
-    each later chunk commit evicts one.
+    each later frame's commit evicts one.
 
     Args:
       rows, ok: ``[B]`` the batch and which rows to touch.
@@ -321,7 +337,8 @@ def _catch_up_eviction(state: BlockTableState, rows: Array, ok: Array) -> tuple[
     ppf = layout.pages_per_frame
     before = state.evicted_pages[rows] // ppf
     allocated_after_sink = (state.num_pages[rows] + state.evicted_pages[rows]) // ppf - layout.sink_frames
-    target = jnp.maximum(before, jnp.minimum(_skipped_frames(layout, computed_frames(state, rows)), allocated_after_sink))
+    skipped = _skipped_frames(layout, computed_frames(state, rows))
+    target = jnp.maximum(before, jnp.minimum(skipped, allocated_after_sink))
     return _evict(state, rows, ok, target, target)
 
 
@@ -387,36 +404,36 @@ def allocate(state: BlockTableState, rows: Array, num_tokens: Array) -> tuple[Bl
     ), ok
 
 
-def commit(state: BlockTableState, rows: Array, num_chunks: Array) -> tuple[BlockTableState, Array]:
-    """Commits ``num_chunks`` frames per row, evicting after each one with the seed's rule.
+def commit(state: BlockTableState, rows: Array, num_frames: Array) -> tuple[BlockTableState, Array]:
+    """Commits ``num_frames`` frames per row, evicting after each one with vLLM-Omni's rule.
 
     Sliding mode keeps the sink and the last ``window_frames`` frames; reset mode keeps only the
-    sink. Pages evicted by one chunk are freed highest table index first, chunk after chunk, rows in
-    batch order; the table is compacted.
+    sink. Pages evicted after one frame are freed highest table index first, frame after frame,
+    rows in batch order; the table is compacted.
 
     Args:
       rows: ``[B]`` int32 row indices (negative = padding).
-      num_chunks: ``[B]`` or scalar, >= 0.
+      num_frames: ``[B]`` or scalar, >= 0.
 
     Returns:
       ``(state, ok)``: ``ok[b]`` is False (and the row untouched) for padding, an inactive row, a
       negative count, or frames whose pages were not allocated.
     """
     layout = state.layout
-    rows, valid, num_chunks = _batch(state, rows, num_chunks)
+    rows, valid, num_frames = _batch(state, rows, num_frames)
     allocated = state.num_pages[rows] + state.evicted_pages[rows]
-    ok = (valid & state.active[rows] & (num_chunks >= 0)
-          & (_committed_tokens_pages(state, rows, num_chunks * layout.tokens_per_frame) <= allocated))
+    ok = (valid & state.active[rows] & (num_frames >= 0)
+          & (_committed_tokens_pages(state, rows, num_frames * layout.tokens_per_frame) <= allocated))
     frames = computed_frames(state, rows)
     before = state.evicted_pages[rows] // layout.pages_per_frame
-    # Eviction is monotone: the first chunk may catch up several frames (after a long prefill),
-    # later chunks evict at most one frame each.
+    # Eviction is monotone: the first frame may catch up several frames (after a long prefill),
+    # later frames evict at most one frame each.
     first = jnp.maximum(before, _skipped_frames(layout, frames + 1))
-    last = jnp.maximum(before, _skipped_frames(layout, frames + num_chunks))
-    state, _ = _evict(state, rows, ok & (num_chunks > 0), first, last)
+    last = jnp.maximum(before, _skipped_frames(layout, frames + num_frames))
+    state, _ = _evict(state, rows, ok & (num_frames > 0), first, last)
     return state.replace(
         committed_frames=_scatter_rows(state.committed_frames, rows, ok,
-                                       state.committed_frames[rows] + num_chunks),
+                                       state.committed_frames[rows] + num_frames),
     ), ok
 
 
@@ -451,7 +468,7 @@ def free_queue(state: BlockTableState) -> Array:
     return jnp.where(jnp.arange(state.ring_size) < state.free_count, state.free_ids[index], 0)
 
 
-def resident_blocks(state: BlockTableState, rows: Array) -> tuple[Array, Array]:
+def resident_pages(state: BlockTableState, rows: Array) -> tuple[Array, Array]:
     """Pages each row holds, in table order, null page excluded.
 
     Returns:
@@ -506,10 +523,12 @@ def write_pages(state: BlockTableState, rows: Array, num_frames: int) -> Array:
 
 
 def visible_window(state: BlockTableState, rows: Array, num_current_frames: Array) -> VisibleWindow:
-    """The history a forward of ``num_current_frames`` new frames attends to (the seed's
+    """The history a forward of ``num_current_frames`` new frames attends to (vLLM-Omni's
     ``video_block_table``, history part): the sink frames plus the most recent frames such that,
     with the current frames, at most ``sink + window`` frames are visible. The current frames'
-    K/V are not in the pool; the attention kernel takes them directly.
+    K/V are not in the pool; the attention kernel takes them directly. For a row whose every
+    earlier frame is resident this is :meth:`arkv_jax.config.WindowPolicy.visible_history` on the
+    row's next frame.
 
     Rows must be frame-aligned (no partial prefill frame).
 
@@ -572,8 +591,8 @@ def resize(state: BlockTableState, *, num_rows: int | None = None,
 # vLLM-Omni's permissive commit (used by arkv_jax.compat.vllm_omni).
 
 
-def advance(state: BlockTableState, rows: Array, num_chunks: Array) -> tuple[BlockTableState, Array]:
-    """Commits ``num_chunks`` frames per row whether or not their pages were allocated, as
+def advance(state: BlockTableState, rows: Array, num_frames: Array) -> tuple[BlockTableState, Array]:
+    """Commits ``num_frames`` frames per row whether or not their pages were allocated, as
     vLLM-Omni's ``ARDiffusionKVCache.commit_chunk`` does (:func:`commit` refuses that).
 
     After each chunk, the frames after the sink that left the window are evicted (highest table
@@ -586,7 +605,7 @@ def advance(state: BlockTableState, rows: Array, num_chunks: Array) -> tuple[Blo
 
     Args:
       rows: ``[B]`` int32 row indices (negative = padding).
-      num_chunks: ``[B]`` or scalar, >= 0.
+      num_frames: ``[B]`` or scalar, >= 0.
 
     Returns:
       ``(state, ok)``: ``ok[b]`` is False (and the row untouched) for padding, an inactive row or a
@@ -594,8 +613,8 @@ def advance(state: BlockTableState, rows: Array, num_chunks: Array) -> tuple[Blo
     """
     layout = state.layout
     ppf = layout.pages_per_frame
-    rows, valid, num_chunks = _batch(state, rows, num_chunks)
-    ok = valid & state.active[rows] & (num_chunks >= 0)
+    rows, valid, num_frames = _batch(state, rows, num_frames)
+    ok = valid & state.active[rows] & (num_frames >= 0)
     frames = computed_frames(state, rows)
     before = state.evicted_pages[rows] // ppf
     # Whole frames after the sink whose pages are in the table (evicted ones included).
@@ -604,8 +623,8 @@ def advance(state: BlockTableState, rows: Array, num_chunks: Array) -> tuple[Blo
     def evicted_after(chunks):
         return jnp.maximum(before, jnp.minimum(_skipped_frames(layout, frames + chunks), allocated))
 
-    state, _ = _evict(state, rows, ok & (num_chunks > 0), evicted_after(1), evicted_after(num_chunks))
+    state, _ = _evict(state, rows, ok & (num_frames > 0), evicted_after(1), evicted_after(num_frames))
     return state.replace(
         committed_frames=_scatter_rows(state.committed_frames, rows, ok,
-                                       state.committed_frames[rows] + num_chunks),
+                                       state.committed_frames[rows] + num_frames),
     ), ok

@@ -27,7 +27,7 @@ from arkv_jax.config import CacheGeometry, WindowPolicy
 from arkv_jax.step import prepare_chunk
 from benchmarks import harness
 
-# The seed's test geometry (seed-semantics §5.4): a frame is one 16-token page; sink 1, window 5.
+# vLLM-Omni's test geometry (seed-semantics.md §5.4): a frame is one 16-token page; sink 1, window 5.
 # float32 pools: XLA:CPU upcasts every fp16/bf16 pool update to f32 across the whole pool, which
 # would measure that CPU artefact instead of the cache (accelerators update 16-bit pools in place).
 GEOMETRY = CacheGeometry(2, 4, 64, "float32", tokens_per_frame=16, frames_per_forward=1)
@@ -127,7 +127,7 @@ def main(argv=None) -> None:
         "us_per_chunk_by_video_length": per_length,
         "length_ratio_100k_vs_100": per_length["100000"] / per_length["100"],
         "facade_us_per_session_chunk": per_facade,
-        "seed_anchor_us": {"1_session_100_chunks": 52, "1_session_avg_4000_chunks": 459,
+        "vllm_omni_anchor_us": {"1_session_100_chunks": 52, "1_session_avg_4000_chunks": 459,
                            "256_sessions_per_session_chunk": 34},
     })
 

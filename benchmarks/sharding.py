@@ -198,8 +198,8 @@ def _rollout_cases(devices: int) -> dict:
     from arkv_jax import sharding as sh
     from arkv_jax.cache import PagedKVCache
     from arkv_jax.models import MODEL_CONFIGS, init_random
-    from arkv_jax.presets import get_preset
     from arkv_jax.planner import rollout_plan
+    from arkv_jax.presets import get_preset
     from arkv_jax.rollout import Rollout, Sampler
 
     preset, model = get_preset("tiny"), init_random(MODEL_CONFIGS["tiny"], seed=0)

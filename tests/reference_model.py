@@ -1,4 +1,4 @@
-"""A pure-Python model of the seed's block management, used only by tests.
+"""A pure-Python model of vLLM-Omni's block management, used only by tests.
 
 It follows vLLM-Omni S1 literally (vLLM's FIFO ``BlockPool`` with null block 0, per-request tables
 that keep null placeholders, the ChunkWindow skip rule with its backward walk that stops at the
@@ -71,9 +71,9 @@ class RefCache:
         row.table.extend(self.free.popleft() for _ in range(new))
         return True
 
-    def commit(self, rid: int, num_chunks: int) -> None:
+    def commit(self, rid: int, num_frames: int) -> None:
         row = self.rows[rid]
-        for _ in range(num_chunks):
+        for _ in range(num_frames):
             row.completed += 1
             self.remove_skipped(row)
 
@@ -99,7 +99,7 @@ class RefCache:
 
     def visible(self, rid: int, current_frames: int) -> tuple[list[int], int]:
         """History pages and valid tokens attended by a forward of ``current_frames`` frames: the
-        seed's ``video_block_table`` selection at frame granularity, history part only."""
+        vLLM-Omni's ``video_block_table`` selection at frame granularity, history part only."""
         row = self.rows[rid]
         frames = self.computed(row) // self.tpf
         history = [f for f in range(frames) if f * self.ppf < len(row.table) and row.table[f * self.ppf] != 0]

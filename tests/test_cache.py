@@ -64,10 +64,9 @@ def visible_history(cache, inputs, b):
 
 
 def expected_visible(frames, current):
-    sink, window = WINDOW.sink_frames, WINDOW.window_frames
-    if len(frames) + current <= sink + window:
-        return frames
-    return frames[:sink] + frames[len(frames) - max(0, window - current):] if window > current else frames[:sink]
+    """The recorded frames a chunk of ``current`` frames sees: the window rule on frame indices."""
+    sink, recent = (int(x) for x in WINDOW.visible_history(len(frames), current))
+    return frames[:sink] + frames[len(frames) - recent:]
 
 
 def test_chunks_write_pages_and_windows_show_exactly_the_right_history():
@@ -103,7 +102,7 @@ def test_a_failed_forward_commits_nothing_and_leaks_nothing():
     state_before = jax.tree.map(np.asarray, cache.state)
     with pytest.raises(ZeroDivisionError):
         with cache.chunk(["a"], 2) as step:
-            1 / 0
+            _ = 1 / 0
     assert cache.num_free_pages() == free
     jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, cache.state), state_before)
     with cache.chunk(["a"], 2) as step:  # the cache is usable and resumes at frame 2
@@ -162,7 +161,7 @@ def test_only_one_chunk_in_flight_and_bad_inputs_are_refused():
     with pytest.raises(ValueError, match="session_ids must be distinct"):
         with cache.chunk(["a", "a"], 1):
             pass
-    with pytest.raises(KeyError, match="Unknown AR-Diffusion KV branch 'x'"):
+    with pytest.raises(KeyError, match="Unknown KV branch 'x'"):
         cache.rows(["a"], ["x"])
     with pytest.raises(ValueError, match="session_id must be a non-empty string"):
         cache.open("")
@@ -248,7 +247,7 @@ def test_cross_attention_is_per_session_and_branch_and_transactional():
         cache.populate_cross_attention("s1", "text", "positive", text_layers(9.0) * 2)
     with pytest.raises(ValueError, match=r"expected k/v shape \(1, 5, 2, 8\)"):
         cache.populate_cross_attention("s1", "text", "positive", text_layers(9.0, tokens=7))
-    with pytest.raises(KeyError, match="Unknown AR-Diffusion cross-attention cache 'img'"):
+    with pytest.raises(KeyError, match="Unknown cross-attention cache 'img'"):
         cache.populate_cross_attention("s1", "img", "positive", text_layers(9.0))
     k, _ = cache.cross_attention_kv("text")
     assert float(k[rows[0], 0, 0, 0, 0]) == 1.0  # the published cache survived every failure
@@ -262,7 +261,7 @@ def test_reset_keeps_named_caches_and_clear_keeps_history():
     with cache.chunk(["s1"], 2) as step:
         step.commit(*chunk_kv(step, 0))
     cache.populate_cross_attention("s1", "text", "positive", text_layers(1.0))
-    with pytest.raises(KeyError, match=r"Unknown AR-Diffusion cross-attention caches to keep: \['img'\]"):
+    with pytest.raises(KeyError, match=r"Unknown cross-attention caches to keep: \['img'\]"):
         cache.reset("s1", keep_cross_attention=("img",))
     cache.reset("s1", keep_cross_attention=("text",))
     assert released == ["reset"]

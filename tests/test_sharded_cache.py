@@ -20,12 +20,12 @@ from jax.sharding import PartitionSpec as P
 
 from arkv_jax import sharding as sh
 from arkv_jax.cache import PagedKVCache
-from arkv_jax.config import CacheGeometry, CrossAttentionSpec, KVBranch, WindowPolicy
+from arkv_jax.config import CacheGeometry, CrossAttentionSpec, KVBranch, WindowPolicy, ceil_div
 from arkv_jax.models import MODEL_CONFIGS, init_random
 from arkv_jax.models.dit import tensor_parallel_specs
 from arkv_jax.nnx import PagedHistory
+from arkv_jax.planner import DevicePlan, plan_per_device, rollout_plan
 from arkv_jax.presets import get_preset
-from arkv_jax.planner import DevicePlan, rollout_plan
 from arkv_jax.rollout import Rollout, Sampler
 
 NUM_DEVICES = 8
@@ -138,7 +138,7 @@ def single_device_run():
 @pytest.mark.parametrize("shape", [(1, 8), (2, 4), (4, 2), (8, 1)], ids=lambda s: f"data{s[0]}_model{s[1]}")
 def test_sharded_cache_matches_one_device(shape, single_device_run):
     mesh = mesh_of(*shape)
-    cache = make_cache(mesh, sessions_per_shard=-(-4 // shape[0]))
+    cache = make_cache(mesh, sessions_per_shard=ceil_div(4, shape[0]))
     sharded_run = run_script(cache)
     for step, (expected, got) in enumerate(zip(single_device_run, sharded_run)):
         assert expected.keys() == got.keys()
@@ -196,7 +196,8 @@ def test_sharded_lifecycle_lru_reset_and_cross_attention():
     cache.reset("b", keep_cross_attention=("text",))
     assert released[-1] == ("b", "reset") and len(cache.pages_held(["b"])["b"]) == 0
     with cache.chunk(["b", "e"], 2) as step:
-        assert np.asarray(step.inputs.first_frame)[[i for i, s in enumerate(step.session_ids) if s == "b"]].tolist() == [0, 0]
+        b_rows = [i for i, s in enumerate(step.session_ids) if s == "b"]
+        assert np.asarray(step.inputs.first_frame)[b_rows].tolist() == [0, 0]
         text_k, _ = cache.cross_attention_rows(cache.cross_attention_kv("text"), step.inputs)
         b_row = step.session_ids.index("b")  # positive branch first
         np.testing.assert_array_equal(np.asarray(text_k)[:, b_row], text)  # kept across the reset
@@ -209,7 +210,7 @@ def test_sharded_lifecycle_lru_reset_and_cross_attention():
 def test_the_cache_steps_compile_without_collectives():
     """The facade's own jitted prepare and write + commit, on a (2, 4) mesh: no device talks to
     another (rows, pages and free lists are per data shard; heads are independent)."""
-    from arkv_jax import cache as cache_module
+    from arkv_jax.cache import programs
 
     mesh = mesh_of(2, 4)
     cache = make_cache(mesh, sessions_per_shard=2)
@@ -219,9 +220,9 @@ def test_the_cache_steps_compile_without_collectives():
         k, v = batch_kv(step, dict.fromkeys("abc", 0))
         local_rows = np.asarray(step.inputs.rows).reshape(cache.num_shards, -1)
         programs = {
-            "prepare": cache_module._prepare.lower(cache._state, local_rows, num_frames=2, mesh=cache._mesh),
-            "commit": cache_module._commit.lower(*cache.pools, step.pending, k, v, step.inputs, num_frames=2,
-                                                 backend="xla", mesh=cache._mesh),
+            "prepare": programs.prepare.lower(cache.state, local_rows, num_frames=2, mesh=cache.mesh),
+            "commit": programs.commit.lower(*cache.pools, step.pending, k, v, step.inputs, num_frames=2,
+                                            backend="xla", mesh=cache.mesh),
         }
         for name, lowered in programs.items():
             hlo = lowered.compile().as_text()
@@ -291,6 +292,35 @@ def test_sharded_cache_refusals_change_nothing():
                            session_capacity=5, backend="xla")
     assert planned.session_capacity == 6 and planned.slots_per_shard == 3  # 5 sessions over 2 shards
     assert planned.plan.geometry.num_kv_heads == 2  # one device's heads
+
+
+def test_a_cache_built_from_a_device_plan_allocates_what_the_plan_says():
+    """``DevicePlan.pages_per_shard`` pages per data shard and ``pool_bytes_per_device`` bytes of
+    pool per device: the managed pages, without the scratch reservation."""
+    data, model = 2, 4
+    plan = plan_per_device(GEOMETRY, WINDOW, CFG, data=data, model=model, available_bytes_per_device=1 << 20,
+                           memory_fraction=1.0, sessions_per_shard=3, cross_attention=TEXT)
+    assert plan.plan.scratch_num_blocks > 0 and plan.pages_per_shard == plan.plan.managed_num_blocks
+    cache = PagedKVCache(GEOMETRY, WINDOW, CFG, TEXT, plan=plan, mesh=mesh_of(data, model), backend="xla")
+    k_pool, v_pool = cache.pools
+    assert cache.pages_per_shard == plan.pages_per_shard
+    assert k_pool.shape[1] == data * plan.pages_per_shard
+    for device in cache.mesh.devices.flat:
+        pool_bytes = sum(shard.data.nbytes for pool in (k_pool, v_pool) for shard in pool.addressable_shards
+                         if shard.device == device)
+        assert pool_bytes == plan.pool_bytes_per_device
+    cross_bytes = sum(shard.data.nbytes for table in cache.cross_attention_kv("text")
+                      for shard in table.addressable_shards if shard.device == cache.mesh.devices.flat[0])
+    assert plan.bytes_per_device == plan.pool_bytes_per_device + cross_bytes
+    assert cache.session_capacity == plan.total_sessions and cache.rows_per_shard == plan.rows_per_shard
+
+
+def test_the_state_is_sharded_with_and_without_a_mesh():
+    for mesh, shards in ((mesh_of(4, 2), 4), (None, 1)):
+        cache = make_cache(mesh)
+        leaves = jax.tree.leaves(cache.state)
+        assert {leaf.shape[0] for leaf in leaves} == {shards}
+        assert sh.unstack_state(cache.state, 0).num_rows == cache.rows_per_shard
 
 
 # ------------------------------------------------------------------------------------------------

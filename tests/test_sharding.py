@@ -17,12 +17,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
+from arkv_jax import planner
 from arkv_jax import sharding as sh
 from arkv_jax import state as core
-from arkv_jax.config import CacheGeometry, CrossAttentionSpec, KVBranch, WindowPolicy
-from arkv_jax import planner
+from arkv_jax.config import CacheGeometry, CrossAttentionSpec, KVBranch, WindowPolicy, pages_per_frame
 from arkv_jax.planner import plan_memory
 from arkv_jax.sharded_kernels import sharded_window_attention, sharded_write_chunk
 from arkv_jax.step import prepare_chunk
@@ -35,7 +36,7 @@ MESH_SHAPES = [(1, 8), (2, 4), (4, 2), (8, 1)]
 # 8 KV heads and 16 query heads (GQA group 2): every (data, model) with data * model == 8 works.
 LAYERS, KV_HEADS, Q_HEADS, HEAD_DIM = 2, 8, 16, 16
 BLOCK, TPF = 4, 6  # a frame takes 2 pages, its last page half padding
-PPF = -(-TPF // BLOCK)
+PPF = pages_per_frame(TPF, BLOCK)
 PAGES_PER_SHARD = 12
 ROWS_PER_SHARD = 2
 
@@ -363,7 +364,7 @@ def test_per_shard_state_steps_equal_separate_runs():
         slot = slots(sharded, jnp.asarray(rows), 5)
         for s in range(data):
             w = plain_window(separate[s], rows[s], 1)
-            chex.assert_trees_all_equal(jax.device_get(jax.tree_util.tree_map(lambda x: x[s], win)),
+            chex.assert_trees_all_equal(jax.device_get(jax.tree_util.tree_map(lambda x, s=s: x[s], win)),
                                         jax.device_get(w))
             np.testing.assert_array_equal(np.asarray(slot[s]),
                                           np.asarray(plain_slots(separate[s], rows[s], 5)))
@@ -456,15 +457,17 @@ def test_plan_per_device_divides_heads_and_scales_sessions():
         p = plan.plan
         assert p.geometry.num_kv_heads == 8 // model
         assert [c.num_kv_heads for c in p.cross_attention] == [None, 8 // model]
-        # One device holds 1/model of a single device's bytes for the same pages and sessions.
+        # One device holds 1/model of a single device's bytes for the same pages and sessions; the
+        # pools hold the managed pages (the scratch reservation is never allocated).
         assert p.page_size_bytes * model == single.page_size_bytes
-        assert plan.pages_per_shard == single.num_blocks_total
-        assert plan.pool_bytes_per_device * model == single.pool_bytes
+        assert plan.pages_per_shard == single.managed_num_blocks == p.managed_num_blocks
+        assert plan.pool_bytes_per_device == p.managed_num_blocks * p.page_size_bytes
+        assert plan.pool_bytes_per_device * model == single.managed_num_blocks * single.page_size_bytes
         assert plan.sessions_per_data_shard == single.session_capacity
         assert plan.total_sessions == single.session_capacity * data
         assert plan.rows_per_shard == single.session_capacity * 2
-        assert plan.bytes_per_device == (p.pool_bytes + p.cross_attention_reserved_bytes)
-        assert plan.bytes_per_device * model == (single.pool_bytes
+        assert plan.bytes_per_device == (plan.pool_bytes_per_device + p.cross_attention_reserved_bytes)
+        assert plan.bytes_per_device * model == (single.managed_num_blocks * single.page_size_bytes
                                                  + single.cross_attention_reserved_bytes)
         assert plan.num_devices == data * model and plan.to_dict()["total_sessions"] > 0
 

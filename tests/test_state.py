@@ -1,13 +1,15 @@
-"""The jitted block-table state against the pure-Python reference model of the seed."""
+"""The jitted block-table state against the pure-Python reference model of vLLM-Omni."""
 
 import functools
+import subprocess
+import sys
 
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -33,10 +35,22 @@ allocate = jax.jit(core.allocate)
 commit = jax.jit(core.commit)
 end = jax.jit(core.end)
 visible = jax.jit(core.visible_window)
-resident = jax.jit(core.resident_blocks)
+resident = jax.jit(core.resident_pages)
 free_queue = jax.jit(core.free_queue)
 slots = jax.jit(core.slot_mapping, static_argnums=2)
 write_pages = jax.jit(core.write_pages, static_argnums=2)
+
+
+def config_layout(config):
+    """``(geometry, layout)`` of one :data:`CONFIGS` entry: room for every row's sink + window and
+    ``MAX_FRAMES_IN_FLIGHT`` frames in flight, plus the entry's spare pages."""
+    tokens, block, sink, window, reset, spare_blocks = config
+    geometry = CacheGeometry(1, 1, 1, "float32", tokens, block_size=block)
+    ppf = geometry.pages_per_frame
+    layout = core.StateLayout.from_config(
+        geometry, WindowPolicy(window, sink, reset), 2 + ppf * (sink + window + MAX_FRAMES_IN_FLIGHT) + spare_blocks,
+        table_width=(sink + window + MAX_FRAMES_IN_FLIGHT + 2) * ppf)
+    return geometry, layout
 
 
 def padded(rows):
@@ -53,15 +67,10 @@ class StateMachine(RuleBasedStateMachine):
 
     @initialize(config=st.sampled_from(CONFIGS))
     def setup(self, config):
-        tokens, block, sink, window, reset, spare_blocks = config
-        self.geometry = CacheGeometry(1, 1, 1, "float32", tokens, block_size=block)
-        ppf = self.geometry.pages_per_frame
-        num_blocks = 2 + ppf * (sink + window + MAX_FRAMES_IN_FLIGHT) + spare_blocks
-        self.layout = core.StateLayout.from_config(
-            self.geometry, WindowPolicy(window, sink, reset), num_blocks,
-            table_width=(sink + window + MAX_FRAMES_IN_FLIGHT + 2) * ppf)
+        tokens, block, sink, window, reset, _ = config
+        self.geometry, self.layout = config_layout(config)
         self.state = core.init_state(self.layout, NUM_ROWS)
-        self.ref = RefCache(num_blocks=num_blocks, tokens_per_frame=tokens, block_size=block,
+        self.ref = RefCache(num_blocks=self.layout.num_blocks, tokens_per_frame=tokens, block_size=block,
                             sink_frames=sink, window_frames=window, reset_at_boundary=reset)
 
     @rule(rows=st.lists(st.integers(0, NUM_ROWS - 1), min_size=1, max_size=NUM_ROWS, unique=True),
@@ -94,14 +103,14 @@ class StateMachine(RuleBasedStateMachine):
     def commit_rows(self, rows, data):
         self.check_commit(rows, [data.draw(st.integers(0, MAX_FRAMES_IN_FLIGHT)) for _ in rows])
 
-    def check_commit(self, rows, chunks):
+    def check_commit(self, rows, frames):
         expected_pages = {}
-        for row, m in zip(rows, chunks):
+        for row, m in zip(rows, frames):
             if row in self.ref.rows:
                 pages = np.asarray(write_pages(self.state, jnp.asarray([row]), MAX_FRAMES_IN_FLIGHT))[0]
                 expected_pages[row] = pages[: m * self.layout.pages_per_frame]
-        self.state, ok = commit(self.state, padded(rows), per_row(chunks))
-        for row, m, row_ok in zip(rows, chunks, np.asarray(ok)):
+        self.state, ok = commit(self.state, padded(rows), per_row(frames))
+        for row, m, row_ok in zip(rows, frames, np.asarray(ok)):
             if row not in self.ref.rows:
                 assert not row_ok
                 continue
@@ -148,7 +157,8 @@ class StateMachine(RuleBasedStateMachine):
                 window = visible(state, jnp.asarray([row]), current)
                 ref_pages, ref_length = ref.visible(row, current)
                 assert int(window.lengths[0]) == ref_length
-                assert np.asarray(window.pages[0]).tolist() == ref_pages + [0] * (window.pages.shape[1] - len(ref_pages))
+                padding = [0] * (window.pages.shape[1] - len(ref_pages))
+                assert np.asarray(window.pages[0]).tolist() == ref_pages + padding
 
     @precondition(lambda self: hasattr(self, "ref"))
     @invariant()
@@ -162,6 +172,34 @@ class StateMachine(RuleBasedStateMachine):
 
 TestStateMachine = StateMachine.TestCase
 TestStateMachine.settings = settings(max_examples=80, stateful_step_count=25, deadline=None)
+
+
+@settings(max_examples=60, deadline=None)
+@given(config=st.sampled_from(CONFIGS),
+       chunks=st.lists(st.integers(1, MAX_FRAMES_IN_FLIGHT), min_size=2, max_size=10))
+def test_visible_window_follows_the_window_policy_rule(config, chunks):
+    """Chunk after chunk of any sizes, ``visible_window`` shows exactly the frames that
+    ``WindowPolicy.visible_history`` names for the chunk's first frame: the sink, then the recent
+    frames, in time order, with their pages and lengths."""
+    geometry, layout = config_layout(config)
+    policy = WindowPolicy(layout.window_frames, layout.sink_frames, layout.reset_at_boundary)
+    ppf, tpf = layout.pages_per_frame, geometry.tokens_per_frame
+    state, _ = begin(core.init_state(layout, NUM_ROWS), padded([0]), 0)
+    first = 0
+    for frames in chunks:
+        window = visible(state, jnp.asarray([0]), frames)
+        sink, recent = (int(x) for x in policy.visible_history(first, frames))
+        expected = list(range(sink)) + list(range(first - recent, first))
+        ids = np.asarray(window.frame_ids[0]).tolist()
+        assert ids == expected + [-1] * (len(ids) - len(expected)), (first, frames)
+        assert int(window.lengths[0]) == len(expected) * tpf
+        pages = np.asarray(window.pages[0])
+        assert np.all(pages[:len(expected) * ppf] > 0) and not pages[len(expected) * ppf:].any()
+        state, ok = allocate(state, padded([0]), per_row([frames * tpf]))
+        assert bool(ok[0])
+        state, ok = commit(state, padded([0]), per_row([frames]))
+        assert bool(ok[0])
+        first += frames
 
 
 def tiny_layout(sink=1, window=2, tokens=4, block=4, blocks=32, reset=False):
@@ -241,7 +279,7 @@ def test_refused_calls_change_nothing():
 
 
 def test_long_prefill_is_evicted_at_the_first_commit_in_one_catch_up():
-    """A prefill longer than the window: the seed frees every out-of-window frame at the first
+    """A prefill longer than the window: vLLM-Omni frees every out-of-window frame at the first
     commit, highest index first."""
     layout = tiny_layout(sink=1, window=1, tokens=4, block=4, blocks=16)
     ref = RefCache(num_blocks=16, tokens_per_frame=4, block_size=4, sink_frames=1, window_frames=1)
@@ -281,6 +319,23 @@ def test_resize_keeps_rows_and_refuses_to_shrink():
     assert seed_block_table(grown, 1) == seed_block_table(state, 1)
     with pytest.raises(ValueError, match="cannot shrink"):
         core.resize(state, num_rows=1)
+
+
+def test_the_state_is_a_registered_dataclass_pytree():
+    layout = tiny_layout()
+    state = core.init_state(layout, 2)
+    leaves, treedef = jax.tree_util.tree_flatten(state)
+    assert len(leaves) == 9 and all(isinstance(leaf, jax.Array) for leaf in leaves)
+    rebuilt = jax.tree_util.tree_unflatten(treedef, leaves)
+    assert isinstance(rebuilt, core.BlockTableState) and rebuilt.layout == layout
+    assert state.replace(free_head=state.free_head + 1).free_head == 1 and state.free_head == 0
+
+
+def test_the_functional_core_loads_neither_flax_nor_the_cache():
+    code = ("import sys, arkv_jax.state, arkv_jax.step, pallas_kernels; "
+            "bad = [m for m in ('flax', 'arkv_jax.cache') if m in sys.modules]; assert not bad, bad")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
 
 
 def test_layout_validation():

@@ -1,13 +1,18 @@
 """vLLM-Omni's AR-Diffusion KV cache API, on arkv-jax's functional core.
 
-A migration path and a proof of equivalence: the classes and functions here have the seed's names,
-constructor keywords, attributes, return values, exception types and messages, but every block
-operation runs through :mod:`arkv_jax.state` (jitted, donated) and the arithmetic through
-:mod:`arkv_jax.planner`. Physical block ids and free-list order match the seed's.
+A migration path and a proof of equivalence: the classes and functions here have vLLM-Omni's names
+(a *block* here is a page of the core, a *chunk* a frame), constructor keywords, attributes, return
+values, exception types and messages, but every block operation runs through :mod:`arkv_jax.state`
+(jitted, donated) and the arithmetic through :mod:`arkv_jax.planner`. Physical block ids and
+free-list order match vLLM-Omni's.
+
+Checks come first, here, in vLLM-Omni's order and with its exact messages (the core types raise
+their own); the one check that needs the planner's arithmetic (one session must fit) is the
+planner's :class:`~arkv_jax.planner.InsufficientMemoryError`, re-raised in vLLM-Omni's words.
 
 What vLLM-Omni accepts, this accepts, with the same effect:
 
-* ``device=``: ``None`` (bookkeeping only, as in the seed), a JAX device, a platform string
+* ``device=``: ``None`` (bookkeeping only, as in vLLM-Omni), a JAX device, a platform string
   (``"cpu"``, ``"cuda"`` or ``"gpu"``, ``"tpu"``, optionally ``":index"``, e.g. ``"cuda:1"``) or a
   ``torch.device`` (read duck-typed from ``.type`` and ``.index``; torch is never imported). A
   string maps to ``jax.devices(platform)[index]``.
@@ -20,8 +25,8 @@ What vLLM-Omni accepts, this accepts, with the same effect:
   ``ValueError("Cannot get N free blocks from the pool")`` instead of the exhaustion error.
 
 Refused with a clear error, where vLLM-Omni fails obscurely or silently: layer indices out of
-range (``IndexError``; negative indices count from the end, like the seed's Python lists), bool or
-non-integer layer indices (``TypeError``; the seed's lists take ``True`` as layer 1), chunk K/V
+range (``IndexError``; negative indices count from the end, like vLLM-Omni's Python lists), bool or
+non-integer layer indices (``TypeError``; vLLM-Omni's lists take ``True`` as layer 1), chunk K/V
 with the wrong token count or heads/head size (``ValueError``; torch's indexed write would
 broadcast a single token over the whole chunk) or of a non-floating dtype (``TypeError``), and a
 chunk write or slot mapping whose blocks were not allocated (``IndexError``, as torch's indexing
@@ -32,7 +37,7 @@ Differences, all deliberate:
 * Block tables are compacted (vLLM-Omni S3), so ``max_model_len`` never clips a long session.
 * K/V arrays are JAX arrays; floating K/V are cast to the pool dtype (torch's indexed write
   would refuse a dtype mismatch). An unbatched ``(chunk_size, heads, head_size)`` chunk is written
-  as is (the seed takes its index 0, one token, and broadcasts it over the chunk).
+  as is (vLLM-Omni takes its index 0, one token, and broadcasts it over the chunk).
 * Pages are frame-aligned. When ``chunk_size`` is not a multiple of ``block_size``, vLLM-Omni
   (S2) lays a request's tokens out contiguously: ``chunk_slot_mapping`` maps token ``p`` to
   ``table[p // block_size] * block_size + p % block_size``, so a block may hold the end of one
@@ -43,7 +48,10 @@ Differences, all deliberate:
   ``chunk_write_slots`` and ``write_chunk_kv`` address. Block ids and table lengths therefore
   differ from vLLM-Omni's for such geometries; with ``chunk_size == block_size`` (vLLM-Omni S1,
   where a frame is a block) both layouts are the same and so are the block ids. The module helpers
-  :func:`compute_slot_mapping` and :func:`chunk_slot_mapping` keep the seed's contiguous formula.
+  :func:`compute_slot_mapping` and :func:`chunk_slot_mapping` keep vLLM-Omni's contiguous formula.
+
+The module is one file because it mirrors one vLLM-Omni module (the manager and its helpers)
+name for name.
 """
 
 from __future__ import annotations
@@ -59,22 +67,31 @@ import jax.numpy as jnp
 import numpy as np
 
 from arkv_jax import state as core
-from arkv_jax.cache import collect_cross_attention_layers
-from arkv_jax.config import CacheGeometry, CrossAttentionSpec, KVBranch, WindowPolicy, lookup
-from arkv_jax.planner import check_plan_inputs, compute_num_blocks, plan_memory
+from arkv_jax.cache.cross_attention import collect_cross_attention_layers
+from arkv_jax.config import CacheGeometry, CrossAttentionSpec, KVBranch, WindowPolicy, ceil_div, lookup
+from arkv_jax.planner import InsufficientMemoryError, compute_num_blocks, plan_memory, scratch_blocks_per_branch
 
 __all__ = [
     "ARDiffusionKVConfig", "ARDiffusionKVBranchSpec", "ARDiffusionRequestAdapter", "ARDiffusionKVCache",
     "compute_num_blocks", "compute_slot_mapping", "chunk_slot_mapping", "resident_block_ids", "resolve_device",
 ]
 
-#: The seed's branch spec: same fields, same validation messages.
-ARDiffusionKVBranchSpec = KVBranch
+
+@dataclasses.dataclass(frozen=True)
+class ARDiffusionKVBranchSpec(KVBranch):
+    """vLLM-Omni's branch spec: a :class:`~arkv_jax.config.KVBranch` checked with vLLM-Omni's messages."""
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError("AR-Diffusion KV branch names must be non-empty")
+        if not isinstance(self.local_index, (int, np.integer)) or self.local_index < 0:
+            raise ValueError(f"AR-Diffusion KV branch local_index must be non-negative, got {self.local_index}")
+        super().__post_init__()
 
 
 @dataclasses.dataclass
 class ARDiffusionKVConfig:
-    """The seed's (mutable) KV configuration."""
+    """vLLM-Omni's (mutable) KV configuration."""
 
     enable: bool = False
     chunk_size: int = 0
@@ -117,7 +134,7 @@ def resident_block_ids(block_ids: Sequence[int], null_block_id: int) -> list[int
 
 
 class ARDiffusionRequestAdapter:
-    """One row of the block-table state, with the seed's request-adapter view of it.
+    """One state row, with vLLM-Omni's request-adapter view of it.
 
     ``num_computed_tokens = prefill + completed_chunks * chunk_size``; ``num_tokens`` adds the
     in-flight chunk. The cache advances it once per committed chunk, never per denoise step.
@@ -168,8 +185,53 @@ _advance = jax.jit(core.advance, donate_argnums=0)
 _end = jax.jit(core.end, donate_argnums=0)
 
 
+def _check_cache_arguments(config: ARDiffusionKVConfig, *, num_layers: int, num_kv_heads: int, head_size: int,
+                           block_size: int, kv_branches: Sequence[KVBranch], session_capacity: int,
+                           cross_attention_lengths: dict[str, int], frames_per_block: int,
+                           max_scratch_tokens_per_branch: int, model_owned_state_bytes_per_session: int) -> None:
+    """vLLM-Omni's constructor checks before any planning, in its order, with its messages.
+
+    Raises:
+      ValueError: the first argument out of range.
+    """
+    if not config.enable:
+        raise ValueError("ARDiffusionKVCache built with a disabled ARDiffusionKVConfig")
+    if config.window_chunks is None:
+        raise ValueError("Phase 1 requires a bounded window (window_chunks)")
+    if config.chunk_size <= 0:
+        raise ValueError("ARDiffusionKVConfig.chunk_size must be set (> 0)")
+    if not kv_branches:
+        raise ValueError("ARDiffusionKVCache requires at least one KV branch")
+    if session_capacity <= 0:
+        raise ValueError(f"session_capacity must be positive, got {session_capacity}")
+    names = [b.name for b in kv_branches]
+    if len(names) != len(set(names)):
+        raise ValueError(f"ARDiffusionKVCache KV branch names must be unique, got {names}")
+    indices = sorted({b.local_index for b in kv_branches})
+    if indices != list(range(len(indices))):
+        raise ValueError(f"ARDiffusionKVCache KV branch local_index values must be contiguous from zero, got {indices}")
+    if frames_per_block <= 0:
+        raise ValueError(f"frames_per_block must be positive, got {frames_per_block}")
+    if max_scratch_tokens_per_branch < 0:
+        raise ValueError(f"max_scratch_tokens_per_branch must be non-negative, got {max_scratch_tokens_per_branch}")
+    if model_owned_state_bytes_per_session < 0:
+        raise ValueError("model_owned_state_bytes_per_session must be non-negative, "
+                         f"got {model_owned_state_bytes_per_session}")
+    invalid_cross = {name: n for name, n in cross_attention_lengths.items() if n <= 0}
+    if invalid_cross:
+        raise ValueError(f"cross_attention_lengths must be positive, got {invalid_cross}")
+    for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_size", head_size),
+                        ("block_size", block_size)):
+        if value <= 0:
+            raise ValueError(f"AR-Diffusion {name} must be positive, got {value}")
+    if config.window_chunks <= 0:
+        raise ValueError(f"ARDiffusionKVConfig.window_chunks must be positive, got {config.window_chunks}")
+    if config.sink_chunks < 0:
+        raise ValueError(f"ARDiffusionKVConfig.sink_chunks must be non-negative, got {config.sink_chunks}")
+
+
 class ARDiffusionKVCache:
-    """The seed's ``ARDiffusionKVCache``: plan, pools and per-request block operations.
+    """vLLM-Omni's ``ARDiffusionKVCache``: plan, pools and per-request block operations.
 
     Per request: ``begin_request`` -> per chunk (``allocate_chunk`` -> ``chunk_write_slots`` ->
     [model writes K/V] -> ``commit_chunk``) -> ``end_request``.
@@ -181,30 +243,31 @@ class ARDiffusionKVCache:
                  cross_attention_lengths: dict[str, int] | None = None, device=None,
                  frames_per_block: int = 1, max_scratch_tokens_per_branch: int = 0,
                  model_owned_state_bytes_per_session: int = 0) -> None:
-        if not config.enable:
-            raise ValueError("ARDiffusionKVCache built with a disabled ARDiffusionKVConfig")
-        if config.window_chunks is None:
-            raise ValueError("Phase 1 requires a bounded window (window_chunks)")
-        if config.chunk_size <= 0:
-            raise ValueError("ARDiffusionKVConfig.chunk_size must be set (> 0)")
-        if not kv_branches:
-            raise ValueError("ARDiffusionKVCache requires at least one KV branch")
-        self.kv_branches = check_plan_inputs(session_capacity, kv_branches, frames_per_block,
-                                             max_scratch_tokens_per_branch, model_owned_state_bytes_per_session)
         self.cross_attention_lengths = dict(cross_attention_lengths or {})
-        invalid_cross = {name: n for name, n in self.cross_attention_lengths.items() if n <= 0}
-        if invalid_cross:
-            raise ValueError(f"cross_attention_lengths must be positive, got {invalid_cross}")
-        self.config = config
+        _check_cache_arguments(
+            config, num_layers=num_layers, num_kv_heads=num_kv_heads, head_size=head_size, block_size=block_size,
+            kv_branches=kv_branches, session_capacity=session_capacity,
+            cross_attention_lengths=self.cross_attention_lengths, frames_per_block=frames_per_block,
+            max_scratch_tokens_per_branch=max_scratch_tokens_per_branch,
+            model_owned_state_bytes_per_session=model_owned_state_bytes_per_session)
+        self.kv_branches, self.config = tuple(kv_branches), config
         self.geometry = CacheGeometry(num_layers, num_kv_heads, head_size, dtype, config.chunk_size,
                                       block_size=block_size, frames_per_forward=frames_per_block)
         self.window = WindowPolicy(config.window_chunks, config.sink_chunks, config.reset_at_boundary)
-        self.plan = plan_memory(
-            self.geometry, self.window, self.kv_branches, available_bytes=available_bytes,
-            memory_fraction=config.gpu_memory_fraction, session_capacity=session_capacity,
-            cross_attention=tuple(CrossAttentionSpec(n, t) for n, t in self.cross_attention_lengths.items()),
-            max_scratch_tokens_per_branch=max_scratch_tokens_per_branch,
-            model_owned_state_bytes_per_session=model_owned_state_bytes_per_session)
+        scratch_blocks_per_branch(self.geometry, max_scratch_tokens_per_branch)  # checks the environment
+        compute_num_blocks(available_bytes, config.gpu_memory_fraction, self.geometry.page_bytes)
+        try:
+            self.plan = plan_memory(
+                self.geometry, self.window, self.kv_branches, available_bytes=available_bytes,
+                memory_fraction=config.gpu_memory_fraction, session_capacity=session_capacity,
+                cross_attention=tuple(CrossAttentionSpec(n, t) for n, t in self.cross_attention_lengths.items()),
+                max_scratch_tokens_per_branch=max_scratch_tokens_per_branch,
+                model_owned_state_bytes_per_session=model_owned_state_bytes_per_session)
+        except InsufficientMemoryError as exc:
+            raise ValueError(
+                "AR-Diffusion available device memory cannot fit one session: "
+                f"available={exc.available} bytes, required={exc.required} bytes "
+                "(managed self-attention + cross-attention + scratch + model-owned state).") from None
         for name in ("session_capacity", "requested_session_capacity", "memory_budget_bytes",
                      "configured_memory_budget_bytes", "managed_num_blocks", "num_blocks_total",
                      "scratch_blocks_per_kv_branch", "scratch_num_blocks", "num_local_kv_branches",
@@ -292,18 +355,18 @@ class ARDiffusionKVCache:
         adapter.on_chunk_committed()
 
     def block_table(self, adapter: ARDiffusionRequestAdapter) -> list[int]:
-        """The request's table in the seed's form: sink blocks, a null placeholder per evicted block,
-        then the live and in-flight blocks."""
+        """The request's table in vLLM-Omni's form: sink blocks, a null placeholder per evicted
+        block, then the live and in-flight blocks."""
         return seed_block_table(self._state, self._row(adapter))
 
     def chunk_write_slots(self, adapter: ARDiffusionRequestAdapter) -> jax.Array:
         """Slot mapping of the in-flight chunk (the K/V write target), ``(chunk_size,)`` int32.
 
         Pages are frame-aligned (see the module docstring): with ``chunk_size == block_size`` this
-        is the seed's ``chunk_slot_mapping``.
+        is vLLM-Omni's ``chunk_slot_mapping``.
 
         Raises:
-          IndexError: some of the chunk's tokens have no allocated block (as the seed's table
+          IndexError: some of the chunk's tokens have no allocated block (as vLLM-Omni's table
             lookup raises); call :meth:`allocate_chunk` first.
         """
         return jnp.asarray(self._chunk_slots(adapter), jnp.int32)
@@ -364,7 +427,7 @@ class ARDiffusionKVCache:
         """Writes one layer's K/V of the in-flight chunk into its slots, in place.
 
         ``new_k`` and ``new_v`` have shape ``(B, chunk_size, heads, head_size)`` (batch 0 is
-        written, as in the seed) or ``(chunk_size, heads, head_size)``, and a floating dtype (cast
+        written, as in vLLM-Omni) or ``(chunk_size, heads, head_size)``, and a floating dtype (cast
         to the pool's). Everything is checked before anything is written: a refused call changes
         nothing.
 
@@ -402,7 +465,8 @@ class ARDiffusionKVCache:
         if self.device is None:
             raise RuntimeError("AR-Diffusion cross-attention tensors require a configured pool device")
         k, v = collect_cross_attention_layers(cache_name, layer_kv, self.num_layers,
-                                              (length, self.num_kv_heads, self.head_size), allow_unbatched=False)
+                                              (length, self.num_kv_heads, self.head_size), allow_unbatched=False,
+                                              label="AR-Diffusion cross-attention cache")
         published = tuple(jax.device_put(x.astype(self.dtype), self.device) for x in (k, v))
         self._cross_sessions.setdefault(session_id, {}).setdefault(cache_name, {})[kv_branch] = published
 
@@ -456,7 +520,7 @@ class ARDiffusionKVCache:
 
     def _layer(self, index, name: str) -> int:
         """``index`` as a layer in ``[0, num_layers)``; negative indices count from the end, as the
-        seed's per-layer lists do."""
+        vLLM-Omni's per-layer lists do."""
         if isinstance(index, (bool, np.bool_)) or str(getattr(index, "dtype", "")) in ("bool", "torch.bool"):
             raise TypeError(f"{name} must be an int, got bool {index!r}")
         try:
@@ -502,7 +566,7 @@ class ARDiffusionKVCache:
         return pages * layout.block_size + offset % layout.block_size
 
     def _cross_length(self, cache_name: str) -> int:
-        return lookup(self.cross_attention_lengths, cache_name, "cross-attention cache")
+        return lookup(self.cross_attention_lengths, cache_name, "AR-Diffusion cross-attention cache")
 
     def _row(self, adapter: ARDiffusionRequestAdapter) -> int:
         if self._adapters.get(adapter.request_id) is not adapter:
@@ -510,14 +574,14 @@ class ARDiffusionKVCache:
         return adapter.row
 
     def _kv_branch_index(self, kv_branch: str) -> int:
-        return lookup(self._branch_index, kv_branch, "KV branch")
+        return lookup(self._branch_index, kv_branch, "AR-Diffusion KV branch")
 
     def _allocate(self, adapter: ARDiffusionRequestAdapter, num_tokens: int, what: str) -> list[int]:
         row = self._row(adapter)
         layout = self._state.layout
-        needed = (-(-(adapter.num_computed_tokens + num_tokens) // layout.tokens_per_frame) * layout.pages_per_frame
+        needed = (ceil_div(adapter.num_computed_tokens + num_tokens, layout.tokens_per_frame) * layout.pages_per_frame
                   - int(self._state.evicted_pages[row]))
-        if needed > layout.table_width:  # the seed's tables are unbounded: widen ours (host-side, rare)
+        if needed > layout.table_width:  # vLLM-Omni's tables are unbounded: widen ours (host-side, rare)
             self._state = core.resize(self._state, table_width=max(needed, 2 * layout.table_width))
         self._state, ok = _allocate(self._state, jnp.array([row]), num_tokens)
         if not bool(ok[0]):
@@ -544,7 +608,7 @@ def _pages_for_tokens(layout: core.StateLayout, tokens: int) -> int:
 
 def _skipped_frames(layout: core.StateLayout, frames: int) -> int:
     """Frames after the sink out of the window once ``frames`` whole frames are computed (the
-    seed's skip rule, host-side)."""
+    vLLM-Omni's skip rule, host-side)."""
     if layout.reset_at_boundary:
         return max(0, frames - layout.sink_frames)
     return max(0, frames - layout.window_frames - layout.sink_frames)
@@ -566,7 +630,7 @@ def _available_platforms() -> list[str]:
 
 
 def resolve_device(device) -> jax.Device | None:
-    """The JAX device for a seed-style ``device=`` argument.
+    """The JAX device for a vLLM-Omni-style ``device=`` argument.
 
     ``None`` stays ``None`` (bookkeeping only). A :class:`jax.Device` is used as is. A platform
     string ``"cpu"``, ``"cuda"`` (or ``"gpu"``) or ``"tpu"``, optionally with ``":index"`` (e.g.
@@ -607,8 +671,8 @@ def resolve_device(device) -> jax.Device | None:
 
 
 def seed_block_table(state: core.BlockTableState, row: int) -> list[int]:
-    """A row's table in vLLM-Omni S1 form: compacted-away blocks shown as null (0) entries after the
-    sink."""
+    """A state row's table in vLLM-Omni's S1 form: compacted-away blocks shown as null (0) entries
+    after the sink."""
     stored = np.asarray(state.tables[row, : int(state.num_pages[row])]).tolist()
     evicted = int(state.evicted_pages[row])
     sink = min(state.layout.sink_pages, len(stored))

@@ -1,0 +1,402 @@
+"""The cache facade: what a model author holds.
+
+:class:`PagedKVCache` composes a memory plan (:func:`arkv_jax.planner.resolve_plan`), the K/V pools
+and the sharded block-table state, a :class:`~arkv_jax.cache.sessions.SessionTable` (slots, LRU
+order, shard balance, row maps) and a :class:`~arkv_jax.cache.cross_attention.CrossAttentionStore`.
+Per chunk it hands a model the inputs of one forward for many sessions at once
+(:meth:`PagedKVCache.chunk`), and after the forward succeeded it writes the clean K/V into the
+chunk's pages and commits (:meth:`ChunkStep.commit`).
+
+Rows. Every (session, logical KV branch) is one row of the block-table state; the session in slot
+``slot`` holds the global rows ``slot * num_branches + branch_index`` (every index space:
+:mod:`arkv_jax.cache.sessions`). All branches of all sessions can run in one batched forward.
+
+Failure safety. Preparing a chunk allocates its pages in a *pending* copy of the block-table state;
+the committed state is replaced only when :meth:`ChunkStep.commit` runs. If the forward raises
+inside ``with cache.chunk(...)``, the pending state is dropped: no page leaks and the sessions
+continue from their last committed chunk. With ``fail_closed=True`` the sessions of the failed chunk
+are closed instead, as vLLM-Omni's runner does. One chunk is in flight at a time.
+
+Isolation. A row's visible window only ever names pages that row holds (the state guarantees it),
+padding and unused entries point at the null page, and the attention kernels mask by length with
+selection, so freed pages and other sessions' pages never reach an output, even NaN-filled ones.
+Cross-attention rows are zeroed when a session releases them.
+
+Devices. Without a mesh everything lives on one device, as a ``(1, 1)`` mesh. With ``mesh=`` (a
+``("data", "model")`` mesh from :func:`arkv_jax.sharding.make_mesh`) the sessions are split over
+``"data"``: each data shard has its own slice of the pools, its own block-table state and free list,
+and holds ``plan.session_capacity`` sessions (slots ``shard * slots_per_shard ..``); K/V heads are
+split over ``"model"``. A sharded cache hands out *full batches* (every slot, idle ones as padding
+rows), so a chunk's inputs have the same shape and sharding whichever sessions run, and the
+per-chunk bookkeeping and page write run on every shard at once without communication.
+
+Scratch pages. The plan keeps vLLM-Omni's scratch reservation in its budget, but denoise steps never
+write the pool, so the pools hold only the managed pages (as :class:`~arkv_jax.planner.DevicePlan`
+counts them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Callable, Iterable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from arkv_jax import sharding
+from arkv_jax import state as core
+from arkv_jax.cache import programs
+from arkv_jax.cache.cross_attention import CrossAttentionStore
+from arkv_jax.cache.sessions import SessionTable
+from arkv_jax.config import CacheGeometry, CrossAttentionSpec, KVBranch, WindowPolicy
+from arkv_jax.planner import DevicePlan, MemoryPlan, resolve_plan
+from arkv_jax.sharded_kernels import gather_rows
+from arkv_jax.step import ChunkInputs
+
+Array = jax.Array
+
+
+@dataclasses.dataclass(eq=False)
+class ChunkStep:
+    """One chunk in flight for a batch of rows; see :meth:`PagedKVCache.chunk`.
+
+    Attributes:
+      inputs: the forward's :class:`~arkv_jax.step.ChunkInputs`.
+      session_ids: the session of each batch row (each session repeated per branch), ``None`` for
+        padding rows.
+      num_frames: frames of the chunk.
+      pending: the sharded state with the chunk's pages allocated.
+      on_commit: the cache's commit of this step, ``on_commit(step, k_new, v_new)``.
+      committed: whether :meth:`commit` ran.
+    """
+
+    inputs: ChunkInputs
+    session_ids: tuple[str | None, ...]
+    num_frames: int
+    pending: core.BlockTableState
+    on_commit: Callable[["ChunkStep", Array, Array], None] = dataclasses.field(repr=False)
+    committed: bool = False
+
+    def commit(self, k_new: Array, v_new: Array) -> None:
+        """Writes the chunk's clean K/V and commits it (advance + evict). Call after the forward
+        succeeded.
+
+        Args:
+          k_new, v_new: ``[layers, B, num_frames * tokens_per_frame, kv_heads, head_dim]`` in the
+            pool dtype, one row per batch row (padding rows are not written).
+
+        Raises:
+          RuntimeError: the step is not in flight (committed already, or its ``with`` block has exited).
+          ValueError: wrong shapes.
+        """
+        self.on_commit(self, k_new, v_new)
+
+
+class PagedKVCache:
+    """Paged K/V for many concurrent video sessions, on one device or a mesh.
+
+    Args:
+      geometry, window: cache shape and window policy (``geometry.num_kv_heads``: all heads).
+      kv_branches: logical KV branches (e.g. CFG ``positive``/``negative``); each session has one row
+        per branch.
+      cross_attention: named dense cross-attention caches per session and branch.
+      plan, available_bytes, memory_fraction, session_capacity: the memory plan of *one device*, or
+        what to plan it from: see :func:`arkv_jax.planner.resolve_plan` (``available_bytes``
+        defaults to the first device's free memory; ``session_capacity`` counts all shards).
+      device: where everything lives without a mesh (default: the first local device).
+      mesh: a ``("data", "model")`` mesh to shard over (see the module docstring); exclusive with
+        ``device``. A mesh with Explicit axes is used through its Auto view
+        (:func:`arkv_jax.sharding.auto_axes`, same devices), which :attr:`mesh` holds.
+      backend: kernel backend for the commit write (see :mod:`pallas_kernels.backend`).
+      fail_closed: close the sessions of a chunk whose forward raised, instead of keeping them at
+        their last committed chunk.
+      on_release: called as ``on_release(session_id, reason)`` when a session is closed, reset or
+        evicted (reason ``"close"``, ``"reset"``, ``"lru_eviction"``, ``"forward_exception"``), so
+        a model can drop per-session state of its own.
+
+    Raises:
+      ValueError: a plan for other settings or another mesh, ``device`` and ``mesh`` together, K/V
+        heads not divisible by the mesh's ``"model"`` size, or what the planner rejects.
+    """
+
+    def __init__(self, geometry: CacheGeometry, window: WindowPolicy,
+                 kv_branches: Sequence[KVBranch] = (KVBranch("main"),),
+                 cross_attention: Sequence[CrossAttentionSpec] = (), *,
+                 plan: MemoryPlan | DevicePlan | None = None, available_bytes: int | None = None,
+                 memory_fraction: float = 0.1, session_capacity: int = 1, device=None, mesh: Mesh | None = None,
+                 backend: str = "auto", fail_closed: bool = False,
+                 on_release: Callable[[str, str], None] | None = None) -> None:
+        if device is not None and mesh is not None:
+            raise ValueError("pass device (one device) or mesh (sharded), not both")
+        data, model = (1, 1) if mesh is None else sharding.check_mesh(mesh)
+        mesh = None if mesh is None else sharding.auto_axes(mesh)
+        plan = resolve_plan(geometry, window, kv_branches, cross_attention, data=data, model=model, plan=plan,
+                            available_bytes=available_bytes, memory_fraction=memory_fraction,
+                            session_capacity=session_capacity,
+                            device=mesh.devices.flat[0] if mesh is not None else device)
+        self.plan, self.geometry, self.window, self.mesh = plan, geometry, window, mesh
+        self.kv_branches = plan.kv_branches
+        self.backend, self.fail_closed, self.on_release = backend, fail_closed, on_release
+        self._mesh = mesh or sharding.make_mesh(1, 1, [device or jax.local_devices()[0]])
+        self._sessions = SessionTable(data, plan.session_capacity, [b.name for b in self.kv_branches])
+        layout = core.StateLayout.from_config(geometry, window, plan.managed_num_blocks)
+        self._state = sharding.init_sharded_state(layout, self.rows_per_shard, self._mesh)
+        self._k_pool, self._v_pool = sharding.make_pools(geometry, plan.managed_num_blocks, self._mesh)
+        self._cross = CrossAttentionStore(
+            cross_attention, geometry, self.num_rows,
+            NamedSharding(self._mesh, sharding.cross_attention_spec(5, row_axis=0, head_axis=3)))
+        self._in_flight: ChunkStep | None = None
+
+    # -- sizes and views -------------------------------------------------------------------------------
+    @property
+    def cross_attention(self) -> dict[str, CrossAttentionSpec]:
+        """The cross-attention specs by name."""
+        return self._cross.specs
+
+    @property
+    def num_shards(self) -> int:
+        """Data shards (1 without a mesh)."""
+        return self._sessions.num_shards
+
+    @property
+    def slots_per_shard(self) -> int:
+        """Resident sessions one data shard holds (the plan's capacity)."""
+        return self._sessions.slots_per_shard
+
+    @property
+    def session_capacity(self) -> int:
+        """Resident sessions the cache admits, all shards (LRU eviction beyond)."""
+        return self._sessions.capacity
+
+    @property
+    def rows_per_shard(self) -> int:
+        """Block-table rows of one data shard: its slots x logical branches."""
+        return self._sessions.rows_per_shard
+
+    @property
+    def num_rows(self) -> int:
+        """Rows of all shards: capacity x logical branches. Row ``r`` is row ``r % rows_per_shard``
+        of shard ``r // rows_per_shard``."""
+        return self._sessions.num_rows
+
+    @property
+    def pages_per_shard(self) -> int:
+        """Pool pages of one data shard, its null page included; pool page ``p`` is page
+        ``p % pages_per_shard`` of shard ``p // pages_per_shard``."""
+        return self.plan.managed_num_blocks
+
+    @property
+    def state(self) -> core.BlockTableState:
+        """The committed block-table state, always a *sharded* state, with or without a mesh: every
+        leaf has a leading ``[num_shards]`` axis (1 without a mesh), and
+        :func:`arkv_jax.sharding.unstack_state` gives one shard's ordinary state."""
+        return self._state
+
+    @property
+    def pools(self) -> tuple[Array, Array]:
+        """``(k_pool, v_pool)``, each ``[layers, shards x pages_per_shard, block_size, kv_heads,
+        head_dim]`` (sharded with :func:`arkv_jax.sharding.pool_spec` on a mesh)."""
+        return self._k_pool, self._v_pool
+
+    @property
+    def sessions(self) -> tuple[str, ...]:
+        """Resident sessions, least recently used first."""
+        return self._sessions.sessions
+
+    def num_free_pages(self) -> int:
+        """Free managed pages, all shards (host sync)."""
+        return int(jnp.sum(self._state.free_count))
+
+    def slot(self, session_id: str) -> int:
+        """The slot of a resident session (``KeyError`` if unknown): its rows are ``slot *
+        len(kv_branches) + branch``, its data shard ``slot // slots_per_shard``."""
+        return self._sessions.slot(session_id)
+
+    def rows(self, session_ids: Sequence[str], branches: Sequence[str] | None = None) -> np.ndarray:
+        """Global rows of ``session_ids`` x ``branches`` (all branches by default), session-major
+        (``KeyError`` for an unknown session or branch)."""
+        return self._sessions.rows(session_ids, branches)
+
+    def pages_held(self, session_ids: Sequence[str]) -> dict[str, np.ndarray]:
+        """Pool pages each session holds (all its branches), sorted (host sync; ``KeyError`` for an
+        unknown session)."""
+        if not session_ids:
+            return {}
+        rows = self.rows(session_ids)
+        pages, counts = (np.asarray(a) for a in programs.resident_pages(
+            self._state, self._sessions.every_local_row(), mesh=self._mesh))
+        held = [SessionTable.pool_pages(s, pages[s, r, :counts[s, r]], self.pages_per_shard)
+                for s, r in zip(*self._sessions.split_rows(rows))]
+        per_session = len(rows) // len(session_ids)
+        return {sid: np.sort(np.concatenate(held[i * per_session:(i + 1) * per_session]))
+                for i, sid in enumerate(session_ids)}
+
+    # -- session lifecycle ---------------------------------------------------------------------------
+    def open(self, session_id: str) -> None:
+        """Opens ``session_id`` or marks it most recently used. At capacity, the least recently used
+        sessions are closed first (``on_release(..., "lru_eviction")``). A new session takes a free
+        slot of the data shard holding the fewest sessions."""
+        if not isinstance(session_id, str) or not session_id:
+            raise ValueError(f"session_id must be a non-empty string, got {session_id!r}")
+        if session_id in self._sessions:
+            self._sessions.touch([session_id])
+            return
+        self._require_idle("open a session")
+        while self._sessions.is_full:
+            self._release(self._sessions.least_recent, "lru_eviction")
+        slot = self._sessions.admit(session_id)
+        self._state, _ = programs.begin(self._state, self._sessions.slot_local_rows(slot), mesh=self._mesh)
+
+    def close(self, session_id: str) -> None:
+        """Closes a session (``KeyError`` if unknown): all its pages and cross-attention caches are
+        released."""
+        self.slot(session_id)
+        self._require_idle("close a session")
+        self._release(session_id, "close")
+
+    def reset(self, session_id: str, *, keep_cross_attention: Iterable[str] = ()) -> None:
+        """Restarts a session from frame 0: its pages are released, the named cross-attention
+        caches kept (e.g. the text K/V across a window reset), the others cleared.
+
+        Raises:
+          KeyError: unknown session, or unknown cache names in ``keep_cross_attention``.
+        """
+        keep = set(keep_cross_attention)
+        unknown = sorted(keep - set(self.cross_attention))
+        if unknown:
+            raise KeyError(f"Unknown cross-attention caches to keep: {unknown}")
+        slot = self.slot(session_id)
+        self._require_idle("reset a session")
+        rows = self._sessions.slot_local_rows(slot)
+        self._state, _ = programs.end(self._state, rows, mesh=self._mesh)
+        self._state, _ = programs.begin(self._state, rows, mesh=self._mesh)
+        self._cross.release(self._sessions.slot_rows(slot), set(self.cross_attention) - keep)
+        if self.on_release is not None:
+            self.on_release(session_id, "reset")
+
+    # -- cross-attention caches ----------------------------------------------------------------------
+    def populate_cross_attention(self, session_id: str, name: str, branch: str,
+                                 layer_kv: Iterable[tuple[Array, Array]]) -> None:
+        """Publishes one session's cross-attention K/V for ``name`` and ``branch``, atomically.
+
+        ``layer_kv`` yields one ``(k, v)`` per layer, each ``[tokens, heads, head_dim]`` (a leading
+        batch axis of 1 is accepted). Nothing is published unless every layer arrived and
+        validated; a failure leaves the previous cache visible.
+
+        Raises:
+          KeyError: unknown session, cache or branch. ValueError: wrong layer count or shape.
+        """
+        row = int(self.rows([session_id], [branch])[0])
+        self._cross.populate(name, row, layer_kv)
+
+    def is_cross_attention_populated(self, session_id: str, name: str, branch: str) -> bool:
+        """Whether ``populate_cross_attention`` published this cache."""
+        self._cross.spec(name)
+        return self._cross.is_populated(name, int(self.rows([session_id], [branch])[0]))
+
+    def cross_attention_kv(self, name: str) -> tuple[Array, Array]:
+        """The stacked cache ``name``: ``(k, v)``, each ``[rows, layers, tokens, heads, head_dim]``
+        in global row order (rows on ``"data"``, heads on ``"model"`` with a mesh); a batch's
+        rows are :meth:`cross_attention_rows`. Rows never populated (or released) are zero."""
+        return self._cross.kv(name)
+
+    def cross_attention_rows(self, cross_kv: tuple[Array, Array], inputs: ChunkInputs
+                             ) -> tuple[Array, Array]:
+        """The batch's rows of a cross-attention cache (traceable, e.g. inside a jitted forward):
+        ``cross_kv`` from :meth:`cross_attention_kv`, ``inputs`` from ``step.inputs``. Returns
+        ``(k, v)``, each ``[layers, B, tokens, heads, head_dim]``; padding rows are zero. With a
+        mesh each data shard reads its own rows (no communication)."""
+        return tuple(gather_rows(self._mesh, table, inputs.rows).swapaxes(0, 1)
+                     for table in cross_kv)
+
+    def clear_cross_attention(self, session_id: str) -> None:
+        """Clears every cross-attention cache of a session (a prompt switch); self-attention
+        history is kept."""
+        self._cross.release(self._sessions.slot_rows(self.slot(session_id)))
+
+    # -- the per-chunk protocol ----------------------------------------------------------------------
+    @contextlib.contextmanager
+    def chunk(self, session_ids: Sequence[str], num_frames: int, branches: Sequence[str] | None = None,
+              *, full_batch: bool | None = None):
+        """Prepares one chunk of ``num_frames`` frames for ``session_ids`` x ``branches``.
+
+        Yields a :class:`ChunkStep`: run the denoise steps and the commit forward on
+        ``step.inputs``, then call ``step.commit(k_new, v_new)``. If the ``with`` block raises, nothing is
+        committed (or, with ``fail_closed``, the sessions are closed) and the exception propagates.
+
+        Batch layout: by default the batch holds the rows of ``session_ids`` x ``branches`` in that
+        order (session-major); each new batch size compiles the bookkeeping once. With
+        ``full_batch=True`` (always on with a mesh) it holds every slot: batch row
+        ``slot * len(branches) + i`` is branch ``branches[i]`` of the session in that slot
+        (:meth:`slot`), and slots not in ``session_ids`` are padding rows (see
+        :class:`~arkv_jax.step.ChunkInputs`), so its shape never changes.
+
+        Raises:
+          KeyError: unknown session or branch. ValueError: bad ``num_frames``, repeated sessions or
+            ``full_batch=False`` with a mesh.
+          RuntimeError: another chunk is in flight, or the pool cannot hold the chunk (nothing
+            changes).
+        """
+        if not isinstance(num_frames, int) or not 1 <= num_frames <= self.window.window_frames:
+            raise ValueError(f"num_frames must be an int in [1, {self.window.window_frames}] "
+                             f"(window_frames), got {num_frames!r}")
+        if len(set(session_ids)) != len(session_ids):
+            raise ValueError(f"session_ids must be distinct, got {list(session_ids)}")
+        if full_batch is None:
+            full_batch = self.mesh is not None
+        elif not full_batch and self.mesh is not None:
+            raise ValueError("a sharded cache hands out full batches only (full_batch=True): each data "
+                             "shard must see the same rows every chunk")
+        names = self._sessions.branches if branches is None else tuple(branches)
+        local, owners = self._sessions.batch(session_ids, names, full_batch=full_batch)
+        self._require_idle("start a chunk")
+        self._sessions.touch(session_ids)
+        pending, inputs, ok = programs.prepare(self._state, jnp.asarray(local), num_frames=num_frames,
+                                               mesh=self._mesh)
+        if not bool(jnp.all(ok)):
+            raise RuntimeError(
+                f"KV pool exhausted while allocating a chunk of {num_frames} frames for "
+                f"{len(session_ids) * len(names)} rows ({self.num_free_pages()} pages free)")
+        step = ChunkStep(inputs, owners, num_frames, pending, on_commit=self._commit)
+        self._in_flight = step
+        try:
+            yield step
+        except BaseException:
+            if self.fail_closed:
+                for sid in dict.fromkeys(session_ids):
+                    if sid in self._sessions:
+                        self._release(sid, "forward_exception")
+            raise
+        finally:
+            self._in_flight = None
+
+    # -- helpers -------------------------------------------------------------------------------------
+    def _commit(self, step: ChunkStep, k_new: Array, v_new: Array) -> None:
+        """:meth:`ChunkStep.commit`: checks the step and the shapes, then writes and commits."""
+        if self._in_flight is not step or step.committed:
+            raise RuntimeError("this chunk is not in flight (already committed, or its with-block has exited)")
+        g = self.geometry
+        expected = (g.num_layers, len(step.session_ids), step.num_frames * g.tokens_per_frame, g.num_kv_heads,
+                    g.head_dim)
+        for label, array in (("k_new", k_new), ("v_new", v_new)):
+            if tuple(array.shape) != expected:
+                raise ValueError(f"{label} must have shape {expected} (layers, rows, frames x tokens, "
+                                 f"kv_heads, head_dim), got {tuple(array.shape)}")
+        self._k_pool, self._v_pool, self._state, _ = programs.commit(
+            self._k_pool, self._v_pool, step.pending, k_new.astype(g.dtype), v_new.astype(g.dtype), step.inputs,
+            num_frames=step.num_frames, backend=self.backend, mesh=self._mesh)
+        step.committed = True
+
+    def _require_idle(self, what: str) -> None:
+        if self._in_flight is not None:
+            raise RuntimeError(f"cannot {what} while a chunk is in flight; commit it or leave its with-block first")
+
+    def _release(self, session_id: str, reason: str) -> None:
+        slot = self._sessions.remove(session_id)
+        self._state, _ = programs.end(self._state, self._sessions.slot_local_rows(slot), mesh=self._mesh)
+        self._cross.release(self._sessions.slot_rows(slot))
+        if self.on_release is not None:
+            self.on_release(session_id, reason)

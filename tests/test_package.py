@@ -1,0 +1,44 @@
+"""The ``arkv_jax`` package: lazy exports, what importing the core loads, the glossary."""
+
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+import arkv_jax
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def run_python(code: str) -> None:
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_the_facade_and_the_rollout_are_exported_lazily():
+    run_python("import sys, arkv_jax; assert {'PagedKVCache', 'Rollout', 'Sampler'} <= set(arkv_jax.__all__) "
+               "<= set(dir(arkv_jax)); assert 'arkv_jax.cache' not in sys.modules and 'flax' not in sys.modules")
+    from arkv_jax.cache import PagedKVCache
+    from arkv_jax.rollout import Rollout, Sampler
+
+    assert (arkv_jax.PagedKVCache, arkv_jax.Rollout, arkv_jax.Sampler) == (PagedKVCache, Rollout, Sampler)
+    with pytest.raises(AttributeError, match="no_such_name"):
+        _ = arkv_jax.no_such_name
+
+
+def test_compat_loads_the_cross_attention_store_not_the_facade():
+    run_python("import sys, arkv_jax.compat.vllm_omni; "
+               "bad = [m for m in ('arkv_jax.cache.facade', 'arkv_jax.sharding', 'flax') if m in sys.modules]; "
+               "assert not bad, bad")
+
+
+def _words(text: str) -> list[str]:
+    return re.sub(r"[`*]|^- |: ", " ", text, flags=re.M).split()
+
+
+def test_the_glossary_file_is_the_package_docstring_glossary():
+    docstring = arkv_jax.__doc__.split("Glossary (also ``docs/glossary.md``):", 1)[1]
+    glossary = (ROOT / "docs" / "glossary.md").read_text().split("\n\n", 2)[2]
+    assert _words(glossary) == _words(docstring)
