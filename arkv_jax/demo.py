@@ -38,7 +38,8 @@ from arkv_jax.cache import PagedKVCache
 from arkv_jax.models.dit import MODEL_CONFIGS, init_random
 from arkv_jax.presets import get_preset
 from arkv_jax.planner import rollout_plan
-from arkv_jax.rollout import ChunkResult, FullRecompute, Rollout, Sampler
+from arkv_jax.reference import FullRecompute
+from arkv_jax.rollout import ChunkResult, Rollout, Sampler
 from arkv_jax.sharding import check_mesh, make_mesh
 
 PROMPTS = (

@@ -16,7 +16,7 @@ CFG: both branches batched) and window, for S sessions in lock-step, and are tim
     the window (sink kept, oldest frames dropped: a copy of the buffer, donated). Same model, same
     history semantics: its latents equal the paged ones (checked).
 ``recompute@n``
-    :class:`arkv_jax.rollout.FullRecompute` at a video of ``n`` chunks: every forward runs the
+    :class:`arkv_jax.reference.FullRecompute` at a video of ``n`` chunks: every forward runs the
     model over all ``n + 1`` chunks' frames (history clean at t = 0) under the window mask. No
     cache at all; its cost grows with the video.
 
@@ -50,7 +50,8 @@ from arkv_jax.config import CacheGeometry, CrossAttentionSpec, KVBranch, WindowP
 from arkv_jax.models.dit import MODEL_CONFIGS, DiTConfig, init_random
 from arkv_jax.nnx import masked_attention
 from arkv_jax.planner import rollout_plan
-from arkv_jax.rollout import FullRecompute, Rollout, Sampler, chunk_noise, combine_branches, denoise
+from arkv_jax.reference import FullRecompute
+from arkv_jax.rollout import Rollout, Sampler, chunk_noise, combine_branches, denoise
 from arkv_jax.step import ChunkInputs
 from benchmarks import harness
 
@@ -203,8 +204,9 @@ def paged_peak_bytes(rollout: Rollout) -> int:
     inputs = ChunkInputs(i32(rows), i32(rows, visible * ppf), i32(rows), i32(rows, visible), i32(rows),
                          i32(rows, frames * ppf))
     noise = jax.ShapeDtypeStruct((cache.session_capacity, frames, *rollout.model.config.frame_shape), jnp.float32)
-    return peak_bytes(rollout.chunk_fn.lower(rollout.params, cache.pools, inputs,
-                                             cache.cross_attention_kv(rollout.text_cache), noise))
+    text = cache.cross_attention_kv(rollout.text_cache)[0]
+    text = jax.ShapeDtypeStruct((text.shape[1], rows, *text.shape[2:]), text.dtype)
+    return peak_bytes(rollout.chunk_fn.lower(rollout.params, cache.pools, inputs, (text, text), noise))
 
 
 def run(shape: Shape, sessions: int, lengths: tuple[int, ...], reps: int, recompute_reps: int) -> dict:
