@@ -56,6 +56,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from arkv_jax.cache import PagedKVCache
 from arkv_jax.models.dit import CausalDiT, prompt_embedding, tensor_parallel_specs
 from arkv_jax.nnx import PagedHistory
+from arkv_jax.sharded_kernels import gather_rows
 from arkv_jax.sharding import DATA, MODEL
 from arkv_jax.step import ChunkInputs
 
@@ -158,6 +159,16 @@ class ChunkConfig:
     mesh: Mesh | None = None
 
 
+def batch_rows(table: Array, rows: Array, mesh: Mesh | None) -> Array:
+    """``table[rows]`` ``[B, ...]`` of a per-row table ``[rows, ...]``, zero where ``rows`` is
+    negative (padding); with a mesh, each data shard reads its own rows
+    (:func:`arkv_jax.sharded_kernels.gather_rows`, no communication)."""
+    if mesh is not None:
+        return gather_rows(mesh, table, rows)
+    valid = (rows >= 0).reshape((-1,) + (1,) * (table.ndim - 1))
+    return jnp.where(valid, jnp.take(table, jnp.maximum(rows, 0), axis=0), jnp.zeros((), table.dtype))
+
+
 def generate_chunk(params: nnx.State, pools: tuple[Array, Array], inputs: ChunkInputs,
                    text_kv: tuple[Array, Array], noise: Array, *, config: ChunkConfig
                    ) -> tuple[Array, Array, Array]:
@@ -173,8 +184,9 @@ def generate_chunk(params: nnx.State, pools: tuple[Array, Array], inputs: ChunkI
       pools: ``(k_pool, v_pool)``, each ``[L, pages, block_size, Hkv, D]``, from ``cache.pools``;
         only read.
       inputs: the batch's :class:`ChunkInputs` (``step.inputs``).
-      text_kv: ``(k, v)``, each ``[L, B, T, Hkv, D]``: the rows' text K/V
-        (``cache.cross_attention_rows(...)``; zero for padding rows).
+      text_kv: ``(k, v)``, each ``[rows, L, T, Hkv, D]``: the cache's text K/V of every block-table
+        row (``cache.cross_attention_kv(name)``); the batch reads rows ``inputs.rows`` (local to
+        each data shard with a mesh; padding rows read zeros).
       noise: float ``[S, F, H, W, C]`` starting noise of each session's chunk.
 
     Returns:
@@ -186,7 +198,7 @@ def generate_chunk(params: nnx.State, pools: tuple[Array, Array], inputs: ChunkI
     sampler, frames = config.sampler, config.chunk_frames
     nb, rows = sampler.num_branches, inputs.rows.shape[0]
     history = PagedHistory.from_inputs(pools, inputs, config.tokens_per_frame, config.backend, mesh=config.mesh)
-    text_k, text_v = text_kv
+    text_k, text_v = (batch_rows(table, inputs.rows, config.mesh).swapaxes(0, 1) for table in text_kv)
 
     def velocity(x, sigma):
         t = jnp.full((rows, frames), sigma * 1000.0)
@@ -348,8 +360,8 @@ class Rollout:
         for sid, slot, count in zip(ids, slots, counts):
             noise[slot] = chunk_noise(self._sessions[sid].seed, int(count), shape)
         with self.cache.chunk(ids, self.chunk_frames, self.branches, full_batch=True) as step:
-            text_kv = self.cache.cross_attention_rows(self.cache.cross_attention_kv(self.text_cache), step.inputs)
-            x, k_new, v_new = self.chunk_fn(self.params, self.cache.pools, step.inputs, text_kv,
+            x, k_new, v_new = self.chunk_fn(self.params, self.cache.pools, step.inputs,
+                                            self.cache.cross_attention_kv(self.text_cache),
                                             jax.device_put(noise, self._noise_sharding))
             step.commit(k_new, v_new)
         latents = np.asarray(x)[slots]

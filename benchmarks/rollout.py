@@ -204,9 +204,8 @@ def paged_peak_bytes(rollout: Rollout) -> int:
     inputs = ChunkInputs(i32(rows), i32(rows, visible * ppf), i32(rows), i32(rows, visible), i32(rows),
                          i32(rows, frames * ppf))
     noise = jax.ShapeDtypeStruct((cache.session_capacity, frames, *rollout.model.config.frame_shape), jnp.float32)
-    text = cache.cross_attention_kv(rollout.text_cache)[0]
-    text = jax.ShapeDtypeStruct((text.shape[1], rows, *text.shape[2:]), text.dtype)
-    return peak_bytes(rollout.chunk_fn.lower(rollout.params, cache.pools, inputs, (text, text), noise))
+    return peak_bytes(rollout.chunk_fn.lower(rollout.params, cache.pools, inputs,
+                                             cache.cross_attention_kv(rollout.text_cache), noise))
 
 
 def run(shape: Shape, sessions: int, lengths: tuple[int, ...], reps: int, recompute_reps: int) -> dict:

@@ -148,8 +148,8 @@ def test_the_pure_chunk_function_driven_by_hand_gives_the_rollouts_latents(run, 
         for sid in ids:
             noise[cache.slot(sid)] = chunk_noise(SEEDS[sid], len(chunks[sid]), shape)
         with cache.chunk(ids, chunk, branches, full_batch=True) as step:
-            text_kv = cache.cross_attention_rows(cache.cross_attention_kv("text"), step.inputs)
-            x, k_new, v_new = chunk_fn(params, cache.pools, step.inputs, text_kv, noise, config=config)
+            x, k_new, v_new = chunk_fn(params, cache.pools, step.inputs, cache.cross_attention_kv("text"), noise,
+                                       config=config)
             step.commit(k_new, v_new)
         for sid in ids:
             chunks[sid].append(np.asarray(x)[cache.slot(sid)])
@@ -237,7 +237,8 @@ def test_wan_1_3b_shapes_trace(model):
     graphdef, params = nnx.split(abstract)
     config = ChunkConfig(graphdef, Sampler(num_steps=3), frames, geo.tokens_per_frame, "xla")
     noise = spec((1, frames, *wan.frame_shape), jnp.float32)
+    table = spec((1, geo.num_layers, wan.text_tokens, geo.num_kv_heads, geo.head_dim), jnp.bfloat16)
     latents, k, v = jax.eval_shape(functools.partial(generate_chunk, config=config), params, (pool, pool),
-                                   inputs, (text, text), noise)
+                                   inputs, (table, table), noise)
     assert latents.shape == (1, frames, 60, 104, 16) and latents.dtype == jnp.bfloat16
     assert k.shape == v.shape == kv_shape
