@@ -53,6 +53,7 @@ from matplotlib import colormaps
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.colors import ListedColormap
 from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 from tqdm import tqdm
 
@@ -189,7 +190,8 @@ def _figure(width: float, height: float) -> Figure:
 
 def page_map_figure(timeline: Timeline) -> Figure:
     """The page map: which session holds each physical page after every step (the image's data is
-    :meth:`Timeline.page_owners`). Its size does not depend on the pool's."""
+    :meth:`Timeline.page_owners`; dotted lines between data shards). Its size does not depend on the
+    pool's."""
     names = timeline.session_names()
     colors = session_colors(len(names))
     figure = _figure(8, 5)
@@ -204,6 +206,8 @@ def page_map_figure(timeline: Timeline) -> Figure:
            title=f"Pages each session holds after every step ({timeline.usable_pages} usable pages)")
     handles = [Patch(color=c, label=n) for n, c in zip(names, colors)]
     handles += [Patch(facecolor="white", edgecolor="black", label="free"), Patch(color=(0.8, 0.8, 0.8), label="null")]
+    if len(timeline.null_pages) > 1:
+        handles.append(Line2D([], [], color="black", linewidth=0.6, linestyle=":", label="data shards"))
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
     return figure
 
