@@ -1,45 +1,73 @@
 """``arkv-jax demo``: several video sessions share one paged KV cache, on the CPU in seconds.
 
 A random-weight causal video DiT (:mod:`arkv_jax.models.dit`, the ``tiny`` shape by default)
-generates ``--chunks`` chunks for each of ``--sessions`` sessions through one
+generates ``chunks`` chunks for each of ``sessions`` sessions through one
 :class:`arkv_jax.cache.PagedKVCache`. Session ``i`` joins at step ``i`` and leaves after its last
-chunk, so sessions run at different frame indices in one batch and freed pages are reused. Each
-step prints (to stderr, one carriage-returned line) its latency, latent frames per second and pool
-occupancy; the end prints a per-step table, a summary and, as the very last line,
-``checksum: <float>``: the sum of every generated latent, to 7 significant digits (float32's
-precision). It is deterministic for a seed and the same with ``--devices N``: a sharded run gives
-each device a smaller batch, and XLA may then add in another order and move the last bits of a
-value (up to 3e-6 measured, the same as on one device with a smaller batch); 7 digits do not see
-that.
+chunk, so sessions run at different frame indices in one batch and freed pages are reused.
 
-Two pictures go to ``--out``: ``pages.png``, the physical page ids each session holds after every
-step (x = step, y = page id, colour = session, white = free), and ``memory.png``, the pages a
-session holds against the frames it has generated (flat once the window is full). They are drawn
-with a small NumPy rasteriser and written by a minimal PNG encoder (zlib), so the demo needs no
-plotting library. ``--check`` also runs the full-recompute reference
-(:class:`arkv_jax.rollout.FullRecompute`) and prints ``max_abs_diff``.
+Output, on stdout: a header (model, sampler, window, and the pool counted in *usable* pages, i.e.
+without the null page of each data shard, as everywhere else in the output), one table row per step
+(latency, latent frames per second, pages in use out of the usable pages), a summary, and as the
+very last line ``checksum: <float>``: the float64 sum of every generated latent, printed to 7
+significant digits. While it runs, a tqdm progress bar goes to stderr when stdout and stderr are
+both terminals (never into a log or a pipe).
+
+Figures (matplotlib, Agg backend), written to ``out`` (created if needed):
+
+* ``pages.png``: the physical page ids each session holds after every step (x = step, y = page id,
+  colour = session, white = free, grey = a data shard's null page);
+* ``memory.png``: memory over time: the pages each session holds against the frames it has
+  generated (flat at the sink + window bound once the window is full), and the pool's pages in use
+  after every step against its usable pages;
+* ``latency.png``: each step's latency (the first step includes compilation).
+
+Devices. With a ``mesh`` the cache and the model are sharded over it; each device then runs a
+smaller batch than one device does, and XLA:CPU rounds some sums differently for different batch
+shapes, so the latents equal the one-device run's to float rounding, not bit for bit, and the
+checksum's last printed digits can differ. The stated bound is :data:`DEVICE_TOLERANCE` per latent
+(float32 models: 1e-5).
+
+``check``: also runs the full-recompute reference (:class:`arkv_jax.reference.FullRecompute`) and
+prints ``max_abs_diff`` (paged vs reference). With a mesh it also runs the same sessions on one
+device and prints ``one-device checksum: <float>`` and ``devices_max_abs_diff`` (the largest
+difference of any latent, against :data:`DEVICE_TOLERANCE`).
+
+Refused before anything runs (``ValueError``): bad counts or preset, an ``out`` folder that cannot be
+created or written, and a compiled kernel backend (``pallas_gpu``, ``pallas_tpu``) on devices of
+another platform.
+
+The command is one module (about 500 lines: what a run records, its figures, the checks, the report)
+because none of these pieces serves anything but this command and its notebook.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import pathlib
-import struct
 import sys
+import tempfile
 import time
-import zlib
-from typing import Sequence, TextIO
+from typing import Callable, TextIO
 
 import jax
 import numpy as np
 from jax.sharding import Mesh
+from matplotlib import colormaps
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.colors import ListedColormap
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+from matplotlib.patches import Patch
+from tqdm import tqdm
 
 from arkv_jax.cache import PagedKVCache
-from arkv_jax.models.dit import MODEL_CONFIGS, init_random
-from arkv_jax.presets import get_preset
+from arkv_jax.models.dit import MODEL_CONFIGS, CausalDiT, init_random
 from arkv_jax.planner import rollout_plan
-from arkv_jax.rollout import ChunkResult, FullRecompute, Rollout, Sampler
+from arkv_jax.presets import get_preset
+from arkv_jax.reference import FullRecompute
+from arkv_jax.rollout import ChunkResult, Rollout, Sampler
 from arkv_jax.sharding import check_mesh, make_mesh
+from pallas_kernels.backend import resolve_backend
 
 PROMPTS = (
     "a red fox running through fresh snow",
@@ -50,11 +78,23 @@ PROMPTS = (
     "timelapse of clouds over mountains",
 )
 
-#: Session colours (RGB), cycled.
-PALETTE = np.array([
-    (31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40),
-    (148, 103, 189), (140, 86, 75), (227, 119, 194), (23, 190, 207),
-], np.uint8)
+#: Largest difference of any latent between a sharded and a one-device run that the demo accepts,
+#: by model dtype (``check`` judges against it; other dtypes are reported without a bound).
+DEVICE_TOLERANCE = {"float32": 1e-5}
+
+#: The compiled kernel backends: the platform each needs, in JAX's name and in words.
+_COMPILED_BACKENDS = {"pallas_gpu": ("gpu", "an NVIDIA GPU"), "pallas_tpu": ("tpu", "a TPU")}
+
+
+def plural(count: int, noun: str) -> str:
+    """``"1 session"``, ``"2 sessions"``."""
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+
+
+def session_colors(count: int) -> list[tuple[float, ...]]:
+    """RGBA colour of each of ``count`` sessions (matplotlib's ``tab10``, cycled)."""
+    palette = colormaps["tab10"].colors
+    return [(*palette[i % len(palette)], 1.0) for i in range(count)]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -71,7 +111,7 @@ class StepRecord:
       first_frames: each session's first frame index in the step.
       seconds: wall time of the step (host to host, latents on the host).
       frames: latent frames generated (sessions x frames per chunk).
-      pages_in_use: managed pages held by any row after the commit.
+      pages_in_use: usable pages held by any row after the commit.
       pages_held: physical page ids each active session holds after the commit.
     """
 
@@ -85,12 +125,12 @@ class StepRecord:
 
 @dataclasses.dataclass
 class Timeline:
-    """Step records of a rollout plus what the pictures need.
+    """Step records of a rollout plus what the figures need.
 
     Attributes:
-      num_pages: pages of the pool (page 0 is the null page; with a mesh, page ``s *
-        pages_per_shard`` is shard ``s``'s null page).
-      usable_pages: pages sessions can hold (``num_pages`` less the null pages).
+      num_pages: pages of the pool, null pages included (page 0; with a mesh of ``D`` data shards,
+        page ``s * num_pages // D`` is shard ``s``'s null page).
+      usable_pages: pages sessions can hold: ``num_pages`` less one null page per data shard.
       chunk_frames: frames per chunk.
       steps: one :class:`StepRecord` per step.
     """
@@ -100,6 +140,12 @@ class Timeline:
     chunk_frames: int
     steps: list[StepRecord] = dataclasses.field(default_factory=list)
 
+    @property
+    def null_pages(self) -> np.ndarray:
+        """The null page of each data shard."""
+        shards = self.num_pages - self.usable_pages
+        return np.arange(shards) * (self.num_pages // shards)
+
     def observe(self, rollout: Rollout, result: ChunkResult, seconds: float) -> StepRecord:
         """Records the step that produced ``result`` in ``seconds`` (call right after ``step()``)."""
         record = StepRecord(result.session_ids, tuple(int(f) for f in result.first_frames), seconds,
@@ -107,6 +153,10 @@ class Timeline:
                             self.usable_pages - rollout.cache.num_free_pages(), rollout.pages_held())
         self.steps.append(record)
         return record
+
+    def session_names(self) -> list[str]:
+        """Every session of the run, in order of first appearance."""
+        return list(dict.fromkeys(s for step in self.steps for s in step.sessions))
 
     def memory_series(self) -> dict[str, list[tuple[int, int]]]:
         """Per session: ``(frames generated, pages held)`` after each of its chunks, from ``(0, 0)``."""
@@ -117,157 +167,148 @@ class Timeline:
                 points.append((first + self.chunk_frames, len(step.pages_held[sid])))
         return series
 
+    def page_owners(self) -> np.ndarray:
+        """int ``[num_pages, steps]``: after each step, ``i + 1`` where session ``i`` of
+        :meth:`session_names` holds the page, 0 where it is free, -1 for the null pages."""
+        names = {sid: i for i, sid in enumerate(self.session_names())}
+        owners = np.zeros((self.num_pages, len(self.steps)), np.int32)
+        owners[self.null_pages] = -1
+        for x, step in enumerate(self.steps):
+            for sid, held in step.pages_held.items():
+                owners[held, x] = names[sid] + 1
+        return owners
+
 
 # ------------------------------------------------------------------------------------------------
-# Pictures: a tiny rasteriser and PNG encoder
+# Figures
 # ------------------------------------------------------------------------------------------------
 
-# 3x5 pixel glyphs, rows top to bottom, "1" = ink.
-_GLYPHS = {
-    "0": "111101101101111", "1": "010110010010111", "2": "111001111100111", "3": "111001111001111",
-    "4": "101101111001001", "5": "111100111001111", "6": "111100111101111", "7": "111001010010010",
-    "8": "111101111101111", "9": "111101111001111", "A": "010101111101101", "B": "110101110101110",
-    "C": "011100100100011", "D": "110101101101110", "E": "111100110100111", "F": "111100110100100",
-    "G": "011100101101011", "H": "101101111101101", "I": "111010010010111", "J": "001001001101010",
-    "K": "101101110101101", "L": "100100100100111", "M": "101111111101101", "N": "110101101101101",
-    "O": "010101101101010", "P": "110101110100100", "Q": "010101101110011", "R": "110101110101101",
-    "S": "011100010001110", "T": "111010010010010", "U": "101101101101111", "V": "101101101101010",
-    "W": "101101111111101", "X": "101101010101101", "Y": "101101010010010", "Z": "111001010100111",
-    " ": "000000000000000", "-": "000000111000000", ".": "000000000000010", ":": "000010000010000",
-    "/": "001001010100100", "+": "000010111010000", "(": "010100100100010", ")": "010001001001010",
-    "%": "101001010100101", "=": "000111000111000", "_": "000000000000111",
-}
+
+def _figure(width: float, height: float) -> Figure:
+    """A figure of ``width x height`` inches drawn by the Agg backend (no pyplot state)."""
+    figure = Figure(figsize=(width, height), dpi=100, layout="constrained")
+    FigureCanvasAgg(figure)
+    return figure
 
 
-class Canvas:
-    """An RGB image ``[height, width, 3]`` uint8 with a few drawing primitives (pixels, y down)."""
-
-    def __init__(self, height: int, width: int):
-        self.pixels = np.full((height, width, 3), 255, np.uint8)
-
-    def rect(self, x0: int, y0: int, x1: int, y1: int, color) -> None:
-        """Fills ``[x0, x1) x [y0, y1)`` (clipped)."""
-        self.pixels[max(y0, 0):max(y1, 0), max(x0, 0):max(x1, 0)] = color
-
-    def line(self, x0: float, y0: float, x1: float, y1: float, color, width: int = 1, dash: int = 0) -> None:
-        """A straight segment ``width`` pixels thick; ``dash`` > 0 draws dashes of that length."""
-        steps = int(max(abs(x1 - x0), abs(y1 - y0))) + 1
-        half = width // 2
-        for i in range(steps):
-            if dash and (i // dash) % 2:
-                continue
-            x = round(x0 + (x1 - x0) * i / max(steps - 1, 1))
-            y = round(y0 + (y1 - y0) * i / max(steps - 1, 1))
-            self.rect(x - half, y - half, x - half + width, y - half + width, color)
-
-    def text(self, x: int, y: int, text: str, color=(0, 0, 0), scale: int = 2) -> int:
-        """Writes ``text`` (upper-cased; unknown characters as blanks) with its top-left at ``(x, y)``;
-        returns the x after it."""
-        for char in text.upper():
-            glyph = _GLYPHS.get(char, _GLYPHS[" "])
-            for i, bit in enumerate(glyph):
-                if bit == "1":
-                    r, c = divmod(i, 3)
-                    self.rect(x + c * scale, y + r * scale, x + (c + 1) * scale, y + (r + 1) * scale, color)
-            x += 4 * scale
-        return x
-
-    def png(self) -> bytes:
-        """The image as PNG bytes (8-bit RGB, no filtering, zlib level 9)."""
-        height, width, _ = self.pixels.shape
-        raw = b"".join(b"\x00" + row.tobytes() for row in self.pixels)
-
-        def chunk(tag: bytes, data: bytes) -> bytes:
-            return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data))
-
-        header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-        return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw, 9))
-                + chunk(b"IEND", b""))
+def page_map_figure(timeline: Timeline) -> Figure:
+    """The page map: which session holds each physical page after every step (the image's data is
+    :meth:`Timeline.page_owners`; dotted lines between data shards). Its size does not depend on the
+    pool's."""
+    names = timeline.session_names()
+    colors = session_colors(len(names))
+    figure = _figure(8, 5)
+    ax = figure.add_subplot()
+    steps = len(timeline.steps)
+    ax.imshow(timeline.page_owners(), origin="lower", aspect="auto", interpolation="nearest",
+              cmap=ListedColormap([(0.8, 0.8, 0.8, 1.0), (1.0, 1.0, 1.0, 1.0), *colors]),
+              vmin=-1.5, vmax=len(names) + 0.5, extent=(-0.5, steps - 0.5, -0.5, timeline.num_pages - 0.5))
+    for null in timeline.null_pages[1:]:
+        ax.axhline(null - 0.5, color="black", linewidth=0.6, linestyle=":")
+    ax.set(xlabel="step", ylabel="physical page id",
+           title=f"Pages each session holds after every step ({timeline.usable_pages} usable pages)")
+    handles = [Patch(color=c, label=n) for n, c in zip(names, colors)]
+    handles += [Patch(facecolor="white", edgecolor="black", label="free"), Patch(color=(0.8, 0.8, 0.8), label="null")]
+    if len(timeline.null_pages) > 1:
+        handles.append(Line2D([], [], color="black", linewidth=0.6, linestyle=":", label="data shards"))
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
+    return figure
 
 
-def _ticks(top: int, count: int = 5) -> list[int]:
-    """About ``count`` round tick values in ``[0, top]``."""
-    raw = max(top / count, 1)
-    step = min((m * 10 ** e for e in range(8) for m in (1, 2, 5) if m * 10 ** e >= raw))
-    return list(range(0, top + 1, int(step)))
-
-
-def _legend(canvas: Canvas, x: int, y: int, names: Sequence[str]) -> None:
-    for i, name in enumerate(names):
-        canvas.rect(x, y + 16 * i, x + 10, y + 16 * i + 10, PALETTE[i % len(PALETTE)])
-        canvas.text(x + 16, y + 16 * i, name)
-
-
-def page_map_png(timeline: Timeline) -> bytes:
-    """PNG: which session holds each physical page after every step (x = step, y = page id with
-    page 1 at the bottom, colour = session, white = free). Pools of more than 480 pages are drawn
-    ``ceil(pages / 480)`` pages per pixel row (a row takes the colour of a session holding any of
-    its pages)."""
-    names = list(dict.fromkeys(s for step in timeline.steps for s in step.sessions))
-    pages = timeline.num_pages - 1
-    per_row = -(-pages // 480)
-    cell_w = max(3, min(24, 640 // max(len(timeline.steps), 1)))
-    cell_h = max(1, min(8, 480 // -(-pages // per_row)))
-    left, top, plot_w, plot_h = 60, 34, cell_w * len(timeline.steps), cell_h * -(-pages // per_row)
-    canvas = Canvas(top + plot_h + 46, left + plot_w + 130)
-    canvas.text(left, 8, "PHYSICAL PAGES HELD PER SESSION")
-    for x, step in enumerate(timeline.steps):
-        for sid, held in step.pages_held.items():
-            for page in held:
-                y = top + plot_h - ((int(page) - 1) // per_row + 1) * cell_h
-                canvas.rect(left + x * cell_w, y, left + (x + 1) * cell_w, y + cell_h,
-                            PALETTE[names.index(sid) % len(PALETTE)])
-    canvas.rect(left - 2, top, left, top + plot_h, (0, 0, 0))
-    canvas.rect(left - 2, top + plot_h, left + plot_w, top + plot_h + 2, (0, 0, 0))
-    for tick in _ticks(pages):
-        y = top + plot_h - tick * cell_h // per_row
-        canvas.rect(left - 6, y, left - 2, y + 1, (0, 0, 0))
-        canvas.text(left - 10 - 8 * len(str(tick)), y - 4, str(tick))
-    for tick in _ticks(len(timeline.steps) - 1):
-        x = left + tick * cell_w + cell_w // 2
-        canvas.rect(x, top + plot_h + 2, x + 1, top + plot_h + 6, (0, 0, 0))
-        canvas.text(x - 4 * len(str(tick)), top + plot_h + 10, str(tick))
-    canvas.text(left + plot_w // 2 - 20, top + plot_h + 28, "STEP")
-    canvas.text(4, top - 16, "PAGE")
-    _legend(canvas, left + plot_w + 14, top, names)
-    return canvas.png()
-
-
-def memory_png(timeline: Timeline, bound: int) -> bytes:
-    """PNG: pages each session holds against the frames it has generated, with the ``bound``
-    (sink + window frames x pages per frame x branches) dashed."""
+def memory_figure(timeline: Timeline, bound: int) -> Figure:
+    """Memory over time: left, the pages each session holds against the frames it has generated,
+    with the ``bound`` (sink + window frames x pages per frame x branches) dashed; right, the pool's
+    pages in use after every step against its usable pages."""
+    names = timeline.session_names()
     series = timeline.memory_series()
-    names = list(series)
-    max_x = max(x for points in series.values() for x, _ in points)
-    max_y = max(bound, max(y for points in series.values() for _, y in points))
-    left, top, plot_w, plot_h = 60, 34, 480, 300
-    canvas = Canvas(top + plot_h + 46, left + plot_w + 130)
-    canvas.text(left, 8, "PAGES HELD VS FRAMES GENERATED")
+    figure = _figure(11, 4.5)
+    per_session, pool = figure.subplots(1, 2)
+    for i, (name, color) in enumerate(zip(names, session_colors(len(names)))):
+        frames, pages = zip(*series[name])
+        # Sessions follow the same curve: the first ones are drawn widest so every colour shows.
+        per_session.plot(frames, pages, color=color, linewidth=1.5 + 1.5 * (len(names) - 1 - i),
+                         marker="o", markersize=3, label=name)
+    per_session.axhline(bound, color="black", linestyle="--", linewidth=1, label=f"sink + window ({bound})")
+    per_session.set(xlabel="frames generated", ylabel="pages held", ylim=(0, bound * 1.15),
+                    title="Pages held vs frames generated, per session")
+    per_session.legend(fontsize="small")
+    steps = np.arange(len(timeline.steps))
+    pool.plot(steps, [s.pages_in_use for s in timeline.steps], color="black", marker="o", markersize=3,
+              label="pages in use")
+    pool.axhline(timeline.usable_pages, color="tab:red", linestyle="--", linewidth=1,
+                 label=f"usable pages ({timeline.usable_pages})")
+    pool.set(xlabel="step", ylabel="pages", ylim=(0, timeline.usable_pages * 1.1),
+             title="Pool occupancy after every step")
+    pool.legend(fontsize="small")
+    return figure
 
-    def at(x, y):
-        return left + x * plot_w / max(max_x, 1), top + plot_h - y * plot_h / (max_y * 1.1)
 
-    for tick in _ticks(int(max_y * 1.1)):
-        _, y = at(0, tick)
-        canvas.line(left, y, left + plot_w, y, (225, 225, 225))
-        canvas.text(left - 10 - 8 * len(str(tick)), round(y) - 4, str(tick))
-    for tick in _ticks(max_x):
-        x, _ = at(tick, 0)
-        canvas.rect(round(x), top + plot_h + 2, round(x) + 1, top + plot_h + 6, (0, 0, 0))
-        canvas.text(round(x) - 4 * len(str(tick)), top + plot_h + 10, str(tick))
-    canvas.line(*at(0, bound), *at(max_x, bound), (0, 0, 0), width=1, dash=6)
-    canvas.text(left + 6, round(at(0, bound)[1]) - 14, "SINK + WINDOW")
-    # Every session follows the same curve: draw the first ones thickest so each colour shows.
-    for i, name in enumerate(names):
-        width = 2 + 2 * (len(names) - 1 - i)
-        for (x0, y0), (x1, y1) in zip(series[name], series[name][1:]):
-            canvas.line(*at(x0, y0), *at(x1, y1), PALETTE[i % len(PALETTE)], width=width)
-    canvas.rect(left - 2, top, left, top + plot_h + 2, (0, 0, 0))
-    canvas.rect(left - 2, top + plot_h, left + plot_w, top + plot_h + 2, (0, 0, 0))
-    canvas.text(left + plot_w // 2 - 60, top + plot_h + 28, "FRAMES GENERATED")
-    canvas.text(4, top - 16, "PAGES")
-    _legend(canvas, left + plot_w + 14, top, names)
-    return canvas.png()
+def latency_figure(timeline: Timeline) -> Figure:
+    """Per-step latency in ms (log scale: the first step includes compilation), with the batch's
+    session count on each bar."""
+    figure = _figure(8, 4)
+    ax = figure.add_subplot()
+    ms = np.asarray([s.seconds * 1e3 for s in timeline.steps])
+    steps = np.arange(len(ms))
+    bars = ax.bar(steps, ms, color="tab:blue")
+    ax.bar_label(bars, labels=[str(len(s.sessions)) for s in timeline.steps], fontsize="x-small")
+    if len(ms) > 1:
+        median = float(np.median(ms[1:]))
+        ax.axhline(median, color="black", linestyle="--", linewidth=1,
+                   label=f"median after step 0: {median:.1f} ms")
+        ax.legend(fontsize="small")
+    ax.set_yscale("log")
+    ax.set(xlabel="step (bar label: sessions in the batch)", ylabel="latency (ms)",
+           title="Latency of every step (step 0 includes compilation)")
+    return figure
+
+
+def write_figures(timeline: Timeline, bound: int, out: pathlib.Path) -> tuple[pathlib.Path, ...]:
+    """Writes ``pages.png``, ``memory.png`` and ``latency.png`` into the folder ``out``; returns
+    their paths."""
+    figures = {"pages.png": page_map_figure(timeline), "memory.png": memory_figure(timeline, bound),
+               "latency.png": latency_figure(timeline)}
+    for name, figure in figures.items():
+        figure.savefig(out / name)
+    return tuple(out / name for name in figures)
+
+
+# ------------------------------------------------------------------------------------------------
+# Checks made before the run
+# ------------------------------------------------------------------------------------------------
+
+
+def prepare_out(out: str | pathlib.Path) -> pathlib.Path:
+    """Creates the folder ``out`` (and its parents) if needed and checks that a file can be written
+    in it.
+
+    Raises:
+      ValueError: it cannot be created (e.g. a file of that name, or below one) or written.
+    """
+    path = pathlib.Path(out)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as error:
+        raise ValueError(f"--out {str(out)!r}: cannot create or write the figures' folder "
+                         f"({error.strerror or error})") from None
+    return path
+
+
+def check_backend(backend: str, platform: str) -> None:
+    """Refuses a compiled kernel backend on devices of another platform.
+
+    Raises:
+      ValueError: an unknown backend, or ``pallas_gpu``/``pallas_tpu`` (or ``auto`` resolving to
+        them) on a platform other than theirs, with the backends that do run there.
+    """
+    resolved = resolve_backend(backend, platform)
+    needs, device = _COMPILED_BACKENDS.get(resolved.name, (platform, ""))
+    if platform != needs:
+        raise ValueError(f"--backend {backend}: the compiled kernel needs {device}, and this run's devices are "
+                         f"{platform}; use --backend xla (runs everywhere) or --backend {resolved.name}_interpret "
+                         "(the same kernel under Pallas' interpreter, slow)")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -284,22 +325,22 @@ class DemoResult:
       latents: each session's latents ``[frames, H, W, C]``.
       checksum: the sum of every generated latent (float64, unrounded).
       max_abs_diff: largest difference to the full-recompute reference (``check`` only).
-      pictures: paths of ``pages.png`` and ``memory.png``.
+      one_device_checksum: the checksum of the same sessions on one device (``check`` with a mesh).
+      devices_max_abs_diff: largest difference of any latent to the one-device run (``check`` with
+        a mesh).
+      devices_within_tolerance: whether that is within :data:`DEVICE_TOLERANCE`; ``None`` without
+        the comparison or for a dtype without a stated bound.
+      figures: paths of ``pages.png``, ``memory.png`` and ``latency.png``.
     """
 
     timeline: Timeline
     latents: dict[str, np.ndarray]
     checksum: float
     max_abs_diff: float | None
-    pictures: tuple[pathlib.Path, pathlib.Path]
-
-
-def _progress(stream: TextIO, done: int, total: int, record: StepRecord, usable_pages: int) -> None:
-    filled = round(20 * done / total)
-    stream.write(f"\r[{'#' * filled}{'.' * (20 - filled)}] step {done}/{total}  "
-                 f"{record.seconds * 1e3:7.1f} ms  {record.frames / record.seconds:8.1f} frames/s  "
-                 f"pool {record.pages_in_use}/{usable_pages} pages")
-    stream.flush()
+    one_device_checksum: float | None
+    devices_max_abs_diff: float | None
+    devices_within_tolerance: bool | None
+    figures: tuple[pathlib.Path, ...]
 
 
 def demo_mesh(devices: int, model_axis: int = 1) -> Mesh:
@@ -318,106 +359,176 @@ def demo_mesh(devices: int, model_axis: int = 1) -> Mesh:
     return make_mesh(devices // model_axis, model_axis, available[:devices])
 
 
+def checksum_of(latents: dict[str, np.ndarray]) -> float:
+    """The float64 sum of every latent, sessions in the dict's order."""
+    return float(sum(np.sum(x, dtype=np.float64) for x in latents.values()))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Schedule:
+    """The demo's sessions: who joins when, with which prompt and noise seed, for how long."""
+
+    ids: tuple[str, ...]
+    prompts: dict[str, str]
+    seeds: dict[str, int]
+    chunks: int
+
+    @classmethod
+    def make(cls, sessions: int, chunks: int, seed: int) -> "_Schedule":
+        ids = tuple(f"s{i}" for i in range(sessions))
+        return cls(ids, {sid: PROMPTS[i % len(PROMPTS)] for i, sid in enumerate(ids)},
+                   {sid: 1000 * seed + i for i, sid in enumerate(ids)}, chunks)
+
+    def run(self, rollout: Rollout, timeline: Timeline, on_step: Callable[[StepRecord], None] = lambda r: None
+            ) -> dict[str, np.ndarray]:
+        """Session ``i`` joins before step ``i`` and leaves after its last chunk; records every step
+        in ``timeline``; returns each session's latents, in leaving order."""
+        latents: dict[str, np.ndarray] = {}
+        frames = self.chunks * rollout.chunk_frames
+        for index in range(self.chunks + len(self.ids) - 1):
+            if index < len(self.ids):
+                sid = self.ids[index]
+                rollout.join(sid, self.prompts[sid], seed=self.seeds[sid])
+            start = time.perf_counter()
+            result = rollout.step()
+            on_step(timeline.observe(rollout, result, time.perf_counter() - start))
+            for sid in result.session_ids:
+                if len(rollout.latents(sid)) == frames:
+                    latents[sid] = rollout.leave(sid)
+        return latents
+
+
+def _rollout(model: CausalDiT, preset: str, sessions: int, backend: str, mesh: Mesh | None) -> Rollout:
+    """The demo's cache (sized for ``sessions``, all in one batched chunk) and rollout."""
+    cache_preset = get_preset(preset)
+    sampler = Sampler(num_steps=3, guidance_scale=3.0 if len(cache_preset.kv_branches) > 1 else None)
+    branches = cache_preset.kv_branches[:sampler.num_branches]
+    data, model_axis = check_mesh(mesh) if mesh is not None else (1, 1)
+    plan = rollout_plan(cache_preset.geometry, cache_preset.window, branches, cache_preset.cross_attention,
+                        -(-sessions // data), model=model_axis)
+    cache = PagedKVCache(cache_preset.geometry, cache_preset.window, branches, cache_preset.cross_attention,
+                         plan=plan, backend=backend, mesh=mesh)
+    return Rollout(model, cache, sampler, max_traces=1)
+
+
+def _timeline(rollout: Rollout) -> Timeline:
+    cache = rollout.cache
+    num_pages = cache.pages_per_shard * cache.num_shards
+    return Timeline(num_pages, num_pages - cache.num_shards, rollout.chunk_frames)
+
+
 def run_demo(*, sessions: int = 4, chunks: int = 12, preset: str = "tiny", backend: str = "auto",
              out: str | pathlib.Path = "arkv_demo_out", check: bool = False, seed: int = 0,
-             mesh: Mesh | None = None, stdout: TextIO | None = None, stderr: TextIO | None = None
-             ) -> DemoResult:
-    """Runs the demo (see the module docstring) and prints its report to ``stdout`` (the progress
-    line to ``stderr``; default: ``sys.stdout``/``sys.stderr``); returns what it measured. With a
-    ``mesh`` (e.g. :func:`demo_mesh`) the cache and the rollout are sharded over it: the sessions
-    are spread over its ``"data"`` axis, heads over ``"model"``.
+             mesh: Mesh | None = None, stdout: TextIO | None = None, stderr: TextIO | None = None,
+             progress: bool | None = None) -> DemoResult:
+    """Runs the demo (see the module docstring) and prints its report to ``stdout`` (default
+    ``sys.stdout``); returns what it measured. With a ``mesh`` (e.g. :func:`demo_mesh`) the cache and
+    the rollout are sharded over it: the sessions are spread over its ``"data"`` axis, heads over
+    ``"model"``. ``progress``: whether to show the progress bar on ``stderr`` (default
+    ``sys.stderr``); ``None`` shows it when both streams are terminals.
 
     Raises:
-      ValueError: unknown preset, ``sessions``/``chunks`` below 1, or heads not divisible by the
-        mesh's ``"model"`` size.
+      ValueError, before anything runs: unknown preset, ``sessions``/``chunks`` below 1, an ``out``
+        that cannot be created or written, a compiled backend for another platform, or heads not
+        divisible by the mesh's ``"model"`` size.
     """
     stdout, stderr = stdout or sys.stdout, stderr or sys.stderr
     if sessions < 1 or chunks < 1:
         raise ValueError(f"sessions and chunks must be >= 1, got {sessions} and {chunks}")
     if preset not in MODEL_CONFIGS:
         raise ValueError(f"the demo has models for {sorted(MODEL_CONFIGS)}, got {preset!r}")
-    cache_preset = get_preset(preset)
-    sampler = Sampler(num_steps=3, guidance_scale=3.0 if len(cache_preset.kv_branches) > 1 else None)
-    branches = cache_preset.kv_branches[:sampler.num_branches]
-    geometry, window = cache_preset.geometry, cache_preset.window
-    data, model_axis = check_mesh(mesh) if mesh is not None else (1, 1)
-    plan = rollout_plan(geometry, window, branches, cache_preset.cross_attention, -(-sessions // data),
-                        model=model_axis)
-    cache = PagedKVCache(geometry, window, branches, cache_preset.cross_attention, plan=plan, backend=backend,
-                         mesh=mesh)
-    rollout = Rollout(init_random(MODEL_CONFIGS[preset], seed), cache, sampler, max_traces=1)
-    ids = [f"s{i}" for i in range(sessions)]
-    prompts = {sid: PROMPTS[i % len(PROMPTS)] for i, sid in enumerate(ids)}
-    seeds = {sid: 1000 * seed + i for i, sid in enumerate(ids)}
-    print(f"arkv-jax demo: {sessions} sessions x {chunks} chunks of {geometry.frames_per_forward} frames, "
-          f"preset {preset}, {sampler.num_steps} denoise steps + 1 commit forward, "
-          f"{'CFG ' + str(sampler.guidance_scale) if sampler.guidance_scale else 'no CFG'}, "
-          f"window {window.sink_frames} sink + {window.window_frames} frames", file=stdout)
-    num_pages = cache.pages_per_shard * cache.num_shards
-    print(f"pool: {num_pages} pages of {geometry.block_size} tokens "
-          f"({num_pages * plan.page_size_bytes * model_axis / 2 ** 20:.2f} MiB K+V), "
-          f"{geometry.pages_per_frame} pages per frame, backend {backend}", file=stdout)
-    if mesh is not None:
-        print(f"mesh: data={data} x model={model_axis} over {data * model_axis} {mesh.devices.flat[0].platform} "
-              f"devices; {cache.slots_per_shard} session slot(s) and {cache.pages_per_shard} pages per data shard",
-              file=stdout)
+    out = prepare_out(out)
+    check_backend(backend, (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform)
+    model = init_random(MODEL_CONFIGS[preset], seed)
+    rollout = _rollout(model, preset, sessions, backend, mesh)
+    schedule = _Schedule.make(sessions, chunks, seed)
+    _print_header(stdout, rollout, preset, sessions, chunks, backend)
 
-    timeline = Timeline(num_pages, num_pages - cache.num_shards, geometry.frames_per_forward)
-    latents: dict[str, np.ndarray] = {}
-    total = chunks + sessions - 1
-    for index in range(total):
-        if index < sessions:
-            rollout.join(ids[index], prompts[ids[index]], seed=seeds[ids[index]])
-        start = time.perf_counter()
-        result = rollout.step()
-        record = timeline.observe(rollout, result, time.perf_counter() - start)
-        _progress(stderr, index + 1, total, record, timeline.usable_pages)
-        for sid in result.session_ids:
-            if len(rollout.latents(sid)) == chunks * geometry.frames_per_forward:
-                latents[sid] = rollout.leave(sid)
-    stderr.write("\n")
+    timeline = _timeline(rollout)
+    if progress is None:
+        progress = all(getattr(stream, "isatty", lambda: False)() for stream in (stdout, stderr))
+    with tqdm(total=chunks + sessions - 1, desc="demo", unit="step", file=stderr, disable=not progress) as bar:
+        def on_step(record: StepRecord) -> None:
+            bar.set_postfix_str(f"{record.seconds * 1e3:.1f} ms, {record.frames / record.seconds:.1f} frames/s, "
+                                f"pool {record.pages_in_use}/{timeline.usable_pages} pages", refresh=False)
+            bar.update()
+
+        latents = schedule.run(rollout, timeline, on_step)
     _print_report(stdout, timeline)
 
-    out = pathlib.Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    pictures = (out / "pages.png", out / "memory.png")
-    pictures[0].write_bytes(page_map_png(timeline))
-    bound = window.resident_frames * geometry.pages_per_frame * len(branches)
-    pictures[1].write_bytes(memory_png(timeline, bound))
-    print(f"pictures: {pictures[0]} (pages per session per step), {pictures[1]} (pages held vs frames)",
-          file=stdout)
+    window, geometry = rollout.cache.window, rollout.cache.geometry
+    bound = window.resident_frames * geometry.pages_per_frame * len(rollout.branches)
+    figures = write_figures(timeline, bound, out)
+    print(f"figures: {figures[0]} (pages each session holds per step), {figures[1]} (pages held vs frames "
+          f"generated; pool occupancy), {figures[2]} (latency per step)", file=stdout)
 
-    max_abs_diff = None
+    max_abs_diff = one_checksum = devices_diff = within = None
     if check:
-        reference = FullRecompute(rollout.model, window, sampler, chunk_frames=geometry.frames_per_forward)
-        expected = reference.rollout([prompts[s] for s in ids], [seeds[s] for s in ids], chunks)
+        reference = FullRecompute(model, window, rollout.sampler, chunk_frames=rollout.chunk_frames)
+        expected = reference.rollout([schedule.prompts[s] for s in schedule.ids],
+                                     [schedule.seeds[s] for s in schedule.ids], chunks)
         max_abs_diff = max(float(np.max(np.abs(latents[s].astype(np.float64) - expected[i])))
-                           for i, s in enumerate(ids))
-        print(f"max_abs_diff: {max_abs_diff:.3e} (paged cache vs full recompute, {chunks} chunks per session)",
-              file=stdout)
-    checksum = float(sum(np.sum(x, dtype=np.float64) for x in latents.values()))
+                           for i, s in enumerate(schedule.ids))
+        print(f"max_abs_diff: {max_abs_diff:.3e} (paged cache vs full recompute, {plural(chunks, 'chunk')} "
+              f"per session)", file=stdout)
+        if mesh is not None:
+            one_device = _rollout(model, preset, sessions, backend, None)
+            one = schedule.run(one_device, _timeline(one_device))
+            one_checksum = checksum_of(one)
+            devices_diff = max(float(np.max(np.abs(latents[s].astype(np.float64) - one[s]))) for s in schedule.ids)
+            dtype = MODEL_CONFIGS[preset].dtype
+            tolerance = DEVICE_TOLERANCE.get(dtype)
+            within = None if tolerance is None else devices_diff <= tolerance
+            verdict = (f"no bound stated for {dtype}" if tolerance is None
+                       else f"bound {tolerance:.0e}: {'ok' if within else 'EXCEEDED'}")
+            print(f"one-device checksum: {one_checksum:.7g}", file=stdout)
+            print(f"devices_max_abs_diff: {devices_diff:.3e} ({plural(mesh.devices.size, 'device')} vs one "
+                  f"device, largest latent difference; {verdict})", file=stdout)
+    checksum = checksum_of(latents)
     print(f"checksum: {checksum:.7g}", file=stdout)
-    return DemoResult(timeline, latents, checksum, max_abs_diff, pictures)
+    return DemoResult(timeline, latents, checksum, max_abs_diff, one_checksum, devices_diff, within, figures)
+
+
+def _print_header(stream: TextIO, rollout: Rollout, preset: str, sessions: int, chunks: int, backend: str) -> None:
+    cache, sampler = rollout.cache, rollout.sampler
+    geometry, window = cache.geometry, cache.window
+    guidance = f"CFG {sampler.guidance_scale}" if sampler.guidance_scale else "no CFG"
+    print(f"arkv-jax demo: {plural(sessions, 'session')} x {plural(chunks, 'chunk')} of "
+          f"{plural(rollout.chunk_frames, 'frame')}, preset {preset}, {plural(sampler.num_steps, 'denoise step')} "
+          f"+ 1 commit forward, {guidance}, window {window.sink_frames} sink + "
+          f"{plural(window.window_frames, 'frame')}", file=stream)
+    shards = cache.num_shards
+    num_pages = cache.pages_per_shard * shards
+    mib = num_pages * cache.plan.page_size_bytes * (1 if cache.mesh is None else cache.mesh.shape["model"]) / 2 ** 20
+    nulls = "1 null page" if shards == 1 else f"{shards} null pages, one per data shard"
+    print(f"pool: {plural(num_pages - shards, 'usable page')} (+{nulls}) of {geometry.block_size} tokens, "
+          f"{plural(geometry.pages_per_frame, 'page')} per frame, {mib:.2f} MiB K+V, backend {backend}", file=stream)
+    if cache.mesh is not None:
+        data, model_axis = cache.mesh.shape["data"], cache.mesh.shape["model"]
+        print(f"mesh: data={data} x model={model_axis} over {data * model_axis} {cache.mesh.devices.flat[0].platform} "
+              f"devices; {plural(cache.slots_per_shard, 'session slot')} and "
+              f"{plural(cache.pages_per_shard - 1, 'usable page')} per data shard", file=stream)
 
 
 def _print_report(stream: TextIO, timeline: Timeline) -> None:
     """Per-step table and steady-state summary. Steady state: steps after the first, with as many
     sessions as the step before (a new batch size compiles the cache's bookkeeping once)."""
-    print(f"{'step':>4}  {'sessions':>8}  {'frames':>14}  {'latency ms':>10}  {'frames/s':>9}  {'pool pages':>10}",
+    usable = timeline.usable_pages
+    print(f"{'step':>4}  {'sessions':>8}  {'frames':>14}  {'latency ms':>10}  {'frames/s':>9}  {'pages in use':>12}",
           file=stream)
     for i, step in enumerate(timeline.steps):
         frames = f"{min(step.first_frames)}..{max(step.first_frames) + timeline.chunk_frames - 1}"
         print(f"{i:>4}  {len(step.sessions):>8}  {frames:>14}  {step.seconds * 1e3:>10.1f}  "
-              f"{step.frames / step.seconds:>9.1f}  {step.pages_in_use:>4}/{timeline.usable_pages:<5}", file=stream)
+              f"{step.frames / step.seconds:>9.1f}  {f'{step.pages_in_use}/{usable}':>12}", file=stream)
     steady = [s for i, s in enumerate(timeline.steps)
               if i > 0 and len(s.sessions) == len(timeline.steps[i - 1].sessions)]
     frames = sum(s.frames for s in timeline.steps)
     seconds = sum(s.seconds for s in timeline.steps)
-    print(f"generated {frames} latent frames in {seconds:.2f} s ({frames / seconds:.1f} frames/s overall; "
-          f"first step {timeline.steps[0].seconds:.2f} s includes compilation)", file=stream)
+    print(f"generated {plural(frames, 'latent frame')} in {seconds:.2f} s ({frames / seconds:.1f} frames/s "
+          f"overall; the first step, {timeline.steps[0].seconds:.2f} s, includes compilation)", file=stream)
     if steady:
         latency = float(np.median([s.seconds for s in steady]))
         rate = float(np.median([s.frames / s.seconds for s in steady]))
         print(f"steady state: {latency * 1e3:.1f} ms per step (median), {rate:.1f} latent frames/s; "
-              f"peak pool occupancy {max(s.pages_in_use for s in timeline.steps)}/{timeline.usable_pages} pages",
+              f"peak pool occupancy {max(s.pages_in_use for s in timeline.steps)}/{usable} usable pages",
               file=stream)

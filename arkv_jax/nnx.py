@@ -13,13 +13,12 @@ The functional core is plain functions on arrays, usable from NNX, linen or bare
   (Self-Forcing's ``causal_rope_apply``) keeps, so history keys are read as they are and only the
   current chunk's queries and keys are rotated per forward. ``ChunkInputs.history_frames`` is
   therefore not needed here (it is there for models that store pre-RoPE keys).
-* **Where the keys come from** (a *history*: any object with ``attend(q, k, v, layer)``):
+* **Where the keys come from** (a :class:`History`: any object with ``attend(q, k, v, layer)``):
   :class:`PagedHistory` reads the visible pages plus the current chunk through
-  :func:`pallas_kernels.window_attention` (read-only: denoise steps never write the pool);
-  :class:`MaskedHistory` attends a whole frame sequence to itself under a frame-level mask
-  (:func:`window_frame_mask`), which is how the full-recompute reference runs the same model.
+  :func:`pallas_kernels.window_attention` (read-only: denoise steps never write the pool). The
+  exactness reference's history, a frame-masked one, is :class:`arkv_jax.reference.MaskedHistory`.
 * **Dense attention** (:func:`masked_attention`) with GQA, for cross-attention over a session's
-  cached text K/V and for the reference.
+  cached text K/V (and the reference's masked self-attention).
 
 The NNX modules wrap them: :class:`PagedSelfAttention` (projections, QK-norm, RoPE, attention over a
 history; returns the output *and* the chunk's post-RoPE K/V, which the commit forward hands to
@@ -40,7 +39,6 @@ import numpy as np
 from flax import nnx, struct
 from jax.sharding import Mesh
 
-from arkv_jax.config import WindowPolicy
 from arkv_jax.sharded_kernels import sharded_window_attention
 from arkv_jax.step import ChunkInputs
 from pallas_kernels import window_attention
@@ -177,54 +175,6 @@ class PagedHistory:
         else:
             out = sharded_window_attention(self.mesh, *args, **kw)
         return out.astype(q.dtype)
-
-
-@struct.dataclass
-class MaskedHistory:
-    """No stored history: the forward's own frames attend to each other under a frame mask.
-
-    Attributes:
-      frame_mask: bool ``[B, F, F]``; ``frame_mask[b, i, j]``: frame ``i`` sees frame ``j``.
-      tokens_per_frame: tokens per frame (static).
-    """
-
-    frame_mask: Array
-    tokens_per_frame: int = struct.field(pytree_node=False)
-
-    def attend(self, q: Array, k: Array, v: Array, layer: Array) -> Array:
-        """See :class:`History` (``layer`` is unused: the keys are the forward's own)."""
-        del layer
-        tpf = self.tokens_per_frame
-        mask = jnp.repeat(jnp.repeat(self.frame_mask, tpf, axis=1), tpf, axis=2)
-        return masked_attention(q, k, v, mask)
-
-
-def window_frame_mask(num_frames: int, chunk_frames: int, window: WindowPolicy) -> np.ndarray:
-    """bool ``[num_frames, num_frames]``: whether a query in frame ``i`` sees key frame ``j`` when a
-    video is generated ``chunk_frames`` frames at a time under ``window``.
-
-    A chunk (frames ``[c0, c0 + chunk_frames)``) sees itself (bidirectionally), the sink frames
-    (``j < sink_frames``) and the most recent earlier frames such that, with the chunk, at most
-    ``sink_frames + window_frames`` frames are visible; in reset mode only the sink. This is the
-    cache's window rule stated on frame indices, independently of pages (the full-recompute
-    reference uses it).
-    """
-    sink_frames, window_frames = window.sink_frames, window.window_frames
-    mask = np.zeros((num_frames, num_frames), bool)
-    for c0 in range(0, num_frames, chunk_frames):
-        sink = min(c0, sink_frames)
-        live = c0 - sink
-        if window.reset_at_boundary:
-            recent = 0
-        elif c0 + chunk_frames <= sink_frames + window_frames:
-            recent = live
-        else:
-            recent = min(live, max(0, window_frames - chunk_frames))
-        rows = slice(c0, c0 + chunk_frames)
-        mask[rows, :sink] = True
-        mask[rows, c0 - recent:c0] = True
-        mask[rows, c0:c0 + chunk_frames] = True
-    return mask
 
 
 # ------------------------------------------------------------------------------------------------

@@ -4,14 +4,19 @@ Per chunk, for every active session at once (:meth:`Rollout.step`):
 
 1. ``cache.chunk(...)`` hands out the visible pages of every row (session x KV branch) and allocates
    the chunk's pages in a pending state. Sessions may be at different frame indices.
-2. One jitted function runs the whole chunk on device: from each session's starting noise (drawn
-   on the host from its seed and chunk counter, :func:`chunk_noise`), ``num_steps`` flow-matching
-   Euler steps ``x <- x + (sigma' - sigma) v(x, sigma)`` from ``sigma = 1`` (noise) to ``0`` on
-   Wan's shifted schedule, every step a read-only forward
-   over the pools (the current chunk's K/V go straight to the attention kernel), then one commit
-   forward at timestep 0 on the clean latents that returns every layer's K/V.
-3. ``step.commit(k, v)`` writes those K/V into the chunk's pages (donated, in place) and commits
-   (advance + evict).
+2. :func:`generate_chunk`, jitted once per :class:`Rollout`, runs the whole chunk on device: from each
+   session's starting noise (drawn on the host from its seed and chunk counter, :func:`chunk_noise`),
+   ``num_steps`` flow-matching Euler steps ``x <- x + (sigma' - sigma) v(x, sigma)`` from
+   ``sigma = 1`` (noise) to ``0`` on Wan's shifted schedule, every step a read-only forward over
+   the pools (the current chunk's K/V go straight to the attention kernel), then one commit forward
+   at timestep 0 on the clean latents that returns every layer's K/V.
+3. ``step.commit(k, v)`` writes those K/V into the chunk's pages (the cache's jitted write donates
+   the pools, so it is in place) and commits (advance + evict).
+
+:func:`generate_chunk` is a pure function of ``(params, pools, inputs, text K/V, noise)`` and a
+static, hashable :class:`ChunkConfig`; it knows nothing of sessions or of the cache facade, so a
+model author can drive it from their own loop (``cache.chunk`` around it, as :meth:`Rollout.step`
+does). It only reads the pools, so it does not donate them.
 
 CFG. With a guidance scale, each session has two rows (the cache's first two KV branches: prompt,
 then the empty prompt), laid out session-major, branch-minor exactly as ``cache.rows`` orders them,
@@ -32,28 +37,26 @@ weights are split over ``"model"`` tensor-parallel style
 (:func:`arkv_jax.models.dit.tensor_parallel_specs`; the rest is replicated), and XLA partitions the
 model's computation to match, adding one all-reduce per row-parallel layer.
 
-The reference. :class:`FullRecompute` generates the same videos without any cache: every forward
-runs the model over all frames so far (clean history at timestep 0, the noisy chunk at its
-timestep) under :func:`arkv_jax.nnx.window_frame_mask`, recomputing every layer's history K/V.
-Its cost grows with the video; the paged rollout must match it to float rounding.
+The exactness reference, :class:`arkv_jax.reference.FullRecompute`, generates the same videos
+without any cache from the same :class:`Sampler`, :func:`chunk_noise` and :func:`denoise`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from arkv_jax.cache import PagedKVCache
-from arkv_jax.config import WindowPolicy
 from arkv_jax.models.dit import CausalDiT, prompt_embedding, tensor_parallel_specs
-from arkv_jax.nnx import MaskedHistory, PagedHistory, window_frame_mask
+from arkv_jax.nnx import PagedHistory
+from arkv_jax.sharded_kernels import gather_rows
 from arkv_jax.sharding import DATA, MODEL
 from arkv_jax.step import ChunkInputs
 
@@ -122,14 +125,90 @@ def denoise(velocity: Callable[[Array, Array], Array], noise: Array, sigmas: np.
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _text_kv(graphdef, params, context: Array) -> tuple[Array, Array]:
-    """The model's per-layer text K/V ``[L, B, T, Hkv, D]`` of ``context`` ``[B, T, text_dim]``."""
+def context_kv(graphdef: nnx.GraphDef, params: nnx.State, context: Array) -> tuple[Array, Array]:
+    """The model's per-layer text K/V ``(k, v)``, each ``[L, B, T, Hkv, D]``, of ``context``
+    ``[B, T, text_dim]`` (from :func:`arkv_jax.models.dit.prompt_embedding`); ``graphdef`` and
+    ``params`` from ``nnx.split(model)``."""
     return nnx.merge(graphdef, params).text_kv(context)
 
 
 def text_branches(prompt: str, num_branches: int) -> tuple[str, ...]:
     """The prompts of a session's branches: the prompt, then the empty prompt (CFG negative)."""
     return (prompt, "")[:num_branches]
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkConfig:
+    """The static part of :func:`generate_chunk`: what is fixed for a whole rollout (hashable).
+
+    Attributes:
+      graphdef: the model's graph, ``nnx.split(model)[0]``.
+      sampler: steps, shift and guidance; ``sampler.num_branches`` rows per session.
+      chunk_frames: frames ``F`` per chunk.
+      tokens_per_frame: the cache's tokens per frame.
+      backend: window-attention backend (:mod:`pallas_kernels.backend`).
+      mesh: the cache's mesh (``PagedKVCache.mesh``): attention then runs on every device's rows
+        and heads; ``None`` for one device.
+    """
+
+    graphdef: nnx.GraphDef
+    sampler: Sampler
+    chunk_frames: int
+    tokens_per_frame: int
+    backend: str = "auto"
+    mesh: Mesh | None = None
+
+
+def batch_rows(table: Array, rows: Array, mesh: Mesh | None) -> Array:
+    """``table[rows]`` ``[B, ...]`` of a per-row table ``[rows, ...]``, zero where ``rows`` is
+    negative (padding); with a mesh, each data shard reads its own rows
+    (:func:`arkv_jax.sharded_kernels.gather_rows`, no communication)."""
+    if mesh is not None:
+        return gather_rows(mesh, table, rows)
+    valid = (rows >= 0).reshape((-1,) + (1,) * (table.ndim - 1))
+    return jnp.where(valid, jnp.take(table, jnp.maximum(rows, 0), axis=0), jnp.zeros((), table.dtype))
+
+
+def generate_chunk(params: nnx.State, pools: tuple[Array, Array], inputs: ChunkInputs,
+                   text_kv: tuple[Array, Array], noise: Array, *, config: ChunkConfig
+                   ) -> tuple[Array, Array, Array]:
+    """One chunk of ``S`` sessions: the denoise steps from ``noise``, then the commit forward.
+
+    Pure and traceable (jit it once: nothing here depends on which sessions run or where their
+    windows stand, only on shapes). ``B = S * config.sampler.num_branches`` batch rows, session-major
+    and branch-minor (a full batch from ``cache.chunk(..., full_batch=True)``: padding rows for idle
+    slots).
+
+    Args:
+      params: the model's parameters, ``nnx.split(model)[1]`` (for ``config.graphdef``).
+      pools: ``(k_pool, v_pool)``, each ``[L, pages, block_size, Hkv, D]``, from ``cache.pools``;
+        only read.
+      inputs: the batch's :class:`ChunkInputs` (``step.inputs``).
+      text_kv: ``(k, v)``, each ``[rows, L, T, Hkv, D]``: the cache's text K/V of every block-table
+        row (``cache.cross_attention_kv(name)``); the batch reads rows ``inputs.rows`` (local to
+        each data shard with a mesh; padding rows read zeros).
+      noise: float ``[S, F, H, W, C]`` starting noise of each session's chunk.
+
+    Returns:
+      ``(latents, k, v)``: the clean latents ``[S, F, H, W, C]`` in the model dtype and every
+      layer's K/V of them ``[L, B, F * tokens_per_frame, Hkv, D]`` (``k`` post-RoPE), for
+      ``step.commit``.
+    """
+    model = nnx.merge(config.graphdef, params)
+    sampler, frames = config.sampler, config.chunk_frames
+    nb, rows = sampler.num_branches, inputs.rows.shape[0]
+    history = PagedHistory.from_inputs(pools, inputs, config.tokens_per_frame, config.backend, mesh=config.mesh)
+    text_k, text_v = (batch_rows(table, inputs.rows, config.mesh).swapaxes(0, 1) for table in text_kv)
+
+    def velocity(x, sigma):
+        t = jnp.full((rows, frames), sigma * 1000.0)
+        out = model(jnp.repeat(x, nb, axis=0), t, inputs.first_frame, history, text_k, text_v)
+        return combine_branches(out, nb, sampler.guidance_scale)
+
+    x = denoise(velocity, noise.astype(model.config.dtype), sampler.sigmas())
+    _, (k, v) = model(jnp.repeat(x, nb, axis=0), jnp.zeros((rows, frames)), inputs.first_frame, history,
+                      text_k, text_v, return_kv=True)
+    return x, k, v
 
 
 class ChunkResult(NamedTuple):
@@ -170,9 +249,10 @@ class Rollout:
       max_traces: if set, tracing the chunk function more often raises ``RuntimeError``.
 
     Attributes:
-      params: the model's parameters (``nnx.split(model)[1]``).
-      chunk_fn: the jitted chunk function ``(params, pools, inputs, text_kv, noise) -> (latents,
-        k, v)`` that :meth:`step` runs (exposed for inspection, e.g. ``.lower(...)``).
+      params: the model's parameters (``nnx.split(model)[1]``; on a mesh, placed tensor-parallel).
+      chunk_config: the static :class:`ChunkConfig` of this rollout.
+      chunk_fn: :func:`generate_chunk` with ``chunk_config``, jitted: ``(params, pools, inputs,
+        text_kv, noise) -> (latents, k, v)``, what :meth:`step` runs (e.g. ``.lower(...)`` it).
       num_traces: how often ``chunk_fn`` was traced.
     """
 
@@ -194,15 +274,16 @@ class Rollout:
         self.chunk_frames = cache.geometry.frames_per_forward
         self.max_sessions = max_sessions or cache.session_capacity
         self.max_traces, self.num_traces = max_traces, 0
-        self._graphdef, self.params = nnx.split(model)
+        graphdef, self.params = nnx.split(model)
         self._noise_sharding = None
         if cache.mesh is not None:
             specs = tensor_parallel_specs(self.params, cache.mesh.shape[MODEL])
             self.params = jax.device_put(self.params, jax.tree_util.tree_map(
                 lambda spec: NamedSharding(cache.mesh, spec), specs, is_leaf=lambda x: isinstance(x, P)))
             self._noise_sharding = NamedSharding(cache.mesh, P(DATA))
-        self._backend = backend or cache.backend
-        self.chunk_fn = jax.jit(self._chunk_fn)
+        self.chunk_config = ChunkConfig(graphdef, sampler, self.chunk_frames, cache.geometry.tokens_per_frame,
+                                        backend or cache.backend, cache.mesh)
+        self.chunk_fn = jax.jit(self._traced_chunk)
         self._sessions: dict[str, _Session] = {}
 
     # -- sessions ------------------------------------------------------------------------------------
@@ -231,7 +312,7 @@ class Rollout:
         config = self.model.config
         for branch, text in zip(self.branches, text_branches(prompt, len(self.branches))):
             context = prompt_embedding(text, config.text_tokens, config.text_dim)[None]
-            k, v = _text_kv(self._graphdef, self.params, jnp.asarray(context))
+            k, v = context_kv(self.chunk_config.graphdef, self.params, jnp.asarray(context))
             self.cache.populate_cross_attention(session_id, self.text_cache, branch,
                                                 ((k[layer, 0], v[layer, 0]) for layer in range(config.num_layers)))
         self._sessions[session_id] = _Session(int(seed))
@@ -288,113 +369,15 @@ class Rollout:
             self._sessions[sid].chunks.append(latents[i])
         return ChunkResult(ids, counts * self.chunk_frames, latents)
 
-    def _chunk_fn(self, params, pools, inputs: ChunkInputs, text_kv, noise):
-        """Traced once: the denoise steps from ``noise`` ``[S, F, H, W, C]`` (``S`` = the cache's
-        slots) and the commit forward of the full batch.
-
-        Returns ``(latents [S, F, H, W, C], k, v)`` with ``k``/``v`` ``[L, S * branches, F * tpf,
-        Hkv, D]``.
-        """
+    def _traced_chunk(self, params, pools, inputs: ChunkInputs, text_kv, noise):
+        """:func:`generate_chunk` under the trace guard: runs once per trace of :attr:`chunk_fn`."""
         self.num_traces += 1
         if self.max_traces is not None and self.num_traces > self.max_traces:
             raise RuntimeError(f"the chunk function was traced {self.num_traces} times (max_traces="
                                f"{self.max_traces}): a shape, dtype or static value changed")
-        model = nnx.merge(self._graphdef, params)
-        config, nb = self.model.config, len(self.branches)
-        history = PagedHistory.from_inputs(pools, inputs, config.tokens_per_frame, self._backend,
-                                           mesh=self.cache.mesh)
-        text_k, text_v = self.cache.cross_attention_rows(text_kv, inputs)
-        noise = noise.astype(config.dtype)
-        rows = inputs.rows.shape[0]
-
-        def velocity(x, sigma):
-            t = jnp.full((rows, self.chunk_frames), sigma * 1000.0)
-            out = model(jnp.repeat(x, nb, axis=0), t, inputs.first_frame, history, text_k, text_v)
-            return combine_branches(out, nb, self.sampler.guidance_scale)
-
-        x = denoise(velocity, noise, self.sampler.sigmas())
-        _, (k, v) = model(jnp.repeat(x, nb, axis=0), jnp.zeros((rows, self.chunk_frames)), inputs.first_frame,
-                          history, text_k, text_v, return_kv=True)
-        return x, k, v
+        return generate_chunk(params, pools, inputs, text_kv, noise, config=self.chunk_config)
 
     # -- views ---------------------------------------------------------------------------------------
     def pages_held(self) -> dict[str, np.ndarray]:
         """Pool page indices each active session holds (all its branches), sorted (host sync)."""
         return self.cache.pages_held(self.sessions)
-
-
-class FullRecompute:
-    """The same generation without a KV cache: the exactness reference and the no-cache baseline.
-
-    Every forward runs the model over all ``max_frames`` frames of each session's video (clean
-    generated frames at timestep 0, the noisy chunk at its timestep, frames not generated yet
-    masked out) with :class:`arkv_jax.nnx.MaskedHistory` under :func:`window_frame_mask`, so every
-    layer's history K/V is recomputed from the clean latents every time.
-
-    Args:
-      model: the video model.
-      window: the window policy the paged cache uses.
-      sampler: as for :class:`Rollout`.
-      chunk_frames: frames per chunk.
-
-    Attributes:
-      params: the model's parameters.
-      chunk_fn: the jitted ``(params, clean, first_frame, noise, text_kv) -> latents`` behind
-        :meth:`chunk`.
-    """
-
-    def __init__(self, model: CausalDiT, window: WindowPolicy, sampler: Sampler = Sampler(), *,
-                 chunk_frames: int) -> None:
-        self.model, self.window, self.sampler, self.chunk_frames = model, window, sampler, chunk_frames
-        self._graphdef, self.params = nnx.split(model)
-        self.chunk_fn = jax.jit(self._chunk_fn)
-
-    def text_kv(self, prompts: Sequence[str]) -> tuple[Array, Array]:
-        """Text K/V of every row (session-major, branch-minor): ``[L, S * branches, T, Hkv, D]``."""
-        config = self.model.config
-        texts = [t for p in prompts for t in text_branches(p, self.sampler.num_branches)]
-        context = np.stack([prompt_embedding(t, config.text_tokens, config.text_dim) for t in texts])
-        return _text_kv(self._graphdef, self.params, jnp.asarray(context))
-
-    def chunk(self, clean: Array, first_frame: int, noise: Array, text_kv: tuple[Array, Array]) -> Array:
-        """The clean chunk ``[S, F, H, W, C]`` starting at frame ``first_frame`` (all sessions),
-        given the earlier clean frames in ``clean`` ``[S, max_frames, H, W, C]`` (later entries are
-        ignored), the chunk's float32 starting ``noise`` ``[S, F, H, W, C]`` and :meth:`text_kv`.
-        Runs :attr:`chunk_fn`, one compilation per ``max_frames``."""
-        return self.chunk_fn(self.params, clean, jnp.int32(first_frame), noise, text_kv)
-
-    def _chunk_fn(self, params, clean: Array, first_frame: Array, noise: Array, text_kv: tuple[Array, Array]
-                  ) -> Array:
-        model = nnx.merge(self._graphdef, params)
-        nb, chunk = self.sampler.num_branches, self.chunk_frames
-        sessions, max_frames = clean.shape[:2]
-        rows = sessions * nb
-        frames = jnp.arange(max_frames)
-        generated = frames < first_frame + chunk
-        mask = jnp.asarray(window_frame_mask(max_frames, chunk, self.window)) & generated[None, :]
-        history = MaskedHistory(jnp.broadcast_to(mask, (rows, max_frames, max_frames)),
-                                self.model.config.tokens_per_frame)
-        current = (frames >= first_frame) & generated
-
-        def velocity(x, sigma):
-            video = jax.lax.dynamic_update_slice_in_dim(clean, x, first_frame, axis=1)
-            t = jnp.broadcast_to(jnp.where(current, sigma * 1000.0, 0.0), (rows, max_frames))
-            out = model(jnp.repeat(video, nb, axis=0), t, jnp.zeros((rows,), jnp.int32), history, *text_kv)
-            current_out = jax.lax.dynamic_slice_in_dim(out, first_frame, chunk, axis=1)
-            return combine_branches(current_out, nb, self.sampler.guidance_scale)
-
-        return denoise(velocity, noise.astype(clean.dtype), self.sampler.sigmas())
-
-    def rollout(self, prompts: Sequence[str], seeds: Sequence[int], num_chunks: int) -> np.ndarray:
-        """``[S, num_chunks * F, H, W, C]``: every session generated together (padded to the full
-        length, so one compilation serves all chunks)."""
-        config = self.model.config
-        text_kv = self.text_kv(prompts)
-        chunk = self.chunk_frames
-        shape = (chunk, *config.frame_shape)
-        clean = jnp.zeros((len(prompts), num_chunks * chunk, *config.frame_shape), config.dtype)
-        for c in range(num_chunks):
-            noise = np.stack([chunk_noise(seed, c, shape) for seed in seeds])
-            x = self.chunk(clean, c * chunk, noise, text_kv)
-            clean = jax.lax.dynamic_update_slice_in_dim(clean, x, c * chunk, axis=1)
-        return np.asarray(clean)

@@ -16,7 +16,7 @@ CFG: both branches batched) and window, for S sessions in lock-step, and are tim
     the window (sink kept, oldest frames dropped: a copy of the buffer, donated). Same model, same
     history semantics: its latents equal the paged ones (checked).
 ``recompute@n``
-    :class:`arkv_jax.rollout.FullRecompute` at a video of ``n`` chunks: every forward runs the
+    :class:`arkv_jax.reference.FullRecompute` at a video of ``n`` chunks: every forward runs the
     model over all ``n + 1`` chunks' frames (history clean at t = 0) under the window mask. No
     cache at all; its cost grows with the video.
 
@@ -50,7 +50,8 @@ from arkv_jax.config import CacheGeometry, CrossAttentionSpec, KVBranch, WindowP
 from arkv_jax.models.dit import MODEL_CONFIGS, DiTConfig, init_random
 from arkv_jax.nnx import masked_attention
 from arkv_jax.planner import rollout_plan
-from arkv_jax.rollout import FullRecompute, Rollout, Sampler, chunk_noise, combine_branches, denoise
+from arkv_jax.reference import FullRecompute
+from arkv_jax.rollout import Rollout, Sampler, chunk_noise, combine_branches, denoise
 from arkv_jax.step import ChunkInputs
 from benchmarks import harness
 

@@ -1,4 +1,4 @@
-"""The functional core of the NNX layers: 3-D RoPE, dense attention, the reference's window mask."""
+"""The functional core of the NNX layers: 3-D RoPE and dense attention."""
 
 from __future__ import annotations
 
@@ -7,10 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from arkv_jax.cache import PagedKVCache
-from arkv_jax.config import CacheGeometry, KVBranch, WindowPolicy
-from arkv_jax.nnx import (apply_rope, masked_attention, rope_axis_pairs, rope_tables, token_positions,
-                          window_frame_mask)
+from arkv_jax.nnx import apply_rope, masked_attention, rope_axis_pairs, rope_tables, token_positions
 
 
 def test_rope_splits_pairs_like_wan():
@@ -58,27 +55,3 @@ def test_masked_attention_is_gqa_softmax_over_visible_keys():
     hidden = k.at[:, 3].add(100.0)
     np.testing.assert_allclose(masked_attention(q, hidden, v, mask.at[:, :, 3].set(False)),
                                masked_attention(q, k, v, mask.at[:, :, 3].set(False)), atol=1e-6)
-
-
-@pytest.mark.parametrize("window,chunk", [
-    (WindowPolicy(window_frames=6, sink_frames=2), 2),
-    (WindowPolicy(window_frames=4, sink_frames=1), 3),
-    (WindowPolicy(window_frames=3, sink_frames=0), 1),
-    (WindowPolicy(window_frames=4, sink_frames=2, reset_at_boundary=True), 2),
-])
-def test_window_frame_mask_is_the_caches_visible_window(window, chunk):
-    """The reference's mask, stated on frame indices, equals what the cache shows each chunk."""
-    geometry = CacheGeometry(num_layers=1, num_kv_heads=1, head_dim=8, dtype="float32", tokens_per_frame=3,
-                             block_size=2, frames_per_forward=chunk)
-    cache = PagedKVCache(geometry, window, (KVBranch("main"),), available_bytes=1 << 20, memory_fraction=1.0)
-    cache.open("s")
-    chunks = 9
-    mask = window_frame_mask(chunks * chunk, chunk, window)
-    for c in range(chunks):
-        with cache.chunk(["s"], chunk) as step:
-            frames = np.asarray(step.inputs.history_frames[0])
-            assert sorted(frames[frames >= 0]) == np.flatnonzero(mask[c * chunk, :c * chunk]).tolist(), c
-            np.testing.assert_array_equal(mask[c * chunk:(c + 1) * chunk, c * chunk:(c + 1) * chunk], True)
-            assert not mask[c * chunk, (c + 1) * chunk:].any()
-            kv = jnp.zeros((1, 1, chunk * 3, 1, 8))
-            step.commit(kv, kv)

@@ -25,4 +25,4 @@ def test_quickstart_notebook_runs_and_shows_its_results():
     sharded = [line for line in text.splitlines() if "sharded vs one-device latents" in line]
     assert len(sharded) == 1 and float(sharded[0].split()[-1]) < 1e-5
     pictures = [out for out in outputs if "image/png" in out.get("data", {})]
-    assert len(pictures) == 2
+    assert len(pictures) == 3  # page map, memory, latency

@@ -3,13 +3,16 @@
 One scripted run per CFG setting (module fixture), asserted from several angles: sessions join at
 different steps (so one batch holds sessions at different frame indices), one leaves mid-run and a
 new one takes its place (reusing its pages), every session outlives the window (sink 2 + window 6
-frames; 13 chunks of 2 frames), and the chunk function is traced once.
+frames; 13 chunks of 2 frames), the chunk function is traced once, and the pure chunk function
+driven by hand gives the same bits. The demo's tests are in ``tests/test_demo.py``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,11 +21,13 @@ from flax import nnx
 
 from arkv_jax.cache import PagedKVCache
 from arkv_jax.config import KVBranch
-from arkv_jax.models import MODEL_CONFIGS, CausalDiT, init_random
+from arkv_jax.models import MODEL_CONFIGS, CausalDiT, init_random, prompt_embedding
 from arkv_jax.nnx import PagedHistory
 from arkv_jax.presets import get_preset
 from arkv_jax.planner import rollout_plan
-from arkv_jax.rollout import FullRecompute, Rollout, Sampler, chunk_noise
+from arkv_jax.reference import FullRecompute
+from arkv_jax.rollout import (ChunkConfig, Rollout, Sampler, chunk_noise, context_kv, generate_chunk,
+                              text_branches)
 from arkv_jax.step import ChunkInputs
 
 PRESET = get_preset("tiny")
@@ -115,6 +120,48 @@ def test_the_chunk_function_compiles_once(run):
     assert run.rollout.num_traces == 1
 
 
+def test_the_pure_chunk_function_driven_by_hand_gives_the_rollouts_latents(run, model):
+    """:func:`generate_chunk` needs no :class:`Rollout`: the same schedule driven through the cache
+    by hand, jitted once under ``chex.assert_max_traces``, gives the rollout's latents bit for bit."""
+    sampler, chunk = run.rollout.sampler, PRESET.geometry.frames_per_forward
+    kv_branches = PRESET.kv_branches[:sampler.num_branches]
+    branches = [b.name for b in kv_branches]
+    plan = rollout_plan(PRESET.geometry, PRESET.window, kv_branches, PRESET.cross_attention, 3)
+    cache = PagedKVCache(PRESET.geometry, PRESET.window, kv_branches, PRESET.cross_attention, plan=plan,
+                         backend="xla")
+    graphdef, params = nnx.split(model)
+    config = ChunkConfig(graphdef, sampler, chunk, PRESET.geometry.tokens_per_frame, "xla")
+    chex.clear_trace_counter()
+    chunk_fn = jax.jit(chex.assert_max_traces(generate_chunk, n=1), static_argnames="config")
+    shape = (chunk, *CONFIG.frame_shape)
+    chunks, latents = {}, {}
+    for index in range(CHUNKS):
+        for sid in JOINS.get(index, ()):
+            cache.open(sid)
+            for branch, text in zip(branches, text_branches(PROMPTS[sid], len(branches))):
+                context = prompt_embedding(text, CONFIG.text_tokens, CONFIG.text_dim)[None]
+                k, v = context_kv(graphdef, params, jnp.asarray(context))
+                cache.populate_cross_attention(sid, "text", branch, ((k[i, 0], v[i, 0]) for i in range(len(k))))
+            chunks[sid] = []
+        ids = cache.sessions
+        noise = np.zeros((cache.session_capacity, *shape), np.float32)
+        for sid in ids:
+            noise[cache.slot(sid)] = chunk_noise(SEEDS[sid], len(chunks[sid]), shape)
+        with cache.chunk(ids, chunk, branches, full_batch=True) as step:
+            x, k_new, v_new = chunk_fn(params, cache.pools, step.inputs, cache.cross_attention_kv("text"), noise,
+                                       config=config)
+            step.commit(k_new, v_new)
+        for sid in ids:
+            chunks[sid].append(np.asarray(x)[cache.slot(sid)])
+        for sid in LEAVES.get(index, ()):
+            cache.close(sid)
+            latents[sid] = np.concatenate(chunks.pop(sid))
+    latents.update({sid: np.concatenate(c) for sid, c in chunks.items()})
+    assert latents.keys() == run.latents.keys()
+    for sid, expected in run.latents.items():
+        np.testing.assert_array_equal(latents[sid], expected, err_msg=sid)
+
+
 def test_max_traces_guard_raises_and_leaves_the_cache_unchanged(model):
     rollout = make_rollout(model, None, sessions=2, max_traces=0)
     rollout.join("a", "x")
@@ -184,62 +231,14 @@ def test_wan_1_3b_shapes_trace(model):
 
     velocity, (k, v) = jax.eval_shape(commit_forward, abstract, (pool, pool), inputs, text, text)
     assert velocity.shape == (1, frames, 60, 104, 16)
-    assert k.shape == v.shape == (geo.num_layers, 1, frames * geo.tokens_per_frame, geo.num_kv_heads, geo.head_dim)
-
-
-def read_png(data: bytes) -> np.ndarray:
-    """Decodes the demo's PNGs (8-bit RGB, filter 0), checking signature and chunk CRCs."""
-    import struct
-    import zlib
-
-    assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    pos, chunks = 8, {}
-    while pos < len(data):
-        (length,), tag = struct.unpack(">I", data[pos:pos + 4]), data[pos + 4:pos + 8]
-        body = data[pos + 8:pos + 8 + length]
-        assert struct.unpack(">I", data[pos + 8 + length:pos + 12 + length])[0] == zlib.crc32(tag + body)
-        chunks[tag] = chunks.get(tag, b"") + body
-        pos += 12 + length
-    width, height, depth, color = struct.unpack(">IIBB", chunks[b"IHDR"][:10])
-    assert (depth, color) == (8, 2) and b"IEND" in chunks
-    raw = np.frombuffer(zlib.decompress(chunks[b"IDAT"]), np.uint8).reshape(height, 1 + 3 * width)
-    assert not raw[:, 0].any()
-    return raw[:, 1:].reshape(height, width, 3)
-
-
-def test_demo_command_end_to_end(tmp_path, capsys):
-    from arkv_jax import cli
-    from arkv_jax.demo import PALETTE
-
-    assert cli.main(["demo", "--sessions", "2", "--chunks", "5", "--out", str(tmp_path), "--check",
-                     "--seed", "3"]) == 0
-    lines = capsys.readouterr().out.strip().splitlines()
-    assert lines[-1].startswith("checksum: ") and np.isfinite(float(lines[-1].split()[1]))
-    diff = [line for line in lines if line.startswith("max_abs_diff:")]
-    assert len(diff) == 1 and float(diff[0].split()[1]) < 1e-4
-    assert any(line.startswith("steady state:") for line in lines)
-    for name in ("pages.png", "memory.png"):
-        image = read_png((tmp_path / name).read_bytes())
-        colors = {tuple(c) for c in image.reshape(-1, 3)}
-        assert {tuple(PALETTE[0]), tuple(PALETTE[1])} <= colors  # both sessions drawn
-
-
-def test_demo_cli_offers_every_model_config():
-    from arkv_jax import cli
-
-    parser = cli.build_parser()
-    for name in MODEL_CONFIGS:
-        assert parser.parse_args(["demo", "--preset", name]).preset == name
-    with pytest.raises(SystemExit):
-        parser.parse_args(["demo", "--preset", "lingbot-v2"])  # a cache preset without a model
-
-
-def test_page_map_of_a_large_pool_stays_small():
-    from arkv_jax.demo import StepRecord, Timeline, page_map_png
-
-    timeline = Timeline(num_pages=5001, usable_pages=5000, chunk_frames=2)
-    for step in range(3):
-        held = {"s0": np.arange(1, 41) + 40 * step, "s1": np.arange(4900, 5000)}
-        timeline.steps.append(StepRecord(("s0", "s1"), (2 * step, 0), 0.01, 4, 140, held))
-    image = read_png(page_map_png(timeline))
-    assert image.shape[0] < 600 and image.shape[1] < 800
+    kv_shape = (geo.num_layers, 1, frames * geo.tokens_per_frame, geo.num_kv_heads, geo.head_dim)
+    assert k.shape == v.shape == kv_shape
+    # The whole chunk (3 denoise steps + the commit forward) traces at this shape too.
+    graphdef, params = nnx.split(abstract)
+    config = ChunkConfig(graphdef, Sampler(num_steps=3), frames, geo.tokens_per_frame, "xla")
+    noise = spec((1, frames, *wan.frame_shape), jnp.float32)
+    table = spec((1, geo.num_layers, wan.text_tokens, geo.num_kv_heads, geo.head_dim), jnp.bfloat16)
+    latents, k, v = jax.eval_shape(functools.partial(generate_chunk, config=config), params, (pool, pool),
+                                   inputs, (table, table), noise)
+    assert latents.shape == (1, frames, 60, 104, 16) and latents.dtype == jnp.bfloat16
+    assert k.shape == v.shape == kv_shape

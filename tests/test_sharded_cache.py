@@ -1,16 +1,14 @@
-"""The cache facade, the rollout and ``arkv-jax demo`` on a mesh of 8 CPU devices.
+"""The cache facade and the rollout on a mesh of 8 CPU devices (``arkv-jax demo --devices``:
+``tests/test_demo.py``).
 
 Every sharded run is compared with the same run on one device: pool contents bit for bit,
 attention and generated latents to 1e-5 (fp32), and bit for bit where each device runs the same
-batch shape as the single device. ``tests/conftest.py`` sets 8 host devices before JAX starts; the
-demo runs in subprocesses, where ``--devices`` creates them itself.
+batch shape as the single device. ``tests/conftest.py`` sets 8 host devices before JAX starts.
 """
 
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -419,28 +417,3 @@ def test_sharded_rollout_is_bit_identical_with_the_same_batch_per_device(tiny_mo
 def test_sharded_rollout_refuses_heads_the_model_axis_does_not_divide(tiny_model):
     with pytest.raises(ValueError, match="kv_heads=2 must be divisible by the mesh axis 'model' of size 4"):
         tiny_rollout(tiny_model, mesh_of(2, 4), 1)
-
-
-def run_demo_cli(*args, tmp_path):
-    result = subprocess.run([sys.executable, "-m", "arkv_jax.cli", "demo", "--chunks", "3", "--out",
-                             str(tmp_path), *args], capture_output=True, text=True, timeout=600)
-    return result
-
-
-def test_demo_on_8_devices_prints_the_one_device_checksum(tmp_path):
-    runs = [run_demo_cli(tmp_path=tmp_path / "one"),
-            run_demo_cli("--devices", "8", tmp_path=tmp_path / "eight"),
-            run_demo_cli("--devices", "8", "--model-axis", "2", tmp_path=tmp_path / "tensor_parallel")]
-    for run in runs:
-        assert run.returncode == 0, run.stderr[-2000:]
-    assert "mesh: data=8 x model=1 over 8 cpu devices" in runs[1].stdout
-    assert "mesh: data=4 x model=2 over 8 cpu devices" in runs[2].stdout
-    checksums = [r.stdout.strip().splitlines()[-1] for r in runs]
-    assert checksums[0].startswith("checksum: ") and len(set(checksums)) == 1, checksums
-
-
-def test_demo_cli_refuses_a_mesh_the_model_cannot_use(tmp_path):
-    result = run_demo_cli("--devices", "8", "--model-axis", "8", tmp_path=tmp_path)
-    assert result.returncode == 2 and "kv_heads=2 must be divisible" in result.stderr
-    result = run_demo_cli("--devices", "6", "--model-axis", "4", tmp_path=tmp_path)
-    assert result.returncode == 2 and "multiple of model_axis=4" in result.stderr

@@ -1,0 +1,183 @@
+"""``arkv-jax demo``: the report, the figures, the checks made before the run, and the multi-device
+claim (a sharded run's latents equal the one-device run's within ``DEVICE_TOLERANCE``).
+
+In-process runs use this process's CPU devices (``tests/conftest.py`` makes 8); the claim is checked
+in subprocesses, as users run the command, where ``--devices`` creates the host devices itself.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from matplotlib.image import imread
+
+from arkv_jax import cli, demo
+from arkv_jax.models import MODEL_CONFIGS
+
+
+def test_demo_command_end_to_end(tmp_path, capsys):
+    assert cli.main(["demo", "--sessions", "2", "--chunks", "5", "--out", str(tmp_path), "--check",
+                     "--seed", "3"]) == 0
+    captured = capsys.readouterr()
+    lines = captured.out.strip().splitlines()
+    assert lines[0].startswith("arkv-jax demo: 2 sessions x 5 chunks of 2 frames, preset tiny, 3 denoise steps")
+    assert lines[-1].startswith("checksum: ") and np.isfinite(float(lines[-1].split()[1]))
+    diff = [line for line in lines if line.startswith("max_abs_diff:")]
+    assert len(diff) == 1 and float(diff[0].split()[1]) < 1e-4
+    assert not any(line.startswith(("one-device checksum", "devices_max_abs_diff")) for line in lines)
+    # The pool is counted one way everywhere: usable pages.
+    usable = int(re.match(r"pool: (\d+) usable pages \(\+1 null page\)", lines[1]).group(1))
+    rows = [line for line in lines if re.match(r"\s+\d+\s+\d+\s+\d+\.\.\d+", line)]
+    assert len(rows) == 5 + 2 - 1 and all(row.endswith(f"/{usable}") for row in rows)
+    assert [line for line in lines if line.startswith("steady state:")][0].endswith(f"/{usable} usable pages")
+    assert captured.err == ""  # no progress bar: the streams are not terminals
+    for name in ("pages.png", "memory.png", "latency.png"):
+        image = imread(tmp_path / name)
+        assert image.ndim == 3 and min(image.shape[:2]) > 200, name
+
+
+def test_demo_cli_offers_every_model_config():
+    parser = cli.build_parser()
+    for name in MODEL_CONFIGS:
+        assert parser.parse_args(["demo", "--preset", name]).preset == name
+    with pytest.raises(SystemExit):
+        parser.parse_args(["demo", "--preset", "lingbot-v2"])  # a cache preset without a model
+
+
+def test_plurals():
+    assert [demo.plural(n, "session") for n in (0, 1, 2)] == ["0 sessions", "1 session", "2 sessions"]
+
+
+def timeline_of(num_pages, shards, held_per_step):
+    timeline = demo.Timeline(num_pages=num_pages, usable_pages=num_pages - shards, chunk_frames=2)
+    for step, held in enumerate(held_per_step):
+        sessions = tuple(held)
+        timeline.steps.append(demo.StepRecord(sessions, (2 * step,) * len(sessions), 0.01, 2 * len(sessions),
+                                              sum(len(p) for p in held.values()), held))
+    return timeline
+
+
+def test_page_map_shows_which_session_holds_each_page():
+    timeline = timeline_of(12, 2, [{"a": np.array([1, 2])},
+                                   {"a": np.array([1, 2, 3]), "b": np.array([7, 8])},
+                                   {"b": np.array([7, 9])}])
+    owners = np.full((12, 3), 0)
+    owners[[0, 6]] = -1  # the two shards' null pages
+    owners[[1, 2], 0] = 1
+    owners[[1, 2, 3], 1] = 1
+    owners[[7, 8], 1] = 2
+    owners[[7, 9], 2] = 2
+    np.testing.assert_array_equal(timeline.page_owners(), owners)
+    image = demo.page_map_figure(timeline).axes[0].images[0]
+    np.testing.assert_array_equal(image.get_array(), owners)
+
+
+def test_page_map_of_a_large_pool_stays_small():
+    timeline = timeline_of(5001, 1, [{"s0": np.arange(1, 41) + 40 * step, "s1": np.arange(4900, 5000)}
+                                     for step in range(3)])
+    figure = demo.page_map_figure(timeline)
+    width, height = figure.get_size_inches() * figure.dpi
+    assert width <= 800 and height <= 600
+    assert figure.axes[0].images[0].get_array().shape == (5001, 3)
+
+
+def test_memory_and_latency_figures_plot_the_timeline():
+    timeline = timeline_of(40, 1, [{"a": np.arange(1, 5)}, {"a": np.arange(1, 9), "b": np.arange(9, 13)}])
+    per_session, pool = demo.memory_figure(timeline, bound=8).axes
+    a = per_session.lines[0]
+    assert a.get_label() == "a" and list(a.get_xdata()) == [0, 2, 4] and list(a.get_ydata()) == [0, 4, 8]
+    assert list(pool.lines[0].get_ydata()) == [4, 12]
+    bars = demo.latency_figure(timeline).axes[0].patches
+    assert [bar.get_height() for bar in bars] == pytest.approx([10.0, 10.0])
+
+
+class Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_the_progress_bar_shows_on_terminals_only(tmp_path):
+    out, err = Terminal(), Terminal()
+    demo.run_demo(sessions=1, chunks=1, out=tmp_path, stdout=out, stderr=err)
+    assert "1/1" in err.getvalue() and "pool" in err.getvalue()
+    assert out.getvalue().startswith("arkv-jax demo: 1 session x 1 chunk of 2 frames")
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--out", "{file}/figures"], "--out '{file}/figures': cannot create or write the figures' folder"),
+    (["--out", "{file}"], "--out '{file}': cannot create or write the figures' folder"),
+    (["--backend", "pallas_gpu"], "--backend pallas_gpu: the compiled kernel needs an NVIDIA GPU, and this "
+                                  "run's devices are cpu; use --backend xla (runs everywhere) or --backend "
+                                  "pallas_gpu_interpret"),
+    (["--backend", "pallas_tpu"], "--backend pallas_tpu: the compiled kernel needs a TPU"),
+], ids=["out_below_a_file", "out_is_a_file", "pallas_gpu_on_cpu", "pallas_tpu_on_cpu"])
+def test_demo_refuses_before_the_run(flags, message, tmp_path, capsys):
+    file = tmp_path / "a_file"
+    file.write_text("")
+    flags = [f.format(file=file) for f in flags]
+    if "--out" not in flags:
+        flags += ["--out", str(tmp_path / "figures")]
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["demo", *flags])
+    captured = capsys.readouterr()
+    assert exit_info.value.code == 2
+    assert message.format(file=file) in captured.err
+    assert captured.out == ""  # nothing ran
+
+
+def test_check_exits_1_when_the_devices_disagree_beyond_the_bound(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(demo.DEVICE_TOLERANCE, "float32", -1.0)  # any difference, even 0, exceeds it
+    assert cli.main(["demo", "--devices", "2", "--sessions", "1", "--chunks", "1", "--check",
+                     "--out", str(tmp_path)]) == 1
+    assert "2 devices vs one device, largest latent difference; bound -1e+00: EXCEEDED" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------------------------------------
+# The multi-device claim, as users run the command (subprocesses).
+
+
+def run_demo_cli(*args, tmp_path):
+    return subprocess.run([sys.executable, "-m", "arkv_jax.cli", "demo", "--sessions", "2", "--out", str(tmp_path),
+                           *args], capture_output=True, text=True, timeout=600)
+
+
+def value(stdout: str, label: str) -> str:
+    (line,) = [line for line in stdout.splitlines() if line.startswith(label)]
+    return line[len(label):].split()[0]
+
+
+@pytest.mark.parametrize("chunks,mesh", [(1, ("--devices", "8")), (3, ("--devices", "8", "--model-axis", "2")),
+                                         (6, ("--devices", "8"))], ids=["1_chunk", "3_chunks_tp", "6_chunks"])
+def test_sharded_demo_equals_the_one_device_demo_within_the_stated_bound(chunks, mesh, tmp_path):
+    """``--devices 8 --check`` prints the checksum ``arkv-jax demo`` prints on one device, and its own
+    latents are within ``DEVICE_TOLERANCE`` of those (so its checksum is within that times the number
+    of latents, plus the last printed digit)."""
+    one = run_demo_cli("--chunks", str(chunks), tmp_path=tmp_path / "one")
+    sharded = run_demo_cli("--chunks", str(chunks), "--check", *mesh, tmp_path=tmp_path / "sharded")
+    for run in (one, sharded):
+        assert run.returncode == 0, run.stderr[-2000:]
+        assert run.stderr == ""  # no progress bar in a pipe
+    data, model = (8, 1) if "--model-axis" not in mesh else (4, 2)
+    assert f"mesh: data={data} x model={model} over 8 cpu devices" in sharded.stdout
+    one_checksum = one.stdout.strip().splitlines()[-1]
+    assert one_checksum.startswith("checksum: ")
+    assert value(sharded.stdout, "one-device checksum:") == one_checksum.split()[1]
+    difference = float(value(sharded.stdout, "devices_max_abs_diff:"))
+    tolerance = demo.DEVICE_TOLERANCE["float32"]
+    assert difference <= tolerance and "bound 1e-05: ok" in sharded.stdout
+    checksum, expected = float(value(sharded.stdout, "checksum:")), float(one_checksum.split()[1])
+    latents = 2 * chunks * 2 * math.prod(MODEL_CONFIGS["tiny"].frame_shape)
+    assert abs(checksum - expected) <= latents * tolerance + 10 ** (math.floor(math.log10(abs(expected))) - 6)
+
+
+def test_demo_cli_refuses_a_mesh_the_model_cannot_use(tmp_path):
+    result = run_demo_cli("--devices", "8", "--model-axis", "8", tmp_path=tmp_path)
+    assert result.returncode == 2 and "kv_heads=2 must be divisible" in result.stderr
+    result = run_demo_cli("--devices", "6", "--model-axis", "4", tmp_path=tmp_path)
+    assert result.returncode == 2 and "multiple of model_axis=4" in result.stderr
