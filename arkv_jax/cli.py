@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.metadata
+import re
 import sys
 from typing import Sequence
 
 from arkv_jax import planner, presets
-from arkv_jax.config import CrossAttentionSpec, KVBranch
+from arkv_jax.config import CrossAttentionSpec, KVBranch, ceil_div
+
+#: ``--fraction``'s default: vLLM-Omni's ``ARDiffusionKVConfig.gpu_memory_fraction``.
+DEFAULT_FRACTION = 0.1
 
 
 def _positive_fraction(text: str) -> float:
@@ -26,6 +31,39 @@ def _memory(text: str) -> int:
         return planner.parse_memory(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _bytes_or_zero(text: str) -> int:
+    """A size as ``--memory`` takes it (``512MiB``, ``1e9``), or ``0``."""
+    return 0 if text.strip() in ("0", "0B", "0b") else _memory(text)
+
+
+#: Internal names in planner and config messages -> the ``arkv-jax plan`` flag that sets them.
+_FLAG_OF_FIELD = {
+    "session_capacity": "--sessions", "num_layers": "--layers", "num_kv_heads": "--kv-heads",
+    "head_dim": "--head-dim", "tokens_per_frame": "--tokens-per-frame", "block_size": "--block-size",
+    "frames_per_forward": "--frames-per-forward", "window_frames": "--window-frames",
+    "sink_frames": "--sink-frames", "memory_fraction": "--fraction", "available_bytes": "--memory",
+    "max_scratch_tokens_per_branch": "--scratch-tokens",
+    "model_owned_state_bytes_per_session": "--model-owned-bytes", "dtype": "--dtype",
+}
+
+
+def _in_flag_terms(message: str) -> str:
+    """``message`` with the internal field names replaced by the flags a user typed."""
+    return re.sub(r"\b(" + "|".join(_FLAG_OF_FIELD) + r")\b", lambda m: _FLAG_OF_FIELD[m.group(1)], message)
+
+
+def _join_negative_values(argv: Sequence[str]) -> list[str]:
+    """``["--memory", "-5GiB"]`` -> ``["--memory=-5GiB"]``: argparse reads a value that starts with
+    ``-`` (and is not a plain number) as an unknown option, so the flag's own check never sees it."""
+    out: list[str] = []
+    for token in argv:
+        if out and out[-1].startswith("--") and "=" not in out[-1] and re.match(r"-\.?\d", token):
+            out[-1] = f"{out[-1]}={token}"
+        else:
+            out.append(token)
+    return out
 
 
 def _branches(text: str) -> tuple[KVBranch, ...]:
@@ -71,20 +109,24 @@ def _add_plan_parser(sub) -> None:
         p.add_argument(f"--{flag}", type=int, help="override the preset's value")
     p.add_argument("--dtype", help="storage dtype: float32, bfloat16 or float16")
     p.add_argument("--reset-at-boundary", action="store_true", default=None,
-                   help="the seed's reset mode (evict everything after the sink on each commit)")
+                   help="vLLM-Omni's reset mode (evict everything after the sink on each commit)")
     p.add_argument("--branches", type=_branches, help="KV branches, e.g. 'positive:0,negative:1'")
     p.add_argument("--cross", type=_cross, help="cross-attention caches, e.g. 'text:512', or 'none'")
     p.add_argument("--scratch-tokens", type=int, help="action/state tokens per forward kept in scratch")
-    p.add_argument("--model-owned-bytes", type=int, help="per-session model state outside the pool")
+    p.add_argument("--model-owned-bytes", type=_bytes_or_zero,
+                   help="per-session model state outside the pool, a size like --memory takes (or 0)")
     p.add_argument("--memory", type=_memory,
                    help="available memory: a size (100GiB, 80GB) or a chip "
                         f"({', '.join(sorted(planner.CHIP_MEMORY_BYTES))}); default: probe this device")
-    p.add_argument("--fraction", type=_positive_fraction, default=0.1,
-                   help="soft budget fraction of the available memory, in (0, 1] (default 0.1)")
+    p.add_argument("--fraction", type=_positive_fraction, default=None,
+                   help="soft budget fraction of the available memory, in (0, 1] (default "
+                        f"{DEFAULT_FRACTION}: vLLM-Omni's gpu_memory_fraction default, which leaves the rest "
+                        "of the device to the model; raise it, e.g. 0.9, for a device that serves only this "
+                        "cache and its model)")
     p.add_argument("--sessions", type=int, help="resident sessions requested")
     p.add_argument("--batched-in-flight", action="store_true",
                    help="reserve in-flight pages for every session (all sessions in one batched chunk, as "
-                        "arkv_jax.cache.PagedKVCache runs them) instead of the seed's one forward at a time")
+                        "arkv_jax.cache.PagedKVCache runs them) instead of vLLM-Omni's one forward at a time")
     p.add_argument("--mesh", type=_mesh_shape, metavar="DATAxMODEL",
                    help="plan one device of a (data, model) mesh, e.g. 4x2: sessions split over data, K/V "
                         "heads over model; --memory is then per device and --sessions counts every data shard")
@@ -120,7 +162,7 @@ def _plan_from_args(args: argparse.Namespace):
         window = dataclasses.replace(window, reset_at_boundary=True)
     sessions = args.sessions if args.sessions is not None else preset.session_capacity
     common = dict(
-        memory_fraction=args.fraction,
+        memory_fraction=DEFAULT_FRACTION if args.fraction is None else args.fraction,
         cross_attention=args.cross if args.cross is not None else preset.cross_attention,
         max_scratch_tokens_per_branch=(args.scratch_tokens if args.scratch_tokens is not None
                                        else preset.max_scratch_tokens_per_branch),
@@ -135,7 +177,7 @@ def _plan_from_args(args: argparse.Namespace):
         data, model = args.mesh
         return planner.plan_per_device(geometry, window, branches, data=data, model=model,
                                         available_bytes_per_device=available,
-                                        sessions_per_shard=-(-sessions // data), **common)
+                                        sessions_per_shard=ceil_div(sessions, data), **common)
     return planner.plan_memory(geometry, window, branches, available_bytes=available,
                                session_capacity=sessions, **common)
 
@@ -144,8 +186,18 @@ def _run_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
         plan = _plan_from_args(args)
     except ValueError as exc:
-        parser.error(str(exc))
-    print(plan.to_json() if args.json else plan.summary())
+        parser.error(_in_flag_terms(str(exc)))
+    if args.json:
+        print(plan.to_json())
+        return 0
+    print(plan.summary())
+    one = plan.plan if isinstance(plan, planner.DevicePlan) else plan
+    source = (f"--fraction {args.fraction:g}" if args.fraction is not None
+              else f"default {DEFAULT_FRACTION:g}, vLLM-Omni's gpu_memory_fraction; pass --fraction to change it")
+    print(f"memory fraction in use: {one.memory_fraction:g} ({source})")
+    if one.session_capacity < one.requested_session_capacity:
+        print(f"note: {one.requested_session_capacity} sessions requested, {one.session_capacity} granted; "
+              f"the budget holds at most {one.budget_session_capacity} (raise --fraction or --memory)")
     return 0
 
 
@@ -227,10 +279,18 @@ def _request_host_devices(count: int) -> None:
         pass
 
 
+def _version() -> str:
+    try:
+        return importlib.metadata.version("arkv-jax")
+    except importlib.metadata.PackageNotFoundError:  # running from a checkout that is not installed
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``arkv-jax`` argument parser with its subcommands."""
     parser = argparse.ArgumentParser(
         prog="arkv-jax", description="Paged KV cache for autoregressive video diffusion in JAX.")
+    parser.add_argument("--version", action="version", version=f"arkv-jax {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_plan_parser(sub)
     _add_demo_parser(sub)
@@ -240,7 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``arkv-jax`` console script; returns the exit code (2 for bad flags)."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_join_negative_values(sys.argv[1:] if argv is None else argv))
     return args.run(args, parser)
 
 

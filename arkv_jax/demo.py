@@ -61,6 +61,7 @@ from matplotlib.patches import Patch
 from tqdm import tqdm
 
 from arkv_jax.cache import PagedKVCache
+from arkv_jax.config import ceil_div
 from arkv_jax.models.dit import MODEL_CONFIGS, CausalDiT, init_random
 from arkv_jax.planner import rollout_plan
 from arkv_jax.presets import get_preset
@@ -405,7 +406,7 @@ def _rollout(model: CausalDiT, preset: str, sessions: int, backend: str, mesh: M
     branches = cache_preset.kv_branches[:sampler.num_branches]
     data, model_axis = check_mesh(mesh) if mesh is not None else (1, 1)
     plan = rollout_plan(cache_preset.geometry, cache_preset.window, branches, cache_preset.cross_attention,
-                        -(-sessions // data), model=model_axis)
+                        ceil_div(sessions, data), model=model_axis)
     cache = PagedKVCache(cache_preset.geometry, cache_preset.window, branches, cache_preset.cross_attention,
                          plan=plan, backend=backend, mesh=mesh)
     return Rollout(model, cache, sampler, max_traces=1)

@@ -42,12 +42,9 @@ from jax.sharding import Mesh
 from arkv_jax.sharded_kernels import sharded_window_attention
 from arkv_jax.step import ChunkInputs
 from pallas_kernels import window_attention
+from pallas_kernels.common import MASK_VALUE
 
 Array = jax.Array
-
-#: Logit of a masked key: finite, so a row with no visible key cannot produce NaN.
-MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
-
 
 # ------------------------------------------------------------------------------------------------
 # Rotary positions

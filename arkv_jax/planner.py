@@ -163,6 +163,8 @@ class MemoryPlan:
     num_blocks_total: int
     null_block_id: int = 0
     batched_in_flight: bool = False
+    budget_session_capacity: int = 0
+    """The most resident sessions the memory budget holds, whatever was requested (>= 1)."""
 
     @property
     def bytes_per_frame(self) -> int:
@@ -231,7 +233,10 @@ class MemoryPlan:
             ("memory budget", format_bytes(self.memory_budget_bytes)
              + (" (raised to admit one session)"
                 if self.memory_budget_bytes > self.configured_memory_budget_bytes else "")),
-            ("sessions requested / that fit", f"{self.requested_session_capacity} / {self.session_capacity}"),
+            ("sessions granted / requested", f"{self.session_capacity} / {self.requested_session_capacity}"
+             + ("" if self.session_capacity == self.requested_session_capacity
+                else " (request not met: the budget is too small)")),
+            ("most sessions the budget holds", f"{self.budget_session_capacity}"),
             ("scratch pages", f"{self.scratch_num_blocks} ({self.scratch_blocks_per_kv_branch} per local"
                               f" branch x {self.num_local_kv_branches})"),
             ("managed pages (incl. null page 0)",
@@ -343,7 +348,8 @@ def plan_memory(
     if budget > configured:
         _log.warning("raised the configured memory budget from %d to %d bytes to admit one session",
                      configured, budget)
-    capacity = min(session_capacity, (budget - fixed) // per_session)
+    budget_capacity = (budget - fixed) // per_session
+    capacity = min(session_capacity, budget_capacity)
     if capacity < session_capacity:
         _log.warning("resident session capacity reduced from %d to %d by the memory budget",
                      session_capacity, capacity)
@@ -361,6 +367,7 @@ def plan_memory(
         model_owned_state_bytes_per_session=owned, model_owned_state_reserved_bytes=owned * capacity,
         required_managed_blocks=required_managed, managed_num_blocks=managed_blocks,
         num_blocks_total=managed_blocks + scratch_blocks, batched_in_flight=batched_in_flight,
+        budget_session_capacity=int(budget_capacity),
     )
 
 
@@ -583,6 +590,8 @@ def parse_memory(text: str) -> int:
     key = text.strip().lower()
     if key in CHIP_MEMORY_BYTES:
         return CHIP_MEMORY_BYTES[key]
+    if key.startswith("-"):
+        raise ValueError(f"memory must be positive, got {text!r}")
     match = re.fullmatch(r"([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)", key)
     if match is None or match.group(2) not in _UNITS:
         raise ValueError(

@@ -57,25 +57,12 @@ def window_frame_mask(num_frames: int, chunk_frames: int, window: WindowPolicy) 
 
     A chunk (frames ``[c0, c0 + chunk_frames)``) sees itself (bidirectionally), the sink frames
     (``j < sink_frames``) and the most recent earlier frames such that, with the chunk, at most
-    ``sink_frames + window_frames`` frames are visible; in reset mode only the sink. This is the
-    cache's window rule stated on frame indices, independently of pages.
+    ``sink_frames + window_frames`` frames are visible; in reset mode only the sink: the window
+    rule of :meth:`arkv_jax.config.WindowPolicy.frame_visible`, independently of pages.
     """
-    sink_frames, window_frames = window.sink_frames, window.window_frames
-    mask = np.zeros((num_frames, num_frames), bool)
-    for c0 in range(0, num_frames, chunk_frames):
-        sink = min(c0, sink_frames)
-        live = c0 - sink
-        if window.reset_at_boundary:
-            recent = 0
-        elif c0 + chunk_frames <= sink_frames + window_frames:
-            recent = live
-        else:
-            recent = min(live, max(0, window_frames - chunk_frames))
-        rows = slice(c0, c0 + chunk_frames)
-        mask[rows, :sink] = True
-        mask[rows, c0 - recent:c0] = True
-        mask[rows, c0:c0 + chunk_frames] = True
-    return mask
+    frames = np.arange(num_frames)
+    chunk_first = frames // chunk_frames * chunk_frames
+    return window.frame_visible(frames[None, :], chunk_first[:, None], chunk_frames)
 
 
 class FullRecompute:

@@ -296,61 +296,6 @@ def test_summary_is_readable():
                        session_capacity=2, cross_attention=p.cross_attention,
                        model_owned_state_bytes_per_session=p.model_owned_state_bytes_per_session)
     text = plan.summary()
-    for needle in ("bytes per frame", "bytes per session per branch", "sessions requested / that fit",
-                   "2 / 1", "raised to admit one session", "managed pages"):
+    for needle in ("bytes per frame", "bytes per session per branch", "sessions granted / requested",
+                   "1 / 2 (request not met", "raised to admit one session", "managed pages"):
         assert needle in text
-
-
-def run_cli(capsys, *argv):
-    code = cli.main(list(argv))
-    return code, capsys.readouterr().out
-
-
-def test_cli_plan_lingbot_json(capsys):
-    code, out = run_cli(capsys, "plan", "--preset", "lingbot-v2", "--memory", "100GiB", "--fraction", "0.1", "--json")
-    plan = json.loads(out)
-    assert code == 0
-    assert plan["memory_budget_bytes"] == 33_653_670_400 and plan["session_capacity"] == 1
-    _, out = run_cli(capsys, "plan", "--preset", "lingbot-v2", "--memory", "100GiB", "--fraction", "0.6", "--json")
-    plan = json.loads(out)
-    assert plan["memory_budget_bytes"] == 64_424_509_440 and plan["session_capacity"] == 2
-    for key in ("session_capacity", "requested_session_capacity", "memory_budget_bytes",
-                "configured_memory_budget_bytes", "managed_num_blocks", "num_blocks_total",
-                "scratch_blocks_per_kv_branch", "scratch_num_blocks", "cross_attention_bytes_per_session",
-                "cross_attention_reserved_bytes", "model_owned_state_reserved_bytes", "scratch_reserved_bytes"):
-        assert key in plan
-
-
-def test_cli_plan_flags_override_the_preset(capsys):
-    _, out = run_cli(capsys, "plan", "--preset", "tiny", "--layers", "4", "--block-size", "24",
-                     "--branches", "main", "--cross", "none", "--memory", "1GiB", "--sessions", "3", "--json")
-    plan = json.loads(out)
-    assert plan["geometry"]["num_layers"] == 4 and plan["geometry"]["block_size"] == 24
-    assert plan["kv_branches"] == [{"name": "main", "local_index": 0}]
-    assert plan["cross_attention"] == [] and plan["session_capacity"] == 3
-
-
-def test_cli_plan_summary_with_chip_name(capsys):
-    code, out = run_cli(capsys, "plan", "--preset", "wan-1.3b", "--memory", "h100-80gb")
-    assert code == 0 and "arkv-jax memory plan" in out and "sessions requested / that fit" in out
-
-
-@pytest.mark.parametrize(
-    "argv, needle",
-    [
-        (["--memory", "12XB"], "memory must be a size"),
-        (["--fraction", "0"], "must be in (0, 1], got 0.0"),
-        (["--fraction", "x"], "must be a number in (0, 1]"),
-        (["--layers", "0"], "num_layers must be positive, got 0"),
-        (["--preset", "nope"], "invalid choice"),
-        (["--branches", "a:1"], "contiguous from zero, got [1]"),
-        (["--cross", "text:zero"], "must look like 'text:512'"),
-        (["--memory", "1KiB"], "cannot fit one session"),
-        (["--dtype", "int4"], "dtype must be one of"),
-    ],
-)
-def test_cli_plan_bad_flags_exit_2_with_a_clear_message(capsys, argv, needle):
-    with pytest.raises(SystemExit) as info:
-        cli.main(["plan", *argv])
-    assert info.value.code == 2
-    assert needle in capsys.readouterr().err

@@ -603,7 +603,7 @@ class ARDiffusionKVCache:
 def _pages_for_tokens(layout: core.StateLayout, tokens: int) -> int:
     """Frame-aligned pages holding the first ``tokens`` tokens of a request (host-side)."""
     frames, rest = divmod(tokens, layout.tokens_per_frame)
-    return frames * layout.pages_per_frame + -(-rest // layout.block_size)
+    return frames * layout.pages_per_frame + ceil_div(rest, layout.block_size)
 
 
 def _skipped_frames(layout: core.StateLayout, frames: int) -> int:

@@ -1,0 +1,107 @@
+"""The ``arkv-jax`` command line: ``plan`` answers, flags and refusals (``demo`` is in test_demo.py)."""
+
+import json
+import re
+
+import pytest
+
+from arkv_jax import cli
+
+
+def run_cli(capsys, *argv):
+    code = cli.main(list(argv))
+    return code, capsys.readouterr().out
+
+
+def test_cli_plan_lingbot_json(capsys):
+    code, out = run_cli(capsys, "plan", "--preset", "lingbot-v2", "--memory", "100GiB", "--fraction", "0.1", "--json")
+    plan = json.loads(out)
+    assert code == 0
+    assert plan["memory_budget_bytes"] == 33_653_670_400 and plan["session_capacity"] == 1
+    _, out = run_cli(capsys, "plan", "--preset", "lingbot-v2", "--memory", "100GiB", "--fraction", "0.6", "--json")
+    plan = json.loads(out)
+    assert plan["memory_budget_bytes"] == 64_424_509_440 and plan["session_capacity"] == 2
+    for key in ("session_capacity", "requested_session_capacity", "memory_budget_bytes",
+                "configured_memory_budget_bytes", "managed_num_blocks", "num_blocks_total",
+                "scratch_blocks_per_kv_branch", "scratch_num_blocks", "cross_attention_bytes_per_session",
+                "cross_attention_reserved_bytes", "model_owned_state_reserved_bytes", "scratch_reserved_bytes"):
+        assert key in plan
+
+
+def test_cli_plan_flags_override_the_preset(capsys):
+    _, out = run_cli(capsys, "plan", "--preset", "tiny", "--layers", "4", "--block-size", "24",
+                     "--branches", "main", "--cross", "none", "--memory", "1GiB", "--sessions", "3", "--json")
+    plan = json.loads(out)
+    assert plan["geometry"]["num_layers"] == 4 and plan["geometry"]["block_size"] == 24
+    assert plan["kv_branches"] == [{"name": "main", "local_index": 0}]
+    assert plan["cross_attention"] == [] and plan["session_capacity"] == 3
+
+
+def test_cli_plan_summary_with_chip_name(capsys):
+    code, out = run_cli(capsys, "plan", "--preset", "wan-1.3b", "--memory", "h100-80gb")
+    assert code == 0 and "arkv-jax memory plan" in out and "sessions granted / requested" in out
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--memory", "12XB"], "memory must be a size"),
+        (["--fraction", "0"], "must be in (0, 1], got 0.0"),
+        (["--fraction", "x"], "must be a number in (0, 1]"),
+        (["--layers", "0"], "--layers must be positive, got 0"),
+        (["--preset", "nope"], "invalid choice"),
+        (["--branches", "a:1"], "contiguous from zero, got [1]"),
+        (["--cross", "text:zero"], "must look like 'text:512'"),
+        (["--memory", "1KiB"], "cannot fit one session"),
+        (["--dtype", "int4"], "dtype must be one of"),
+    ],
+)
+def test_cli_plan_bad_flags_exit_2_with_a_clear_message(capsys, argv, needle):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["plan", *argv])
+    assert info.value.code == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_cli_plan_reports_the_fraction_in_use_and_an_unmet_request(capsys):
+    code, out = run_cli(capsys, "plan", "--preset", "tiny", "--memory", "1GiB", "--sessions", "1000")
+    assert code == 0
+    assert "memory fraction in use: 0.1 (default 0.1, vLLM-Omni's gpu_memory_fraction" in out
+    assert re.search(r"sessions granted / requested +398 / 1000 \(request not met", out)
+    assert re.search(r"most sessions the budget holds +398", out)
+    assert "note: 1000 sessions requested, 398 granted; the budget holds at most 398" in out
+    _, out = run_cli(capsys, "plan", "--preset", "tiny", "--memory", "1GiB", "--sessions", "4", "--fraction", "0.5")
+    assert "memory fraction in use: 0.5 (--fraction 0.5)" in out and "note:" not in out
+
+
+def test_cli_plan_json_holds_the_budget_capacity(capsys):
+    _, out = run_cli(capsys, "plan", "--preset", "tiny", "--memory", "1GiB", "--sessions", "4", "--json")
+    plan = json.loads(out)
+    assert plan["session_capacity"] == 4 and plan["budget_session_capacity"] == 398
+
+
+@pytest.mark.parametrize("argv", [["--memory", "-5GiB"], ["--memory=-5GiB"]])
+def test_cli_negative_sizes_give_the_size_error_however_written(capsys, argv):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["plan", *argv])
+    assert info.value.code == 2 and "memory must be positive, got '-5GiB'" in capsys.readouterr().err
+
+
+def test_cli_model_owned_bytes_takes_sizes(capsys):
+    _, small = run_cli(capsys, "plan", "--preset", "tiny", "--memory", "1GiB", "--json", "--model-owned-bytes", "0")
+    _, big = run_cli(capsys, "plan", "--preset", "tiny", "--memory", "1GiB", "--json", "--model-owned-bytes", "1MiB")
+    assert json.loads(small)["model_owned_state_bytes_per_session"] == 0
+    assert json.loads(big)["model_owned_state_bytes_per_session"] == 1 << 20
+
+
+def test_cli_errors_name_the_flag_not_the_field(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["plan", "--sessions", "0", "--memory", "1GiB"])
+    err = capsys.readouterr().err
+    assert "--sessions" in err and "session_capacity" not in err
+
+
+def test_cli_version(capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--version"])
+    assert info.value.code == 0 and capsys.readouterr().out.startswith("arkv-jax ")
