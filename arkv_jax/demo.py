@@ -52,6 +52,7 @@ from typing import Callable, TextIO
 import jax
 import numpy as np
 from jax.sharding import Mesh
+from flax import nnx
 from matplotlib import colormaps
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.colors import ListedColormap
@@ -63,7 +64,7 @@ from tqdm import tqdm
 from arkv_jax.cache import PagedKVCache
 from arkv_jax.config import ceil_div
 from arkv_jax.models.dit import MODEL_CONFIGS, CausalDiT, init_random
-from arkv_jax.planner import rollout_plan
+from arkv_jax.planner import device_free_bytes, format_bytes, rollout_plan
 from arkv_jax.presets import get_preset
 from arkv_jax.reference import FullRecompute
 from arkv_jax.rollout import ChunkResult, Rollout, Sampler
@@ -312,6 +313,45 @@ def check_backend(backend: str, platform: str) -> None:
                          "(the same kernel under Pallas' interpreter, slow)")
 
 
+def memory_estimate(preset: str, sessions: int, backend: str, platform: str) -> dict[str, int]:
+    """Bytes the demo needs on one device, from the plan and the model's size: ``weights``, ``pools``
+    (the demo's plan, all K/V pages) and, where attention runs through the untiled XLA path
+    (``backend`` resolving to ``xla``), ``attention_logits`` of one layer (float32
+    ``[rows, heads, chunk tokens, chunk + visible history tokens]``, the largest temporary);
+    ``total`` is their sum. Nothing is allocated."""
+    config, cache_preset = MODEL_CONFIGS[preset], get_preset(preset)
+    abstract = nnx.state(nnx.eval_shape(lambda: CausalDiT(config, rngs=nnx.Rngs(0))))
+    weights = sum(leaf.size * np.dtype(leaf.dtype).itemsize for leaf in jax.tree_util.tree_leaves(abstract))
+    plan = rollout_plan(cache_preset.geometry, cache_preset.window, cache_preset.kv_branches,
+                        cache_preset.cross_attention, sessions)
+    geometry, window = cache_preset.geometry, cache_preset.window
+    logits = 0
+    if resolve_backend(backend, platform).name == "xla":
+        rows = sessions * len(cache_preset.kv_branches)
+        queries = geometry.frames_per_forward * geometry.tokens_per_frame
+        keys = queries + window.resident_frames * geometry.tokens_per_frame
+        logits = rows * config.num_heads * queries * keys * 4
+    pools = plan.managed_num_blocks * plan.page_size_bytes
+    return {"weights": weights, "pools": pools, "attention_logits": logits, "total": weights + pools + logits}
+
+
+def check_fits(preset: str, sessions: int, backend: str, device) -> None:
+    """Refuses a demo the device (the host's memory, on a CPU) cannot hold.
+
+    Raises:
+      ValueError: :func:`memory_estimate`'s total exceeds the device's free memory, with the
+        estimate in the message.
+    """
+    estimate = memory_estimate(preset, sessions, backend, device.platform)
+    free = device_free_bytes(device)
+    if estimate["total"] > free:
+        parts = ", ".join(f"{name.replace('_', ' ')} {format_bytes(value)}"
+                          for name, value in estimate.items() if name != "total" and value)
+        raise ValueError(f"--preset {preset} with {sessions} session{'s' if sessions != 1 else ''} needs about "
+                         f"{format_bytes(estimate['total'])} ({parts}) but this {device.platform} device has "
+                         f"{format_bytes(free)} free; run it on an accelerator, or use --preset tiny")
+
+
 # ------------------------------------------------------------------------------------------------
 # The demo
 # ------------------------------------------------------------------------------------------------
@@ -430,8 +470,9 @@ def run_demo(*, sessions: int = 4, chunks: int = 12, preset: str = "tiny", backe
 
     Raises:
       ValueError, before anything runs: unknown preset, ``sessions``/``chunks`` below 1, an ``out``
-        that cannot be created or written, a compiled backend for another platform, or heads not
-        divisible by the mesh's ``"model"`` size.
+        that cannot be created or written, a compiled backend for another platform, a run the
+        device cannot hold (:func:`check_fits`), or heads not divisible by the mesh's ``"model"``
+        size.
     """
     stdout, stderr = stdout or sys.stdout, stderr or sys.stderr
     if sessions < 1 or chunks < 1:
@@ -439,7 +480,9 @@ def run_demo(*, sessions: int = 4, chunks: int = 12, preset: str = "tiny", backe
     if preset not in MODEL_CONFIGS:
         raise ValueError(f"the demo has models for {sorted(MODEL_CONFIGS)}, got {preset!r}")
     out = prepare_out(out)
-    check_backend(backend, (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform)
+    first_device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
+    check_backend(backend, first_device.platform)
+    check_fits(preset, ceil_div(sessions, 1 if mesh is None else check_mesh(mesh)[0]), backend, first_device)
     model = init_random(MODEL_CONFIGS[preset], seed)
     rollout = _rollout(model, preset, sessions, backend, mesh)
     schedule = _Schedule.make(sessions, chunks, seed)

@@ -181,3 +181,18 @@ def test_demo_cli_refuses_a_mesh_the_model_cannot_use(tmp_path):
     assert result.returncode == 2 and "kv_heads=2 must be divisible" in result.stderr
     result = run_demo_cli("--devices", "6", "--model-axis", "4", tmp_path=tmp_path)
     assert result.returncode == 2 and "multiple of model_axis=4" in result.stderr
+
+
+def test_a_demo_the_device_cannot_hold_is_refused_up_front_with_the_estimate(monkeypatch, tmp_path):
+    estimate = demo.memory_estimate("tiny", 2, "xla", "cpu")
+    assert estimate["total"] == estimate["weights"] + estimate["pools"] + estimate["attention_logits"] > 0
+    monkeypatch.setattr(demo, "device_free_bytes", lambda device=None: estimate["total"] - 1)
+    with pytest.raises(ValueError, match=r"--preset tiny with 2 sessions needs about .* free; run it on an "):
+        demo.run_demo(sessions=2, chunks=1, out=tmp_path / "out", backend="xla")
+    assert not (tmp_path / "out" / "pages.png").exists()
+
+
+def test_wan_demo_estimate_counts_its_weights_pools_and_logits():
+    estimate = demo.memory_estimate("wan-1.3b", 4, "xla", "cpu")
+    assert estimate["weights"] > 2 << 30 and estimate["attention_logits"] > 10 << 30
+    assert demo.memory_estimate("wan-1.3b", 4, "pallas_tpu", "tpu")["attention_logits"] == 0
