@@ -21,6 +21,7 @@ from arkv_jax import cli, demo
 from arkv_jax.models import MODEL_CONFIGS
 
 
+@pytest.mark.slow
 def test_demo_command_end_to_end(tmp_path, capsys):
     assert cli.main(["demo", "--sessions", "2", "--chunks", "5", "--out", str(tmp_path), "--check",
                      "--seed", "3"]) == 0
@@ -152,6 +153,7 @@ def value(stdout: str, label: str) -> str:
     return line[len(label):].split()[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chunks,mesh", [(1, ("--devices", "8")), (3, ("--devices", "8", "--model-axis", "2")),
                                          (6, ("--devices", "8"))], ids=["1_chunk", "3_chunks_tp", "6_chunks"])
 def test_sharded_demo_equals_the_one_device_demo_within_the_stated_bound(chunks, mesh, tmp_path):

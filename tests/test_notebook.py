@@ -12,6 +12,7 @@ nbclient = pytest.importorskip("nbclient")
 NOTEBOOK = pathlib.Path(__file__).resolve().parent.parent / "notebooks" / "quickstart.ipynb"
 
 
+@pytest.mark.slow
 def test_quickstart_notebook_runs_and_shows_its_results():
     notebook = nbformat.read(NOTEBOOK, as_version=4)
     client = nbclient.NotebookClient(notebook, timeout=300, kernel_name="python3",

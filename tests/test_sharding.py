@@ -322,6 +322,7 @@ def test_chunk_step_matches_per_shard_runs_and_has_no_collectives():
 # Sharded state == each shard run separately.
 
 
+@pytest.mark.slow
 def test_per_shard_state_steps_equal_separate_runs():
     data = 4
     mesh = _mesh((data, 2))

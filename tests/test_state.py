@@ -170,7 +170,7 @@ class StateMachine(RuleBasedStateMachine):
         assert sorted(held + free) == list(range(1, self.layout.num_blocks))
 
 
-TestStateMachine = StateMachine.TestCase
+TestStateMachine = pytest.mark.slow(StateMachine.TestCase)
 TestStateMachine.settings = settings(max_examples=80, stateful_step_count=25, deadline=None)
 
 
