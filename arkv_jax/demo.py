@@ -51,8 +51,8 @@ from typing import Callable, TextIO
 
 import jax
 import numpy as np
-from jax.sharding import Mesh
 from flax import nnx
+from jax.sharding import Mesh
 from matplotlib import colormaps
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.colors import ListedColormap

@@ -42,7 +42,8 @@ def files(*parts: str) -> list[pathlib.Path]:
 
 
 def violations(paths, forbidden: tuple[str, ...], **kw) -> list[str]:
-    return [f"{p.relative_to(ROOT) if p.is_relative_to(ROOT) else p} imports {name}" for p in paths for name in sorted(imports(p, **kw))
+    return [f"{p.relative_to(ROOT) if p.is_relative_to(ROOT) else p} imports {name}"
+            for p in paths for name in sorted(imports(p, **kw))
             if any(name == f or name.startswith(f + ".") for f in forbidden)]
 
 

@@ -230,7 +230,8 @@ def _tensor_dict(obj: Any, source: str) -> dict[str, Any]:
     return dict(obj)
 
 
-def generator_state_dict(obj: Any, *, ema: bool | None = None, source: str = "checkpoint") -> tuple[dict[str, Any], str]:
+def generator_state_dict(obj: Any, *, ema: bool | None = None, source: str = "checkpoint"
+                         ) -> tuple[dict[str, Any], str]:
     """The generator's state dict in a Self-Forcing / CausVid / LongLive checkpoint object.
 
     ``generator_ema`` or ``generator`` (``ema=None``: the EMA weights when the file has them,
@@ -336,7 +337,8 @@ def read_lora(lora: str | os.PathLike | Mapping[str, Any], *, allow_pickle: bool
     if path.suffix == ".safetensors":
         return lora_factors(read_safetensors(path), source=str(path))
     if path.suffix not in TORCH_SUFFIXES:
-        raise ValueError(f"{path}: unknown LoRA format: expected .safetensors or a torch file ({', '.join(TORCH_SUFFIXES)})")
+        raise ValueError(f"{path}: unknown LoRA format: expected .safetensors or a torch file "
+                         f"({', '.join(TORCH_SUFFIXES)})")
     obj = torch_load(path, allow_pickle=allow_pickle)
     source = str(path)
     if isinstance(obj, Mapping) and "generator_lora" in obj:

@@ -47,7 +47,6 @@ are ignored.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -713,7 +712,8 @@ def load_wan_vae(path: str | os.PathLike, config: WanVAEConfig | None = None, *,
 
 
 __all__ = [
-    "CACHE_FRAMES", "DecoderCache", "VAE_CONFIGS", "VAE_WEIGHT_PATTERNS", "WAN21_LATENTS_MEAN", "WAN21_LATENTS_STD", "WanVAEConfig",
+    "CACHE_FRAMES", "DecoderCache", "VAE_CONFIGS", "VAE_WEIGHT_PATTERNS", "WAN21_LATENTS_MEAN", "WAN21_LATENTS_STD",
+    "WanVAEConfig",
     "WanVAEDecoder", "config_from_diffusers", "convert_wan_vae_state_dict", "decode_chunk", "decode_video",
     "decoder_init_cache", "from_diffusers_state_dict", "init_random", "load_wan_vae", "official_vae_names",
 ]

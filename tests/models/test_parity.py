@@ -86,7 +86,8 @@ def converted(upstream):
 
 def diffusers_forward(model, inputs, timestep):
     with torch.no_grad():
-        out = model(inputs["latents"].to(model.dtype), timestep, inputs["context"].to(model.dtype), return_dict=False)[0]
+        out = model(inputs["latents"].to(model.dtype), timestep, inputs["context"].to(model.dtype),
+                    return_dict=False)[0]
     return out.float().permute(0, 2, 3, 4, 1).numpy()  # [B, C, F, H, W] -> [B, F, H, W, C]
 
 
@@ -166,7 +167,8 @@ def test_longlive_lora_merges_like_the_unmerged_forward(upstream, inputs, tmp_pa
     lora, merged = {}, dict(state)
     for diffusers_key, official_key in OFFICIAL_FROM_DIFFUSERS.items():
         module = official_key[:-len(".weight")]
-        if not official_key.startswith("blocks.") or not official_key.endswith(".weight") or state[diffusers_key].ndim != 2:
+        is_block_matrix = official_key.startswith("blocks.") and official_key.endswith(".weight")
+        if not is_block_matrix or state[diffusers_key].ndim != 2:
             continue
         w = state[diffusers_key]
         a = 0.1 * torch.randn(rank, w.shape[1], generator=g)
@@ -223,7 +225,8 @@ def test_bf16_error_is_diffusers_like(upstream, inputs):
     ours = load_wan(folder, dtype="bfloat16", grid=WAN_TINY.grid, text_tokens=WAN_TINY.text_tokens)
     uniform = load_wan(folder, dataclasses.replace(WAN_TINY, dtype="bfloat16", precision="uniform"))
     theirs = diffusers.WanTransformer3DModel.from_pretrained(folder, torch_dtype=torch.bfloat16).eval()
-    assert theirs.scale_shift_table.dtype == torch.float32 and theirs.blocks[0].attn1.to_q.weight.dtype == torch.bfloat16
+    assert theirs.scale_shift_table.dtype == torch.float32
+    assert theirs.blocks[0].attn1.to_q.weight.dtype == torch.bfloat16
 
     def rel(x):
         return float(np.sqrt(np.mean((x - reference) ** 2) / np.mean(reference ** 2)))

@@ -8,11 +8,10 @@ transformers (Python 3.12 CI) only the torch-free tests run.
 
 import json
 
-import numpy as np
-import pytest
-
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 
 from arkv_jax.models import umt5
 

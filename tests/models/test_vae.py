@@ -10,11 +10,10 @@ to float rounding. Without torch/diffusers (Python 3.12 CI) the torch-free tests
 
 import json
 
-import numpy as np
-import pytest
-
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 
 from arkv_jax.models import vae
 

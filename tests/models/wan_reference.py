@@ -184,7 +184,8 @@ def write_safetensors(path, tensors: dict, metadata: dict | None = None) -> None
     for name in sorted(tensors):
         arr = np.ascontiguousarray(tensors[name])
         blob = arr.tobytes()
-        header[name] = {"dtype": names[arr.dtype], "shape": list(arr.shape), "data_offsets": [offset, offset + len(blob)]}
+        header[name] = {"dtype": names[arr.dtype], "shape": list(arr.shape),
+                        "data_offsets": [offset, offset + len(blob)]}
         blobs.append(blob)
         offset += len(blob)
     if metadata:
