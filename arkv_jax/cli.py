@@ -238,15 +238,16 @@ def _add_generate_parser(sub) -> None:
                     "anything (exit status 2 on a problem).")
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--checkpoint", metavar="DIR",
-                        help="a Wan2.1-T2V-1.3B folder: DiT weights (diffusion_pytorch_model.safetensors + config.json), "
-                             "Wan2.1_VAE.pth, models_t5_umt5-xxl-enc-bf16.pth and the google/umt5-xxl tokenizer folder "
+                        help="a Wan2.1-T2V-1.3B folder: DiT weights (diffusion_pytorch_model.safetensors + "
+                             "config.json), Wan2.1_VAE.pth, models_t5_umt5-xxl-enc-bf16.pth and the google/umt5-xxl "
+                             "tokenizer folder "
                              "(or the diffusers layout: transformer/, vae/, text_encoder/, tokenizer/)")
     source.add_argument("--random-tiny", action="store_true",
                         help="no checkpoint: tiny random weights (DiT tiny, VAE tiny, hash stand-in text) on the whole "
                              "path, in seconds on a CPU")
     p.add_argument("--generator", metavar="FILE",
-                   help="a Self-Forcing / CausVid / LongLive generator .pt to use as the DiT, with --checkpoint for the "
-                        "VAE, umT5 and tokenizer")
+                   help="a Self-Forcing / CausVid / LongLive generator .pt to use as the DiT, with --checkpoint "
+                        "for the VAE, umT5 and tokenizer")
     p.add_argument("--prompt", action="append", default=None, metavar="TEXT",
                    help="the prompt; repeat for several sessions (session i gets prompt i mod count)")
     p.add_argument("--prompt-at", action="append", type=_prompt_at, default=[], metavar="CHUNK:TEXT",

@@ -245,7 +245,8 @@ def load_pipeline(files: CheckpointFiles, *, allow_pickle: bool = False) -> Pipe
         try:
             context = umt5.encode_prompts(list(texts), tokenizer, encoder, model.config.text_tokens)
         except (OSError, ValueError, ImportError) as error:
-            raise GenerateError(f"{files.tokenizer}: cannot tokenise with this umT5 tokenizer folder: {error}") from None
+            raise GenerateError(f"{files.tokenizer}: cannot tokenise with this umT5 tokenizer folder: "
+                                f"{error}") from None
         return np.asarray(context.astype(jnp.float32))
 
     geometry, window = checkpoint_geometry(model)
@@ -582,8 +583,9 @@ def _print_summary(stream: TextIO, timings: Sequence[ChunkTiming], encode_s: flo
     chunk and the VAE's first and later chunks)."""
     total = sum(t.seconds for t in timings) + encode_s
     frames = sum(t.video_frames for t in timings)
-    print(f"generated {frames} video frames ({plural(sessions, 'session')}) in {total:.2f} s ({frames / total:.1f} frames/s "
-          f"overall, compilation included; text encoding up front {encode_s:.2f} s)", file=stream)
+    print(f"generated {frames} video frames ({plural(sessions, 'session')}) in {total:.2f} s "
+          f"({frames / total:.1f} frames/s overall, compilation included; text encoding up front "
+          f"{encode_s:.2f} s)", file=stream)
     steady = list(timings[2:]) or list(timings[-1:])
     dit, vae = (float(np.median([getattr(t, f) for t in steady])) for f in ("dit_s", "vae_s"))
     seconds = float(np.median([t.seconds for t in steady]))

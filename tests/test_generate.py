@@ -15,10 +15,13 @@ from arkv_jax import cli, generate
 imageio = pytest.importorskip("imageio")
 pytest.importorskip("imageio_ffmpeg")
 
+# imageio's reader starts ffmpeg with subprocess (fork + exec), which JAX's fork hook warns about.
+pytestmark = pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")
+
 
 def read_video(path) -> np.ndarray:
     with imageio.get_reader(str(path), format="FFMPEG") as reader:
-        return np.stack(list(reader))
+        return np.stack([frame for frame in reader.iter_data()])  # list(reader) trusts len(): inf
 
 
 def test_random_tiny_writes_a_playable_mp4(tmp_path):
