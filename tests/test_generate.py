@@ -128,3 +128,27 @@ def test_malformed_checkpoint_names_the_file(tmp_path, capsys):
     err = capsys.readouterr().err
     assert exit_info.value.code == 2
     assert "diffusion_pytorch_model.safetensors: not a safetensors file" in err and "cannot load the DiT" in err
+
+
+def test_encoder_context_path_equals_the_prompt_path(tmp_path, monkeypatch):
+    """The checkpoint path (contexts encoded up front, ``join(..., context=)`` or its fallback, and
+    switches from the encoded contexts), run with an 'encoder' that returns the hash stand-in: the
+    same latents as the tiny path, which hashes inside ``Rollout.join``."""
+    from arkv_jax.models.dit import prompt_embedding
+
+    common = dict(prompts=["a red fox", "rain"], random_tiny=True, frames=4, sessions=2, prompt_at={1: "a cat"},
+                  stdout=open("/dev/null", "w"))
+    plain = generate.run_generate(out=tmp_path / "a", **common)
+    tiny = generate.tiny_pipeline
+
+    def encoded(seed=0):
+        pipeline = tiny(seed)
+        c = pipeline.model.config
+        pipeline.encode = lambda texts: np.stack([prompt_embedding(t, c.text_tokens, c.text_dim) for t in texts])
+        return pipeline
+
+    monkeypatch.setattr(generate, "tiny_pipeline", encoded)
+    via_context = generate.run_generate(out=tmp_path / "b", **common)
+    for sid in ("s0", "s1"):
+        np.testing.assert_allclose(via_context.latents[sid], plain.latents[sid], rtol=0, atol=1e-6)
+    assert via_context.paths == [tmp_path / "b" / "session0.mp4", tmp_path / "b" / "session1.mp4"]
