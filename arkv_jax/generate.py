@@ -480,6 +480,8 @@ def run_generate(*, prompts: Sequence[str], checkpoint: str | pathlib.Path | Non
         start = time.perf_counter()
         contexts = dict(zip(texts, pipeline.encode(texts)))
         encode_s = time.perf_counter() - start
+    encoded = pipeline.encode is not None
+    pipeline.encode = None  # drops the encoder (umT5-XXL: 11 GB in bfloat16) before the DiT runs
 
     branches = ((KVBranch("positive", 0), KVBranch("negative", 1)) if guidance is not None else (KVBranch("main"),))
     cross = (CrossAttentionSpec("text", model.config.text_tokens),)
@@ -502,7 +504,7 @@ def run_generate(*, prompts: Sequence[str], checkpoint: str | pathlib.Path | Non
     print(plan.summary(), file=stdout)
     print(f"weights: DiT {format_bytes(_param_bytes(model))}, VAE decoder {format_bytes(_param_bytes(decoder))}; "
           f"VAE stream cache {format_bytes(_cache_bytes(decoder_caches[ids[0]]))} per session", file=stdout)
-    if pipeline.encode is not None:
+    if encoded:
         print(f"text: {len(contexts)} prompt(s) encoded by umT5 in {encode_s:.2f} s", file=stdout)
     if switches:
         print("prompt switches (text K/V re-populated only; no KV recache of the window): "
@@ -536,7 +538,7 @@ def run_generate(*, prompts: Sequence[str], checkpoint: str | pathlib.Path | Non
                     elif chunk in switches:
                         text = switches[chunk]
                         for sid in ids:
-                            set_text(rollout, sid, contexts[text] if pipeline.encode is not None
+                            set_text(rollout, sid, contexts[text] if encoded
                                      else prompt_embedding(text, model.config.text_tokens, model.config.text_dim))
                     jax.block_until_ready(cache.cross_attention_kv(rollout.text_cache))
                     text_s = time.perf_counter() - start
