@@ -1,4 +1,5 @@
-"""The ``arkv-jax`` command line: ``plan`` (memory planning) and ``demo`` (sessions sharing a cache)."""
+"""The ``arkv-jax`` command line: ``plan`` (memory planning), ``demo`` (sessions sharing a cache) and
+``generate`` (prompts to mp4)."""
 
 from __future__ import annotations
 
@@ -267,6 +268,87 @@ def _run_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return 1 if result.devices_within_tolerance is False else 0
 
 
+def _prompt_at(text: str) -> tuple[int, str]:
+    from arkv_jax.generate import parse_prompt_at
+
+    try:
+        return parse_prompt_at(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _add_generate_parser(sub) -> None:
+    from pallas_kernels.backend import BACKEND_NAMES
+
+    p = sub.add_parser(
+        "generate", help="prompts to mp4 videos, chunk by chunk, through one paged KV cache",
+        description="Generate video from text prompts: umT5 text encoding, the causal DiT chunk by chunk through one "
+                    "paged KV cache (several sessions at once), and the streaming Wan VAE decoding each chunk as it "
+                    "commits, written to one mp4 per session (imageio-ffmpeg). Prints the memory plan first, then one "
+                    "row per chunk (DiT denoise + commit, VAE decode, text and write times, video frames/s) and a "
+                    "summary with the VAE's share. Checks the checkpoint's files and the outputs before loading "
+                    "anything (exit status 2 on a problem).")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--checkpoint", metavar="DIR",
+                        help="a Wan2.1-T2V-1.3B folder: DiT weights (diffusion_pytorch_model.safetensors + "
+                             "config.json), Wan2.1_VAE.pth, models_t5_umt5-xxl-enc-bf16.pth and the google/umt5-xxl "
+                             "tokenizer folder "
+                             "(or the diffusers layout: transformer/, vae/, text_encoder/, tokenizer/)")
+    source.add_argument("--random-tiny", action="store_true",
+                        help="no checkpoint: tiny random weights (DiT tiny, VAE tiny, hash stand-in text) on the whole "
+                             "path, in seconds on a CPU")
+    p.add_argument("--generator", metavar="FILE",
+                   help="a Self-Forcing / CausVid / LongLive generator .pt to use as the DiT, with --checkpoint "
+                        "for the VAE, umT5 and tokenizer")
+    p.add_argument("--prompt", action="append", default=None, metavar="TEXT",
+                   help="the prompt; repeat for several sessions (session i gets prompt i mod count)")
+    p.add_argument("--prompt-at", action="append", type=_prompt_at, default=[], metavar="CHUNK:TEXT",
+                   help="switch every session to TEXT before chunk CHUNK (1, 2, ...); repeatable. Without KV recache "
+                        "(not available yet) a switch re-populates the session's cross-attention (text K/V) only: the "
+                        "frames already in the window keep the K/V computed under the old prompt")
+    p.add_argument("--frames", type=_positive_int, default=None,
+                   help="latent frames per session, a multiple of the chunk (default 6 with --random-tiny: 2-frame "
+                        "chunks; 21 with a checkpoint: 3-frame chunks, 81 video frames); F latent frames give "
+                        "1 + 4 (F - 1) video frames")
+    p.add_argument("--seed", type=int, default=0, help="noise seed; session i uses seed + i (default 0)")
+    p.add_argument("--sessions", type=_positive_int, default=1,
+                   help="sessions generated at once through one cache, one mp4 each (default 1)")
+    p.add_argument("--out", default="video.mp4",
+                   help="the mp4 (default video.mp4); with several sessions NAME_session<i>.mp4 beside it, or "
+                        "<DIR>/session<i>.mp4 for a folder (checked writable before the run)")
+    p.add_argument("--steps", type=_positive_int, default=None,
+                   help="denoise steps per chunk (default 4 with a checkpoint, 3 with --random-tiny)")
+    p.add_argument("--guidance", type=float, default=None,
+                   help="classifier-free guidance scale against the empty prompt (default: none, as the distilled "
+                        "Self-Forcing / CausVid / LongLive generators run)")
+    p.add_argument("--fps", type=_positive_int, default=16, help="frames per second of the mp4 (default 16)")
+    p.add_argument("--backend", default="auto", choices=BACKEND_NAMES, help="kernel backend (default auto)")
+    p.add_argument("--allow-pickle", action="store_true",
+                   help="let torch unpickle arbitrary objects from a --generator file (trusted files only)")
+    p.set_defaults(run=_run_generate)
+
+
+def _run_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from arkv_jax import generate
+
+    if args.seed < 0:
+        parser.error(f"--seed must be non-negative, got {args.seed}")
+    switches = dict(args.prompt_at)
+    if len(switches) != len(args.prompt_at):
+        parser.error("--prompt-at: two switches at the same chunk")
+    prompts = args.prompt or (["a red fox running through fresh snow"] if args.random_tiny else [])
+    if not prompts:
+        parser.error("--prompt is required with --checkpoint")
+    try:
+        generate.run_generate(prompts=prompts, checkpoint=args.checkpoint, generator=args.generator,
+                              random_tiny=args.random_tiny, prompt_at=switches, frames=args.frames, seed=args.seed,
+                              sessions=args.sessions, out=args.out, steps=args.steps, guidance=args.guidance,
+                              fps=args.fps, backend=args.backend, allow_pickle=args.allow_pickle)
+    except generate.GenerateError as error:  # refused before the run, or a checkpoint that does not load
+        parser.error(str(error))
+    return 0
+
+
 def _request_host_devices(count: int) -> None:
     """Asks JAX for ``count`` CPU host devices (``jax_num_cpu_devices``). Only the CPU backend reads
     it, and only before JAX starts its backends; afterwards (e.g. called in-process from a test) the
@@ -294,6 +376,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_plan_parser(sub)
     _add_demo_parser(sub)
+    _add_generate_parser(sub)
     return parser
 
 

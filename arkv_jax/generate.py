@@ -1,0 +1,604 @@
+"""``arkv-jax generate``: prompts to mp4 files, chunk by chunk, through one paged KV cache.
+
+The whole path of a streaming video model, in JAX:
+
+1. **Text.** With a checkpoint, every prompt (sessions' prompts and their ``--prompt-at`` switches,
+   and the empty prompt as the CFG negative) is tokenised by ``transformers``' tokenizer from the
+   checkpoint's local ``google/umt5-xxl`` folder and encoded by the JAX umT5 encoder
+   (:mod:`arkv_jax.models.umt5`) once, up front: ``[512, 4096]`` contexts, zero-padded, which go to
+   ``Rollout.join(..., context=...)``. With ``random_tiny`` the DiT's hash stand-in
+   (:func:`arkv_jax.models.dit.prompt_embedding`) plays the encoder.
+2. **Latents.** ``sessions`` sessions join one :class:`arkv_jax.rollout.Rollout` over one
+   :class:`arkv_jax.cache.PagedKVCache` sized by :func:`arkv_jax.planner.rollout_plan` (the plan is
+   printed first) and generate ``frames`` latent frames, one chunk per step, all sessions in one
+   batched forward.
+3. **Pixels.** As each chunk commits, each session's latents are decoded by the streaming Wan VAE
+   decoder (:func:`arkv_jax.models.vae.decode_chunk`, one :class:`~arkv_jax.models.vae.DecoderCache`
+   per session carried between chunks), mapped from ``[-1, 1]`` to uint8 and appended to that
+   session's mp4 (imageio with imageio-ffmpeg's pip-installed ffmpeg; nothing is fetched at run
+   time). ``F`` latent frames give ``1 + 4 (F - 1)`` video frames.
+
+Prompt switches (``prompt_at``: chunk -> prompt, for every session). No KV recache exists yet, so a
+switch re-populates the session's cross-attention cache (its text K/V, positive branch) only: the
+frames already in the self-attention window keep the K/V they were computed with under the old
+prompt (LongLive's recache, which recomputes them, is not done).
+
+Checks before anything is loaded or run (:class:`GenerateError`, a ``ValueError``): counts, the
+frames against the chunk size, switch chunks, the checkpoint folder's files
+(:func:`find_checkpoint`: each missing file named with what was expected there), the output paths
+(created and written to, then removed) and the ffmpeg binary. A checkpoint whose files are there but
+do not load (malformed, wrong model) raises :class:`GenerateError` naming the file.
+
+Output, on stdout: a header, the memory plan, one row per chunk (DiT denoise + commit, VAE decode and
+text time, video frames per second), a summary with the VAE's share of the time, and the written
+files. A tqdm bar with each chunk's latency and frames per second goes to stderr when both streams
+are terminals.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import sys
+import time
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import TextIO
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm import tqdm
+
+from arkv_jax.cache import PagedKVCache
+from arkv_jax.config import CacheGeometry, CrossAttentionSpec, KVBranch, WindowPolicy
+from arkv_jax.models import vae as vae_lib
+from arkv_jax.models.dit import MODEL_CONFIGS, CausalDiT, prompt_embedding
+from arkv_jax.models.dit import init_random as init_random_dit
+from arkv_jax.planner import format_bytes, rollout_plan
+from arkv_jax.presets import get_preset
+from arkv_jax.rollout import Rollout, Sampler, context_kv
+
+#: Frames per second of the written videos (Wan 2.1's 16 fps).
+DEFAULT_FPS = 16
+
+#: Default latent frames: the tiny path's (3 chunks of 2) and a checkpoint's (Self-Forcing's 21
+#: latent frames, 81 video frames, 7 chunks of 3).
+DEFAULT_FRAMES = {"tiny": 6, "checkpoint": 21}
+
+#: Default denoise steps: the tiny path's and a few-step (Self-Forcing / CausVid) generator's.
+DEFAULT_STEPS = {"tiny": 3, "checkpoint": 4}
+
+#: Files of a Wan2.1-T2V-1.3B folder, official layout, then the diffusers layout's folders.
+OFFICIAL_FILES = {
+    "dit": "diffusion_pytorch_model.safetensors",
+    "vae": "Wan2.1_VAE.pth",
+    "text_encoder": "models_t5_umt5-xxl-enc-bf16.pth",
+    "tokenizer": "google/umt5-xxl",
+}
+DIFFUSERS_FOLDERS = {"dit": "transformer", "vae": "vae", "text_encoder": "text_encoder", "tokenizer": "tokenizer"}
+
+#: Files that make a folder a tokenizer (sentencepiece model or a fast tokenizer's JSON).
+TOKENIZER_FILES = ("spiece.model", "tokenizer.json")
+
+
+def plural(count: int, noun: str) -> str:
+    """``"1 session"``, ``"2 sessions"``."""
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+
+
+class GenerateError(ValueError):
+    """A run refused before it starts, or a checkpoint that does not load (the message names the
+    file and what was expected)."""
+
+
+# ------------------------------------------------------------------------------------------------
+# The checkpoint
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointFiles:
+    """Where each part of a checkpoint is read from.
+
+    Attributes:
+      dit: the DiT's folder or file (:func:`arkv_jax.models.loader.load_wan`): the checkpoint folder,
+        its ``transformer/`` folder, or a ``--generator`` file.
+      vae: ``Wan2.1_VAE.pth`` or a diffusers ``vae/`` folder.
+      text_encoder: ``models_t5_umt5-xxl-enc-bf16.pth`` or a ``transformers`` ``text_encoder/`` folder.
+      tokenizer: the ``google/umt5-xxl`` (or diffusers ``tokenizer/``) folder.
+    """
+
+    dit: pathlib.Path
+    vae: pathlib.Path
+    text_encoder: pathlib.Path
+    tokenizer: pathlib.Path
+
+
+def find_checkpoint(directory: str | pathlib.Path, generator: str | pathlib.Path | None = None) -> CheckpointFiles:
+    """The files of a Wan2.1-T2V-1.3B folder (official: DiT safetensors + ``config.json``,
+    ``Wan2.1_VAE.pth``, ``models_t5_umt5-xxl-enc-bf16.pth``, ``google/umt5-xxl/``; or the
+    diffusers pipeline's ``transformer/``, ``vae/``, ``text_encoder/``, ``tokenizer/``), with the DiT
+    taken from ``generator`` (a Self-Forcing / CausVid / LongLive ``.pt``) when given. Only checks
+    that the files are there; nothing is read.
+
+    Raises:
+      GenerateError: the folder or a file is missing; every missing part is named, with what was
+        expected there.
+    """
+    root = pathlib.Path(directory)
+    if not root.is_dir():
+        raise GenerateError(f"--checkpoint {str(directory)!r}: no such directory (expected a Wan2.1-T2V-1.3B "
+                            f"folder holding {', '.join(OFFICIAL_FILES.values())})")
+    missing: list[str] = []
+
+    def pick(part: str, what: str, ok) -> pathlib.Path:
+        official, diffusers = root / OFFICIAL_FILES[part], root / DIFFUSERS_FOLDERS[part]
+        for candidate in (official, diffusers):
+            if ok(candidate):
+                return candidate
+        missing.append(f"{official} ({what}; or a diffusers {diffusers.name}/ folder)")
+        return official
+
+    if generator is not None:
+        dit = pathlib.Path(generator)
+        if not dit.is_file():
+            missing.append(f"{dit} (--generator: a Self-Forcing / CausVid / LongLive generator .pt file)")
+    else:
+        def has_dit(path: pathlib.Path) -> bool:
+            folder = path if path.is_dir() else path.parent
+            return (any(folder.glob("*.safetensors")) or any(folder.glob("*.safetensors.index.json"))) \
+                and (folder / "config.json").is_file()
+
+        dit = pick("dit", "the DiT's weights, diffusion_pytorch_model*.safetensors with its config.json", has_dit)
+        dit = dit.parent if dit.name == OFFICIAL_FILES["dit"] else dit
+    vae = pick("vae", "the Wan 2.1 VAE's weights", lambda p: p.is_file() or (p.is_dir() and any(p.iterdir())))
+    text = pick("text_encoder", "the umT5-XXL encoder's weights",
+                lambda p: p.is_file() or (p.is_dir() and any(p.iterdir())))
+    tokenizer = pick("tokenizer", f"the umT5 tokenizer folder, with {' or '.join(TOKENIZER_FILES)}",
+                     lambda p: p.is_dir() and any((p / f).is_file() for f in TOKENIZER_FILES))
+    if missing:
+        raise GenerateError(f"--checkpoint {str(directory)!r} is incomplete: missing " + "; ".join(missing))
+    return CheckpointFiles(dit, vae, text, tokenizer)
+
+
+@dataclasses.dataclass
+class Pipeline:
+    """A DiT, its cache shape, a VAE decoder and a text encoder.
+
+    Attributes:
+      name: ``"tiny"`` or ``"checkpoint"``.
+      model: the DiT.
+      geometry, window: the cache's shape and window.
+      vae: the streaming VAE decoder (its ``z_dim`` equals the DiT's latent channels).
+      encode: prompts -> contexts ``[B, text_tokens, text_dim]`` (host float32), or ``None`` for the
+        DiT's hash stand-in (``Rollout.join`` hashes the prompt itself).
+      description: one line for the header.
+    """
+
+    name: str
+    model: CausalDiT
+    geometry: CacheGeometry
+    window: WindowPolicy
+    vae: vae_lib.WanVAEDecoder
+    encode: object | None
+    description: str
+
+    @property
+    def chunk_frames(self) -> int:
+        return self.geometry.frames_per_forward
+
+
+def tiny_pipeline(seed: int = 0) -> Pipeline:
+    """Random weights, all on the CPU in seconds: the DiT ``tiny`` shape with Wan's 16 latent
+    channels (so the VAE ``tiny`` config, 16 channels, decodes it), the ``tiny`` cache preset, hash
+    stand-in text."""
+    config = dataclasses.replace(MODEL_CONFIGS["tiny"], in_channels=vae_lib.VAE_CONFIGS["tiny"].z_dim)
+    preset = get_preset("tiny")
+    return Pipeline("tiny", init_random_dit(config, seed), preset.geometry, preset.window,
+                    vae_lib.init_random(vae_lib.VAE_CONFIGS["tiny"], seed), None,
+                    "random tiny weights (DiT tiny, VAE tiny, hash stand-in text)")
+
+
+def checkpoint_geometry(model: CausalDiT) -> tuple[CacheGeometry, WindowPolicy]:
+    """The cache of a Wan DiT: one page per frame, the ``wan-1.3b`` preset's 3-frame chunks and its
+    window (sink 3 + 9 frames)."""
+    config, preset = model.config, get_preset("wan-1.3b")
+    geometry = CacheGeometry(num_layers=config.num_layers, num_kv_heads=config.num_kv_heads,
+                             head_dim=config.head_dim, dtype=config.dtype, tokens_per_frame=config.tokens_per_frame,
+                             block_size=config.tokens_per_frame,
+                             frames_per_forward=preset.geometry.frames_per_forward)
+    return geometry, preset.window
+
+
+def load_pipeline(files: CheckpointFiles, *, allow_pickle: bool = False) -> Pipeline:
+    """Loads a checkpoint's DiT, VAE decoder and umT5 encoder (see :func:`find_checkpoint`).
+
+    Raises:
+      GenerateError: a part that does not load, naming its file and the loader's reason.
+    """
+    from arkv_jax.models import umt5
+    from arkv_jax.models.loader import load_wan
+
+    def load(what: str, path: pathlib.Path, loader):
+        try:
+            return loader()
+        except (ValueError, KeyError, FileNotFoundError, ImportError, OSError) as error:
+            reason = error.args[0] if isinstance(error, KeyError) and error.args else error
+            raise GenerateError(f"{path}: cannot load {what}: {reason}") from None
+
+    model = load("the DiT (a Wan 2.1 T2V transformer or a Self-Forcing / CausVid / LongLive generator)",
+                 files.dit, lambda: load_wan(files.dit, allow_pickle=allow_pickle))
+    if model.config.in_channels != 16:
+        raise GenerateError(f"{files.dit}: the DiT has {model.config.in_channels} latent channels; the Wan 2.1 "
+                            "VAE decodes 16")
+    vae = load("the Wan 2.1 VAE decoder", files.vae, lambda: vae_lib.load_wan_vae(files.vae))
+    encoder = load("the umT5 encoder", files.text_encoder,
+                   lambda: umt5.load_umt5(files.text_encoder, text_len=model.config.text_tokens))
+    if encoder.config.dim != model.config.text_dim:
+        raise GenerateError(f"{files.text_encoder}: the text encoder is {encoder.config.dim} wide; the DiT's "
+                            f"text_dim is {model.config.text_dim}")
+    tokenizer = str(files.tokenizer)
+
+    def encode(texts: Sequence[str]) -> np.ndarray:
+        try:
+            context = umt5.encode_prompts(list(texts), tokenizer, encoder, model.config.text_tokens)
+        except (OSError, ValueError, ImportError) as error:
+            raise GenerateError(f"{files.tokenizer}: cannot tokenise with this umT5 tokenizer folder: "
+                                f"{error}") from None
+        return np.asarray(context.astype(jnp.float32))
+
+    geometry, window = checkpoint_geometry(model)
+    c = model.config
+    return Pipeline("checkpoint", model, geometry, window, vae, encode,
+                    f"checkpoint {files.dit} ({c.num_layers} layers, dim {c.dim}, {c.dtype}), VAE {files.vae.name}, "
+                    f"umT5 {files.text_encoder.name}")
+
+
+# ------------------------------------------------------------------------------------------------
+# Checks made before the run
+# ------------------------------------------------------------------------------------------------
+
+
+def output_paths(out: str | pathlib.Path, sessions: int) -> list[pathlib.Path]:
+    """The mp4 of each session: ``out`` itself for one session and an ``.mp4`` name;
+    ``<stem>_session<i>.mp4`` beside it for several; ``<out>/session<i>.mp4`` when ``out`` is a
+    folder (an existing one, or a name without ``.mp4``)."""
+    path = pathlib.Path(out)
+    if path.suffix.lower() == ".mp4" and not path.is_dir():
+        if sessions == 1:
+            return [path]
+        return [path.with_name(f"{path.stem}_session{i}.mp4") for i in range(sessions)]
+    return [path / f"session{i}.mp4" for i in range(sessions)]
+
+
+def prepare_outputs(paths: Sequence[pathlib.Path]) -> None:
+    """Creates the folders of ``paths`` and checks each path can be written (a file is created and
+    removed where none was).
+
+    Raises:
+      GenerateError: a folder cannot be created, or a file cannot be written (names it).
+    """
+    for path in paths:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if path.is_dir():
+                raise IsADirectoryError(21, "a folder of that name exists")
+            existed = path.exists()
+            with open(path, "ab"):
+                pass
+            if not existed:
+                path.unlink()
+        except OSError as error:
+            raise GenerateError(f"--out: cannot write {str(path)!r} ({error.strerror or error})") from None
+
+
+def ffmpeg_exe() -> str:
+    """imageio-ffmpeg's ffmpeg binary (pip-installed with the package).
+
+    Raises:
+      GenerateError: imageio or imageio-ffmpeg missing, or no binary.
+    """
+    try:
+        import imageio  # noqa: F401
+        import imageio_ffmpeg
+    except ImportError as error:
+        raise GenerateError(f"writing mp4 needs imageio and imageio-ffmpeg ({error}): "
+                            "pip install imageio imageio-ffmpeg") from None
+    try:
+        return imageio_ffmpeg.get_ffmpeg_exe()
+    except RuntimeError as error:
+        raise GenerateError(f"imageio-ffmpeg has no ffmpeg binary here ({error})") from None
+
+
+def parse_prompt_at(text: str) -> tuple[int, str]:
+    """``"CHUNK:TEXT"`` -> ``(chunk, text)``.
+
+    Raises:
+      ValueError: no colon, or ``CHUNK`` not a non-negative integer.
+    """
+    chunk, sep, prompt = text.partition(":")
+    try:
+        index = int(chunk)
+    except ValueError:
+        index = -1
+    if not sep or index < 0:
+        raise ValueError(f"must look like CHUNK:TEXT with CHUNK a chunk index (0, 1, ...), got {text!r}")
+    return index, prompt
+
+
+# ------------------------------------------------------------------------------------------------
+# The run
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class ChunkTiming:
+    """One chunk of every session.
+
+    Attributes:
+      chunk: chunk index.
+      dit_s: ``Rollout.step`` (denoise steps + commit forward + cache commit, latents on the host).
+      vae_s: the VAE decode of every session's chunk (pixels on the host, uint8).
+      text_s: prompt switches before the chunk (re-populating the text K/V), or the joins for chunk 0.
+      write_s: appending the frames to the mp4s.
+      video_frames: video frames decoded, all sessions.
+    """
+
+    chunk: int
+    dit_s: float
+    vae_s: float
+    text_s: float
+    write_s: float
+    video_frames: int
+
+    @property
+    def seconds(self) -> float:
+        return self.dit_s + self.vae_s + self.text_s + self.write_s
+
+
+@dataclasses.dataclass
+class GenerateResult:
+    """What :func:`run_generate` wrote and measured.
+
+    Attributes:
+      paths: each session's mp4.
+      video_frames: video frames per session (``1 + 4 (frames - 1)``).
+      frame_size: ``(height, width)`` in pixels.
+      timings: one :class:`ChunkTiming` per chunk.
+      encode_s: encoding every prompt up front (umT5; 0 for the hash stand-in).
+      latents: each session's latents ``[frames, h, w, 16]``.
+    """
+
+    paths: list[pathlib.Path]
+    video_frames: int
+    frame_size: tuple[int, int]
+    timings: list[ChunkTiming]
+    encode_s: float
+    latents: dict[str, np.ndarray]
+
+
+def to_uint8(frames) -> np.ndarray:
+    """Pixels in ``[-1, 1]`` -> uint8 ``[0, 255]`` (rounded)."""
+    return np.clip(np.rint((np.asarray(frames, np.float32) + 1.0) * 127.5), 0, 255).astype(np.uint8)
+
+
+def set_text(rollout: Rollout, session_id: str, context: np.ndarray, branch: str | None = None) -> None:
+    """Re-populates one branch (default: the prompt's) of a session's text K/V from ``context``
+    ``[tokens, text_dim]``: the prompt switch without KV recache."""
+    k, v = context_kv(rollout.chunk_config.graphdef, rollout.params, jnp.asarray(context, jnp.float32)[None])
+    layers = rollout.model.config.num_layers
+    rollout.cache.populate_cross_attention(session_id, rollout.text_cache, branch or rollout.branches[0],
+                                           ((k[i, 0], v[i, 0]) for i in range(layers)))
+
+
+def join(rollout: Rollout, session_id: str, prompt: str, seed: int, context: np.ndarray | None = None,
+         negative_context: np.ndarray | None = None) -> None:
+    """``Rollout.join`` with the encoder's ``context`` (and the CFG negative's) when there is one,
+    else through the prompt (hash stand-in). A ``Rollout`` whose ``join`` takes no ``context=`` yet
+    joins through the prompt and then has its text K/V replaced by :func:`set_text` (same result)."""
+    if context is None:
+        rollout.join(session_id, prompt, seed=seed)
+        return
+    try:
+        rollout.join(session_id, prompt, seed=seed, context=context, negative_context=negative_context)
+        return
+    except TypeError as error:
+        if "context" not in str(error):
+            raise
+    rollout.join(session_id, prompt, seed=seed)
+    set_text(rollout, session_id, context)
+    if len(rollout.branches) > 1 and negative_context is not None:
+        set_text(rollout, session_id, negative_context, rollout.branches[1])
+
+
+def _param_bytes(module: nnx.Module) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(nnx.state(module)))
+
+
+def _cache_bytes(cache: vae_lib.DecoderCache) -> int:
+    return sum(f.size * f.dtype.itemsize for f in cache.frames)
+
+
+def run_generate(*, prompts: Sequence[str], checkpoint: str | pathlib.Path | None = None,
+                 generator: str | pathlib.Path | None = None, random_tiny: bool = False,
+                 prompt_at: Mapping[int, str] | None = None, frames: int | None = None, seed: int = 0,
+                 sessions: int = 1, out: str | pathlib.Path = "video.mp4", steps: int | None = None,
+                 guidance: float | None = None, fps: int = DEFAULT_FPS, backend: str = "auto",
+                 allow_pickle: bool = False, stdout: TextIO | None = None, stderr: TextIO | None = None,
+                 progress: bool | None = None) -> GenerateResult:
+    """Runs the command (see the module docstring). Session ``i`` gets ``prompts[i % len(prompts)]``
+    and noise seed ``seed + i``; ``prompt_at`` switches every session's prompt before the given
+    chunks (1 and later).
+
+    Raises:
+      GenerateError: refused before the run (bad counts, frames not a multiple of the chunk,
+        a switch outside the run, an incomplete checkpoint, an unwritable output, no ffmpeg), or a
+        checkpoint part that does not load.
+    """
+    stdout, stderr = stdout or sys.stdout, stderr or sys.stderr
+    if random_tiny == (checkpoint is not None):
+        raise GenerateError("pass exactly one of --checkpoint DIR and --random-tiny")
+    if generator is not None and checkpoint is None:
+        raise GenerateError("--generator needs --checkpoint (the folder with the VAE, umT5 and tokenizer)")
+    if not prompts:
+        raise GenerateError("give at least one --prompt")
+    if sessions < 1 or seed < 0 or fps < 1:
+        raise GenerateError(f"sessions and fps must be >= 1 and seed >= 0, got {sessions}, {fps}, {seed}")
+    if guidance is not None and not guidance > 0:
+        raise GenerateError(f"--guidance must be positive, got {guidance}")
+    kind = "tiny" if random_tiny else "checkpoint"
+    files = None if random_tiny else find_checkpoint(checkpoint, generator)
+    chunk_frames = get_preset("tiny" if random_tiny else "wan-1.3b").geometry.frames_per_forward
+    frames = DEFAULT_FRAMES[kind] if frames is None else frames
+    if frames < 1 or frames % chunk_frames:
+        raise GenerateError(f"--frames {frames}: must be a positive multiple of the {chunk_frames} latent frames "
+                            f"of a chunk (e.g. {chunk_frames * max(1, -(-frames // chunk_frames))})")
+    chunks = frames // chunk_frames
+    switches = dict(prompt_at or {})
+    bad = sorted(c for c in switches if not 1 <= c < chunks)
+    if bad:
+        raise GenerateError(f"--prompt-at chunk {bad[0]}: switches happen before chunks 1..{chunks - 1} of this "
+                            f"{chunks}-chunk run (chunk 0's prompt is --prompt)")
+    paths = output_paths(out, sessions)
+    prepare_outputs(paths)
+    ffmpeg_exe()
+    sampler = Sampler(num_steps=steps or DEFAULT_STEPS[kind], guidance_scale=guidance)
+
+    pipeline = tiny_pipeline(seed) if random_tiny else load_pipeline(files, allow_pickle=allow_pickle)
+    model, decoder = pipeline.model, pipeline.vae
+    ids = [f"s{i}" for i in range(sessions)]
+    session_prompts = {sid: prompts[i % len(prompts)] for i, sid in enumerate(ids)}
+
+    # Text, up front: every distinct prompt once (umT5), or nothing (hash stand-in, inside join).
+    contexts: dict[str, np.ndarray] = {}
+    encode_s = 0.0
+    if pipeline.encode is not None:
+        texts = list(dict.fromkeys([*session_prompts.values(), *switches.values(),
+                                    *([""] if sampler.num_branches > 1 else [])]))
+        start = time.perf_counter()
+        contexts = dict(zip(texts, pipeline.encode(texts)))
+        encode_s = time.perf_counter() - start
+    encoded = pipeline.encode is not None
+    pipeline.encode = None  # drops the encoder (umT5-XXL: 11 GB in bfloat16) before the DiT runs
+
+    branches = ((KVBranch("positive", 0), KVBranch("negative", 1)) if guidance is not None else (KVBranch("main"),))
+    cross = (CrossAttentionSpec("text", model.config.text_tokens),)
+    plan = rollout_plan(pipeline.geometry, pipeline.window, branches, cross, sessions)
+    cache = PagedKVCache(pipeline.geometry, pipeline.window, branches, cross, plan=plan, backend=backend)
+    rollout = Rollout(model, cache, sampler, max_traces=1)
+
+    h, w, _ = model.config.frame_shape
+    decoder_caches = {sid: vae_lib.decoder_init_cache(decoder, h, w) for sid in ids}
+    scale = decoder.config.spatial_factor
+    size = (h * scale, w * scale)
+    video_frames = decoder.config.num_pixel_frames(frames, True)
+    guidance_text = f"CFG {guidance}" if guidance is not None else "no CFG"
+    print(f"arkv-jax generate: {plural(sessions, 'session')} x {frames} latent frames ({plural(chunks, 'chunk')} of "
+          f"{chunk_frames}) "
+          f"-> {video_frames} video frames of {size[0]}x{size[1]} at {fps} fps each; {sampler.num_steps} denoise "
+          f"steps + 1 commit forward, {guidance_text}", file=stdout)
+    print(f"model: {pipeline.description}", file=stdout)
+    print("memory plan (paged KV cache):", file=stdout)
+    print(plan.summary(), file=stdout)
+    print(f"weights: DiT {format_bytes(_param_bytes(model))}, VAE decoder {format_bytes(_param_bytes(decoder))}; "
+          f"VAE stream cache {format_bytes(_cache_bytes(decoder_caches[ids[0]]))} per session", file=stdout)
+    if encoded:
+        print(f"text: {len(contexts)} prompt(s) encoded by umT5 in {encode_s:.2f} s", file=stdout)
+    if switches:
+        print("prompt switches (text K/V re-populated only; no KV recache of the window): "
+              + ", ".join(f"chunk {c}: {p!r}" for c, p in sorted(switches.items())), file=stdout)
+
+    import imageio
+
+    # imageio-ffmpeg starts ffmpeg with subprocess (fork + exec at once, nothing of JAX's runs in the
+    # child), which JAX's fork hook warns about; the warning does not apply, so it is silenced here.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called", category=RuntimeWarning)
+        writers = {sid: imageio.get_writer(str(path), format="FFMPEG", mode="I", fps=fps, codec="libx264",
+                                           pixelformat="yuv420p", quality=8, macro_block_size=1,
+                                           ffmpeg_log_level="error")
+                   for sid, path in zip(ids, paths)}
+        timings: list[ChunkTiming] = []
+        latents: dict[str, np.ndarray] = {}
+        if progress is None:
+            progress = all(getattr(stream, "isatty", lambda: False)() for stream in (stdout, stderr))
+        print(f"{'chunk':>5}  {'DiT ms':>9}  {'VAE ms':>9}  {'text ms':>8}  {'write ms':>8}  {'video frames/s':>14}",
+              file=stdout)
+        try:
+            with tqdm(total=chunks, desc="generate", unit="chunk", file=stderr, disable=not progress) as bar:
+                for chunk in range(chunks):
+                    start = time.perf_counter()
+                    if chunk == 0:
+                        negative = contexts.get("") if sampler.num_branches > 1 else None
+                        for i, sid in enumerate(ids):
+                            join(rollout, sid, session_prompts[sid], seed + i, contexts.get(session_prompts[sid]),
+                                 negative)
+                    elif chunk in switches:
+                        text = switches[chunk]
+                        for sid in ids:
+                            set_text(rollout, sid, contexts[text] if encoded
+                                     else prompt_embedding(text, model.config.text_tokens, model.config.text_dim))
+                    jax.block_until_ready(cache.cross_attention_kv(rollout.text_cache))
+                    text_s = time.perf_counter() - start
+
+                    start = time.perf_counter()
+                    result = rollout.step()
+                    dit_s = time.perf_counter() - start
+
+                    start = time.perf_counter()
+                    pixels = {}
+                    for i, sid in enumerate(result.session_ids):
+                        out_frames, decoder_caches[sid] = vae_lib.decode_chunk(decoder, decoder_caches[sid],
+                                                                               result.latents[i])
+                        pixels[sid] = to_uint8(out_frames)
+                    vae_s = time.perf_counter() - start
+
+                    start = time.perf_counter()
+                    for sid, video in pixels.items():
+                        for frame in video:
+                            writers[sid].append_data(frame)
+                    write_s = time.perf_counter() - start
+                    record = ChunkTiming(chunk, dit_s, vae_s, text_s, write_s, sum(len(v) for v in pixels.values()))
+                    timings.append(record)
+                    rate = record.video_frames / record.seconds
+                    print(f"{chunk:>5}  {dit_s * 1e3:>9.1f}  {vae_s * 1e3:>9.1f}  {text_s * 1e3:>8.1f}  "
+                          f"{write_s * 1e3:>8.1f}  {rate:>14.1f}", file=stdout)
+                    bar.set_postfix_str(f"{record.seconds * 1e3:.0f} ms, {rate:.1f} frames/s", refresh=False)
+                    bar.update()
+            for sid in ids:
+                latents[sid] = rollout.leave(sid)
+        finally:
+            for writer in writers.values():
+                writer.close()
+
+    _print_summary(stdout, timings, encode_s, sessions)
+    for sid, path in zip(ids, paths):
+        print(f"wrote {path} ({video_frames} frames, {size[0]}x{size[1]}, {fps} fps; prompt "
+              f"{session_prompts[sid]!r})", file=stdout)
+    return GenerateResult(paths, video_frames, size, timings, encode_s, latents)
+
+
+def _print_summary(stream: TextIO, timings: Sequence[ChunkTiming], encode_s: float, sessions: int) -> None:
+    """Totals, and the steady state (chunks after the first two: chunks 0 and 1 compile the DiT's
+    chunk and the VAE's first and later chunks)."""
+    total = sum(t.seconds for t in timings) + encode_s
+    frames = sum(t.video_frames for t in timings)
+    print(f"generated {frames} video frames ({plural(sessions, 'session')}) in {total:.2f} s "
+          f"({frames / total:.1f} frames/s overall, compilation included; text encoding up front "
+          f"{encode_s:.2f} s)", file=stream)
+    steady = list(timings[2:]) or list(timings[-1:])
+    dit, vae = (float(np.median([getattr(t, f) for t in steady])) for f in ("dit_s", "vae_s"))
+    seconds = float(np.median([t.seconds for t in steady]))
+    rate = float(np.median([t.video_frames / t.seconds for t in steady]))
+    label = "steady state" if len(timings) > 2 else "last chunk (no steady state in so short a run)"
+    print(f"{label}: {seconds * 1e3:.1f} ms per chunk (median), DiT {dit * 1e3:.1f} ms, VAE {vae * 1e3:.1f} ms "
+          f"({100 * vae / max(dit + vae, 1e-12):.0f}% of DiT + VAE), {rate:.1f} video frames/s", file=stream)
+
+
+__all__ = [
+    "CheckpointFiles", "ChunkTiming", "DEFAULT_FPS", "DEFAULT_FRAMES", "DEFAULT_STEPS", "GenerateError",
+    "GenerateResult", "Pipeline", "checkpoint_geometry", "ffmpeg_exe", "find_checkpoint", "join", "load_pipeline",
+    "output_paths", "parse_prompt_at", "prepare_outputs", "run_generate", "set_text", "tiny_pipeline", "to_uint8",
+]
