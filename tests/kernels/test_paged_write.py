@@ -393,7 +393,7 @@ def test_new_page_id_values_do_not_retrace(backend, fresh_trace_counter):
 @pytest.mark.parametrize("platform,backend,call", [
     ("tpu", "pallas_tpu", "tpu_custom_call"),
     pytest.param("cuda", "pallas_gpu", "triton", marks=IGNORE_TRITON_DEPRECATION),
-    ("cuda", "auto", "stablehlo.scatter"),
+    ("cuda", "cudnn_gather", "stablehlo.scatter"),
 ])
 @pytest.mark.parametrize("tokens_per_frame", [16, 24])
 def test_lowers_for_device(platform, backend, call, tokens_per_frame, lower_for_device):

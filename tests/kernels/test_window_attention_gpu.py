@@ -96,9 +96,7 @@ def test_gathered_history_is_contiguous_and_zero_past_length():
         assert not np.any(np.asarray(hist[row, length:]))
 
 
-@pytest.mark.parametrize("backend", ["xla", "cudnn_gather_xla",
-                                     pytest.param("pallas_gpu_interpret",
-                                                  marks=IGNORE_TRITON_DEPRECATION),
+@pytest.mark.parametrize("backend", ["xla", "cudnn_gather_xla", "pallas_gpu_interpret",
                                      *COMPILED_BACKENDS, CUDNN_GATHER])
 def test_bf16_ragged_lengths_with_frame_padding(backend):
     """Lengths that end mid-frame and mid-page, 24-token frames on 16-slot pages, bf16, poison."""
