@@ -214,6 +214,8 @@ def bench_gpu(block_size: int, rows: int, reps: int, rounds: int) -> dict[str, A
     cases = {
         "pallas_gpu": functools.partial(write_chunk, tokens_per_frame=tokens_per_frame,
                                         backend="pallas_gpu"),
+        "auto_gpu_scatter": functools.partial(write_chunk, tokens_per_frame=tokens_per_frame,
+                                              backend="auto"),
         "xla_scatter": functools.partial(xla_scatter, tokens_per_frame=tokens_per_frame),
         "xla_path": functools.partial(write_chunk, tokens_per_frame=tokens_per_frame,
                                       backend="xla"),
@@ -230,6 +232,8 @@ def bench_gpu(block_size: int, rows: int, reps: int, rounds: int) -> dict[str, A
         "pallas_gpu_vs_d2d_copy": seconds["d2d_copy"] / seconds["pallas_gpu"],
         "pallas_gpu_vs_xla_scatter": seconds["xla_scatter"] / seconds["pallas_gpu"],
         "pallas_gpu_vs_xla_path": seconds["xla_path"] / seconds["pallas_gpu"],
+        "auto_gpu_scatter_gbps": nbytes / seconds["auto_gpu_scatter"] / 1e9,
+        "auto_gpu_scatter_vs_d2d_copy": seconds["d2d_copy"] / seconds["auto_gpu_scatter"],
         "seconds": seconds,
         "written_bytes": nbytes,
         **memory,
