@@ -69,7 +69,7 @@ from arkv_jax.presets import get_preset
 from arkv_jax.reference import FullRecompute
 from arkv_jax.rollout import ChunkResult, Rollout, Sampler
 from arkv_jax.sharding import check_mesh, make_mesh
-from pallas_kernels.backend import resolve_backend
+from pallas_kernels.backend import BACKEND_NAMES, resolve_backend
 
 PROMPTS = (
     "a red fox running through fresh snow",
@@ -85,7 +85,8 @@ PROMPTS = (
 DEVICE_TOLERANCE = {"float32": 1e-5}
 
 #: The compiled kernel backends: the platform each needs, in JAX's name and in words.
-_COMPILED_BACKENDS = {"pallas_gpu": ("gpu", "an NVIDIA GPU"), "pallas_tpu": ("tpu", "a TPU")}
+_COMPILED_BACKENDS = {"pallas_gpu": ("gpu", "an NVIDIA GPU"), "pallas_mgpu": ("gpu", "an NVIDIA Hopper GPU"),
+                      "cudnn_gather": ("gpu", "an NVIDIA GPU with cuDNN"), "pallas_tpu": ("tpu", "a TPU")}
 
 
 def plural(count: int, noun: str) -> str:
@@ -302,15 +303,19 @@ def check_backend(backend: str, platform: str) -> None:
     """Refuses a compiled kernel backend on devices of another platform.
 
     Raises:
-      ValueError: an unknown backend, or ``pallas_gpu``/``pallas_tpu`` (or ``auto`` resolving to
-        them) on a platform other than theirs, with the backends that do run there.
+      ValueError: an unknown backend, or a compiled one (``pallas_gpu``, ``pallas_mgpu``,
+        ``cudnn_gather``, ``pallas_tpu``, or ``auto`` resolving to one) on a platform other than
+        its own, with the backends that do run there.
     """
     resolved = resolve_backend(backend, platform)
     needs, device = _COMPILED_BACKENDS.get(resolved.name, (platform, ""))
     if platform != needs:
+        stand_ins = [f"--backend {name} ({why})" for name, why in (
+            (f"{resolved.name}_interpret", "the same kernel under Pallas' interpreter, slow"),
+            (f"{resolved.name}_xla", "the same gather with XLA's attention")) if name in BACKEND_NAMES]
         raise ValueError(f"--backend {backend}: the compiled kernel needs {device}, and this run's devices are "
-                         f"{platform}; use --backend xla (runs everywhere) or --backend {resolved.name}_interpret "
-                         "(the same kernel under Pallas' interpreter, slow)")
+                         f"{platform}; use --backend xla (runs everywhere)"
+                         + "".join(f" or {option}" for option in stand_ins))
 
 
 def memory_estimate(preset: str, sessions: int, backend: str, platform: str) -> dict[str, int]:
