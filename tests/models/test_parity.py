@@ -25,8 +25,9 @@ diffusers = pytest.importorskip("diffusers")
 from arkv_jax.cache import PagedKVCache
 from arkv_jax.config import CacheGeometry, CrossAttentionSpec, KVBranch, WindowPolicy
 from arkv_jax.models.loader import load_wan
-from arkv_jax.nnx import MaskedHistory
-from arkv_jax.rollout import FullRecompute, Rollout, Sampler, rollout_plan
+from arkv_jax.planner import rollout_plan
+from arkv_jax.reference import FullRecompute, MaskedHistory
+from arkv_jax.rollout import Rollout, Sampler
 from tests.models.wan_reference import (
     OFFICIAL_JSON,
     WAN_TINY,

@@ -16,7 +16,7 @@ from flax import nnx
 from arkv_jax.models import MODEL_CONFIGS, init_random, prompt_embedding
 from arkv_jax.models.convert import parameter_shapes
 from arkv_jax.models.dit import DiTConfig
-from arkv_jax.nnx import MaskedHistory
+from arkv_jax.reference import MaskedHistory
 
 CONFIG = MODEL_CONFIGS["tiny"]
 #: Measured 0.42 % (mixed) and 0.68 % (uniform) relative RMS error on this input when written.
