@@ -167,24 +167,24 @@ def test_only_one_chunk_in_flight_and_bad_inputs_are_refused():
         cache.open("")
 
 
-def test_pool_exhaustion_is_refused_without_changing_anything():
+def test_num_frames_beyond_what_the_pool_always_holds_is_refused_at_the_first_call():
     geometry = CacheGeometry(1, 1, 4, "float32", tokens_per_frame=4, frames_per_forward=1)
     window = WindowPolicy(window_frames=3)
-    # A budget of exactly one session: 6 managed pages (5 free) and 1 scratch page of 128 bytes.
+    # A budget of exactly one session: 6 managed pages (5 free) and 1 scratch page of 128 bytes:
+    # 3 frames of window + 2 in flight, so a 3-frame chunk would fail once the window is full.
     cache = PagedKVCache(geometry, window, available_bytes=7 * 128, memory_fraction=1.0)
-    assert cache.num_free_pages() == 5
+    assert cache.num_free_pages() == 5 and cache.max_chunk_frames() == 2
     cache.open("a")
-    kv = jnp.zeros((1, 1, 12, 1, 4))
-    with cache.chunk(["a"], 3) as step:  # 3 frames in flight: more than the plan's 1
-        step.commit(kv, kv)
     state = jax.tree.map(np.asarray, cache.state)
-    with pytest.raises(RuntimeError, match="pool exhausted while allocating a chunk of 3 frames for 1 rows"):
+    with pytest.raises(ValueError, match=r"num_frames must be an int in \[1, 2\], got 3"):
         with cache.chunk(["a"], 3):
             pass
     jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, cache.state), state)
-    assert cache.num_free_pages() == 2
-    with cache.chunk(["a"], 1) as step:  # a chunk the plan provides for still runs
-        step.commit(kv[:, :, :4], kv[:, :, :4])
+    kv = jnp.zeros((1, 1, 8, 1, 4))
+    for _ in range(6):  # the largest accepted value works for the whole life of the session
+        with cache.chunk(["a"], 2) as step:
+            step.commit(kv, kv)
+    assert cache.num_free_pages() + len(cache.pages_held(["a"])["a"]) == cache.total_pages
 
 
 def test_free_and_foreign_pages_never_reach_an_attention_output():
