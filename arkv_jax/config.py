@@ -31,8 +31,10 @@ def canonical_dtype(dtype) -> str:
     try:
         import jax.numpy as jnp
 
+        if isinstance(dtype, bool) or dtype is None:
+            raise TypeError(dtype)
         name = jnp.dtype(dtype).name
-    except TypeError as exc:
+    except (TypeError, ValueError) as exc:
         raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {dtype!r}") from exc
     if name not in SUPPORTED_DTYPES:
         raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {name!r}")
@@ -56,17 +58,117 @@ def pages_per_frame(tokens_per_frame: int, block_size: int) -> int:
     return ceil_div(tokens_per_frame, block_size)
 
 
+class ArgumentTypeError(TypeError, ValueError):
+    """A public argument of the wrong type. A :class:`TypeError`; also a :class:`ValueError`, so
+    callers written when wrong types were reported as bad values keep working."""
+
+
 def _is_int(value) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
+
+
+def require_int(name: str, value, *, minimum: int | None = None, maximum: int | None = None) -> int:
+    """``value`` as an ``int`` in ``[minimum, maximum]`` (either bound may be open).
+
+    Raises:
+      ArgumentTypeError: not an integer (a ``bool`` is not one). ValueError: out of range. Both
+        messages name ``name``, the value and the allowed range.
+    """
+    lo = "-inf" if minimum is None else minimum
+    hi = "inf" if maximum is None else maximum
+    if not _is_int(value):
+        raise ArgumentTypeError(f"{name} must be an int in [{lo}, {hi}], got {value!r} "
+                                f"({type(value).__name__})")
+    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+        raise ValueError(f"{name} must be an int in [{lo}, {hi}], got {value!r}")
+    return int(value)
+
+
+def require_real(name: str, value, *, low: float | None = None, high: float | None = None,
+                 low_open: bool = False) -> float:
+    """``value`` as a finite ``float`` in ``[low, high]`` (``(low, high]`` with ``low_open``).
+
+    Raises:
+      ArgumentTypeError: not a real number (a ``bool`` or a string is not one). ValueError: NaN,
+        infinite or out of range.
+    """
+    rng = f"{'(' if low_open else '['}{'-inf' if low is None else low}, {'inf' if high is None else high}]"
+    if not _is_real(value):
+        raise ArgumentTypeError(f"{name} must be a finite real number in {rng}, got {value!r} "
+                                f"({type(value).__name__})")
+    x = float(value)
+    if not np.isfinite(x) or (low is not None and (x <= low if low_open else x < low)) or (
+            high is not None and x > high):
+        raise ValueError(f"{name} must be a finite real number in {rng}, got {value!r}")
+    return x
+
+
+def require_bool(name: str, value) -> bool:
+    """``value`` as a ``bool``; only ``True``/``False`` (or NumPy bools) are accepted.
+
+    Raises:
+      ArgumentTypeError: anything else (``"False"`` or ``0`` are refused, not coerced).
+    """
+    if not isinstance(value, (bool, np.bool_)):
+        raise ArgumentTypeError(f"{name} must be a bool (True or False), got {value!r} ({type(value).__name__})")
+    return bool(value)
+
+
+def require_str_sequence(name: str, value, *, allow_empty: bool = False) -> tuple[str, ...]:
+    """``value`` as a tuple of strings: a list or tuple (or other non-string iterable) of ``str``.
+
+    Raises:
+      ArgumentTypeError: a string or bytes (one string is not a list of names), a non-iterable, or a
+        non-string item. ValueError: empty (unless ``allow_empty``) or repeated items.
+    """
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise ArgumentTypeError(f"{name} must be a list or tuple of strings, got {value!r} ({type(value).__name__})")
+    items = tuple(value)
+    bad = [x for x in items if not isinstance(x, str)]
+    if bad:
+        raise ArgumentTypeError(f"{name} must hold strings only, got {bad[0]!r} ({type(bad[0]).__name__})")
+    if not items and not allow_empty:
+        raise ValueError(f"{name} must not be empty")
+    if len(set(items)) != len(items):
+        raise ValueError(f"{name} must be distinct, got {list(items)}")
+    return items
+
+
+def require_positive(name: str, value) -> None:
+    """Checks that ``value`` is a positive int (a ``bool`` is not one).
+
+    Raises:
+      ArgumentTypeError: not an int. ValueError: not positive.
+    """
+    _require_positive(name, value)
+
+
+def require_non_negative(name: str, value) -> None:
+    """Checks that ``value`` is a non-negative int (a ``bool`` is not one).
+
+    Raises:
+      ArgumentTypeError: not an int. ValueError: negative.
+    """
+    _require_non_negative(name, value)
 
 
 def _require_positive(name: str, value: int) -> None:
-    if not _is_int(value) or value <= 0:
+    if not _is_int(value):
+        raise ArgumentTypeError(f"{name} must be positive, got {value!r} ({type(value).__name__}, "
+                                "expected an int)")
+    if value <= 0:
         raise ValueError(f"{name} must be positive, got {value!r}")
 
 
 def _require_non_negative(name: str, value: int) -> None:
-    if not _is_int(value) or value < 0:
+    if not _is_int(value):
+        raise ArgumentTypeError(f"{name} must be non-negative, got {value!r} ({type(value).__name__}, "
+                                "expected an int)")
+    if value < 0:
         raise ValueError(f"{name} must be non-negative, got {value!r}")
 
 
@@ -154,7 +256,7 @@ class WindowPolicy:
     def __post_init__(self):
         _require_positive("window_frames", self.window_frames)
         _require_non_negative("sink_frames", self.sink_frames)
-        object.__setattr__(self, "reset_at_boundary", bool(self.reset_at_boundary))
+        object.__setattr__(self, "reset_at_boundary", require_bool("reset_at_boundary", self.reset_at_boundary))
 
     @property
     def resident_frames(self) -> int:
@@ -209,7 +311,9 @@ class KVBranch:
     local_index: int = 0
 
     def __post_init__(self):
-        if not isinstance(self.name, str) or not self.name:
+        if not isinstance(self.name, str):
+            raise ArgumentTypeError(f"KV branch name must be a non-empty string, got {self.name!r}")
+        if not self.name:
             raise ValueError(f"KV branch name must be a non-empty string, got {self.name!r}")
         _require_non_negative("KV branch local_index", self.local_index)
 
@@ -229,7 +333,9 @@ class CrossAttentionSpec:
     num_kv_heads: int | None = None
 
     def __post_init__(self):
-        if not isinstance(self.name, str) or not self.name:
+        if not isinstance(self.name, str):
+            raise ArgumentTypeError(f"cross-attention name must be a non-empty string, got {self.name!r}")
+        if not self.name:
             raise ValueError(f"cross-attention name must be a non-empty string, got {self.name!r}")
         _require_positive("cross-attention num_tokens", self.num_tokens)
         if self.num_kv_heads is not None:
@@ -240,9 +346,15 @@ def validate_branches(branches: Iterable[KVBranch]) -> tuple[KVBranch, ...]:
     """Checks a branch list and returns it as a tuple.
 
     Raises:
-      ValueError: no branch, duplicate names, or local indices not contiguous from zero.
+      ArgumentTypeError: not a sequence of :class:`KVBranch`. ValueError: no branch, duplicate
+        names, or local indices not contiguous from zero.
     """
+    if isinstance(branches, (str, bytes, KVBranch)) or not isinstance(branches, Iterable):
+        raise ArgumentTypeError(f"kv_branches must be a sequence of KVBranch, got {branches!r}")
     branches = tuple(branches)
+    bad = [b for b in branches if not isinstance(b, KVBranch)]
+    if bad:
+        raise ArgumentTypeError(f"kv_branches must hold KVBranch values, got {bad[0]!r} ({type(bad[0]).__name__})")
     if not branches:
         raise ValueError("kv_branches must hold at least one KV branch")
     names = [b.name for b in branches]
@@ -260,8 +372,18 @@ def num_local_branches(branches: Sequence[KVBranch]) -> int:
 
 
 def validate_cross_attention(specs: Iterable[CrossAttentionSpec]) -> tuple[CrossAttentionSpec, ...]:
-    """Checks that cross-attention cache names are unique; returns the specs as a tuple."""
+    """Checks that cross-attention cache names are unique; returns the specs as a tuple.
+
+    Raises:
+      ArgumentTypeError: not a sequence of :class:`CrossAttentionSpec`. ValueError: repeated names.
+    """
+    if isinstance(specs, (str, bytes, CrossAttentionSpec)) or not isinstance(specs, Iterable):
+        raise ArgumentTypeError(f"cross_attention must be a sequence of CrossAttentionSpec, got {specs!r}")
     specs = tuple(specs)
+    bad = [s for s in specs if not isinstance(s, CrossAttentionSpec)]
+    if bad:
+        raise ArgumentTypeError(f"cross_attention must hold CrossAttentionSpec values, got {bad[0]!r} "
+                                f"({type(bad[0]).__name__})")
     names = [s.name for s in specs]
     if len(names) != len(set(names)):
         raise ValueError(f"cross-attention names must be unique, got {names}")

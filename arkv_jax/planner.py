@@ -29,11 +29,15 @@ import re
 from typing import Any, Sequence
 
 from arkv_jax.config import (
+    ArgumentTypeError,
     CacheGeometry,
     CrossAttentionSpec,
     KVBranch,
     WindowPolicy,
     ceil_div,
+    require_bool,
+    require_non_negative,
+    require_positive,
     check_axis_sizes,
     check_divisible,
     num_local_branches,
@@ -265,26 +269,41 @@ class InsufficientMemoryError(ValueError):
         self.available, self.required = available, required
 
 
+def check_settings(geometry, window) -> None:
+    """Checks the types of a geometry and a window policy.
+
+    Raises:
+      ArgumentTypeError: ``geometry`` is not a :class:`CacheGeometry` or ``window`` not a
+        :class:`WindowPolicy`.
+    """
+    if not isinstance(geometry, CacheGeometry):
+        raise ArgumentTypeError(f"geometry must be a CacheGeometry, got {geometry!r} ({type(geometry).__name__})")
+    if not isinstance(window, WindowPolicy):
+        raise ArgumentTypeError(f"window must be a WindowPolicy, got {window!r} ({type(window).__name__})")
+
+
 def _check_plan_inputs(session_capacity: int, kv_branches: Sequence[KVBranch],
                        cross_attention: Sequence[CrossAttentionSpec], available_bytes: int,
                        memory_fraction: float, max_scratch_tokens_per_branch: int,
                        model_owned_state_bytes_per_session: int
                        ) -> tuple[tuple[KVBranch, ...], tuple[CrossAttentionSpec, ...]]:
-    """Checks :func:`plan_memory`'s inputs; returns the branches and cross-attention specs as tuples."""
-    if session_capacity <= 0:
-        raise ValueError(f"session_capacity must be positive, got {session_capacity}")
+    """Checks :func:`plan_memory`'s inputs; returns the branches and cross-attention specs as tuples.
+
+    Raises:
+      ArgumentTypeError (a ``TypeError``): a wrong type (a ``bool`` or ``float`` where an int is
+        expected, a string where a number is). ValueError: a value out of range, NaN or infinite.
+    """
+    require_positive("session_capacity", session_capacity)
     kv_branches = validate_branches(kv_branches)
     cross_attention = validate_cross_attention(cross_attention)
-    if available_bytes < 0:
-        raise ValueError(f"available_bytes must be non-negative, got {available_bytes}")
-    if not 0.0 < memory_fraction <= 1.0:
+    require_non_negative("available_bytes", available_bytes)
+    if isinstance(memory_fraction, (str, bytes, bool)) or not isinstance(memory_fraction, (int, float)):
+        raise ArgumentTypeError(f"memory_fraction must be a real number in (0, 1], got {memory_fraction!r} "
+                                f"({type(memory_fraction).__name__})")
+    if not 0.0 < memory_fraction <= 1.0:  # NaN fails this too
         raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
-    if max_scratch_tokens_per_branch < 0:
-        raise ValueError(
-            f"max_scratch_tokens_per_branch must be non-negative, got {max_scratch_tokens_per_branch}")
-    if model_owned_state_bytes_per_session < 0:
-        raise ValueError("model_owned_state_bytes_per_session must be non-negative, "
-                         f"got {model_owned_state_bytes_per_session}")
+    require_non_negative("max_scratch_tokens_per_branch", max_scratch_tokens_per_branch)
+    require_non_negative("model_owned_state_bytes_per_session", model_owned_state_bytes_per_session)
     return kv_branches, cross_attention
 
 
@@ -322,9 +341,15 @@ def plan_memory(
       ValueError: an input is out of range.
       InsufficientMemoryError: one session does not fit in ``available_bytes``.
     """
+    check_settings(geometry, window)
     kv_branches, cross_attention = _check_plan_inputs(
         session_capacity, kv_branches, cross_attention, available_bytes, memory_fraction,
         max_scratch_tokens_per_branch, model_owned_state_bytes_per_session)
+    if scratch_blocks_override is not None:
+        require_non_negative("scratch_blocks_override", scratch_blocks_override)
+    require_bool("batched_in_flight", batched_in_flight)
+    available_bytes, memory_fraction = int(available_bytes), float(memory_fraction)
+    session_capacity = int(session_capacity)
 
     num_local = num_local_branches(kv_branches)
     scratch_per_branch = scratch_blocks_per_branch(
@@ -355,7 +380,8 @@ def plan_memory(
                      session_capacity, capacity)
     required_managed = managed(capacity)
     managed_blocks = (budget - scratch_bytes - cross * capacity - owned * capacity) // page
-    assert managed_blocks >= required_managed, (managed_blocks, required_managed)
+    if managed_blocks < required_managed:  # unreachable for validated inputs: a planner bug
+        raise RuntimeError(f"internal planner error: {managed_blocks} managed pages < {required_managed} required")
     return MemoryPlan(
         geometry=geometry, window=window, kv_branches=kv_branches, cross_attention=cross_attention,
         available_bytes=int(available_bytes), memory_fraction=float(memory_fraction),
@@ -540,13 +566,20 @@ def resolve_plan(geometry: CacheGeometry, window: WindowPolicy, kv_branches: Seq
       ValueError: K/V or cross-attention heads not divisible by ``model``, a :class:`DevicePlan`
         for another mesh, a plan for other settings, or an input :func:`plan_memory` rejects.
     """
-    local_geometry, local_cross = local_shapes(geometry, cross_attention, model)
+    check_settings(geometry, window)
+    check_axis_sizes(data, model)
+    local_geometry, local_cross = local_shapes(geometry, validate_cross_attention(cross_attention), model)
     if plan is None:
+        require_positive("session_capacity", session_capacity)
+        if available_bytes is not None:
+            require_non_negative("available_bytes", available_bytes)
         return plan_memory(
             local_geometry, window, kv_branches, cross_attention=local_cross,
             available_bytes=device_free_bytes(device) if available_bytes is None else available_bytes,
             memory_fraction=memory_fraction, session_capacity=ceil_div(session_capacity, data),
             batched_in_flight=True)
+    if not isinstance(plan, (MemoryPlan, DevicePlan)):
+        raise ArgumentTypeError(f"plan must be a MemoryPlan, a DevicePlan or None, got {type(plan).__name__}")
     if isinstance(plan, DevicePlan):
         if (plan.data, plan.model) != (data, model):
             raise ValueError(f"plan is for a (data={plan.data}, model={plan.model}) mesh, the cache's "

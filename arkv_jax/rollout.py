@@ -54,6 +54,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from arkv_jax.cache import PagedKVCache
+from arkv_jax.config import ArgumentTypeError, require_positive, require_real
 from arkv_jax.models.dit import CausalDiT, prompt_embedding, tensor_parallel_specs
 from arkv_jax.nnx import PagedHistory
 from arkv_jax.sharded_kernels import gather_rows
@@ -79,10 +80,10 @@ class Sampler:
     guidance_scale: float | None = None
 
     def __post_init__(self):
-        if not isinstance(self.num_steps, int) or self.num_steps < 1:
-            raise ValueError(f"num_steps must be a positive int, got {self.num_steps!r}")
-        if not self.shift > 0:
-            raise ValueError(f"shift must be positive, got {self.shift!r}")
+        require_positive("num_steps", self.num_steps)
+        require_real("shift", self.shift, low=0.0, low_open=True)
+        if self.guidance_scale is not None:
+            require_real("guidance_scale", self.guidance_scale)
 
     @property
     def num_branches(self) -> int:
@@ -301,20 +302,27 @@ class Rollout:
         """
         if session_id in self._sessions or session_id in self.cache.sessions:
             raise ValueError(f"session {session_id!r} is already open")
-        if not isinstance(seed, (int, np.integer)) or seed < 0:
+        if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool) or seed < 0:
             raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+        if not isinstance(prompt, str):
+            raise ArgumentTypeError(f"prompt must be a string, got {type(prompt).__name__}")
         if len(self._sessions) >= self.max_sessions:
             raise RuntimeError(f"{self.max_sessions} sessions are active (max_sessions); leave one first")
         if len(self.cache.sessions) >= self.cache.session_capacity:
             raise RuntimeError(f"the cache holds {self.cache.session_capacity} sessions (its capacity); "
                                "close one first")
         self.cache.open(session_id)
-        config = self.model.config
-        for branch, text in zip(self.branches, text_branches(prompt, len(self.branches))):
-            context = prompt_embedding(text, config.text_tokens, config.text_dim)[None]
-            k, v = context_kv(self.chunk_config.graphdef, self.params, jnp.asarray(context))
-            self.cache.populate_cross_attention(session_id, self.text_cache, branch,
-                                                ((k[layer, 0], v[layer, 0]) for layer in range(config.num_layers)))
+        try:  # all or nothing: a failure (e.g. a bad prompt) leaves the session closed, the id joinable
+            config = self.model.config
+            for branch, text in zip(self.branches, text_branches(prompt, len(self.branches))):
+                context = prompt_embedding(text, config.text_tokens, config.text_dim)[None]
+                k, v = context_kv(self.chunk_config.graphdef, self.params, jnp.asarray(context))
+                self.cache.populate_cross_attention(
+                    session_id, self.text_cache, branch, ((k[layer, 0], v[layer, 0]) for layer in range(config.num_layers)))
+        except BaseException:
+            if session_id in self.cache.sessions:
+                self.cache.close(session_id)
+            raise
         self._sessions[session_id] = _Session(int(seed))
 
     def leave(self, session_id: str) -> np.ndarray:

@@ -167,24 +167,24 @@ def test_only_one_chunk_in_flight_and_bad_inputs_are_refused():
         cache.open("")
 
 
-def test_pool_exhaustion_is_refused_without_changing_anything():
+def test_num_frames_beyond_what_the_pool_always_holds_is_refused_at_the_first_call():
     geometry = CacheGeometry(1, 1, 4, "float32", tokens_per_frame=4, frames_per_forward=1)
     window = WindowPolicy(window_frames=3)
-    # A budget of exactly one session: 6 managed pages (5 free) and 1 scratch page of 128 bytes.
+    # A budget of exactly one session: 6 managed pages (5 free) and 1 scratch page of 128 bytes:
+    # 3 frames of window + 2 in flight, so a 3-frame chunk would fail once the window is full.
     cache = PagedKVCache(geometry, window, available_bytes=7 * 128, memory_fraction=1.0)
-    assert cache.num_free_pages() == 5
+    assert cache.num_free_pages() == 5 and cache.max_chunk_frames() == 2
     cache.open("a")
-    kv = jnp.zeros((1, 1, 12, 1, 4))
-    with cache.chunk(["a"], 3) as step:  # 3 frames in flight: more than the plan's 1
-        step.commit(kv, kv)
     state = jax.tree.map(np.asarray, cache.state)
-    with pytest.raises(RuntimeError, match="pool exhausted while allocating a chunk of 3 frames for 1 rows"):
+    with pytest.raises(ValueError, match=r"num_frames must be an int in \[1, 2\], got 3"):
         with cache.chunk(["a"], 3):
             pass
     jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, cache.state), state)
-    assert cache.num_free_pages() == 2
-    with cache.chunk(["a"], 1) as step:  # a chunk the plan provides for still runs
-        step.commit(kv[:, :, :4], kv[:, :, :4])
+    kv = jnp.zeros((1, 1, 8, 1, 4))
+    for _ in range(6):  # the largest accepted value works for the whole life of the session
+        with cache.chunk(["a"], 2) as step:
+            step.commit(kv, kv)
+    assert cache.num_free_pages() + len(cache.pages_held(["a"])["a"]) == cache.total_pages
 
 
 def test_free_and_foreign_pages_never_reach_an_attention_output():
@@ -316,3 +316,148 @@ def test_soak_churn_leaves_every_page_free_and_memory_flat():
         cache.close(sid)
     assert cache.num_free_pages() == total
     assert float(jnp.abs(cache.cross_attention_kv("text")[0]).max()) == 0.0
+
+
+# -- robustness: aliasing, callbacks, atomicity, types, no re-tracing ------------------------------------
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from arkv_jax.cache.facade import CallbackError  # noqa: E402
+
+
+def _page_totals_hold(cache):
+    held = cache.pages_held(list(cache.sessions)) if cache.sessions else {}
+    return cache.num_free_pages() + sum(len(p) for p in held.values()) == cache.total_pages
+
+
+def test_duplicate_branches_and_sessions_are_refused_and_change_nothing():
+    cache = make_cache()
+    cache.open("a")
+    free, order = cache.num_free_pages(), cache.sessions
+    for kwargs, error, match in [
+        (dict(branches=["positive", "positive"]), ValueError, "branches must be distinct"),
+        (dict(branches="positive"), TypeError, "branches must be a list or tuple of strings"),
+        (dict(branches=[]), ValueError, "branches must not be empty"),
+    ]:
+        with pytest.raises(error, match=match):
+            with cache.chunk(["a"], 1, **kwargs):
+                pass
+    assert cache.num_free_pages() == free and cache.sessions == order
+    cache.close("a")
+    assert cache.num_free_pages() == cache.total_pages
+
+
+SESSION_NAMES = st.sampled_from(["a", "b", "c", "d"])
+BRANCH_NAMES = st.sampled_from(["positive", "negative", "zzz"])
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["open", "close", "chunk", "fail"]),
+                          st.lists(SESSION_NAMES, max_size=4),
+                          st.one_of(st.none(), st.lists(BRANCH_NAMES, max_size=3)),
+                          st.integers(0, 4)), max_size=8))
+def test_random_argument_lists_never_leak_a_page(ops):
+    cache = _SHARED.get("cache") or _SHARED.setdefault("cache", make_cache())
+    for sid in cache.sessions:
+        cache.close(sid)
+    for op, sids, branches, frames in ops:
+        try:
+            if op == "open" and sids:
+                cache.open(sids[0])
+            elif op == "close" and sids:
+                cache.close(sids[0])
+            elif op in ("chunk", "fail"):
+                with cache.chunk(sids, frames, branches) as step:
+                    if op == "fail":
+                        raise ZeroDivisionError
+                    k = jnp.zeros((GEOMETRY.num_layers, len(step.session_ids), frames * GEOMETRY.tokens_per_frame,
+                                   GEOMETRY.num_kv_heads, GEOMETRY.head_dim))
+                    step.commit(k, k)
+        except (KeyError, ValueError, TypeError, ZeroDivisionError):
+            pass
+        assert _page_totals_hold(cache), (op, sids, branches, frames)
+
+
+_SHARED = {}
+
+
+def test_raising_callbacks_finish_the_bookkeeping_then_raise_chained():
+    def boom(sid, reason):
+        raise OSError(f"callback failed for {sid}")
+
+    cache = make_cache(capacity=2, on_release=boom, fail_closed=True)
+    cache.open("a")
+    cache.open("b")
+    with pytest.raises(CallbackError, match="lru_eviction") as info:
+        cache.open("c")  # evicts a, and c is open all the same
+    assert isinstance(info.value.__cause__, OSError)
+    assert cache.sessions == ("b", "c")
+    with pytest.raises(RuntimeError, match="model exploded") as info:  # the model's error, unchanged
+        with cache.chunk(["b", "c"], 1):
+            raise RuntimeError("model exploded")
+    assert cache.sessions == ()  # both closed although every callback raised
+    assert any("on_release" in note for note in getattr(info.value, "__notes__", ["on_release"]))
+    assert cache.num_free_pages() == cache.total_pages
+    cache.open("d")
+    with pytest.raises(CallbackError, match="'close'"):
+        cache.close("d")
+    assert cache.sessions == ()
+
+
+def test_a_refused_chunk_keeps_the_lru_order():
+    cache = make_cache(capacity=2)
+    cache.open("a")
+    cache.open("b")
+    for bad in (dict(num_frames=9), dict(num_frames=True), dict(num_frames=1, branches=["nope"])):
+        with pytest.raises((ValueError, TypeError, KeyError)):
+            with cache.chunk(["a"], **bad):
+                pass
+    assert cache.sessions == ("a", "b")
+    cache.open("c")  # evicts a, the least recently used, as before the refusals
+    assert cache.sessions == ("b", "c")
+
+
+def test_bad_types_and_values_at_the_boundary():
+    cache = make_cache()
+    cache.open("a")
+    kv = jnp.zeros((2, 2, 6, 2, 8))
+    cases = [
+        (lambda: cache.chunk("ab", 1).__enter__(), TypeError, "session_ids"),
+        (lambda: cache.chunk([], 1).__enter__(), ValueError, "session_ids must not be empty"),
+        (lambda: cache.chunk(["a"], 1.0).__enter__(), TypeError, "num_frames"),
+        (lambda: cache.chunk(["a"], 1, full_batch="yes").__enter__(), TypeError, "full_batch"),
+        (lambda: cache.reset("a", keep_cross_attention="text"), TypeError, "keep_cross_attention"),
+        (lambda: cache.open(3), TypeError, "session_id"),
+        (lambda: cache.close(None), TypeError, "session_id"),
+        (lambda: cache.populate_cross_attention("a", "text", "positive",
+                                                [(jnp.zeros((5, 2, 8), jnp.int32),) * 2] * 2), TypeError, "dtype"),
+        (lambda: make_cache(backend="cuda-ish"), ValueError, "backend"),
+        (lambda: make_cache(on_release="print"), TypeError, "on_release"),
+        (lambda: make_cache(fail_closed="False"), TypeError, "fail_closed"),
+        (lambda: make_cache(capacity=2.5), TypeError, "session_capacity"),
+        (lambda: make_cache(capacity=True), TypeError, "session_capacity"),
+    ]
+    for call, error, word in cases:
+        with pytest.raises(error, match=word):
+            call()
+    assert cache.sessions == ("a",) and cache._in_flight is None
+    with cache.chunk(["a"], 1) as step:
+        for dtype in (jnp.int32, jnp.bool_, jnp.complex64):
+            with pytest.raises(TypeError, match="k_new must have a floating dtype"):
+                step.commit(kv[:, :, :6].astype(dtype), kv)
+        step.commit(kv.astype(jnp.bfloat16), kv)  # floats of another width are cast
+
+
+def test_eager_cross_attention_rows_does_not_retrace():
+    from arkv_jax.cache import facade
+
+    cache = make_cache()
+    cache.open("a")
+    with cache.chunk(["a"], 1) as step:
+        kv = cache.cross_attention_kv("text")
+        cache.cross_attention_rows(kv, step.inputs)
+        before = facade._cross_attention_rows._cache_size()
+        for _ in range(3):
+            k, v = cache.cross_attention_rows(kv, step.inputs)
+        assert facade._cross_attention_rows._cache_size() == before
+        assert k.shape == (GEOMETRY.num_layers, 2, 5, GEOMETRY.num_kv_heads, GEOMETRY.head_dim)

@@ -40,7 +40,7 @@ from arkv_jax.config import (
          "dtype must be one of ('float32', 'bfloat16', 'float16'), got 'int8'"),
         (lambda: CacheGeometry(1, 1, 1, "nonsense", 4),
          "dtype must be one of ('float32', 'bfloat16', 'float16'), got 'nonsense'"),
-        (lambda: WindowPolicy(None), "window_frames must be positive, got None"),
+        (lambda: WindowPolicy(None), "window_frames must be positive, got None (NoneType, expected an int)"),
         (lambda: WindowPolicy(0), "window_frames must be positive, got 0"),
         (lambda: WindowPolicy(2, sink_frames=-1), "sink_frames must be non-negative, got -1"),
         (lambda: validate_branches(()), "kv_branches must hold at least one KV branch"),

@@ -27,14 +27,19 @@ Array = jax.Array
 
 def collect_cross_attention_layers(name: str, layer_kv: Iterable[tuple[Array, Array]], num_layers: int,
                                    shape: tuple[int, ...], *, allow_unbatched: bool,
-                                   label: str = "cross-attention cache") -> tuple[Array, Array]:
+                                   label: str = "cross-attention cache", require_float: bool = False
+                                   ) -> tuple[Array, Array]:
     """Consumes ``layer_kv`` once, in layer order, and stacks it: ``(k, v)`` each
     ``[num_layers, *shape]``. Each item is a ``(k, v)`` pair of JAX or NumPy arrays of shape
     ``(1, *shape)`` (or ``shape`` when ``allow_unbatched``). Messages start with
     ``f"{label} {name!r}"``; an exception raised by the iterable propagates unchanged.
 
+    With ``require_float`` a K/V of a non-floating dtype (int, bool, complex) is refused with a
+    ``TypeError`` instead of being cast to the tables' dtype.
+
     Raises:
       ValueError: too many or too few layers, a non-array item, or a wrong shape.
+      TypeError: a non-floating dtype (with ``require_float``).
     """
     batched = (1, *shape)
     ks, vs = [], []
@@ -44,6 +49,11 @@ def collect_cross_attention_layers(name: str, layer_kv: Iterable[tuple[Array, Ar
         if not all(isinstance(x, (jax.Array, np.ndarray)) for x in (k, v)):
             raise ValueError(f"{label} {name!r} layer {layer} must yield jax.Array k/v, got "
                              f"{type(k).__name__} and {type(v).__name__}")
+        if require_float and not all(jnp.issubdtype(x.dtype, jnp.floating) for x in (k, v)):
+            from arkv_jax.config import ArgumentTypeError
+
+            raise ArgumentTypeError(f"{label} {name!r} layer {layer} k/v must have a floating dtype, got "
+                                    f"{k.dtype} and {v.dtype}; int, bool and complex K/V are refused, not cast")
         shapes = (tuple(k.shape), tuple(v.shape))
         if not all(s == batched or (allow_unbatched and s == tuple(shape)) for s in shapes):
             raise ValueError(f"{label} {name!r} layer {layer} expected k/v shape {batched}, got "
@@ -105,7 +115,7 @@ class CrossAttentionStore:
           KeyError: unknown cache. ValueError: wrong layer count, type or shape.
         """
         k, v = collect_cross_attention_layers(name, layer_kv, self.geometry.num_layers, self.row_shape(name),
-                                              allow_unbatched=True)
+                                              allow_unbatched=True, require_float=True)
         self._set(name, [row], k[None], v[None])
         self._populated.add((row, name))
 

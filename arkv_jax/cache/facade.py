@@ -39,6 +39,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import logging
+import threading
 from typing import Callable, Iterable, Sequence
 
 import jax
@@ -51,12 +54,40 @@ from arkv_jax import state as core
 from arkv_jax.cache import programs
 from arkv_jax.cache.cross_attention import CrossAttentionStore
 from arkv_jax.cache.sessions import SessionTable
-from arkv_jax.config import CacheGeometry, CrossAttentionSpec, KVBranch, WindowPolicy
+from arkv_jax.config import (ArgumentTypeError, CacheGeometry, CrossAttentionSpec, KVBranch, WindowPolicy,
+                             require_bool, require_str_sequence, validate_branches)
 from arkv_jax.planner import DevicePlan, MemoryPlan, resolve_plan
 from arkv_jax.sharded_kernels import gather_rows
 from arkv_jax.step import ChunkInputs
+from pallas_kernels.backend import BACKEND_NAMES
 
 Array = jax.Array
+_log = logging.getLogger(__name__)
+
+
+class CallbackError(RuntimeError):
+    """An ``on_release`` callback raised. The cache finished the operation first (every session it
+    was closing is closed, the session it was opening is open); the callback's exception is the
+    ``__cause__``."""
+
+
+@functools.partial(jax.jit, static_argnames="mesh")
+def _cross_attention_rows(k_table, v_table, rows, *, mesh: Mesh):
+    """The batch's rows of a cross-attention cache (see :meth:`PagedKVCache.cross_attention_rows`),
+    compiled once per shape and mesh."""
+    return tuple(gather_rows(mesh, table, rows).swapaxes(0, 1) for table in (k_table, v_table))
+
+
+def _check_kv(label: str, array, expected: tuple[int, ...]) -> None:
+    """Checks one K/V argument of a commit: an array of a floating dtype and shape ``expected``."""
+    if not isinstance(array, (jax.Array, np.ndarray)):
+        raise ArgumentTypeError(f"{label} must be a jax.Array, got {type(array).__name__}")
+    if not jnp.issubdtype(array.dtype, jnp.floating):
+        raise ArgumentTypeError(f"{label} must have a floating dtype (it is cast to the pool's), got "
+                                f"{array.dtype}; int, bool and complex K/V are refused, not cast")
+    if tuple(array.shape) != expected:
+        raise ValueError(f"{label} must have shape {expected} (layers, rows, frames x tokens, "
+                         f"kv_heads, head_dim), got {tuple(array.shape)}")
 
 
 @dataclasses.dataclass(eq=False)
@@ -95,6 +126,14 @@ class ChunkStep:
         self.on_commit(self, k_new, v_new)
 
 
+def _check_session_id(session_id) -> None:
+    if not isinstance(session_id, str):
+        raise ArgumentTypeError(f"session_id must be a non-empty string, got {session_id!r} "
+                                f"({type(session_id).__name__})")
+    if not session_id:
+        raise ValueError(f"session_id must be a non-empty string, got {session_id!r}")
+
+
 class PagedKVCache:
     """Paged K/V for many concurrent video sessions, on one device or a mesh.
 
@@ -117,9 +156,29 @@ class PagedKVCache:
         evicted (reason ``"close"``, ``"reset"``, ``"lru_eviction"``, ``"forward_exception"``), so
         a model can drop per-session state of its own.
 
+    Threads. The cache may be shared by several threads; one chunk is in flight at a time, and a
+    call that cannot run while a chunk is in flight (``chunk``, ``open`` of a new session,
+    ``close``, ``reset``, ``populate_cross_attention``, ``clear_cross_attention``) is *refused at
+    once* with a ``RuntimeError`` ("... while a chunk is in flight"), never queued: a caller that
+    wants to wait retries (or serialises its chunks itself). Every mutating method and every
+    commit runs under one reentrant lock, so the in-flight check and its setting are one step and
+    no two threads ever build chunks from the same committed state.
+
+    Callbacks. An ``on_release`` that raises never interrupts the cache's bookkeeping: the
+    operation finishes (every session being closed is closed, a session being opened is open),
+    then a :class:`CallbackError` is raised ``from`` the first callback error. When a forward's
+    exception is already propagating (``fail_closed``), that exception propagates unchanged and
+    the callback errors are logged (``logging``, this module's logger) and added as notes.
+
+    Atomicity. A call refused with an exception changes nothing: no session, page, LRU position
+    or cross-attention row.
+
     Raises:
-      ValueError: a plan for other settings or another mesh, ``device`` and ``mesh`` together, K/V
-        heads not divisible by the mesh's ``"model"`` size, or what the planner rejects.
+      TypeError: a wrong type (``geometry``, ``window``, a non-callable ``on_release``, a
+        non-bool ``fail_closed``, a non-string ``backend``, ...).
+      ValueError: an unknown ``backend``, a plan for other settings or another mesh, ``device``
+        and ``mesh`` together, K/V heads not divisible by the mesh's ``"model"`` size, or what the
+        planner rejects.
     """
 
     def __init__(self, geometry: CacheGeometry, window: WindowPolicy,
@@ -131,6 +190,17 @@ class PagedKVCache:
                  on_release: Callable[[str, str], None] | None = None) -> None:
         if device is not None and mesh is not None:
             raise ValueError("pass device (one device) or mesh (sharded), not both")
+        if not isinstance(backend, str):
+            raise ArgumentTypeError(f"backend must be one of {BACKEND_NAMES}, got {backend!r}")
+        if backend not in BACKEND_NAMES:
+            raise ValueError(f"backend must be one of {BACKEND_NAMES}, got {backend!r}")
+        require_bool("fail_closed", fail_closed)
+        if on_release is not None and not callable(on_release):
+            raise ArgumentTypeError(f"on_release must be callable as on_release(session_id, reason) or None, "
+                                    f"got {on_release!r}")
+        if mesh is not None and not isinstance(mesh, Mesh):
+            raise ArgumentTypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+        kv_branches = validate_branches(kv_branches)
         data, model = (1, 1) if mesh is None else sharding.check_mesh(mesh)
         mesh = None if mesh is None else sharding.auto_axes(mesh)
         plan = resolve_plan(geometry, window, kv_branches, cross_attention, data=data, model=model, plan=plan,
@@ -149,6 +219,7 @@ class PagedKVCache:
             cross_attention, geometry, self.num_rows,
             NamedSharding(self._mesh, sharding.cross_attention_spec(5, row_axis=0, head_axis=3)))
         self._in_flight: ChunkStep | None = None
+        self._lock = threading.RLock()
 
     # -- sizes and views -------------------------------------------------------------------------------
     @property
@@ -208,23 +279,52 @@ class PagedKVCache:
 
     def num_free_pages(self) -> int:
         """Free managed pages, all shards (host sync)."""
-        return int(jnp.sum(self._state.free_count))
+        with self._lock:
+            return int(jnp.sum(self._state.free_count))
+
+    @property
+    def total_pages(self) -> int:
+        """Managed pages that can be allocated, all shards (the null pages excluded): always
+        :meth:`num_free_pages` plus the pages the resident sessions hold."""
+        return self.num_shards * (self.pages_per_shard - 1)
+
+    def max_chunk_frames(self, rows_per_shard: int | None = None) -> int:
+        """The largest ``num_frames`` a chunk of ``rows_per_shard`` rows on one data shard (default:
+        every row of the shard, a chunk of every session and branch) can always take: with every
+        other row holding its most frames between chunks (sink + window; sink only in reset mode),
+        the shard's pages still hold the chunk. Never above ``window.window_frames``; a value at or
+        below it is valid for the whole life of the sessions, one above is refused at the first call.
+        """
+        rows = self.rows_per_shard if rows_per_shard is None else rows_per_shard
+        w, ppf = self.window, self.geometry.pages_per_frame
+        held = w.sink_frames + (0 if w.reset_at_boundary else w.window_frames)
+        spare = (self.pages_per_shard - 1) // ppf - self.rows_per_shard * held
+        return max(0, min(w.window_frames, spare // max(1, rows)))
 
     def slot(self, session_id: str) -> int:
         """The slot of a resident session (``KeyError`` if unknown): its rows are ``slot *
         len(kv_branches) + branch``, its data shard ``slot // slots_per_shard``."""
+        _check_session_id(session_id)
         return self._sessions.slot(session_id)
 
     def rows(self, session_ids: Sequence[str], branches: Sequence[str] | None = None) -> np.ndarray:
         """Global rows of ``session_ids`` x ``branches`` (all branches by default), session-major
         (``KeyError`` for an unknown session or branch)."""
+        session_ids = require_str_sequence("session_ids", session_ids, allow_empty=True)
+        if branches is not None:
+            branches = require_str_sequence("branches", branches)
         return self._sessions.rows(session_ids, branches)
 
     def pages_held(self, session_ids: Sequence[str]) -> dict[str, np.ndarray]:
         """Pool pages each session holds (all its branches), sorted (host sync; ``KeyError`` for an
         unknown session)."""
+        session_ids = require_str_sequence("session_ids", session_ids, allow_empty=True)
         if not session_ids:
             return {}
+        with self._lock:
+            return self._pages_held(session_ids)
+
+    def _pages_held(self, session_ids: tuple[str, ...]) -> dict[str, np.ndarray]:
         rows = self.rows(session_ids)
         pages, counts = (np.asarray(a) for a in programs.resident_pages(
             self._state, self._sessions.every_local_row(), mesh=self._mesh))
@@ -238,44 +338,55 @@ class PagedKVCache:
     def open(self, session_id: str) -> None:
         """Opens ``session_id`` or marks it most recently used. At capacity, the least recently used
         sessions are closed first (``on_release(..., "lru_eviction")``). A new session takes a free
-        slot of the data shard holding the fewest sessions."""
-        if not isinstance(session_id, str) or not session_id:
-            raise ValueError(f"session_id must be a non-empty string, got {session_id!r}")
-        if session_id in self._sessions:
-            self._sessions.touch([session_id])
-            return
-        self._require_idle("open a session")
-        while self._sessions.is_full:
-            self._release(self._sessions.least_recent, "lru_eviction")
-        slot = self._sessions.admit(session_id)
-        self._state, _ = programs.begin(self._state, self._sessions.slot_local_rows(slot), mesh=self._mesh)
+        slot of the data shard holding the fewest sessions.
+
+        Raises:
+          TypeError: not a string. ValueError: empty. RuntimeError: a new session while a chunk is
+            in flight. CallbackError: an eviction callback raised (the new session *is* open).
+        """
+        _check_session_id(session_id)
+        with self._lock:
+            if session_id in self._sessions:
+                self._sessions.touch([session_id])
+                return
+            self._require_idle("open a session")
+            events = []
+            while self._sessions.is_full:
+                events.append(self._release(self._sessions.least_recent, "lru_eviction"))
+            slot = self._sessions.admit(session_id)
+            self._state, _ = programs.begin(self._state, self._sessions.slot_local_rows(slot), mesh=self._mesh)
+            self._notify(events)
 
     def close(self, session_id: str) -> None:
         """Closes a session (``KeyError`` if unknown): all its pages and cross-attention caches are
-        released."""
-        self.slot(session_id)
-        self._require_idle("close a session")
-        self._release(session_id, "close")
+        released (a raising ``on_release`` is a :class:`CallbackError` after the close)."""
+        with self._lock:
+            self.slot(session_id)
+            self._require_idle("close a session")
+            self._notify([self._release(session_id, "close")])
 
     def reset(self, session_id: str, *, keep_cross_attention: Iterable[str] = ()) -> None:
         """Restarts a session from frame 0: its pages are released, the named cross-attention
         caches kept (e.g. the text K/V across a window reset), the others cleared.
 
         Raises:
+          TypeError: ``keep_cross_attention`` is a string or holds a non-string.
           KeyError: unknown session, or unknown cache names in ``keep_cross_attention``.
+          CallbackError: ``on_release`` raised (after the reset).
         """
-        keep = set(keep_cross_attention)
+        keep = set(require_str_sequence("keep_cross_attention", keep_cross_attention, allow_empty=True))
         unknown = sorted(keep - set(self.cross_attention))
         if unknown:
-            raise KeyError(f"Unknown cross-attention caches to keep: {unknown}")
-        slot = self.slot(session_id)
-        self._require_idle("reset a session")
-        rows = self._sessions.slot_local_rows(slot)
-        self._state, _ = programs.end(self._state, rows, mesh=self._mesh)
-        self._state, _ = programs.begin(self._state, rows, mesh=self._mesh)
-        self._cross.release(self._sessions.slot_rows(slot), set(self.cross_attention) - keep)
-        if self.on_release is not None:
-            self.on_release(session_id, "reset")
+            raise KeyError(f"Unknown cross-attention caches to keep: {unknown}; expected names in "
+                           f"{tuple(self.cross_attention)}")
+        with self._lock:
+            slot = self.slot(session_id)
+            self._require_idle("reset a session")
+            rows = self._sessions.slot_local_rows(slot)
+            self._state, _ = programs.end(self._state, rows, mesh=self._mesh)
+            self._state, _ = programs.begin(self._state, rows, mesh=self._mesh)
+            self._cross.release(self._sessions.slot_rows(slot), set(self.cross_attention) - keep)
+            self._notify([(session_id, "reset")])
 
     # -- cross-attention caches ----------------------------------------------------------------------
     def populate_cross_attention(self, session_id: str, name: str, branch: str,
@@ -288,9 +399,18 @@ class PagedKVCache:
 
         Raises:
           KeyError: unknown session, cache or branch. ValueError: wrong layer count or shape.
+          TypeError: a non-string id, name or branch, or K/V of a non-floating dtype (refused, not
+            cast). RuntimeError: a chunk is in flight (its forward may be reading the tables).
         """
-        row = int(self.rows([session_id], [branch])[0])
-        self._cross.populate(name, row, layer_kv)
+        _check_session_id(session_id)
+        for label, value in (("name", name), ("branch", branch)):
+            if not isinstance(value, str):
+                raise ArgumentTypeError(f"{label} must be a string, got {value!r} ({type(value).__name__})")
+        with self._lock:
+            row = int(self.rows([session_id], [branch])[0])
+            self._cross.spec(name)
+            self._require_idle("populate a cross-attention cache")
+            self._cross.populate(name, row, layer_kv)
 
     def is_cross_attention_populated(self, session_id: str, name: str, branch: str) -> bool:
         """Whether ``populate_cross_attention`` published this cache."""
@@ -308,14 +428,18 @@ class PagedKVCache:
         """The batch's rows of a cross-attention cache (traceable, e.g. inside a jitted forward):
         ``cross_kv`` from :meth:`cross_attention_kv`, ``inputs`` from ``step.inputs``. Returns
         ``(k, v)``, each ``[layers, B, tokens, heads, head_dim]``; padding rows are zero. With a
-        mesh each data shard reads its own rows (no communication)."""
-        return tuple(gather_rows(self._mesh, table, inputs.rows).swapaxes(0, 1)
-                     for table in cross_kv)
+        mesh each data shard reads its own rows (no communication). Compiled once per shape
+        (eager calls do not re-trace)."""
+        k_table, v_table = cross_kv
+        return _cross_attention_rows(k_table, v_table, inputs.rows, mesh=self._mesh)
 
     def clear_cross_attention(self, session_id: str) -> None:
         """Clears every cross-attention cache of a session (a prompt switch); self-attention
-        history is kept."""
-        self._cross.release(self._sessions.slot_rows(self.slot(session_id)))
+        history is kept (``RuntimeError`` while a chunk is in flight)."""
+        with self._lock:
+            slot = self.slot(session_id)
+            self._require_idle("clear cross-attention caches")
+            self._cross.release(self._sessions.slot_rows(slot))
 
     # -- the per-chunk protocol ----------------------------------------------------------------------
     @contextlib.contextmanager
@@ -334,69 +458,115 @@ class PagedKVCache:
         (:meth:`slot`), and slots not in ``session_ids`` are padding rows (see
         :class:`~arkv_jax.step.ChunkInputs`), so its shape never changes.
 
+        Frames: ``num_frames`` is an int in ``[1, max_chunk_frames(rows)]``, where ``rows`` is the
+        chunk's rows on its busiest data shard (:meth:`max_chunk_frames`): the most frames the pool
+        holds for those rows even when every row of the shard holds its full window, so a value
+        accepted once works for the whole life of the sessions.
+
         Raises:
-          KeyError: unknown session or branch. ValueError: bad ``num_frames``, repeated sessions or
-            ``full_batch=False`` with a mesh.
+          TypeError: ``session_ids`` or ``branches`` is a string or holds non-strings, ``num_frames``
+            is not an int (a bool is not one), ``full_batch`` is not a bool or None.
+          KeyError: unknown session or branch. ValueError: no session, ``num_frames`` out of range,
+            repeated sessions or branches, or ``full_batch=False`` with a mesh.
           RuntimeError: another chunk is in flight, or the pool cannot hold the chunk (nothing
-            changes).
+            changes: not the state, not the LRU order).
         """
-        if not isinstance(num_frames, int) or not 1 <= num_frames <= self.window.window_frames:
-            raise ValueError(f"num_frames must be an int in [1, {self.window.window_frames}] "
-                             f"(window_frames), got {num_frames!r}")
-        if len(set(session_ids)) != len(session_ids):
-            raise ValueError(f"session_ids must be distinct, got {list(session_ids)}")
+        session_ids = require_str_sequence("session_ids", session_ids)
+        if isinstance(num_frames, (bool, np.bool_)) or not isinstance(num_frames, (int, np.integer)):
+            raise ArgumentTypeError(f"num_frames must be an int in [1, {self.window.window_frames}] "
+                                    f"(window_frames), got {num_frames!r} ({type(num_frames).__name__})")
+        num_frames = int(num_frames)
+        names = self._sessions.branches if branches is None else require_str_sequence("branches", branches)
+        if full_batch is not None:
+            require_bool("full_batch", full_batch)
         if full_batch is None:
             full_batch = self.mesh is not None
         elif not full_batch and self.mesh is not None:
             raise ValueError("a sharded cache hands out full batches only (full_batch=True): each data "
                              "shard must see the same rows every chunk")
-        names = self._sessions.branches if branches is None else tuple(branches)
-        local, owners = self._sessions.batch(session_ids, names, full_batch=full_batch)
-        self._require_idle("start a chunk")
-        self._sessions.touch(session_ids)
-        pending, inputs, ok = programs.prepare(self._state, jnp.asarray(local), num_frames=num_frames,
-                                               mesh=self._mesh)
-        if not bool(jnp.all(ok)):
-            raise RuntimeError(
-                f"KV pool exhausted while allocating a chunk of {num_frames} frames for "
-                f"{len(session_ids) * len(names)} rows ({self.num_free_pages()} pages free)")
-        step = ChunkStep(inputs, owners, num_frames, pending, on_commit=self._commit)
-        self._in_flight = step
+        with self._lock:
+            local, owners = self._sessions.batch(session_ids, names, full_batch=full_batch)
+            busiest = int(np.max(np.sum(np.asarray(local) >= 0, axis=1)))
+            limit = self.max_chunk_frames(busiest)
+            if not 1 <= num_frames <= limit:
+                raise ValueError(
+                    f"num_frames must be an int in [1, {limit}], got {num_frames!r} (at most window_frames="
+                    f"{self.window.window_frames}, and at most what {self.pages_per_shard - 1} pages per "
+                    f"shard hold for a chunk of {busiest} rows while every row holds its window)")
+            self._require_idle("start a chunk")
+            pending, inputs, ok = programs.prepare(self._state, jnp.asarray(local), num_frames=num_frames,
+                                                   mesh=self._mesh)
+            if not bool(jnp.all(ok)):
+                raise RuntimeError(
+                    f"KV pool exhausted while allocating a chunk of {num_frames} frames for "
+                    f"{len(session_ids) * len(names)} rows ({self.num_free_pages()} pages free)")
+            self._sessions.touch(session_ids)
+            step = ChunkStep(inputs, owners, num_frames, pending, on_commit=self._commit)
+            self._in_flight = step
         try:
             yield step
-        except BaseException:
-            if self.fail_closed:
-                for sid in dict.fromkeys(session_ids):
-                    if sid in self._sessions:
-                        self._release(sid, "forward_exception")
+        except BaseException as exc:
+            with self._lock:
+                self._in_flight = None
+                if self.fail_closed:
+                    events = [self._release(sid, "forward_exception")
+                              for sid in session_ids if sid in self._sessions]
+                    for sid, reason, error in self._call_back(events):
+                        _log.error("on_release(%r, %r) raised while closing a failed chunk", sid, reason,
+                                   exc_info=error)
+                        if hasattr(exc, "add_note"):
+                            exc.add_note(f"on_release({sid!r}, {reason!r}) raised {type(error).__name__}: {error}")
             raise
         finally:
-            self._in_flight = None
+            with self._lock:
+                if self._in_flight is step:
+                    self._in_flight = None
 
     # -- helpers -------------------------------------------------------------------------------------
     def _commit(self, step: ChunkStep, k_new: Array, v_new: Array) -> None:
         """:meth:`ChunkStep.commit`: checks the step and the shapes, then writes and commits."""
-        if self._in_flight is not step or step.committed:
-            raise RuntimeError("this chunk is not in flight (already committed, or its with-block has exited)")
         g = self.geometry
         expected = (g.num_layers, len(step.session_ids), step.num_frames * g.tokens_per_frame, g.num_kv_heads,
                     g.head_dim)
-        for label, array in (("k_new", k_new), ("v_new", v_new)):
-            if tuple(array.shape) != expected:
-                raise ValueError(f"{label} must have shape {expected} (layers, rows, frames x tokens, "
-                                 f"kv_heads, head_dim), got {tuple(array.shape)}")
-        self._k_pool, self._v_pool, self._state, _ = programs.commit(
-            self._k_pool, self._v_pool, step.pending, k_new.astype(g.dtype), v_new.astype(g.dtype), step.inputs,
-            num_frames=step.num_frames, backend=self.backend, mesh=self._mesh)
-        step.committed = True
+        with self._lock:
+            if self._in_flight is not step or step.committed:
+                raise RuntimeError("this chunk is not in flight (already committed, or its with-block has exited)")
+            _check_kv("k_new", k_new, expected)
+            _check_kv("v_new", v_new, expected)
+            self._k_pool, self._v_pool, self._state, _ = programs.commit(
+                self._k_pool, self._v_pool, step.pending, jnp.asarray(k_new, g.dtype), jnp.asarray(v_new, g.dtype),
+                step.inputs, num_frames=step.num_frames, backend=self.backend, mesh=self._mesh)
+            step.committed = True
 
     def _require_idle(self, what: str) -> None:
         if self._in_flight is not None:
             raise RuntimeError(f"cannot {what} while a chunk is in flight; commit it or leave its with-block first")
 
-    def _release(self, session_id: str, reason: str) -> None:
+    def _release(self, session_id: str, reason: str) -> tuple[str, str]:
+        """Releases a session's slot, pages and cross-attention rows; returns the callback event
+        ``(session_id, reason)`` for :meth:`_notify` (callbacks run after the bookkeeping)."""
         slot = self._sessions.remove(session_id)
         self._state, _ = programs.end(self._state, self._sessions.slot_local_rows(slot), mesh=self._mesh)
         self._cross.release(self._sessions.slot_rows(slot))
+        return session_id, reason
+
+    def _call_back(self, events) -> list[tuple[str, str, Exception]]:
+        """Calls ``on_release`` for every event, even after one raised; returns the errors."""
+        errors = []
         if self.on_release is not None:
-            self.on_release(session_id, reason)
+            for sid, reason in events:
+                try:
+                    self.on_release(sid, reason)
+                except Exception as error:  # noqa: BLE001 - reported after the bookkeeping
+                    errors.append((sid, reason, error))
+        return errors
+
+    def _notify(self, events) -> None:
+        """Runs the callbacks of finished bookkeeping; raises :class:`CallbackError` from the first
+        error, naming them all."""
+        errors = self._call_back(events)
+        if errors:
+            sid, reason, error = errors[0]
+            calls = ", ".join(f"on_release({s!r}, {r!r})" for s, r, _ in errors)
+            raise CallbackError(f"{calls} raised ({type(error).__name__}: {error}); the cache finished "
+                                "the operation first") from error
