@@ -279,6 +279,7 @@ def test_reset_keeps_named_caches_and_clear_keeps_history():
     assert cache.num_free_pages() == total
 
 
+@pytest.mark.slow
 def test_soak_churn_leaves_every_page_free_and_memory_flat():
     rng = np.random.default_rng(0)
     geometry = CacheGeometry(1, 1, 4, "float32", tokens_per_frame=4, frames_per_forward=1)

@@ -139,12 +139,15 @@ def check_arrays(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, layer=0, ex
 
     Raises:
       ValueError: a bad rank, shape, dtype, head count, frame size or layer rank.
+      TypeError: a ``layer`` that is not an integer (``1.9``, ``True``).
     """
     geom = _check_shapes(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, extra_k, extra_v,
                          tokens_per_frame)
     _check_dtypes(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, extra_k, extra_v)
     if jnp.ndim(layer) != 0:
         raise ValueError(f"layer must be an int scalar, got shape {jnp.shape(layer)}")
+    if not jnp.issubdtype(jnp.result_type(layer), jnp.integer):
+        raise TypeError(f"layer must be an integer scalar (it may be traced), got {layer!r}")
     return geom
 
 

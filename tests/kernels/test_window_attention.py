@@ -315,6 +315,14 @@ def test_validation_errors(change, message, validate):
         validate(**dict(case, **change(case)), backend="xla")
 
 
+@pytest.mark.parametrize("validate", [window_attention, static_validate_inputs])
+@pytest.mark.parametrize("layer", [1.9, True, jnp.float32(1)])
+def test_a_layer_that_is_not_an_integer_is_refused(layer, validate):
+    case, _ = make_case(committed=(3, 1))
+    with pytest.raises(TypeError, match=r"layer must be an integer scalar"):
+        validate(**dict(case, layer=layer), backend="xla")
+
+
 @pytest.mark.parametrize("change,message", DYNAMIC_ERRORS)
 def test_dynamic_validation_errors(change, message):
     """Page ids, lengths and the layer out of range: only ``dynamic_validate_inputs`` checks values
