@@ -259,7 +259,7 @@ def test_join_refuses_bad_contexts_and_changes_nothing(model):
     t, d = CONFIG.text_tokens, CONFIG.text_dim
     ok = np.zeros((2, d), np.float32)
     cases = [
-        (dict(context=np.zeros((t + 1, d))), rf"8 tokens \(shape \(8, 32\)\); the model's text cache holds 7 "
+        (dict(context=np.zeros((t + 1, d)), negative_context=ok), rf"8 tokens \(shape \(8, 32\)\); the model's text cache holds 7 "
                                              rf"\(shape \(7, 32\)\)"),
         (dict(context=np.zeros((3, d + 1)), negative_context=ok), r"\[tokens, text_dim\] = \[<= 7, 32\].*\(3, 33\)"),
         (dict(context=np.zeros((1, 3, d)), negative_context=ok), r"got shape \(1, 3, 32\)"),
