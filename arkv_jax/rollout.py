@@ -4,12 +4,14 @@ Per chunk, for every active session at once (:meth:`Rollout.step`):
 
 1. ``cache.chunk(...)`` hands out the visible pages of every row (session x KV branch) and allocates
    the chunk's pages in a pending state. Sessions may be at different frame indices.
-2. :func:`generate_chunk`, jitted once per :class:`Rollout`, runs the whole chunk on device: from each
-   session's starting noise (drawn on the host from its seed and chunk counter, :func:`chunk_noise`),
-   ``num_steps`` flow-matching Euler steps ``x <- x + (sigma' - sigma) v(x, sigma)`` from
-   ``sigma = 1`` (noise) to ``0`` on Wan's shifted schedule, every step a read-only forward over
-   the pools (the current chunk's K/V go straight to the attention kernel), then one commit forward
-   at timestep 0 on the clean latents that returns every layer's K/V.
+2. :func:`generate_chunk`, jitted once per batch bucket, runs the whole chunk on device: from each
+   session's noise draws (drawn on the host from its seed, chunk counter and draw index,
+   :func:`arkv_jax.samplers.session_noise`), ``num_steps`` sampler steps of the :class:`Sampler`
+   (deterministic Euler on Wan's shifted schedule by default; the distilled checkpoints' x0 update
+   with fresh noise and their warped timestep lists as presets, :data:`SAMPLERS`), every step a
+   read-only forward over the pools (the current chunk's K/V go straight to the attention kernel),
+   then one commit forward on the clean latents at timestep 0 (or, with ``context_noise``, on them
+   noised to that timestep) that returns every layer's K/V.
 3. ``step.commit(k, v)`` writes those K/V into the chunk's pages (the cache's jitted write donates
    the pools, so it is in place) and commits (advance + evict).
 
@@ -24,11 +26,17 @@ so both branches of every session run in *one* batched forward; the velocity is
 ``v_neg + g (v_pos - v_neg)``. Both branches commit their own K/V of the same clean latents.
 
 Join and leave. :meth:`Rollout.join` opens a session in the cache and publishes its text K/V (per
-branch) in the cache's cross-attention store; :meth:`Rollout.leave` closes it, which frees its
-pages and its text rows. Every chunk runs the cache's *full batch* (every slot; idle slots are
-padding rows with no history, zero text and nothing to write), so the chunk function is traced
-*once* for the whole run however sessions come and go; ``num_traces`` counts it and
-``max_traces`` turns a retrace into an error.
+branch) in the cache's cross-attention store, from text-encoder outputs (``context=``,
+``negative_context=``: ``[tokens, text_dim]``, zero-padded to the model's ``text_tokens``) or, for
+the demo and tests without a text encoder, the hash stand-in of a prompt string; :meth:`Rollout.leave`
+closes it, which frees its pages and its text rows.
+
+Batches. On one device a chunk runs the live sessions only, padded with padding rows (no history,
+zero text, nothing written) to the smallest of a few bucketed sizes (powers of two up to
+``max_sessions``), so one live stream in a 16-slot cache pays for one row, not 16, and the chunk
+function is traced once per bucket used; ``num_traces`` counts the traces, ``max_traces`` bounds
+them per bucket. ``full_batch=True`` (always on a mesh) runs the cache's full batch instead: every
+slot, one shape for the whole run.
 
 Devices. With a sharded cache (``PagedKVCache(..., mesh=...)``) the same code runs on the mesh: the
 noise and the batch are split over ``"data"`` like the cache's slots, attention runs per device
@@ -38,7 +46,7 @@ weights are split over ``"model"`` tensor-parallel style
 model's computation to match, adding one all-reduce per row-parallel layer.
 
 The exactness reference, :class:`arkv_jax.reference.FullRecompute`, generates the same videos
-without any cache from the same :class:`Sampler`, :func:`chunk_noise` and :func:`denoise`.
+without any cache from the same :class:`Sampler`, noise draws and :mod:`arkv_jax.samplers` math.
 """
 
 from __future__ import annotations
