@@ -26,8 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from arkv_jax.config import WindowPolicy
 from arkv_jax import samplers
+from arkv_jax.config import WindowPolicy
 from arkv_jax.models.dit import CausalDiT
 from arkv_jax.nnx import masked_attention
 from arkv_jax.rollout import Sampler, branch_contexts, combine_branches, context_kv

@@ -26,11 +26,10 @@ from arkv_jax.cache import PagedKVCache
 from arkv_jax.config import KVBranch
 from arkv_jax.models import MODEL_CONFIGS, CausalDiT, init_random, prompt_embedding
 from arkv_jax.nnx import PagedHistory
-from arkv_jax.presets import get_preset
 from arkv_jax.planner import rollout_plan
+from arkv_jax.presets import get_preset
 from arkv_jax.reference import FullRecompute
-from arkv_jax.rollout import (ChunkConfig, Rollout, Sampler, chunk_noise, context_kv, generate_chunk,
-                              text_branches)
+from arkv_jax.rollout import ChunkConfig, Rollout, Sampler, chunk_noise, context_kv, generate_chunk, text_branches
 from arkv_jax.step import ChunkInputs
 
 PRESET = get_preset("tiny")
@@ -259,8 +258,8 @@ def test_join_refuses_bad_contexts_and_changes_nothing(model):
     t, d = CONFIG.text_tokens, CONFIG.text_dim
     ok = np.zeros((2, d), np.float32)
     cases = [
-        (dict(context=np.zeros((t + 1, d)), negative_context=ok), rf"8 tokens \(shape \(8, 32\)\); the model's text cache holds 7 "
-                                             rf"\(shape \(7, 32\)\)"),
+        (dict(context=np.zeros((t + 1, d)), negative_context=ok),
+         r"8 tokens \(shape \(8, 32\)\); the model's text cache holds 7 \(shape \(7, 32\)\)"),
         (dict(context=np.zeros((3, d + 1)), negative_context=ok), r"\[tokens, text_dim\] = \[<= 7, 32\].*\(3, 33\)"),
         (dict(context=np.zeros((1, 3, d)), negative_context=ok), r"got shape \(1, 3, 32\)"),
         (dict(context=ok), "negative_context"),
