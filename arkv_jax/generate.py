@@ -396,21 +396,11 @@ def set_text(rollout: Rollout, session_id: str, context: np.ndarray, branch: str
 def join(rollout: Rollout, session_id: str, prompt: str, seed: int, context: np.ndarray | None = None,
          negative_context: np.ndarray | None = None) -> None:
     """``Rollout.join`` with the encoder's ``context`` (and the CFG negative's) when there is one,
-    else through the prompt (hash stand-in). A ``Rollout`` whose ``join`` takes no ``context=`` yet
-    joins through the prompt and then has its text K/V replaced by :func:`set_text` (same result)."""
+    else through the prompt (hash stand-in)."""
     if context is None:
         rollout.join(session_id, prompt, seed=seed)
-        return
-    try:
-        rollout.join(session_id, prompt, seed=seed, context=context, negative_context=negative_context)
-        return
-    except TypeError as error:
-        if "context" not in str(error):
-            raise
-    rollout.join(session_id, prompt, seed=seed)
-    set_text(rollout, session_id, context)
-    if len(rollout.branches) > 1 and negative_context is not None:
-        set_text(rollout, session_id, negative_context, rollout.branches[1])
+    else:
+        rollout.join(session_id, seed=seed, context=context, negative_context=negative_context)
 
 
 def _param_bytes(module: nnx.Module) -> int:

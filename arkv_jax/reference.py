@@ -8,6 +8,11 @@ sees exactly what the cache would show because the window rule is applied as a f
 (:func:`window_frame_mask`) through :class:`MaskedHistory`. Its cost grows with the video; the paged
 rollout must match it to float rounding (tests and ``arkv-jax demo --check``).
 
+History frames are what the cache's commit forward saw: the clean latents at ``t = 0``, or with the
+sampler's ``context_noise`` the clean latents noised with the session's commit draw, at that
+timestep (:func:`arkv_jax.samplers.commit_input`). Conditioning is the rollout's: text-encoder
+contexts or the hash stand-in (:func:`arkv_jax.rollout.branch_contexts`).
+
 Shapes: ``S`` sessions, ``B = S * branches`` rows, ``F`` frames (of a chunk or of the whole video),
 ``H, W, C`` a latent frame, ``L`` layers, ``T`` text tokens.
 """
@@ -21,10 +26,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
+from arkv_jax import samplers
 from arkv_jax.config import WindowPolicy
-from arkv_jax.models.dit import CausalDiT, prompt_embedding
+from arkv_jax.models.dit import CausalDiT
 from arkv_jax.nnx import masked_attention
-from arkv_jax.rollout import Sampler, chunk_noise, combine_branches, context_kv, denoise, text_branches
+from arkv_jax.rollout import Sampler, branch_contexts, combine_branches, context_kv
 
 Array = jax.Array
 
@@ -87,25 +93,41 @@ class FullRecompute:
         self._graphdef, self.params = nnx.split(model)
         self.chunk_fn = jax.jit(self._chunk_fn)
 
-    def text_kv(self, prompts: Sequence[str]) -> tuple[Array, Array]:
-        """Text K/V of every row (session-major, branch-minor): ``[L, S * branches, T, Hkv, D]``."""
-        config = self.model.config
-        texts = [t for p in prompts for t in text_branches(p, self.sampler.num_branches)]
-        context = np.stack([prompt_embedding(t, config.text_tokens, config.text_dim) for t in texts])
+    def text_kv(self, prompts: Sequence[str] | None = None, *, contexts: Sequence | None = None,
+                negative_contexts: Sequence | None = None) -> tuple[Array, Array]:
+        """Text K/V of every row (session-major, branch-minor): ``[L, S * branches, T, Hkv, D]``, of
+        the ``prompts`` (hash stand-in) or of the sessions' ``contexts`` (and, with guidance,
+        ``negative_contexts``), each ``[tokens, text_dim]``, as :meth:`Rollout.join` takes them."""
+        config, nb = self.model.config, self.sampler.num_branches
+        if contexts is None:
+            if prompts is None:
+                raise ValueError("pass prompts or contexts=")
+            per_session = [branch_contexts(config.text_tokens, config.text_dim, nb, p) for p in prompts]
+        else:
+            if prompts is not None:
+                raise ValueError("pass prompts or contexts=, not both")
+            negatives = [None] * len(contexts) if negative_contexts is None else list(negative_contexts)
+            if len(negatives) != len(contexts):
+                raise ValueError(f"{len(contexts)} contexts but {len(negatives)} negative_contexts")
+            per_session = [branch_contexts(config.text_tokens, config.text_dim, nb, None, c, n)
+                           for c, n in zip(contexts, negatives)]
+        context = np.stack([c for branches in per_session for c in branches])
         return context_kv(self._graphdef, self.params, jnp.asarray(context))
 
-    def chunk(self, clean: Array, first_frame: int, noise: Array, text_kv: tuple[Array, Array]) -> Array:
+    def chunk(self, history: Array, first_frame: int, noise: Array, text_kv: tuple[Array, Array]) -> Array:
         """The clean chunk ``[S, F, H, W, C]`` starting at frame ``first_frame`` (all sessions),
-        given the earlier clean frames in ``clean`` ``[S, max_frames, H, W, C]`` (later entries are
-        ignored), the chunk's float32 starting ``noise`` ``[S, F, H, W, C]`` and :meth:`text_kv`.
-        Runs :attr:`chunk_fn`, one compilation per ``max_frames``."""
-        return self.chunk_fn(self.params, clean, jnp.int32(first_frame), noise, text_kv)
+        given the earlier frames as the cache's commit forward saw them in ``history``
+        ``[S, max_frames, H, W, C]`` (clean latents, or noised with ``context_noise``; later
+        entries are ignored), the chunk's float32 noise draws ``noise`` ``[S, D, F, H, W, C]``
+        (``D = sampler.noise_draws``; rank 5 for one draw) and :meth:`text_kv`. Runs
+        :attr:`chunk_fn`, one compilation per ``max_frames``."""
+        return self.chunk_fn(self.params, history, jnp.int32(first_frame), noise, text_kv)
 
-    def _chunk_fn(self, params, clean: Array, first_frame: Array, noise: Array, text_kv: tuple[Array, Array]
-                  ) -> Array:
+    def _chunk_fn(self, params, history_latents: Array, first_frame: Array, noise: Array,
+                  text_kv: tuple[Array, Array]) -> Array:
         model = nnx.merge(self._graphdef, params)
         nb, chunk = self.sampler.num_branches, self.chunk_frames
-        sessions, max_frames = clean.shape[:2]
+        sessions, max_frames = history_latents.shape[:2]
         rows = sessions * nb
         frames = jnp.arange(max_frames)
         generated = frames < first_frame + chunk
@@ -113,26 +135,32 @@ class FullRecompute:
         history = MaskedHistory(jnp.broadcast_to(mask, (rows, max_frames, max_frames)),
                                 self.model.config.tokens_per_frame)
         current = (frames >= first_frame) & generated
+        context_t = float(self.sampler.context_noise)
 
         def velocity(x, sigma):
-            video = jax.lax.dynamic_update_slice_in_dim(clean, x, first_frame, axis=1)
-            t = jnp.broadcast_to(jnp.where(current, sigma * 1000.0, 0.0), (rows, max_frames))
+            video = jax.lax.dynamic_update_slice_in_dim(history_latents, x, first_frame, axis=1)
+            t = jnp.broadcast_to(jnp.where(current, sigma * 1000.0, context_t), (rows, max_frames))
             out = model(jnp.repeat(video, nb, axis=0), t, jnp.zeros((rows,), jnp.int32), history, *text_kv)
             current_out = jax.lax.dynamic_slice_in_dim(out, first_frame, chunk, axis=1)
             return combine_branches(current_out, nb, self.sampler.guidance_scale)
 
-        return denoise(velocity, noise.astype(clean.dtype), self.sampler.sigmas())
+        return samplers.sample(velocity, samplers.as_draws(noise).astype(history_latents.dtype), self.sampler)
 
-    def rollout(self, prompts: Sequence[str], seeds: Sequence[int], num_chunks: int) -> np.ndarray:
-        """``[S, num_chunks * F, H, W, C]``: every session generated together (padded to the full
-        length, so one compilation serves all chunks)."""
+    def rollout(self, prompts: Sequence[str] | None, seeds: Sequence[int], num_chunks: int, *,
+                contexts: Sequence | None = None, negative_contexts: Sequence | None = None) -> np.ndarray:
+        """``[S, num_chunks * F, H, W, C]`` clean latents: every session generated together (padded
+        to the full length, so one compilation serves all chunks), conditioned as :meth:`text_kv`
+        says, with each session's noise draws (:func:`arkv_jax.samplers.session_noise`)."""
         config = self.model.config
-        text_kv = self.text_kv(prompts)
-        chunk = self.chunk_frames
+        text_kv = self.text_kv(prompts, contexts=contexts, negative_contexts=negative_contexts)
+        chunk, draws = self.chunk_frames, self.sampler.noise_draws
         shape = (chunk, *config.frame_shape)
-        clean = jnp.zeros((len(prompts), num_chunks * chunk, *config.frame_shape), config.dtype)
+        clean = jnp.zeros((len(seeds), num_chunks * chunk, *config.frame_shape), config.dtype)
+        history = clean
         for c in range(num_chunks):
-            noise = np.stack([chunk_noise(seed, c, shape) for seed in seeds])
-            x = self.chunk(clean, c * chunk, noise, text_kv)
+            noise = np.stack([samplers.session_noise(seed, c, shape, draws) for seed in seeds])
+            x = self.chunk(history, c * chunk, noise, text_kv)
             clean = jax.lax.dynamic_update_slice_in_dim(clean, x, c * chunk, axis=1)
+            seen, _ = samplers.commit_input(x, jnp.asarray(noise, x.dtype), self.sampler)
+            history = jax.lax.dynamic_update_slice_in_dim(history, seen, c * chunk, axis=1)
         return np.asarray(clean)

@@ -33,6 +33,16 @@ text K/V, or the clean latents + text K/V) and the *peak* of the per-chunk progr
 aliased (donated) + temporaries (model weights included, the same in all three; for paged, the
 denoise + commit-forward program, which reads the pools).
 
+Idle slots (:func:`slot_scaling`, at every ``--scaling-shapes`` shape, default ``tiny,small``): the
+rollout runs live rows only, padded to a bucket; per-chunk time of one live session in a 16-slot
+cache against one session in a 1-slot cache (goal: at most 1.2x; the full-batch run, every slot, is
+shown too), and of 16 live sessions against 16 separate single-session runs (16 x the 1-slot time;
+goal: well under 1x). The last JSON line reports the first shape's two ratios.
+
+Converted model (:func:`converted_rollout_diff`): a tiny random diffusers ``WanTransformer3DModel``
+loaded with ``load_wan``, paged rollout vs full recompute, max abs difference (skipped with a note
+without torch / diffusers).
+
 Run: ``python -m benchmarks.rollout [--quick]``.
 """
 
@@ -203,7 +213,8 @@ def paged_peak_bytes(rollout: Rollout) -> int:
     ppf = cache.geometry.pages_per_frame
     inputs = ChunkInputs(i32(rows), i32(rows, visible * ppf), i32(rows), i32(rows, visible), i32(rows),
                          i32(rows, frames * ppf))
-    noise = jax.ShapeDtypeStruct((cache.session_capacity, frames, *rollout.model.config.frame_shape), jnp.float32)
+    noise = jax.ShapeDtypeStruct((cache.session_capacity, rollout.sampler.noise_draws, frames,
+                                  *rollout.model.config.frame_shape), jnp.float32)
     return peak_bytes(rollout.chunk_fn.lower(rollout.params, cache.pools, inputs,
                                              cache.cross_attention_kv(rollout.text_cache), noise))
 
@@ -269,12 +280,123 @@ def run(shape: Shape, sessions: int, lengths: tuple[int, ...], reps: int, recomp
             "pool_pages": plan.managed_num_blocks, "fill_chunks": fill}
 
 
+# ------------------------------------------------------------------------------------------------
+# Idle slots: live rows only, bucketed
+# ------------------------------------------------------------------------------------------------
+
+
+def slot_scaling(shape: Shape, reps: int, slots: int = 16) -> dict:
+    """Per-chunk time (steady state, window full) of: one live session in a ``slots``-slot cache
+    (live rows only, bucket 1), the same on the cache's full batch (every slot: what a chunk cost
+    before bucketing), one session in a 1-slot cache, and ``slots`` live sessions in the
+    ``slots``-slot cache; all CFG, 3 Euler steps + commit. The first three are interleaved; the
+    ``slots``-session run is interleaved with the 1-slot one again and scaled to the first run's
+    1-slot time. ``slots`` separate single-session runs cost ``slots`` times the 1-slot time."""
+    cfg, geometry, window = shape.model, shape.geometry(), shape.window
+    sampler = Sampler(num_steps=3, guidance_scale=3.0)
+    text = (CrossAttentionSpec("text", cfg.text_tokens),)
+    model = init_random(cfg, seed=0)
+
+    def make(capacity: int, sessions: int, **kwargs) -> Rollout:
+        cache = PagedKVCache(geometry, window, CFG, text, plan=rollout_plan(geometry, window, CFG, text, capacity),
+                             backend="xla")
+        rollout = Rollout(model, cache, sampler, **kwargs)
+        for i in range(sessions):
+            rollout.join(f"s{i}", f"prompt number {i}", seed=i)
+        return rollout
+
+    rollouts = {"one_live_in_16": make(slots, 1), "one_live_in_16_full_batch": make(slots, 1, full_batch=True),
+                "one_slot": make(1, 1), "sixteen_live": make(slots, slots)}
+    fill = -(-window.resident_frames // shape.chunk_frames) + 1
+    for rollout in rollouts.values():
+        for _ in range(fill):
+            rollout.step()
+    steps = {name: (lambda r=r: r.step().latents) for name, r in rollouts.items()}
+    first = harness.interleaved_medians({k: steps[k] for k in ("one_live_in_16", "one_live_in_16_full_batch",
+                                                               "one_slot")}, reps=reps)
+    second = harness.interleaved_medians({k: steps[k] for k in ("one_slot", "sixteen_live")},
+                                         reps=max(3, reps // 2))
+    medians = dict(first, sixteen_live=second["sixteen_live"] * first["one_slot"] / second["one_slot"])
+    traces = {name: dict(r.traces_per_batch) for name, r in rollouts.items()}
+    return {"medians": medians, "traces": traces, "slots": slots,
+            "one_live_in_16_slots_vs_one_slot": medians["one_live_in_16"] / medians["one_slot"],
+            "one_live_full_batch_vs_one_slot": medians["one_live_in_16_full_batch"] / medians["one_slot"],
+            "sixteen_live_vs_sixteen_single": medians["sixteen_live"] / (slots * medians["one_slot"])}
+
+
+# ------------------------------------------------------------------------------------------------
+# A converted (diffusers) model: paged rollout vs full recompute
+# ------------------------------------------------------------------------------------------------
+
+
+def converted_rollout_diff() -> dict:
+    """Max abs difference between the paged rollout and full recompute of a tiny random diffusers
+    ``WanTransformer3DModel`` saved with ``save_pretrained`` and loaded with
+    :func:`arkv_jax.models.load_wan` (as ``tests/models/test_parity.py`` builds it), float32, 2
+    sessions x 4 chunks past a sink 2 + window 4 window, under the CFG Euler sampler (hash
+    stand-in prompts) and the Self-Forcing sampler (text-encoder-shaped contexts). ``None`` with a
+    note when torch or diffusers is missing."""
+    import tempfile
+
+    try:
+        import diffusers
+        import torch
+    except ImportError as e:
+        return {"max_abs_diff": None, "note": f"skipped: {e}"}
+    from arkv_jax.models import load_wan
+
+    torch.manual_seed(0)
+    upstream = diffusers.WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=16, in_channels=4, out_channels=4,
+        text_dim=32, freq_dim=64, ffn_dim=128, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
+        eps=1e-6).eval()
+    with torch.no_grad():
+        for name, p in upstream.named_parameters():
+            if "norm" in name:
+                p.copy_((1.0 if name.endswith("weight") else 0.0) + 0.1 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+    with tempfile.TemporaryDirectory() as folder:
+        upstream.save_pretrained(folder)
+        model = load_wan(folder, dtype="float32", grid=(4, 6), text_tokens=7)
+    cfg = model.config
+    geometry = CacheGeometry(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, "float32", cfg.tokens_per_frame, 16, 2)
+    window = WindowPolicy(window_frames=4, sink_frames=2)
+    text = (CrossAttentionSpec("text", cfg.text_tokens),)
+    rng = np.random.default_rng(0)
+    contexts = [rng.standard_normal((5, cfg.text_dim), np.float32) for _ in range(2)]
+    seeds, chunks, diffs = [1, 2], 4, {}
+    for label, sampler in (("euler_cfg", Sampler(num_steps=2, guidance_scale=3.0)),
+                           ("self_forcing", Sampler.self_forcing())):
+        branches = CFG[:sampler.num_branches]
+        cache = PagedKVCache(geometry, window, branches, text, plan=rollout_plan(geometry, window, branches, text, 2),
+                             backend="xla")
+        rollout = Rollout(model, cache, sampler, max_traces=1)
+        for i, seed in enumerate(seeds):
+            if sampler.num_branches == 2:
+                rollout.join(f"s{i}", f"prompt number {i}", seed=seed)
+            else:
+                rollout.join(f"s{i}", seed=seed, context=contexts[i])
+        for _ in range(chunks):
+            rollout.step()
+        paged = np.stack([rollout.leave(f"s{i}") for i in range(len(seeds))])
+        reference = FullRecompute(model, window, sampler, chunk_frames=2)
+        if sampler.num_branches == 2:
+            expected = reference.rollout([f"prompt number {i}" for i in range(len(seeds))], seeds, chunks)
+        else:
+            expected = reference.rollout(None, seeds, chunks, contexts=contexts)
+        diffs[label] = float(np.max(np.abs(paged - expected)))
+    return {"max_abs_diff": max(diffs.values()), "by_sampler": diffs, "note": f"diffusers {diffusers.__version__}"}
+
+
 def main(argv=None) -> None:
     args = harness.parse_args(__doc__.splitlines()[0], argv, extra=lambda p: (
         p.add_argument("--shape", choices=sorted(SHAPES), default=None,
                        help="model shape (default: tiny with --quick, small otherwise)"),
         p.add_argument("--sessions", type=int, default=None,
-                       help="concurrent sessions (default: 4 with --quick, 2 otherwise)")))
+                       help="concurrent sessions (default: 4 with --quick, 2 otherwise)"),
+        p.add_argument("--scaling-shapes", default="tiny,small",
+                       help="shapes of the idle-slot comparison (comma-separated; default: tiny,small)")))
     shape = SHAPES[args.shape or ("tiny" if args.quick else "small")]
     sessions = args.sessions or (4 if args.quick else 2)
     lengths = (4, 8, 16)
@@ -299,6 +421,19 @@ def main(argv=None) -> None:
           + ", ".join(f"{speedups[n]:.1f}x at {n} chunks" for n in lengths))
     print(f"paged and contiguous latents agree to {result['agreement']:.1e} over the first "
           f"{result['fill_chunks']} chunks")
+    scaling = {}
+    for name in args.scaling_shapes.split(","):
+        scaling[name] = slot_scaling(SHAPES[name], reps=max(5, reps // 2))
+        sc = scaling[name]
+        print(f"\nidle slots, shape {name} (CFG, 3 steps + commit), ms/chunk: "
+              + ", ".join(f"{k} {v * 1e3:.2f}" for k, v in sc["medians"].items()))
+        print(f"  1 live in 16 slots / 1 slot: {sc['one_live_in_16_slots_vs_one_slot']:.3f} (goal <= 1.2; "
+              f"full batch {sc['one_live_full_batch_vs_one_slot']:.2f}); 16 live / 16 single runs: "
+              f"{sc['sixteen_live_vs_sixteen_single']:.3f} (goal well under 1); traces by batch size: {sc['traces']}")
+    converted = converted_rollout_diff()
+    print(f"converted (diffusers) model, paged rollout vs full recompute: max abs diff {converted['max_abs_diff']} "
+          f"({converted.get('by_sampler', '')}; {converted['note']})")
+    first = scaling[next(iter(scaling))]
     harness.emit({
         "benchmark": "rollout", "shape": shape.name, "sessions": sessions, "reps": reps,
         "recompute_reps": recompute_reps,
@@ -307,6 +442,13 @@ def main(argv=None) -> None:
         "recompute_over_paged": {str(n): s for n, s in speedups.items()},
         "persistent_bytes": persistent, "peak_bytes": peak,
         "paged_contiguous_max_abs_diff": result["agreement"],
+        "one_live_in_16_slots_vs_one_slot": first["one_live_in_16_slots_vs_one_slot"],
+        "sixteen_live_vs_sixteen_single": first["sixteen_live_vs_sixteen_single"],
+        "idle_slots": {name: {k: v for k, v in sc.items() if k != "medians"}
+                       | {"ms_per_chunk": {k: v * 1e3 for k, v in sc["medians"].items()}}
+                       for name, sc in scaling.items()},
+        "converted_rollout_max_abs_diff": converted["max_abs_diff"],
+        "converted_rollout": converted,
     })
 
 

@@ -131,7 +131,7 @@ def test_malformed_checkpoint_names_the_file(tmp_path, capsys):
 
 
 def test_encoder_context_path_equals_the_prompt_path(tmp_path, monkeypatch):
-    """The checkpoint path (contexts encoded up front, ``join(..., context=)`` or its fallback, and
+    """The checkpoint path (contexts encoded up front, ``join(..., context=)``, and
     switches from the encoded contexts), run with an 'encoder' that returns the hash stand-in: the
     same latents as the tiny path, which hashes inside ``Rollout.join``."""
     from arkv_jax.models.dit import prompt_embedding

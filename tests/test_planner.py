@@ -1,13 +1,11 @@
 """The memory planner against vLLM-Omni's worked numbers (seed-semantics.md §8.2-§8.4, §13.1)."""
 
-import json
 import re
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from arkv_jax import cli
 from arkv_jax.config import CacheGeometry, CrossAttentionSpec, KVBranch, WindowPolicy
 from arkv_jax.planner import (
     CHIP_MEMORY_BYTES,

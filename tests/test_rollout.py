@@ -3,8 +3,11 @@
 One scripted run per CFG setting (module fixture), asserted from several angles: sessions join at
 different steps (so one batch holds sessions at different frame indices), one leaves mid-run and a
 new one takes its place (reusing its pages), every session outlives the window (sink 2 + window 6
-frames; 13 chunks of 2 frames), the chunk function is traced once, and the pure chunk function
-driven by hand gives the same bits. The demo's tests are in ``tests/test_demo.py``.
+frames; 13 chunks of 2 frames), the chunk function is traced once per batch bucket used, the same
+schedule on the cache's full batch gives the same latents, and the pure chunk function driven by
+hand gives the full-batch run's bits. Conditioning by text-encoder contexts is checked against the
+hash stand-in. The samplers' tests are in ``tests/test_samplers.py``, the demo's in
+``tests/test_demo.py``.
 """
 
 from __future__ import annotations
@@ -23,11 +26,10 @@ from arkv_jax.cache import PagedKVCache
 from arkv_jax.config import KVBranch
 from arkv_jax.models import MODEL_CONFIGS, CausalDiT, init_random, prompt_embedding
 from arkv_jax.nnx import PagedHistory
-from arkv_jax.presets import get_preset
 from arkv_jax.planner import rollout_plan
+from arkv_jax.presets import get_preset
 from arkv_jax.reference import FullRecompute
-from arkv_jax.rollout import (ChunkConfig, Rollout, Sampler, chunk_noise, context_kv, generate_chunk,
-                              text_branches)
+from arkv_jax.rollout import ChunkConfig, Rollout, Sampler, chunk_noise, context_kv, generate_chunk, text_branches
 from arkv_jax.step import ChunkInputs
 
 PRESET = get_preset("tiny")
@@ -63,9 +65,7 @@ class Run:
     free_after: int
 
 
-@pytest.fixture(scope="module", params=[None, 3.0], ids=["no_cfg", "cfg"])
-def run(request, model):
-    rollout = make_rollout(model, request.param, max_traces=1)
+def scripted_run(rollout):
     latents, first_frames, pages = {}, [], []
     for index in range(CHUNKS):
         for sid in JOINS.get(index, ()):
@@ -78,6 +78,18 @@ def run(request, model):
     for sid in rollout.sessions:
         latents[sid] = rollout.leave(sid)
     return Run(rollout, latents, first_frames, pages, rollout.cache.num_free_pages())
+
+
+@pytest.fixture(scope="module", params=[None, 3.0], ids=["no_cfg", "cfg"])
+def run(request, model):
+    """The schedule on live rows only (the default: batches bucketed to 1, 2, 3 sessions)."""
+    return scripted_run(make_rollout(model, request.param, max_traces=1))
+
+
+@pytest.fixture(scope="module")
+def full_run(run, model):
+    """The same schedule on the cache's full batch (every slot, every chunk)."""
+    return scripted_run(make_rollout(model, run.rollout.sampler.guidance_scale, max_traces=1, full_batch=True))
 
 
 def test_paged_rollout_equals_full_recompute(run, model):
@@ -116,13 +128,34 @@ def test_memory_is_bounded_and_pages_are_reused(run):
     assert run.free_after == run.rollout.cache.plan.managed_num_blocks - 1  # everything returned
 
 
-def test_the_chunk_function_compiles_once(run):
-    assert run.rollout.num_traces == 1
+def test_the_chunk_function_compiles_once_per_bucket_used(run, full_run):
+    # Live sessions per step: 2 (a, b), 3 from step 3, 2 after b leaves at step 8, 3 from step 9.
+    assert run.rollout.buckets == (1, 2, 3)
+    assert run.rollout.traces_per_batch == {2: 1, 3: 1} and run.rollout.num_traces == 2
+    assert full_run.rollout.traces_per_batch == {3: 1} and full_run.rollout.num_traces == 1
 
 
-def test_the_pure_chunk_function_driven_by_hand_gives_the_rollouts_latents(run, model):
+def test_live_rows_only_equal_the_full_batch(run, full_run):
+    assert run.latents.keys() == full_run.latents.keys()
+    for sid, expected in full_run.latents.items():
+        np.testing.assert_allclose(run.latents[sid], expected, atol=1e-6, rtol=0, err_msg=sid)
+    assert run.first_frames == full_run.first_frames
+
+
+def test_default_buckets_are_powers_of_two_up_to_max_sessions(model):
+    from arkv_jax.rollout import default_buckets
+    assert default_buckets(16) == (1, 2, 4, 8, 16) and default_buckets(6) == (1, 2, 4, 6)
+    assert default_buckets(1) == (1,)
+    rollout = make_rollout(model, None, sessions=3, buckets=(2, 3))
+    assert rollout.bucket(1) == 2 and rollout.bucket(3) == 3
+    with pytest.raises(ValueError, match="buckets"):
+        make_rollout(model, None, sessions=3, buckets=(1, 2))
+
+
+def test_the_pure_chunk_function_driven_by_hand_gives_the_rollouts_latents(full_run, model):
     """:func:`generate_chunk` needs no :class:`Rollout`: the same schedule driven through the cache
     by hand, jitted once under ``chex.assert_max_traces``, gives the rollout's latents bit for bit."""
+    run = full_run
     sampler, chunk = run.rollout.sampler, PRESET.geometry.frames_per_forward
     kv_branches = PRESET.kv_branches[:sampler.num_branches]
     branches = [b.name for b in kv_branches]
@@ -194,6 +227,55 @@ def test_join_and_step_refuse_bad_requests(model):
         Rollout(init_random(dataclasses.replace(CONFIG, grid=(5, 5)), 0), single)
 
 
+def test_join_with_text_encoder_contexts_equals_join_with_the_prompt_of_that_embedding(model):
+    """``context=`` / ``negative_context=`` are what the hash stand-in feeds: a prompt's word
+    vectors (shorter than the text cache: zero-padded) and an encoded negative (here one zero
+    token, the stand-in's empty prompt) give the stand-in's K/V and latents, bit for bit."""
+    rollout = make_rollout(model, 3.0, sessions=2)
+    prompt = "a red fox in the snow"
+    words = len(prompt.split())
+    embedding = prompt_embedding(prompt, CONFIG.text_tokens, CONFIG.text_dim)
+    rollout.join("hashed", prompt, seed=5)
+    rollout.join("encoded", seed=5, context=jnp.asarray(embedding[:words]),
+                 negative_context=np.zeros((1, CONFIG.text_dim), np.float32))
+    rows = rollout.cache.rows(["hashed", "encoded"])
+    for table in rollout.cache.cross_attention_kv("text"):
+        np.testing.assert_array_equal(np.asarray(table[rows[2:]]), np.asarray(table[rows[:2]]))
+    for _ in range(2):
+        rollout.step()
+    assert len(rollout.latents("encoded")) == 4
+    np.testing.assert_array_equal(rollout.latents("encoded"), rollout.latents("hashed"))
+    # FullRecompute takes the same contexts.
+    reference = FullRecompute(model, PRESET.window, rollout.sampler, chunk_frames=PRESET.geometry.frames_per_forward)
+    for got, expected in zip(reference.text_kv(contexts=[embedding[:words]],
+                                               negative_contexts=[np.zeros((1, CONFIG.text_dim))]),
+                             reference.text_kv(["a red fox in the snow"])):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
+
+
+def test_join_refuses_bad_contexts_and_changes_nothing(model):
+    rollout = make_rollout(model, 3.0, sessions=2)
+    t, d = CONFIG.text_tokens, CONFIG.text_dim
+    ok = np.zeros((2, d), np.float32)
+    cases = [
+        (dict(context=np.zeros((t + 1, d)), negative_context=ok),
+         r"8 tokens \(shape \(8, 32\)\); the model's text cache holds 7 \(shape \(7, 32\)\)"),
+        (dict(context=np.zeros((3, d + 1)), negative_context=ok), r"\[tokens, text_dim\] = \[<= 7, 32\].*\(3, 33\)"),
+        (dict(context=np.zeros((1, 3, d)), negative_context=ok), r"got shape \(1, 3, 32\)"),
+        (dict(context=ok), "negative_context"),
+        (dict(prompt="x", context=ok, negative_context=ok), "not both"),
+        (dict(negative_context=ok), "needs context"),
+        (dict(), "pass a prompt"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(ValueError, match=message):
+            rollout.join("a", **kwargs)
+        assert rollout.sessions == () and rollout.cache.sessions == ()
+    single = make_rollout(model, None, sessions=1)
+    with pytest.raises(ValueError, match="no guidance"):
+        single.join("a", context=ok, negative_context=ok)
+
+
 def test_noise_depends_only_on_session_seed_and_chunk():
     a = chunk_noise(7, 3, (2, 4))
     np.testing.assert_array_equal(a, chunk_noise(7, 3, (2, 4)))
@@ -242,3 +324,19 @@ def test_wan_1_3b_shapes_trace(model):
                                    inputs, (table, table), noise)
     assert latents.shape == (1, frames, 60, 104, 16) and latents.dtype == jnp.bfloat16
     assert k.shape == v.shape == kv_shape
+
+
+def test_a_join_that_fails_after_opening_leaves_nothing_open(model, monkeypatch):
+    rollout = make_rollout(model, None)
+    free = rollout.cache.num_free_pages()
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("text K/V refused")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(rollout.cache, "populate_cross_attention", refuse)
+        with pytest.raises(RuntimeError, match="text K/V refused"):
+            rollout.join("fox", "a red fox", seed=0)
+    assert rollout.sessions == () and rollout.cache.sessions == () and rollout.cache.num_free_pages() == free
+    rollout.join("fox", "a red fox", seed=0)  # the id is joinable again
+    assert rollout.sessions == ("fox",)
