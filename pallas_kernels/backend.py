@@ -11,6 +11,10 @@ Each kernel (paged chunk write, paged window attention) has a plain-XLA path, a 
 ``"pallas_tpu_simulate"``     the TPU kernel under the TPU simulator: DMAs and semaphores
                               emulated, races detected, out-of-bounds reads raise (slow; small
                               shapes only)
+``"pallas_tpu_gather"``       window attention only: the visible pages gathered by XLA, then
+                              jax's splash attention kernel, compiled (TPU only; the TPU
+                              kernel's yardstick). The paged write runs the TPU kernel.
+``"pallas_tpu_gather_interpret"``  the same with splash in interpret mode
 ``"pallas_gpu"``              the GPU kernel, compiled (NVIDIA GPU only)
 ``"pallas_gpu_interpret"``    the GPU kernel under Pallas' interpreter
 ============================  ===========================================================
@@ -32,6 +36,8 @@ BACKEND_NAMES = (
     "pallas_tpu",
     "pallas_tpu_interpret",
     "pallas_tpu_simulate",
+    "pallas_tpu_gather",
+    "pallas_tpu_gather_interpret",
     "pallas_gpu",
     "pallas_gpu_interpret",
 )

@@ -16,6 +16,7 @@ import numpy as np
 
 from pallas_kernels.backend import resolve_backend
 from pallas_kernels.common import check_rank, check_supported_dtype
+from pallas_kernels.layout import PAGE_AXIS, POOL_LAYOUT, check_tpu_block_size, pool_geometry, pool_shape
 from pallas_kernels.window_attention.geometry import WindowGeometry
 
 
@@ -27,7 +28,8 @@ def static_validate_inputs(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, l
     Takes ``window_attention``'s arguments; any array may be a tracer or a ``ShapeDtypeStruct``.
     ``block_q``/``block_k`` are checked against the backend's tile rules (powers of two >= 16 on
     GPU, positive multiples of 8 on TPU); the GPU backend also needs a power-of-two
-    ``head_dim >= 16``.
+    ``head_dim >= 16``, the compiled TPU kernel a ``block_size`` that is a multiple of 8
+    (:func:`pallas_kernels.layout.check_tpu_block_size`).
 
     Returns:
       the call's :class:`WindowGeometry`.
@@ -38,7 +40,8 @@ def static_validate_inputs(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, l
     """
     geom = check_arrays(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, layer=layer,
                         extra_k=extra_k, extra_v=extra_v, tokens_per_frame=tokens_per_frame)
-    kind = resolve_backend(backend).kind
+    resolved = resolve_backend(backend)
+    kind = resolved.kind
     if scale is not None:
         _check_scale(scale)
     if kind == "pallas_gpu":
@@ -48,6 +51,8 @@ def static_validate_inputs(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, l
     elif kind == "pallas_tpu":
         _check_tpu_tile("block_q", block_q)
         _check_tpu_tile("block_k", block_k)
+        if resolved.name == "pallas_tpu":  # The interpreters take any block size.
+            check_tpu_block_size(geom.block_size)
     return geom
 
 
@@ -77,7 +82,7 @@ def dynamic_validate_inputs(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, 
     if bad.size:
         r, s = bad[0]
         raise ValueError(f"pages[{r}, {s}]={table[r, s]} is not a page id; allowed "
-                         f"[0, {geom.num_pages}) (k_pool.shape[1])")
+                         f"[0, {geom.num_pages}) (k_pool.shape[{PAGE_AXIS}])")
     lens = np.asarray(lengths)
     bad = np.flatnonzero((lens < 0) | (lens > geom.capacity))
     if bad.size:
@@ -107,12 +112,13 @@ def _check_shapes(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, extra_k, extr
                   tokens_per_frame) -> WindowGeometry:
     check_rank("q", q, 4, "[rows, q_len, num_q_heads, head_dim]")
     check_rank("k_cur", k_cur, 4, "[rows, cur_len, kv_heads, head_dim]")
-    check_rank("k_pool", k_pool, 5, "[num_layers, num_pages, block_size, kv_heads, head_dim]")
+    check_rank("k_pool", k_pool, 5, POOL_LAYOUT)
     check_rank("pages", pages, 2, "[rows, max_pages]")
     check_rank("lengths", lengths, 1, "[rows]")
     rows, q_len, num_q_heads, head_dim = q.shape
     _, cur_len, kv_heads, _ = k_cur.shape
-    num_layers, num_pages, block_size, _, _ = k_pool.shape
+    pool = pool_geometry(k_pool)
+    num_layers, num_pages, block_size = pool.num_layers, pool.num_pages, pool.block_size
     _same_shape("v_cur", v_cur, "k_cur", k_cur)
     _same_shape("v_pool", v_pool, "k_pool", k_pool)
     if (extra_k is None) != (extra_v is None):
@@ -126,7 +132,8 @@ def _check_shapes(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, extra_k, extr
         num_extra = extra_k.shape[1]
         _expect("extra_k", extra_k.shape, (rows, num_extra, kv_heads, head_dim))
     _expect("k_cur", k_cur.shape, (rows, cur_len, kv_heads, head_dim))
-    _expect("k_pool", k_pool.shape, (num_layers, num_pages, block_size, kv_heads, head_dim))
+    _expect("k_pool", k_pool.shape, pool_shape(num_layers, num_pages, block_size, kv_heads, head_dim,
+                                            check=False))
     _expect("pages", pages.shape, (rows, pages.shape[1]))
     _expect("lengths", lengths.shape, (rows,))
     if min(rows, q_len, cur_len, head_dim, kv_heads, num_layers, num_pages, block_size) < 1:

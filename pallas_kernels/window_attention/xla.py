@@ -8,6 +8,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.layout import read_tokens
 from pallas_kernels.window_attention.geometry import WindowGeometry, layer_page_table, tail_kv
 
 
@@ -38,7 +39,7 @@ def window_attention(q, k_cur, v_cur, extra_k, extra_v, k_pool, v_pool, pages, l
     valid = token[None, :] < lengths.astype(jnp.int32)[:, None]
 
     def history(pool):
-        return jnp.where(valid[:, :, None, None], pool[layer, page, offset], 0).astype(dtype)
+        return jnp.where(valid[:, :, None, None], read_tokens(pool, layer, page, offset), 0).astype(dtype)
 
     k_tail, v_tail = tail_kv(k_cur, v_cur, extra_k, extra_v, geom.tail_len)
     mask_feature = jnp.concatenate(
