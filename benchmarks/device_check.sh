@@ -1,37 +1,57 @@
 #!/usr/bin/env bash
-# The accelerator check, prepared so that a session lent an NVIDIA GPU runs it in one go:
+# The NVIDIA GPU check of every GPU backend, prepared so that a session lent a GPU runs it in one go:
 #
 #   bash benchmarks/device_check.sh        # on the device machine, from the repository root
 #
-# 1. The compiled Pallas GPU kernels (paged write, window attention) through the same tests as
-#    their interpreters: bit-identical writes against the reference, untouched pages, skipped ids
-#    under jit, donation in place, attention against the reference with NaN-poisoned pages.
-# 2. benchmarks/paged_write.py --gpu (Wan-1.3B shape: bandwidth vs a device-to-device copy and XLA
-#    scatter) and benchmarks/window_attention.py --gpu (vs cuDNN dense attention).
+# 1. The Mosaic GPU kernel (backend="pallas_mgpu") compiled, against the reference on kernel-sized
+#    cases with NaN wherever a row must not look, at three tilings. It runs first and alone: a hang
+#    there (barrier phases cannot be checked without a GPU) must not eat the rest.
+# 2. The other compiled GPU backends through the same tests as their CPU counterparts: the cuDNN
+#    gather path (backend="cudnn_gather", the GPU default) and the Triton kernels
+#    (backend="pallas_gpu": attention and the paged write), the scatter paged write (run under
+#    "cudnn_gather"): bit-identical writes, untouched pages, skipped ids, donation in place,
+#    attention against the reference with NaN-poisoned pages.
+# 3. benchmarks/gpu_window_attention.py --gpu: Mosaic GPU, Triton and cuDNN gather against cuDNN on
+#    the same tokens held contiguously, Wan-1.3B shape, rows 1 and 4, TFLOP/s against the bf16 peak
+#    measured in the same run.
+# 4. benchmarks/paged_write.py --gpu at 128- and 1,664-token pages: the scatter write (auto), the
+#    Triton write and XLA's own scatter against a device-to-device copy.
 #
-# Needs jax with CUDA, pytest, chex and numpy; not flax (nothing here imports arkv_jax). Each part
-# has its own timeout so the whole stays under 8 minutes. Everything goes to $OUT (default
+# Needs jax with CUDA, pytest, chex and numpy; not flax (nothing here imports arkv_jax). Timeouts:
+# 30 + 90 + 150 + 120 + 2 x 25 = 440 s, under 8 minutes. Everything goes to $OUT (default
 # ./device_check_out); the last lines of each log are printed at the end. On a machine without a
-# GPU the kernel tests are reported as skipped and the benchmarks refuse to run.
+# GPU the compiled tests are reported as skipped and the benchmarks refuse to run.
 set -u
 out="${OUT:-device_check_out}"
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
-python -c "import jax, platform; print('jax', jax.__version__, 'python', platform.python_version()); \
-print(jax.devices())" > "$out/env.txt" 2>&1
+timeout 30 python -c "import jax, platform; print('jax', jax.__version__, 'python', \
+platform.python_version()); print(jax.devices()); print(jax.devices()[0].device_kind)" \
+  > "$out/env.txt" 2>&1
+echo "exit status $?" >> "$out/env.txt"
 
-timeout 240 python -m pytest -p no:cacheprovider -rs tests/kernels/test_paged_write.py \
-  tests/kernels/test_window_attention.py -k "pallas_gpu and not interpret" > "$out/tests.txt" 2>&1
-echo "exit status $?" >> "$out/tests.txt"
+timeout 90 python -m pytest -p no:cacheprovider -rs -x tests/kernels/test_window_attention_gpu.py \
+  -k "pallas_mgpu or mosaic_tilings_on_gpu" > "$out/tests_mosaic.txt" 2>&1
+echo "exit status $?" >> "$out/tests_mosaic.txt"
 
-timeout 120 python -m benchmarks.paged_write --gpu > "$out/paged_write_gpu.txt" 2>&1
-echo "exit status $?" >> "$out/paged_write_gpu.txt"
+timeout 150 python -m pytest -p no:cacheprovider -rs tests/kernels \
+  -k "(pallas_gpu or cudnn_gather) and not interpret and not cudnn_gather_xla" \
+  > "$out/tests_other.txt" 2>&1
+echo "exit status $?" >> "$out/tests_other.txt"
 
-timeout 120 python -m benchmarks.window_attention --gpu > "$out/window_attention_gpu.txt" 2>&1
-echo "exit status $?" >> "$out/window_attention_gpu.txt"
+timeout 120 python -m benchmarks.gpu_window_attention --gpu --reps 15 \
+  > "$out/gpu_window_attention.txt" 2>&1
+echo "exit status $?" >> "$out/gpu_window_attention.txt"
 
-for log in env tests paged_write_gpu window_attention_gpu; do
+for block in 128 1664; do
+  timeout 25 python -m benchmarks.paged_write --gpu --block-size "$block" --rows 4 \
+    > "$out/paged_write_gpu_$block.txt" 2>&1
+  echo "exit status $?" >> "$out/paged_write_gpu_$block.txt"
+done
+
+for log in env tests_mosaic tests_other gpu_window_attention paged_write_gpu_128 \
+    paged_write_gpu_1664; do
   echo "== $log"
-  tail -n 6 "$out/$log.txt"
+  tail -n 8 "$out/$log.txt"
 done

@@ -37,7 +37,7 @@ import numpy as np
 from jax import lax
 
 from benchmarks.harness import emit, median_seconds, parse_args, print_table
-from pallas_kernels.layout import PAGE_AXIS, from_token_major, pool_geometry, pool_shape
+from pallas_kernels.layout import PAGE_AXIS, pool_geometry, pool_shape, set_pages
 from pallas_kernels.paged_write import pages_per_frame, write_chunk
 
 
@@ -102,10 +102,7 @@ def xla_scatter(k_pool, v_pool, k_new, v_new, page_ids, *, tokens_per_frame):
     ids = jnp.where((ids >= 1) & (ids < num_pages), ids,
                     num_pages + jnp.arange(ids.shape[0], dtype=ids.dtype))
     page_shape = (layers, ids.shape[0], block_size, kv_heads, head_dim)
-    index = tuple(ids if axis == PAGE_AXIS else slice(None) for axis in range(PAGE_AXIS + 1))
-    # Advanced indices after slices keep their axis: the update is in the pool's layout.
-    return tuple(pool.at[index].set(from_token_major(new.reshape(page_shape)), unique_indices=True,
-                                    mode="drop")
+    return tuple(set_pages(pool, ids, new.reshape(page_shape), unique_indices=True, mode="drop")
                  for pool, new in ((k_pool, k_new), (v_pool, v_new)))
 
 
@@ -228,6 +225,8 @@ def bench_gpu(block_size: int, rows: int, reps: int, rounds: int) -> dict[str, A
     cases = {
         "pallas_gpu": functools.partial(write_chunk, tokens_per_frame=tokens_per_frame,
                                         backend="pallas_gpu"),
+        "auto_gpu_scatter": functools.partial(write_chunk, tokens_per_frame=tokens_per_frame,
+                                              backend="auto"),
         "xla_scatter": functools.partial(xla_scatter, tokens_per_frame=tokens_per_frame),
         "xla_path": functools.partial(write_chunk, tokens_per_frame=tokens_per_frame,
                                       backend="xla"),
@@ -244,6 +243,8 @@ def bench_gpu(block_size: int, rows: int, reps: int, rounds: int) -> dict[str, A
         "pallas_gpu_vs_d2d_copy": seconds["d2d_copy"] / seconds["pallas_gpu"],
         "pallas_gpu_vs_xla_scatter": seconds["xla_scatter"] / seconds["pallas_gpu"],
         "pallas_gpu_vs_xla_path": seconds["xla_path"] / seconds["pallas_gpu"],
+        "auto_gpu_scatter_gbps": nbytes / seconds["auto_gpu_scatter"] / 1e9,
+        "auto_gpu_scatter_vs_d2d_copy": seconds["d2d_copy"] / seconds["auto_gpu_scatter"],
         "seconds": seconds,
         "written_bytes": nbytes,
         **memory,

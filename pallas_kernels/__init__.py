@@ -2,7 +2,8 @@
 
 One package per kernel (:mod:`pallas_kernels.paged_write`, :mod:`pallas_kernels.window_attention`),
 each with its public function, explicit ``static_validate_inputs`` / ``dynamic_validate_inputs``,
-one module per backend (``xla``, ``tpu``, ``gpu``) and a pure-jnp ``reference``; the backend is
+one module per backend (``xla``, ``tpu``, ``gpu`` (Triton); for attention also ``cudnn_gather``
+and ``mosaic_gpu``, for the write ``xla_gpu``) and a pure-jnp ``reference``; the backend is
 chosen with one ``backend=`` argument (see :mod:`pallas_kernels.backend`). Rules they share live in
 :mod:`pallas_kernels.common`. Kernels know pages and lengths, never sessions or meshes.
 """

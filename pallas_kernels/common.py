@@ -1,5 +1,6 @@
 """Rules every kernel shares: integer rounding, frame-aligned pages, supported dtypes, input-check
-helpers, the masked-logit value and the online-softmax step of the Pallas attention kernels.
+helpers, the masked-logit value, the online-softmax step of the Pallas attention kernels and the
+base-2 softmax constant of the GPU kernels.
 
 A frame of ``tokens_per_frame`` tokens takes ``pages_per_frame(tokens_per_frame, block_size)``
 consecutive pages of ``block_size`` slots; its last page ends in padding slots.
@@ -19,6 +20,10 @@ MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 """Finite logit for masked keys: exp(MASK_VALUE - m) is exactly 0 and no inf - inf NaN can arise."""
 
 
+LOG2_E = 1.4426950408889634
+"""``log2(e)``: ``exp(x * scale) == exp2(x * scale * LOG2_E)`` (the GPU kernels' base-2 softmax)."""
+
+
 def cdiv(a, b):
     """``ceil(a / b)`` for an integer ``a`` and a positive integer ``b`` (Python ints or int
     arrays; for arrays ``a`` must stay ``b - 1`` below the dtype's maximum)."""
@@ -28,6 +33,12 @@ def cdiv(a, b):
 def round_up(a: int, b: int) -> int:
     """The smallest multiple of ``b`` that is ``>= a``."""
     return cdiv(a, b) * b
+
+
+def is_power_of_two(value) -> bool:
+    """Whether ``value`` is an int (not a bool) that is a positive power of two."""
+    return (isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value > 0
+            and not value & (value - 1))
 
 
 def pages_per_frame(tokens_per_frame: int, block_size: int) -> int:

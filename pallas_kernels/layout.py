@@ -177,6 +177,11 @@ def token_row(geom: PoolGeometry, layer, kv_head, page, slot):
     return ((layer * geom.kv_heads + kv_head) * geom.num_pages + page) * geom.block_size + slot
 
 
+def head_row_stride(geom: PoolGeometry) -> int:
+    """Rows of :func:`token_rows` between the same slot of KV heads ``h`` and ``h + 1``."""
+    return token_row(geom, 0, 1, 0, 0)
+
+
 def read_tokens(pool, layer, page, offset):
     """Slots ``(page, offset)`` of ``layer``, token-major: ``[*page.shape, kv_heads, head_dim]``.
 
@@ -202,6 +207,15 @@ def layer_pages(pool, layer, pages):
     """Pages ``pages`` (int ``[n]``) of ``layer``, token-major ``[n, block_size, kv_heads,
     head_dim]``: the seed's ``key_cache[layer][pages]`` view (a copy)."""
     return jnp.transpose(pool[layer][:, pages], (1, 2, 0, 3))
+
+
+def set_pages(pool, ids, pages, **scatter_options):
+    """``pool`` with token-major ``pages`` ``[num_layers, n, block_size, kv_heads, head_dim]``
+    written at page ids ``ids`` (int ``[n]``) of every layer and head: one scatter
+    (``scatter_options`` go to ``.at[...].set``, e.g. ``mode="drop", unique_indices=True``)."""
+    index = tuple(ids if axis == PAGE_AXIS else slice(None) for axis in range(PAGE_AXIS + 1))
+    # Advanced indices after basic slices keep their axis: the update is in the pool's layout.
+    return pool.at[index].set(from_token_major(pages), **scatter_options)
 
 
 def page_mask(mask):

@@ -35,9 +35,12 @@ copies both pools first.
 Backends (``backend=``, see :mod:`pallas_kernels.backend`), one module each: ``xla``
 (:mod:`~pallas_kernels.paged_write.xla`, a loop of page updates, the CPU default), ``pallas_tpu*``
 (:mod:`~pallas_kernels.paged_write.tpu`, HBM-to-HBM DMAs; also ``pallas_tpu_gather*``),
-``pallas_gpu*`` (:mod:`~pallas_kernels.paged_write.gpu`, Triton vector copies). None makes a padded
-copy of the chunk: each reads the chunk's frames (the Pallas ones head-major) and writes a frame's
-padding from zeros. :func:`write_chunk_reference` (:mod:`~pallas_kernels.paged_write.reference`) is the
+``pallas_gpu*`` (:mod:`~pallas_kernels.paged_write.gpu`, Triton vector copies) and, under ``"auto"``
+on GPU and the GPU attention names (``cudnn_gather*``, ``pallas_mgpu``),
+:mod:`~pallas_kernels.paged_write.xla_gpu` (one XLA scatter of whole pages per pool). The loop and
+the Pallas kernels read the chunk's frames (the Pallas ones head-major) and write a frame's padding
+from zeros; the scatter pads its updates. :func:`write_chunk_reference`
+(:mod:`~pallas_kernels.paged_write.reference`) is the
 pure-jnp reference they are tested against.
 """
 
@@ -50,7 +53,7 @@ import jax
 from pallas_kernels.backend import resolve_backend
 from pallas_kernels.common import pages_per_frame
 from pallas_kernels.layout import pool_geometry
-from pallas_kernels.paged_write import gpu, tpu, xla
+from pallas_kernels.paged_write import gpu, tpu, xla, xla_gpu
 from pallas_kernels.paged_write.reference import (
     chunk_frames,
     valid_page_ids,
@@ -115,4 +118,6 @@ def _write_chunk_jit(k_pool, v_pool, k_new, v_new, page_ids, *, tokens_per_frame
         return xla.write_chunk(k_pool, v_pool, k_frames, v_frames, ids, ppf)
     if backend.kind == "pallas_tpu":
         return tpu.write_chunk(k_pool, v_pool, k_frames, v_frames, ids, ppf, backend.interpret)
-    return gpu.write_chunk(k_pool, v_pool, k_frames, v_frames, ids, ppf, backend.interpret)
+    if backend.kind == "pallas_gpu":
+        return gpu.write_chunk(k_pool, v_pool, k_frames, v_frames, ids, ppf, backend.interpret)
+    return xla_gpu.write_chunk(k_pool, v_pool, k_frames, v_frames, ids, ppf)

@@ -42,12 +42,15 @@ Validation: :func:`window_attention` always runs :func:`static_validate_inputs` 
 tiles; works on tracers). Values (page ids, lengths, layer) are not checked by the kernel: eager
 callers that want them checked call :func:`dynamic_validate_inputs` first.
 
-Backends (``backend=``, see :mod:`pallas_kernels.backend`), one module each: ``xla``
-(:mod:`~pallas_kernels.window_attention.xla`, the CPU default), ``pallas_tpu*``
-(:mod:`~pallas_kernels.window_attention.tpu`, Mosaic, head-major pages DMA'd by hand),
-``pallas_tpu_gather`` (:mod:`~pallas_kernels.window_attention.tpu_gather`: the visible pages
-gathered by XLA, then jax's splash attention; the TPU kernel's yardstick), ``pallas_gpu*``
-(:mod:`~pallas_kernels.window_attention.gpu`, Triton). :func:`window_attention_reference`
+Backends (``backend=``, see :mod:`pallas_kernels.backend`, which also gives what ``"auto"``
+picks), one module each: ``xla`` (:mod:`~pallas_kernels.window_attention.xla`, the CPU default),
+``pallas_tpu*`` (:mod:`~pallas_kernels.window_attention.tpu`, Mosaic TPU, head-major pages DMA'd
+by hand), ``pallas_tpu_gather*`` (:mod:`~pallas_kernels.window_attention.tpu_gather`: the visible
+pages gathered by XLA, then jax's splash attention; the TPU kernel's yardstick), ``pallas_gpu*``
+(:mod:`~pallas_kernels.window_attention.gpu`, Triton), ``cudnn_gather*``
+(:mod:`~pallas_kernels.window_attention.cudnn_gather`, history gather + cuDNN attention, the
+default on NVIDIA GPUs) and ``pallas_mgpu`` (:mod:`~pallas_kernels.window_attention.mosaic_gpu`,
+Mosaic GPU, Hopper and later). :func:`window_attention_reference`
 (:mod:`~pallas_kernels.window_attention.reference`) is the pure-jnp reference they are tested
 against.
 """
@@ -57,7 +60,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from pallas_kernels.backend import resolve_backend
-from pallas_kernels.window_attention import gpu, tpu, tpu_gather, xla
+from pallas_kernels.window_attention import cudnn_gather, gpu, mosaic_gpu, tpu, tpu_gather, xla
 from pallas_kernels.window_attention.geometry import (
     WindowGeometry,
     history_capacity,
@@ -97,11 +100,13 @@ def window_attention(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, layer=0
       scale: softmax scale; defaults to ``head_dim ** -0.5``.
       tokens_per_frame: tokens per frame; defaults to ``block_size``.
       backend: a name from :data:`pallas_kernels.backend.BACKEND_NAMES`.
-      block_q: query tile (Pallas backends): GPU default 128, TPU default tuned per generation
-        (:data:`~pallas_kernels.window_attention.tpu.TUNED_BLOCKS`), shrunk for short chunks.
-      block_k: key tile in tokens: GPU key block (power of two >= 16, default 64) or TPU history
-        keys per DMA block (a multiple of 8, default tuned); history pages are always whole pages
-        on TPU. Not used by ``pallas_tpu_gather`` (splash's default blocks).
+      block_q: query tile (Pallas backends): Triton's over the GQA-folded query axis (default
+        128, shrunk for short chunks), TPU's (default tuned per generation,
+        :data:`~pallas_kernels.window_attention.tpu.TUNED_BLOCKS`), Mosaic GPU's (64 only).
+      block_k: key tile in tokens: Triton key block (power of two in [16, 256], default 64), TPU
+        history keys per DMA block (a multiple of 8, default tuned; history pages are always whole
+        pages on TPU) or Mosaic GPU key tile (a multiple of 64 dividing ``block_size``, default 128
+        where it divides). Unused by ``xla``, ``cudnn_gather*`` and ``pallas_tpu_gather*``.
 
     Returns:
       ``[rows, q_len, num_q_heads, head_dim]`` in ``q``'s dtype.
@@ -114,14 +119,19 @@ def window_attention(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, layer=0
                                   extra_k=extra_k, extra_v=extra_v, scale=scale,
                                   tokens_per_frame=tokens_per_frame, backend=backend,
                                   block_q=block_q, block_k=block_k)
-    resolved = resolve_backend(backend)
+    resolved = resolve_backend(backend, dtype=q.dtype, head_dim=geom.head_dim)
     scale = geom.head_dim ** -0.5 if scale is None else float(scale)
     layer = jnp.asarray(layer, jnp.int32)
     args = (q, k_cur, v_cur, extra_k, extra_v, k_pool, v_pool, pages, lengths, layer)
     if resolved.kind == "xla":
         return xla.window_attention(*args, geom=geom, scale=scale)
-    if resolved.name == "pallas_tpu_gather":
+    if resolved.name.startswith("pallas_tpu_gather"):
         return tpu_gather.attention(*args, geom=geom, scale=scale, backend=resolved.name)
+    if resolved.kind == "cudnn_gather":
+        return cudnn_gather.window_attention(*args, geom=geom, scale=scale, backend=resolved.name)
+    if resolved.kind == "pallas_mgpu":
+        block_kv = mosaic_gpu.default_block_kv(geom.block_size) if block_k is None else block_k
+        return mosaic_gpu.window_attention(*args, geom=geom, scale=scale, block_kv=int(block_kv))
     if resolved.kind == "pallas_tpu":
         return tpu.attention(*args, geom=geom, scale=scale, block_q=block_q, block_k=block_k,
                              backend=resolved.name)

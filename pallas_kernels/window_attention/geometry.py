@@ -78,6 +78,17 @@ def visible_page_count(lengths: jax.Array, geom: WindowGeometry) -> jax.Array:
     return cdiv(frames * geom.frame_slots + offset, geom.block_size)
 
 
+def history_token_slot(tokens: jax.Array, geom: WindowGeometry) -> jax.Array:
+    """Page-list slot of history token ``tokens`` (non-negative int32, any shape): frame
+    ``t // tokens_per_frame`` at in-frame offset ``t % tokens_per_frame``.
+
+    Walking tokens rather than slots skips frame padding; a row's valid history tokens are then the
+    prefix ``[0, lengths[row])``.
+    """
+    return (lax.div(tokens, geom.tokens_per_frame) * geom.frame_slots
+            + lax.rem(tokens, geom.tokens_per_frame))
+
+
 def history_slot_valid(slots: jax.Array, lengths: jax.Array, geom: WindowGeometry) -> jax.Array:
     """Whether page-list slot ``slots`` holds a valid token of a row of ``lengths`` history tokens.
 

@@ -1,14 +1,34 @@
-"""Window attention as a Pallas GPU kernel, Triton lowering (``"pallas_gpu"``, ``_interpret``).
+"""Window attention as a Pallas GPU kernel, Triton lowering (``"pallas_gpu"``, ``_interpret``), for
+NVIDIA GPUs Mosaic GPU does not serve (Ampere and Ada: A100, L4, RTX 4090). On Hopper and later
+the cuDNN gather path (:mod:`.cudnn_gather`) is the default and the Mosaic GPU kernel
+(:mod:`.mosaic_gpu`) the fused one.
 
-One program per (row, query head, query block); the key loop walks the row's visible pages
-``block_k`` slots at a time, gathering the K/V rows of its KV head through the page table with
-pointer indexing into the head-major pool viewed as token rows (any ``block_size``), then the
-tail. Requires a power-of-two ``head_dim >= 16``.
+Kernel: one program per ``(row, KV head, query block)``. GQA is folded: the ``group`` query heads of
+a KV head are stacked on the query axis (the wrapper lays ``q`` out as ``[rows, kv_heads, group *
+q_len (padded to block_q), head_dim]``), so each program reads its KV head's keys and values once
+for all of them. The key loop walks **history tokens**, not page-list slots: key block ``b`` is
+tokens ``[b * block_k, (b + 1) * block_k)``, each gathered through the page table by pointer
+indexing (any ``block_size``, frame padding skipped,
+:func:`~pallas_kernels.window_attention.geometry.history_token_slot`), so the valid history keys of
+a row are a prefix and
 
-Triton rather than Mosaic GPU: the Triton lowering is the GPU path whose semantics the CPU
-interpreter checks faithfully (block programs, gathers, masked loops) and it compiles for Ampere as
-well as Hopper; a Mosaic GPU kernel (``plgpu.kernel``, warpgroup pipelines, TMA gathers) has
-Hopper-specific layout, swizzle and barrier constraints that interpret mode does not check. JAX
+* the ``lengths[row] // block_k`` full history blocks run with no mask at all,
+* at most one boundary block masks its logits (``jnp.where`` on the scores): its lanes past the
+  length read history token 0 of the row (always valid there, or the null page's zeros at length
+  0), so its V holds no NaN and needs no mask,
+* the tail (current chunk + extras, zero-padded to whole blocks) masks only its last partial block.
+
+No V tile is ever selected, so V goes from shared memory straight into the second matmul. The
+token-to-pool-row map of the head-major pool viewed as token rows (:func:`history_pool_rows`, ``4 * round_up(capacity, block_k)`` bytes per
+row) is computed outside the kernel, so a key block's addresses are one contiguous index load and no
+page-table lookup or division runs in the loop. Page-list entries past a row's visible pages are the
+layer's null page. The softmax runs in base 2: scores are scaled once by ``scale * log2(e)`` and
+exponentiated with ``exp2``. Accumulation, the running max and the normaliser are float32; f32
+inputs use full-precision dots.
+
+Requirements: ``head_dim`` a power of two >= 16 (Triton block shapes), ``block_q`` and ``block_k``
+powers of two in ``[16, 256]``, ``num_warps`` 4 or 8, ``num_stages`` in ``[1, 4]``. Pools of more
+than 2**31 elements switch Triton's offsets to 64 bits (Pallas decides by buffer size). JAX
 deprecates the Triton backend from 0.11 on (its lowering warns), so it is imported only when this
 backend runs.
 """
@@ -23,107 +43,162 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.backend import resolve_backend
-from pallas_kernels.common import MASK_VALUE, cdiv, online_softmax_step, round_up
-from pallas_kernels.layout import PoolGeometry, token_row, token_rows
+from pallas_kernels.common import LOG2_E, MASK_VALUE, matmul_precision, round_up
+from pallas_kernels.layout import PoolGeometry, head_row_stride, token_row, token_rows
 from pallas_kernels.window_attention.geometry import (
     WindowGeometry,
-    history_slot_valid,
+    history_token_slot,
     layer_page_table,
     tail_kv,
-    visible_page_count,
 )
 
 BLOCK_Q = 128
-"""Default query tile (shrunk to the chunk, in powers of two >= 16)."""
+"""Default query tile over the folded (group x q_len) query axis, shrunk to it in powers of two
+>= 16."""
 BLOCK_K = 64
-"""Default key tile in tokens (shrunk to the tail, in powers of two >= 16)."""
+"""Default key tile in tokens, shrunk to the longest key run (history capacity or tail)."""
+NUM_STAGES = 3
+"""Default Triton pipeline stages."""
 
 
 def tiles(geom: WindowGeometry, block_q: int | None, block_k: int | None) -> tuple[int, int]:
     """``(block_q, block_k)``: the given tiles (already validated), or the defaults shrunk to the
-    query and tail lengths."""
+    folded query length and the longest key run."""
     def tile(value, default, extent):
         return max(16, min(default, pl.next_power_of_2(extent))) if value is None else int(value)
 
-    return tile(block_q, BLOCK_Q, geom.q_len), tile(block_k, BLOCK_K, geom.tail_len)
+    return (tile(block_q, BLOCK_Q, geom.group * geom.q_len),
+            tile(block_k, BLOCK_K, max(geom.capacity, geom.tail_len)))
 
 
-def _kernel(table_ref, nblk_ref, len_ref, layer_ref, q_ref, kp_ref, vp_ref, kt_ref, vt_ref, o_ref,
-            *, geom: WindowGeometry, scale: float, block_k: int):
-    """Program ``(row, q head, q block)``.
+def default_num_warps(block_q: int, head_dim: int) -> int:
+    """4 warps for query tiles of up to 64 x 128 elements, 8 above."""
+    return 4 if block_q * head_dim <= 64 * 128 else 8
 
-    Refs: ``q_ref``/``o_ref`` ``[bq, D]``; ``kp_ref``/``vp_ref`` the whole pool as token rows
-    (:func:`pallas_kernels.layout.token_rows`, one KV head's slot per row); ``table_ref``
-    ``[rows, table_len]`` (null past the visible pages); ``nblk_ref`` ``[rows]`` history key blocks
-    to visit; ``len_ref`` ``[rows]``; ``layer_ref`` ``[1]``; ``kt_ref``/``vt_ref``
-    ``[rows, tail_pad, Hkv, D]``.
+
+def _attend(carry, q, k, v, valid, c: float):
+    """One online-softmax update in base 2 over a key block.
+
+    ``carry`` is ``(m [bq, 1], l [bq, 1], acc [bq, D])`` float32 with ``m`` in base-2 units; ``q``
+    ``[bq, D]``; ``k``/``v`` ``[bk, D]``; ``valid`` None (all keys valid) or bool ``[1, bk]``;
+    ``c = scale * log2(e)`` scales the f32 scores once (``q`` stays unscaled: scaling it in its own
+    dtype would round it). Masked keys must hold finite values (their ``p`` is exactly 0).
     """
-    row, head = pl.program_id(0), pl.program_id(1)
-    kv_head = head // geom.group
+    m_prev, l_prev, acc_prev = carry
+    precision = matmul_precision(q.dtype)
+    s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
+                        preferred_element_type=jnp.float32) * c
+    if valid is not None:
+        s = jnp.where(valid, s, MASK_VALUE)
+    m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+    p = jnp.exp2(s - m_new)
+    alpha = jnp.exp2(m_prev - m_new)
+    pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision,
+                         preferred_element_type=jnp.float32)
+    return m_new, alpha * l_prev + jnp.sum(p, axis=1, keepdims=True), alpha * acc_prev + pv
+
+
+def _kernel(rows_ref, len_ref, q_ref, kp_ref, vp_ref, kt_ref, vt_ref, o_ref, *,
+            geom: WindowGeometry, scale: float, block_k: int):
+    """Program ``(row, kv head, query block)``.
+
+    Refs: ``q_ref``/``o_ref`` ``[bq, D]``; ``kp_ref``/``vp_ref`` the head-major pool as token rows
+    (:func:`pallas_kernels.layout.token_rows`, one KV head's slot per row); ``rows_ref`` int32
+    ``[rows, round_up(capacity, block_k)]``: the pool row of each history token of KV head 0
+    (:func:`history_pool_rows`; KV head ``h`` is :func:`pallas_kernels.layout.head_row_stride`
+    rows further); ``len_ref`` ``[rows]``; ``kt_ref``/``vt_ref`` ``[rows, tail_pad, kv_heads, D]``.
+    """
+    row, kv_head = pl.program_id(0), pl.program_id(1)
+    head_offset = kv_head * head_row_stride(_pool_geometry(geom))
     q = q_ref[...]
-    length, layer = len_ref[row], layer_ref[0]
+    length = len_ref[row]
     lane = lax.iota(jnp.int32, block_k)
-    pool = PoolGeometry(geom.num_layers, geom.kv_heads, geom.num_pages, geom.block_size,
-                        geom.head_dim)
+    c = scale * LOG2_E
 
-    def history_block(b, carry):
-        slot = b * block_k + lane
-        page = table_ref[row, lax.div(slot, geom.block_size)]
-        pool_row = token_row(pool, layer, kv_head, page, lax.rem(slot, geom.block_size))
-        valid = history_slot_valid(slot, length, geom)
-        return online_softmax_step(*carry, q, kp_ref[pool_row, :], vp_ref[pool_row, :],
-                                   valid[None, :], valid[:, None], scale)
+    def history_block(b, carry, masked: bool):
+        pool_row = rows_ref[row, pl.ds(pl.multiple_of(b * block_k, block_k), block_k)] + head_offset
+        valid = (b * block_k + lane < length)[None, :] if masked else None
+        return _attend(carry, q, kp_ref[pool_row, :], vp_ref[pool_row, :], valid, c)
 
-    def tail_block(b, carry):
-        valid = b * block_k + lane < geom.tail_len
-        keys = pl.ds(pl.multiple_of(b * block_k, block_k), block_k)
-        return online_softmax_step(*carry, q, kt_ref[row, keys, kv_head, :],
-                                   vt_ref[row, keys, kv_head, :], valid[None, :], valid[:, None],
-                                   scale)
+    def tail_block(b, carry, masked: bool):
+        start = b * block_k if isinstance(b, int) else pl.multiple_of(b * block_k, block_k)
+        keys = pl.ds(start, block_k)
+        valid = (b * block_k + lane < geom.tail_len)[None, :] if masked else None
+        return _attend(carry, q, kt_ref[row, keys, kv_head, :], vt_ref[row, keys, kv_head, :],
+                       valid, c)
 
     block_q = q.shape[0]
-    carry = (jnp.full((block_q, 1), MASK_VALUE, jnp.float32), jnp.zeros((block_q, 1), jnp.float32),
+    carry = (jnp.full((block_q, 1), MASK_VALUE, jnp.float32),
+             jnp.zeros((block_q, 1), jnp.float32),
              jnp.zeros((block_q, geom.head_dim), jnp.float32))
-    carry = lax.fori_loop(0, nblk_ref[row], history_block, carry)
-    _, denominator, acc = lax.fori_loop(0, kt_ref.shape[1] // block_k, tail_block, carry)
+    full = lax.div(length, block_k)
+    carry = lax.fori_loop(0, full, functools.partial(history_block, masked=False), carry)
+    carry = lax.fori_loop(full, lax.div(length + block_k - 1, block_k),
+                          functools.partial(history_block, masked=True), carry)
+    tail_full, tail_rest = divmod(geom.tail_len, block_k)
+    carry = lax.fori_loop(0, tail_full, functools.partial(tail_block, masked=False), carry)
+    if tail_rest:
+        carry = tail_block(tail_full, carry, masked=True)
+    _, denominator, acc = carry
     o_ref[...] = (acc / denominator).astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("geom", "scale", "block_q", "block_k", "backend"))
+def _pool_geometry(geom: WindowGeometry) -> PoolGeometry:
+    return PoolGeometry(geom.num_layers, geom.kv_heads, geom.num_pages, geom.block_size,
+                        geom.head_dim)
+
+
+def history_pool_rows(pages, lengths, layer, geom: WindowGeometry, padded_len: int):
+    """int32 ``[rows, padded_len]``: the row of the pool viewed as token rows
+    (:func:`pallas_kernels.layout.token_rows`) that holds history token ``t`` of ``layer`` and KV
+    head 0, for ``t < lengths[row]``; every other token
+    (past the length or the capacity) names the row of token 0, so a key block that straddles the
+    length reads finite, valid data in its masked lanes (or the null page's zeros at length 0).
+    """
+    table = layer_page_table(pages, lengths, 0, geom)
+    tokens = jnp.arange(padded_len, dtype=jnp.int32)
+    tokens = jnp.where(tokens[None, :] < lengths.astype(jnp.int32)[:, None], tokens[None, :], 0)
+    slots = history_token_slot(tokens, geom)
+    page = jnp.take_along_axis(table, slots // geom.block_size, axis=1)
+    return token_row(_pool_geometry(geom), layer, 0, page, slots % geom.block_size)
+
+
+@functools.partial(jax.jit, static_argnames=("geom", "scale", "block_q", "block_k", "num_warps",
+                                             "num_stages", "backend"))
 def window_attention(q, k_cur, v_cur, extra_k, extra_v, k_pool, v_pool, pages, lengths, layer,
                      *, geom: WindowGeometry, scale: float, block_q: int, block_k: int,
-                     backend: str):
-    """Wrapper of the kernel: pads ``q`` to ``block_q``, builds the padded tail and the page table
-    (padded with null entries to whole key blocks) and views the pool as token rows of one KV head
-    each (:func:`pallas_kernels.layout.token_rows`, a free reshape).
+                     backend: str, num_warps: int | None = None, num_stages: int = NUM_STAGES):
+    """Folds GQA into ``q`` (``[rows, kv_heads, group * q_len, D]``, padded to ``block_q``), builds
+    the padded tail and each history token's pool row, views the pools as token rows, runs the
+    kernel and unfolds the output.
 
-    Arguments as :func:`pallas_kernels.window_attention.window_attention`; ``backend`` one of the
-    ``pallas_gpu*`` names (it sets ``interpret``).
+    Arguments as :func:`pallas_kernels.window_attention.window_attention` (tiles validated);
+    ``backend`` one of the ``pallas_gpu*`` names (it sets ``interpret``); ``num_warps`` (4 or 8,
+    default :func:`default_num_warps`) and ``num_stages`` (in ``[1, 4]``) are Triton's.
     """
-    from jax.experimental.pallas import triton as pltriton
+    from jax.experimental.pallas import triton as pltriton  # Only this backend needs Triton.
 
-    q_pad, tail_pad = round_up(geom.q_len, block_q), round_up(geom.tail_len, block_k)
-    q_p = jnp.pad(q, ((0, 0), (0, q_pad - geom.q_len), (0, 0), (0, 0)))
-    k_tail, v_tail = tail_kv(k_cur, v_cur, extra_k, extra_v, tail_pad)
-    # Pad the table so every visited key block reads whole entries; padding is the null page.
-    table_len = cdiv(round_up(geom.max_pages * geom.block_size, block_k), geom.block_size)
-    table = layer_page_table(jnp.pad(pages, ((0, 0), (0, table_len - geom.max_pages))), lengths,
-                             0, geom)
-    slots = visible_page_count(lengths, geom) * geom.block_size
-    nblk = cdiv(slots, block_k)
-    io_spec = pl.BlockSpec((None, block_q, None, geom.head_dim),
-                           lambda row, head, qb: (row, qb, head, 0))
+    rows, g, hkv, d = geom.rows, geom.group, geom.kv_heads, geom.head_dim
+    num_warps = default_num_warps(block_q, d) if num_warps is None else num_warps
+    folded = g * geom.q_len
+    q_pad = round_up(folded, block_q)
+    qf = q.reshape(rows, geom.q_len, hkv, g, d).transpose(0, 2, 3, 1, 4).reshape(
+        rows, hkv, folded, d)
+    qf = jnp.pad(qf, ((0, 0), (0, 0), (0, q_pad - folded), (0, 0)))
+    k_tail, v_tail = tail_kv(k_cur, v_cur, extra_k, extra_v, round_up(geom.tail_len, block_k))
+    pool_rows = history_pool_rows(pages, lengths, layer, geom, round_up(geom.capacity, block_k))
+    io_spec = pl.BlockSpec((None, None, block_q, d), lambda row, head, qb: (row, head, qb, 0))
     whole = pl.BlockSpec()
-    kernel = functools.partial(_kernel, geom=geom, scale=scale, block_k=block_k)
-    num_warps = 4 if block_q * geom.head_dim <= 64 * 128 else 8
-    return pl.pallas_call(
-        kernel,
-        out_shape=jax.ShapeDtypeStruct(q_p.shape, q.dtype),
-        grid=(geom.rows, geom.num_q_heads, q_pad // block_q),
-        in_specs=[whole, whole, whole, whole, io_spec, whole, whole, whole, whole],
+    out = pl.pallas_call(
+        functools.partial(_kernel, geom=geom, scale=scale, block_k=block_k),
+        out_shape=jax.ShapeDtypeStruct(qf.shape, q.dtype),
+        grid=(rows, hkv, q_pad // block_q),
+        in_specs=[whole, whole, io_spec, whole, whole, whole, whole],
         out_specs=io_spec,
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=2),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=resolve_backend(backend).interpret,
         name="window_attention_gpu",
-    )(table, nblk, lengths.astype(jnp.int32), layer.reshape(1), q_p, token_rows(k_pool),
-      token_rows(v_pool), k_tail, v_tail)[:, :geom.q_len]
+    )(pool_rows, lengths.astype(jnp.int32), qf, token_rows(k_pool), token_rows(v_pool), k_tail,
+      v_tail)
+    out = out[:, :, :folded].reshape(rows, hkv, g, geom.q_len, d)
+    return out.transpose(0, 3, 1, 2, 4).reshape(q.shape)

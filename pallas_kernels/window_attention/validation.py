@@ -14,9 +14,10 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.backend import resolve_backend
-from pallas_kernels.common import check_rank, check_supported_dtype
+from pallas_kernels.backend import CUDNN_DTYPES, cudnn_supports, resolve_backend
+from pallas_kernels.common import check_rank, check_supported_dtype, is_power_of_two
 from pallas_kernels.layout import PAGE_AXIS, POOL_LAYOUT, check_tpu_block_size, pool_geometry, pool_shape
+from pallas_kernels.window_attention import mosaic_gpu
 from pallas_kernels.window_attention.geometry import WindowGeometry
 
 
@@ -26,10 +27,19 @@ def static_validate_inputs(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, l
     """Checks everything about a ``window_attention`` call that does not depend on array values.
 
     Takes ``window_attention``'s arguments; any array may be a tracer or a ``ShapeDtypeStruct``.
-    ``block_q``/``block_k`` are checked against the backend's tile rules (powers of two >= 16 on
-    GPU, positive multiples of 8 on TPU); the GPU backend also needs a power-of-two
-    ``head_dim >= 16``, the compiled TPU kernel a ``block_size`` that is a multiple of 8
-    (:func:`pallas_kernels.layout.check_tpu_block_size`).
+    ``backend`` is resolved for the call's dtype and head dim (``"auto"``, see
+    :mod:`pallas_kernels.backend`), then checked against that backend's rules:
+
+    * ``pallas_gpu*`` (Triton): ``head_dim`` a power of two >= 16; ``block_q``/``block_k`` powers
+      of two in ``[16, 256]``.
+    * ``pallas_tpu*``: ``block_q``/``block_k`` positive multiples of 8; the compiled
+      ``pallas_tpu`` kernel also a ``block_size`` that is a multiple of 8
+      (:func:`pallas_kernels.layout.check_tpu_block_size`; the interpreters take any).
+    * ``cudnn_gather``: bf16 or f16, ``head_dim`` a multiple of 8 in ``[8, 256]`` (tiles unused;
+      ``cudnn_gather_xla`` takes any supported dtype and head dim).
+    * ``pallas_mgpu``: bf16 or f16, ``head_dim`` a multiple of 64 in ``[64, 256]``, ``block_q``
+      ``None`` or 64, ``block_k`` (the key tile) a multiple of 64 dividing ``block_size``, and the
+      tiling's shared memory within one CTA's.
 
     Returns:
       the call's :class:`WindowGeometry`.
@@ -40,20 +50,55 @@ def static_validate_inputs(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, l
     """
     geom = check_arrays(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, layer=layer,
                         extra_k=extra_k, extra_v=extra_v, tokens_per_frame=tokens_per_frame)
-    resolved = resolve_backend(backend)
-    kind = resolved.kind
+    resolved = resolve_backend(backend, dtype=q.dtype, head_dim=geom.head_dim)
     if scale is not None:
         _check_scale(scale)
-    if kind == "pallas_gpu":
+    if resolved.kind == "pallas_gpu":
         _check_gpu_tile("block_q", block_q)
         _check_gpu_head_dim(geom.head_dim)
         _check_gpu_tile("block_k", block_k)
-    elif kind == "pallas_tpu":
+    elif resolved.kind == "pallas_tpu":
         _check_tpu_tile("block_q", block_q)
         _check_tpu_tile("block_k", block_k)
         if resolved.name == "pallas_tpu":  # The interpreters take any block size.
             check_tpu_block_size(geom.block_size)
+    elif resolved.name == "cudnn_gather":
+        _check_cudnn(q.dtype, geom.head_dim)
+    elif resolved.kind == "pallas_mgpu":
+        check_mosaic_tiling(geom, q.dtype, block_q, block_k, mosaic_gpu.STAGES)
     return geom
+
+
+def check_mosaic_tiling(geom: WindowGeometry, dtype, block_q, block_kv, stages: int) -> None:
+    """Raises ``ValueError`` unless the Mosaic GPU kernel takes ``dtype``, the head dim and the
+    tiling (``block_q`` ``None`` or 64; ``block_kv`` ``None`` for
+    :func:`~pallas_kernels.window_attention.mosaic_gpu.default_block_kv`, else a multiple of 64
+    dividing ``block_size``; ``stages`` in ``[2, 4]``; shared memory within
+    :data:`~pallas_kernels.window_attention.mosaic_gpu.SMEM_BYTES`)."""
+    dtype = jnp.dtype(dtype)
+    if dtype not in mosaic_gpu.DTYPES:
+        raise ValueError(f"q.dtype={dtype.name} is not supported by the Mosaic GPU kernel; allowed: "
+                         f"{[d.name for d in mosaic_gpu.DTYPES]} (use backend='cudnn_gather')")
+    if geom.head_dim % 64 or not 64 <= geom.head_dim <= 256:
+        raise ValueError(f"head_dim={geom.head_dim} is not supported by the Mosaic GPU kernel; "
+                         "allowed: multiples of 64 in [64, 256]")
+    if block_q not in (None, mosaic_gpu.BLOCK_Q):
+        raise ValueError(f"block_q={block_q!r} must be {mosaic_gpu.BLOCK_Q} for the Mosaic GPU "
+                         "kernel (one wgmma M tile per consumer warpgroup)")
+    block_kv = mosaic_gpu.default_block_kv(geom.block_size) if block_kv is None else block_kv
+    if (isinstance(block_kv, bool) or not isinstance(block_kv, (int, np.integer)) or block_kv < 64
+            or block_kv % 64 or geom.block_size % block_kv):
+        raise ValueError(f"block_k={block_kv!r} must be a positive multiple of 64 dividing "
+                         f"block_size={geom.block_size} for the Mosaic GPU kernel (no key tile may "
+                         "straddle two pages; pick a page size that is a multiple of the key tile, "
+                         "e.g. 1664 = 13 x 128 for 1560-token frames)")
+    if isinstance(stages, bool) or not isinstance(stages, int) or not 2 <= stages <= 4:
+        raise ValueError(f"stages={stages!r} must be an int in [2, 4]")
+    need = mosaic_gpu.smem_bytes(geom.head_dim, dtype.itemsize, mosaic_gpu.BLOCK_Q, int(block_kv),
+                                 stages)
+    if need > mosaic_gpu.SMEM_BYTES:
+        raise ValueError(f"block_k={block_kv}, stages={stages} need {need} bytes of shared memory "
+                         f"at head_dim={geom.head_dim}; allowed at most {mosaic_gpu.SMEM_BYTES}")
 
 
 def dynamic_validate_inputs(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, layer=0,
@@ -172,8 +217,19 @@ def _check_scale(scale) -> None:
 
 
 def _check_gpu_tile(name: str, value) -> None:
-    if value is not None and (value < 16 or value & (value - 1)):
-        raise ValueError(f"{name}={value} must be a power of two >= 16 for the GPU kernel")
+    if value is not None and not (is_power_of_two(value) and 16 <= value <= 256):
+        raise ValueError(f"{name}={value!r} must be a power of two in [16, 256] for the Triton "
+                         "kernel")
+
+
+def _check_cudnn(dtype, head_dim: int) -> None:
+    if jnp.dtype(dtype) not in CUDNN_DTYPES:
+        raise ValueError(f"q.dtype={jnp.dtype(dtype).name} is not supported by cuDNN attention; "
+                         f"allowed: {[d.name for d in CUDNN_DTYPES]} (use backend='xla' or "
+                         "'pallas_gpu')")
+    if not cudnn_supports(dtype, head_dim):
+        raise ValueError(f"head_dim={head_dim} is not supported by cuDNN attention; allowed: "
+                         "multiples of 8 in [8, 256] (use backend='xla')")
 
 
 def _check_tpu_tile(name: str, value) -> None:
@@ -183,8 +239,8 @@ def _check_tpu_tile(name: str, value) -> None:
 
 def _check_gpu_head_dim(head_dim: int) -> None:
     if head_dim < 16 or head_dim & (head_dim - 1):
-        raise ValueError(f"head_dim={head_dim} is not supported by the GPU kernel; allowed: powers "
-                         "of two >= 16 (use backend='xla' otherwise)")
+        raise ValueError(f"head_dim={head_dim} is not supported by the Triton kernel; allowed: "
+                         "powers of two >= 16 (use backend='xla' otherwise)")
 
 
 def _same_shape(name, x, ref_name, ref) -> None:

@@ -9,7 +9,12 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.layout import read_tokens
-from pallas_kernels.window_attention.geometry import WindowGeometry, layer_page_table, tail_kv
+from pallas_kernels.window_attention.geometry import (
+    WindowGeometry,
+    history_token_slot,
+    layer_page_table,
+    tail_kv,
+)
 
 
 @functools.partial(jax.jit, static_argnames=("geom", "scale"))
@@ -20,9 +25,8 @@ def window_attention(q, k_cur, v_cur, extra_k, extra_v, k_pool, v_pool, pages, l
     Arguments as :func:`pallas_kernels.window_attention.window_attention` (``layer`` an int32
     scalar, ``extra_k``/``extra_v`` possibly ``None``); ``geom`` from its static validation.
 
-    History token ``t`` (frame ``t // tpf``, offset ``t % tpf``) is read straight from the layer
-    (one gather through the page table, no layer copy) at page-list slot ``frame * frame_slots +
-    offset`` for ``t < capacity``: frame padding is never read or attended.
+    History tokens ``t < capacity`` come from :func:`gather_history`: frame padding is never read
+    or attended.
 
     The key mask rides in the matmul: keys get one extra feature (0 if valid, the dtype's most
     negative finite value, about ``-3.4e38``, if not) and queries a matching feature of 1, so masked
@@ -32,14 +36,10 @@ def window_attention(q, k_cur, v_cur, extra_k, extra_v, k_pool, v_pool, pages, l
     NaN in them never reaches a product.
     """
     rows, dtype = geom.rows, (jnp.float32 if q.dtype == jnp.float16 else q.dtype)
-    table = layer_page_table(pages, lengths, 0, geom)
-    token = jnp.arange(geom.capacity, dtype=jnp.int32)
-    slot = (token // geom.tokens_per_frame) * geom.frame_slots + token % geom.tokens_per_frame
-    page, offset = table[:, slot // geom.block_size], slot % geom.block_size
-    valid = token[None, :] < lengths.astype(jnp.int32)[:, None]
+    valid = history_valid(lengths, geom)
 
     def history(pool):
-        return jnp.where(valid[:, :, None, None], read_tokens(pool, layer, page, offset), 0).astype(dtype)
+        return gather_history(pool, pages, lengths, layer, geom).astype(dtype)
 
     k_tail, v_tail = tail_kv(k_cur, v_cur, extra_k, extra_v, geom.tail_len)
     mask_feature = jnp.concatenate(
@@ -60,3 +60,28 @@ def window_attention(q, k_cur, v_cur, extra_k, extra_v, k_pool, v_pool, pages, l
     out = jnp.einsum("rhqk,rkhd->rqhd", probs, v, preferred_element_type=jnp.float32)
     out = out.reshape(rows, geom.group, geom.q_len, geom.kv_heads, geom.head_dim)
     return out.transpose(0, 2, 3, 1, 4).reshape(q.shape).astype(q.dtype)
+
+
+def history_valid(lengths: jax.Array, geom: WindowGeometry) -> jax.Array:
+    """bool ``[rows, capacity]``: whether history token ``t`` of each row is valid
+    (``t < lengths[row]``)."""
+    return jnp.arange(geom.capacity, dtype=jnp.int32)[None, :] < lengths.astype(jnp.int32)[:, None]
+
+
+def gather_history(pool: jax.Array, pages: jax.Array, lengths: jax.Array, layer: jax.Array,
+                   geom: WindowGeometry) -> jax.Array:
+    """Each row's history tokens of ``layer`` as contiguous ``[rows, capacity, kv_heads, head_dim]``
+    in the pool's dtype.
+
+    Token ``t`` of row ``r`` is at ``[r, t]``, read straight from the layer (one gather through the
+    page table, no layer copy) at page-list slot :func:`history_token_slot`, so frame padding is
+    never read. Tokens at or past ``lengths[r]`` are zeros, by selection: NaN past a row's length,
+    in frame padding or in pages the row does not use never appears. Page-list entries past a row's
+    visible pages are replaced by the null page before the read. ``layer`` is an int32 scalar (may be
+    traced).
+    """
+    table = layer_page_table(pages, lengths, 0, geom)
+    slot = history_token_slot(jnp.arange(geom.capacity, dtype=jnp.int32), geom)
+    page, offset = table[:, slot // geom.block_size], slot % geom.block_size
+    return jnp.where(history_valid(lengths, geom)[:, :, None, None],
+                     read_tokens(pool, layer, page, offset), jnp.zeros((), pool.dtype))

@@ -5,11 +5,8 @@ from __future__ import annotations
 import chex
 import jax
 import pytest
-from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 
-# The GPU that Triton lowering targets when this machine has none (jax >= 0.11 reads the GPU's
-# properties from the device, or from an abstract one).
-_ABSTRACT_GPU = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+from benchmarks.gpu_compile import abstract_gpu
 
 
 @pytest.fixture
@@ -20,7 +17,7 @@ def lower_for_device():
     def lower(fn, args, platform: str) -> str:
         if platform != "cuda" or jax.default_backend() == "gpu":
             return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
-        with use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=_ABSTRACT_GPU)):
+        with abstract_gpu():  # jax >= 0.11 reads the GPU's properties from a (possibly abstract) device.
             return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
 
     return lower

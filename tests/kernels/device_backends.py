@@ -10,7 +10,9 @@ from __future__ import annotations
 import jax
 import pytest
 
-_DEVICE_OF = {"pallas_gpu": ("gpu", "an NVIDIA GPU"), "pallas_tpu": ("tpu", "a TPU")}
+_DEVICE_OF = {"pallas_gpu": ("gpu", "an NVIDIA GPU"), "pallas_tpu": ("tpu", "a TPU"),
+              "cudnn_gather": ("gpu", "an NVIDIA GPU with cuDNN"),
+              "pallas_mgpu": ("gpu", "an NVIDIA Hopper (or later) GPU")}
 
 # jax >= 0.11 warns on every lowering of a Pallas Triton kernel (the pallas_gpu backend uses that
 # lowering until it is ported to Mosaic GPU). The filter names the warning's own message, so every
@@ -30,3 +32,13 @@ def compiled(backend: str, *values) -> object:
 
 
 COMPILED_BACKENDS = (compiled("pallas_gpu"), compiled("pallas_tpu"))
+"""The compiled backends that take every case of the generic tests (any supported dtype, small
+pages and head dims)."""
+
+CUDNN_GATHER = compiled("cudnn_gather")
+"""The cuDNN gather path, compiled: bf16/f16 cases with ``head_dim % 8 == 0`` only (and the
+paged write's scatter under the same name, any case)."""
+
+MOSAIC_GPU = compiled("pallas_mgpu")
+"""The Mosaic GPU kernel, compiled: bf16/f16 cases with pages a multiple of 64 tokens and
+``head_dim`` a multiple of 64 only."""

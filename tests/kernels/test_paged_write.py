@@ -1,8 +1,9 @@
 """Tests of the paged chunk write (pallas_kernels/paged_write/) on CPU.
 
-Every backend runs here: ``xla`` compiled, the Pallas kernels in interpret mode only
-(``pallas_tpu_interpret``, ``pallas_gpu_interpret``, and ``pallas_tpu_simulate``, the TPU simulator
-with race detection and out-of-bounds checks, on small shapes). Pools are filled with random values
+Every backend runs here: ``xla`` compiled, the GPU scatter write compiled for the CPU
+(``cudnn_gather_xla``), the Pallas kernels in interpret mode only (``pallas_tpu_interpret``,
+``pallas_gpu_interpret``, and ``pallas_tpu_simulate``, the TPU simulator with race detection and
+out-of-bounds checks, on small shapes). Pools are filled with random values
 and NaN before a write, so "untouched" is checked bit for bit.
 """
 
@@ -26,12 +27,13 @@ from pallas_kernels.paged_write import (
 )
 from tests.kernels.device_backends import (
     COMPILED_BACKENDS,
+    CUDNN_GATHER,
     IGNORE_TRITON_DEPRECATION,
     compiled,
 )
 
-BACKENDS = ("xla", "pallas_tpu_interpret", "pallas_gpu_interpret", "pallas_tpu_simulate",
-            *COMPILED_BACKENDS)
+BACKENDS = ("xla", "cudnn_gather_xla", "pallas_tpu_interpret", "pallas_gpu_interpret",
+            "pallas_tpu_simulate", *COMPILED_BACKENDS, CUDNN_GATHER)
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 BLOCK = 16
 HEADS, HEAD_DIM = 2, 128
@@ -324,13 +326,16 @@ def test_shape_checks_run_under_jit_value_checks_do_not():
     ("pallas_tpu_simulate", 16), ("pallas_tpu_simulate", 24),
     compiled("pallas_gpu", 16), compiled("pallas_gpu", 24),
     compiled("pallas_tpu", 16), compiled("pallas_tpu", 24),
+    compiled("cudnn_gather", 16), compiled("cudnn_gather", 24),
 ])
 def test_donated_write_is_in_place(backend, tokens_per_frame):
     """Donated: the outputs alias both whole pools and the temp stays under 1 % of the pools
     (it is at most chunk-sized; the chunk is 0.4 % of the pools here). Not donated: nothing is
     aliased. (``pallas_tpu_interpret`` with padded frames is left out: Pallas' generic interpreter
     turns the kernel's branch on the page kind into two pool-writing ``cond`` branches, and XLA
-    copies the pools for them; the compiled kernel and the simulator do not.)"""
+    copies the pools for them; the compiled kernel and the simulator do not. The scatter write is
+    checked compiled on GPU only: XLA:CPU upcasts a bf16 scatter to f32 across the whole pool, see
+    ``pallas_kernels/paged_write/xla.py``.)"""
     layers, num_pages = 2, 2048
     shape = pool_shape(layers, num_pages, BLOCK, 1, HEAD_DIM)
     k_pool = jnp.zeros(shape, jnp.bfloat16)
@@ -363,7 +368,8 @@ def test_pallas_gpu_interpret_aliases_pools():
     assert analysis.alias_size_in_bytes == 2 * pool.nbytes
 
 
-@pytest.mark.parametrize("backend", ["xla", "pallas_tpu_interpret", *COMPILED_BACKENDS])
+@pytest.mark.parametrize("backend", ["xla", "cudnn_gather_xla", "pallas_tpu_interpret",
+                                     *COMPILED_BACKENDS, CUDNN_GATHER])
 def test_donated_step_runs_in_place(backend):
     k_pool, v_pool, k_new, v_new, page_ids = make_case(8, tokens_per_frame=24)
     k_ref, v_ref = write_chunk_reference(k_pool, v_pool, k_new, v_new, page_ids,
@@ -376,8 +382,8 @@ def test_donated_step_runs_in_place(backend):
     assert_bitwise_equal(v_out, v_ref)
 
 
-@pytest.mark.parametrize("backend", ["xla", "pallas_tpu_interpret", "pallas_gpu_interpret",
-                                     *COMPILED_BACKENDS])
+@pytest.mark.parametrize("backend", ["xla", "cudnn_gather_xla", "pallas_tpu_interpret",
+                                     "pallas_gpu_interpret", *COMPILED_BACKENDS, CUDNN_GATHER])
 def test_new_page_id_values_do_not_retrace(backend, fresh_trace_counter):
     k_pool, v_pool, k_new, v_new, page_ids = make_case(9, tokens_per_frame=24)
 
@@ -397,6 +403,7 @@ def test_new_page_id_values_do_not_retrace(backend, fresh_trace_counter):
 @pytest.mark.parametrize("platform,backend,call", [
     ("tpu", "pallas_tpu", "tpu_custom_call"),
     pytest.param("cuda", "pallas_gpu", "triton", marks=IGNORE_TRITON_DEPRECATION),
+    ("cuda", "cudnn_gather", "stablehlo.scatter"),
 ])
 @pytest.mark.parametrize("tokens_per_frame", [16, 24])
 def test_lowers_for_device(platform, backend, call, tokens_per_frame, lower_for_device):

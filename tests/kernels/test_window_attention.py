@@ -1,7 +1,8 @@
 """Tests of the paged window-attention kernel against its pure-jnp reference (CPU).
 
-Every backend runs here on CPU: ``xla`` natively, the Pallas kernels in interpret mode
-(``pallas_tpu_interpret``, ``pallas_gpu_interpret``) and, on the smallest shapes only, under the TPU
+Every backend runs here on CPU: ``xla`` natively, the cuDNN gather path through jax's XLA attention
+(``cudnn_gather_xla``), the Pallas kernels in interpret mode (``pallas_tpu_interpret``,
+``pallas_gpu_interpret``) and, on the smallest shapes only, under the TPU
 simulator (``pallas_tpu_simulate``: races detected, out-of-bounds reads raise, uninitialised memory
 is NaN). Free, foreign and evicted pages, frame padding, slots past a row's length and the unused
 pool layer hold NaN wherever a test says ``poison``.
@@ -28,9 +29,10 @@ from pallas_kernels.window_attention import (
     window_attention,
     window_attention_reference,
 )
-from tests.kernels.device_backends import COMPILED_BACKENDS, IGNORE_TRITON_DEPRECATION
+from tests.kernels.device_backends import COMPILED_BACKENDS, CUDNN_GATHER, IGNORE_TRITON_DEPRECATION
 
-FAST_BACKENDS = ("xla", "pallas_tpu_interpret", "pallas_gpu_interpret", *COMPILED_BACKENDS)
+FAST_BACKENDS = ("xla", "cudnn_gather_xla", "pallas_tpu_interpret", "pallas_gpu_interpret",
+                 *COMPILED_BACKENDS)
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 3e-2, jnp.float16: 4e-3}
 
 LAYERS, NUM_PAGES, BLOCK, KV_HEADS, HEAD_DIM = 2, 40, 16, 2, 16
@@ -183,7 +185,7 @@ def test_multi_head_attention_layer0(backend):
     check(poisoned(case, owned), backend, expected=case)
 
 
-@pytest.mark.parametrize("backend", FAST_BACKENDS)
+@pytest.mark.parametrize("backend", [*FAST_BACKENDS, CUDNN_GATHER])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_half_precision(backend, dtype):
     case, owned = make_case(committed=(0, 3, 6), extra=3, dtype=dtype)
@@ -349,7 +351,7 @@ def test_static_validation_accepts_abstract_inputs():
     specs = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in arrays.items()}
     args = dict(case, **specs, layer=jax.ShapeDtypeStruct((), jnp.int32))
     assert static_validate_inputs(**args, backend="pallas_gpu", block_k=32).max_pages == 3
-    with pytest.raises(ValueError, match=r"block_k=24 must be a power of two >= 16"):
+    with pytest.raises(ValueError, match=r"block_k=24 must be a power of two in \[16, 256\]"):
         static_validate_inputs(**args, backend="pallas_gpu", block_k=24)
 
     def traced(**arrays):
@@ -384,15 +386,22 @@ def test_validation_of_backend_options(validate):
         validate(**case, backend="xla", scale=-0.5)
     with pytest.raises(ValueError, match=r"backend must be one of"):
         validate(**case, backend="cuda")
-    with pytest.raises(ValueError, match=r"block_k=24 must be a power of two >= 16"):
+    with pytest.raises(ValueError, match=r"block_k=24 must be a power of two in \[16, 256\]"):
         validate(**case, backend="pallas_gpu_interpret", block_k=24)
+    with pytest.raises(ValueError, match=r"block_q=512 must be a power of two in \[16, 256\]"):
+        validate(**case, backend="pallas_gpu_interpret", block_q=512)
     with pytest.raises(ValueError, match=r"block_q=12 must be a positive multiple of 8"):
         validate(**case, backend="pallas_tpu_interpret", block_q=12)
     odd = dict(case, q=case["q"][..., :12], k_cur=case["k_cur"][..., :12],
                v_cur=case["v_cur"][..., :12], k_pool=case["k_pool"][..., :12],
                v_pool=case["v_pool"][..., :12])
-    with pytest.raises(ValueError, match=r"head_dim=12 is not supported by the GPU kernel"):
+    with pytest.raises(ValueError, match=r"head_dim=12 is not supported by the Triton kernel"):
         validate(**odd, backend="pallas_gpu_interpret")
+    with pytest.raises(ValueError, match=r"q.dtype=float32 is not supported by cuDNN attention"):
+        validate(**case, backend="cudnn_gather")
+    with pytest.raises(ValueError, match=r"head_dim=12 is not supported by cuDNN attention"):
+        validate(**{k: (v.astype(jnp.bfloat16) if k in ("q", "k_cur", "v_cur", "k_pool", "v_pool")
+                        else v) for k, v in odd.items()}, backend="cudnn_gather")
 
 
 def test_values_not_checked_when_traced():

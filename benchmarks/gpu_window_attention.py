@@ -1,0 +1,147 @@
+"""Every GPU window-attention backend against cuDNN on the same tokens held contiguously (NVIDIA GPU
+only; refuses to run elsewhere).
+
+At the Wan-1.3B shape (12 heads, head_dim 128, chunk 3 frames x 1,560 tokens, sink 3 + recent 9
+history frames, bf16), for rows 1 and 4, in one run with alternating timed repetitions (medians):
+
+* ``mosaic_<block_kv>x<stages>``: the Mosaic GPU kernel (``backend="pallas_mgpu"``,
+  :mod:`pallas_kernels.window_attention.mosaic_gpu`) at each ``--mosaic-tilings`` entry,
+* ``triton_<block_q>x<block_k>x<warps>x<stages>``: the Triton kernel (``backend="pallas_gpu"``,
+  :mod:`pallas_kernels.window_attention.gpu`) at each ``--triton-tilings`` entry,
+* ``cudnn_gather``: ``backend="cudnn_gather"`` (the GPU default,
+  :mod:`pallas_kernels.window_attention.cudnn_gather`),
+* ``cudnn_dense``: ``jax.nn.dot_product_attention(implementation="cudnn")`` on the visible history
+  + chunk laid out contiguously (the yardstick),
+
+on a pool of ``--block-size``-token pages (default 1,664 = 13 x 128, one page per frame: what the
+Mosaic GPU kernel requires). TFLOP/s count the QK^T and PV matmuls over the valid keys and are
+compared with the card's bf16 peak measured in the same run (a chain of 8192^3 bf16 matmuls).
+Each backend's output is compared with the dense result (max |diff|). The last line is JSON.
+
+Usage: ``python -m benchmarks.gpu_window_attention --gpu [--reps N] [--rows 1 4]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks.gpu_compile import attention_at_tiling
+from benchmarks.window_attention import (
+    Shape,
+    interleaved_medians,
+    make_inputs,
+    max_abs_diff,
+    paged_fn,
+)
+
+ARGS = ("q", "k_cur", "v_cur", "k_pool", "v_pool", "pages", "lengths")
+
+
+def wan_shape(rows: int, recent_frames: int) -> Shape:
+    return Shape("wan-1.3b", heads=12, head_dim=128, tokens_per_frame=1560, chunk_frames=3,
+                 sink_frames=3, recent_frames=recent_frames, dtype="bfloat16", rows=rows)
+
+
+def measured_bf16_peak_tflops(reps: int = 10) -> float:
+    """TFLOP/s of a jitted chain of four 8192 x 8192 x 8192 bf16 matmuls (f32 accumulation)."""
+    n = 8192
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
+
+    @jax.jit
+    def chain(x):
+        for _ in range(4):
+            x = jnp.dot(x, a, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+        return x
+
+    times = interleaved_medians({"mm": lambda: chain(a)}, reps)
+    return 4 * 2 * n ** 3 / times["mm"] / 1e12
+
+
+def at_tiling(inputs: dict, module, backend: str, **tiling):
+    """A backend module's kernel at ``tiling`` on ``inputs`` (layer 0, Wan's 1,560-token frames)."""
+    run = attention_at_tiling(module, backend, **tiling)
+    args = [inputs[k] for k in ARGS]
+    return lambda: run(*args)
+
+
+def parse_tiling(text: str, keys: tuple[str, ...]) -> dict:
+    values = [int(v) for v in text.split("x")]
+    if len(values) != len(keys):
+        raise ValueError(f"tiling {text!r} must give {len(keys)} values {'x'.join(keys)}")
+    return dict(zip(keys, values))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--gpu", action="store_true", required=True,
+                        help="required: this benchmark runs on an NVIDIA GPU only")
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--recent-frames", type=int, default=9)
+    parser.add_argument("--block-size", type=int, default=1664)
+    parser.add_argument("--mosaic-tilings", nargs="*", default=["128x2", "128x3", "64x4"],
+                        help="block_kv x stages")
+    parser.add_argument("--triton-tilings", nargs="*",
+                        default=["128x64x8x3", "64x64x4x3", "128x128x8x2"],
+                        help="block_q x block_k x num_warps x num_stages")
+    args = parser.parse_args(argv)
+    if not any(d.platform == "gpu" for d in jax.devices()):
+        sys.exit(f"--gpu needs an NVIDIA GPU visible to JAX; found {jax.devices()[0].platform!r} "
+                 "devices only.")
+    from pallas_kernels.window_attention import gpu, mosaic_gpu
+
+    peak = measured_bf16_peak_tflops()
+    print(f"device {jax.devices()[0].device_kind}; measured bf16 matmul peak {peak:.1f} TFLOP/s")
+    results = []
+    for rows in args.rows:
+        shape = wan_shape(rows, args.recent_frames)
+        inputs = make_inputs(shape, args.block_size)
+        fns = {"cudnn_dense": (lambda run, q, k, v: lambda: run(q, k, v))(
+            jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="cudnn")),
+            inputs["q"], inputs["k_dense"], inputs["v_dense"]),
+            "cudnn_gather": paged_fn(inputs, "cudnn_gather")}
+        for text in args.mosaic_tilings:
+            fns[f"mosaic_{text}"] = at_tiling(inputs, mosaic_gpu, "pallas_mgpu",
+                                              **parse_tiling(text, ("block_kv", "stages")))
+        for text in args.triton_tilings:
+            fns[f"triton_{text}"] = at_tiling(inputs, gpu, "pallas_gpu", backend="pallas_gpu",
+                                              **parse_tiling(text, ("block_q", "block_k",
+                                                                    "num_warps", "num_stages")))
+        errors, diffs = {}, {}
+        for name in list(fns):
+            try:
+                diffs[name] = max_abs_diff(fns[name], fns["cudnn_dense"])
+            except Exception as error:  # A backend that fails is reported, the others still run.
+                errors[name] = f"{type(error).__name__}: {str(error)[:300]}"
+                del fns[name]
+        times = interleaved_medians(fns, args.reps)
+        flops = shape.flops()
+        print(f"\nrows {rows}: {shape}, block_size {args.block_size}, {args.reps} alternating reps")
+        print(f"{'path':24s} {'median ms':>10s} {'TFLOP/s':>9s} {'of peak':>8s} {'vs dense':>9s} "
+              f"{'max|diff|':>10s}")
+        for name, t in times.items():
+            tf = flops / t / 1e12
+            print(f"{name:24s} {t * 1e3:10.3f} {tf:9.1f} {tf / peak:8.3f} "
+                  f"{times['cudnn_dense'] / t:9.3f} {diffs[name]:10.2e}")
+        for name, error in errors.items():
+            print(f"{name:24s} FAILED {error}")
+        results.append(dict(rows=rows, shape=dataclasses.asdict(shape),
+                            ms={n: t * 1e3 for n, t in times.items()},
+                            tflops={n: flops / t / 1e12 for n, t in times.items()},
+                            speed_vs_cudnn_dense={n: times["cudnn_dense"] / t
+                                                  for n, t in times.items()},
+                            max_abs_diff=diffs, errors=errors))
+    print(json.dumps(dict(mode="gpu", device=jax.devices()[0].device_kind, jax=jax.__version__,
+                          block_size=args.block_size, reps=args.reps,
+                          measured_peak_tflops=peak, results=results)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

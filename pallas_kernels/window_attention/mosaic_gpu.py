@@ -1,0 +1,291 @@
+"""Window attention as a Mosaic GPU kernel (``jax.experimental.pallas.mosaic_gpu``,
+``"pallas_mgpu"``) for Hopper (sm_90a) and later, FlashAttention-3 style.
+
+Same arguments and semantics as the other backends (GQA, extras, ragged lengths, frame padding, the
+NaN contract), under two requirements (checked by
+:func:`~pallas_kernels.window_attention.validation.static_validate_inputs`):
+
+* **Pool layout.** ``block_size`` (tokens per page) must be a multiple of the key tile ``block_kv``
+  (``block_k=`` of ``window_attention``; default :func:`default_block_kv`), so that no key tile
+  straddles two pages: a tile is then one TMA box of ``block_kv`` consecutive, contiguous rows of
+  the head-major pool viewed as token rows ``[layers * kv_heads * pages * block_size, head_dim]``
+  (:func:`pallas_kernels.layout.token_rows`), starting at row :func:`pallas_kernels.layout.token_row`
+  ``(layer, kv_head, page, offset)``. For 1,560-token frames that means 1,664-token pages (13 x 128, one
+  page per frame, 104 padding slots) or 128-token pages (13 per frame): frame alignment
+  (``tokens_per_frame`` need not divide ``block_size``) lets the cache pick one.
+* **Types.** bf16 or f16; ``head_dim`` a multiple of 64 up to 256; the tiling's shared memory
+  (:func:`smem_bytes`) at most :data:`SMEM_BYTES`.
+
+Kernel (``plgpu.kernel``, grid ``(query tiles, kv_heads, rows)``, three warpgroups per CTA):
+
+* GQA folded: the wrapper lays ``q`` out as ``[rows, kv_heads, group * q_len (padded), head_dim]``,
+  so a CTA's query tile holds query rows of every head of its KV head's group and the K/V tiles it
+  streams serve all of them: K/V are read once per KV head and query tile.
+* Warpgroup 2 is the producer (registers lowered to 40): it issues TMA copies of K and V tiles into
+  a ring of ``stages`` (2-4) shared-memory slots, ``stages`` tiles ahead of the consumers, waiting on
+  a slot's "consumed" barrier (both consumers arrive) before refilling it. History tiles come from
+  the pool at rows precomputed from the page table (:func:`history_tiles`, layer folded in); then
+  the current chunk + extras, zero-padded to whole tiles.
+* Warpgroups 0 and 1 are consumers (registers raised to 232), each with its own ``block_q = 64``
+  query rows: ``S = Q K^T`` by wgmma into an f32 accumulator, online softmax in base 2 (``scale *
+  log2(e)`` folded into one multiply of the scores, ``exp2``), ``P V`` by wgmma with ``P`` from
+  registers.
+* Masks only where needed: a tile is *full* when all its keys are valid (within a page, valid slots
+  are a prefix: the frame's tokens, then the length), decided by a scalar test per tile; full tiles
+  take the unmasked branch of a ``lax.cond``. A tile with invalid keys (a frame's padded tail, the
+  row's length boundary, the tail's last tile) masks its scores to a finite ``MASK_VALUE`` and
+  zeroes its invalid V rows in shared memory by selection (each consumer does it before its own
+  ``P V``; both write the same bits), so NaN in padding or stale slots never reaches a product.
+* Tiles past a row's last valid history key are not visited; page-list entries past the visible
+  pages point at the layer's null page, so no page the row does not use is read.
+
+Without a GPU, jax traces and lowers this kernel for ``cuda`` (under an abstract device) into a
+``mosaic_gpu_v2`` custom call: Pallas' Mosaic GPU lowering rules (layouts, transforms, wgmma operand
+shapes, barrier and TMA shapes) and MLIR verification of the Mosaic GPU module. The Mosaic GPU
+pipeline to PTX and ptxas runs inside XLA's CUDA plugin when the executable is compiled, so
+register use, numerics, barrier phases and races need a GPU. ``plgpu.kernel`` has no CPU
+interpreter (TMA, barriers and wgmma have no discharge rules).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels.common import LOG2_E, MASK_VALUE, cdiv, round_up
+from pallas_kernels.layout import PoolGeometry, head_row_stride, token_row, token_rows
+from pallas_kernels.window_attention.geometry import WindowGeometry, layer_page_table, tail_kv
+
+DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+"""Dtypes the kernel takes."""
+SMEM_BYTES = 227 * 1024
+"""Dynamic shared memory one Hopper CTA may use."""
+BLOCK_Q = 64
+"""Query rows per consumer warpgroup (one wgmma M tile); a CTA covers ``2 * BLOCK_Q``."""
+STAGES = 2
+"""K/V tiles in flight (``stages``), in ``[2, 4]``."""
+
+
+def default_block_kv(block_size: int) -> int:
+    """128 when it divides ``block_size``, else 64 (a page size that neither divides is rejected)."""
+    return 128 if block_size % 128 == 0 else 64
+
+
+def smem_bytes(head_dim: int, itemsize: int, block_q: int, block_kv: int, stages: int) -> int:
+    """Shared memory of one CTA: two query/output tiles and ``stages`` K and V tiles."""
+    return itemsize * head_dim * (2 * block_q + 2 * stages * block_kv)
+
+
+def _pool_geometry(geom: WindowGeometry) -> PoolGeometry:
+    return PoolGeometry(geom.num_layers, geom.kv_heads, geom.num_pages, geom.block_size,
+                        geom.head_dim)
+
+
+def history_tiles(pages, lengths, layer, geom: WindowGeometry, block_kv: int):
+    """Per row: the pool row where each history key tile starts, and how many tiles to visit.
+
+    Returns ``(starts, counts)``: int32 ``[rows, max_pages * block_size // block_kv]`` rows of the
+    pool viewed as token rows (:func:`pallas_kernels.layout.token_rows`) for KV head 0 (KV head
+    ``h`` starts :func:`pallas_kernels.layout.head_row_stride` rows further; tiles in page-list
+    order; entries past the visible pages start in the layer's null page), and int32 ``[rows]``:
+    tiles up to and including
+    the one holding the row's last valid history key (0 without history).
+    """
+    table = layer_page_table(pages, lengths, 0, geom)
+    per_page = geom.block_size // block_kv
+    tile = jnp.arange(geom.max_pages * per_page, dtype=jnp.int32)
+    starts = token_row(_pool_geometry(geom), layer, 0, table[:, tile // per_page],
+                       (tile % per_page) * block_kv)
+    lengths = lengths.astype(jnp.int32)
+    last = jnp.maximum(lengths - 1, 0)
+    last_slot = (last // geom.tokens_per_frame) * geom.frame_slots + last % geom.tokens_per_frame
+    counts = jnp.where(lengths > 0, last_slot // block_kv + 1, 0)
+    return starts, counts
+
+
+def _valid_keys_in_tile(step, n_hist, length, geom: WindowGeometry, block_kv: int):
+    """Scalar int32: how many leading keys of key step ``step`` are valid (a prefix, in
+    ``[0, block_kv]``). Steps ``< n_hist`` are history tiles (slot ``step * block_kv`` onward),
+    later ones tail tiles."""
+    slot = step * block_kv
+    frame, offset = lax.div(slot, geom.frame_slots), lax.rem(slot, geom.frame_slots)
+    history = jnp.minimum(geom.tokens_per_frame - offset,
+                          length - (frame * geom.tokens_per_frame + offset))
+    tail = geom.tail_len - (step - n_hist) * block_kv
+    return jnp.clip(jnp.where(step < n_hist, history, tail), 0, block_kv)
+
+
+def _kernel(q_ref, kp_ref, vp_ref, kt_ref, vt_ref, starts_ref, counts_ref, len_ref, o_ref, scoped,
+            *, geom: WindowGeometry, scale: float, block_q: int, block_kv: int, stages: int,
+            tail_tiles: int):
+    """Body of one CTA ``(query tile, kv head, row)``; see the module docstring.
+
+    Refs (GMEM): ``q_ref``/``o_ref`` ``[rows, kv_heads, q_pad, D]``; ``kp_ref``/``vp_ref`` the
+    pools as token rows ``[layers * kv_heads * pages * block_size, D]``; ``kt_ref``/``vt_ref``
+    ``[rows, tail_tiles * block_kv, kv_heads, D]``; ``starts_ref``/``counts_ref``/``len_ref`` from
+    :func:`history_tiles` and ``lengths``. ``scoped``: SMEM tiles and barriers.
+    """
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    (q_smem2, k_smem, v_smem), (k_ready, v_ready, q_ready), (k_free, v_free) = scoped
+    row, kv_head = lax.axis_index("row"), lax.axis_index("kv_head")
+    wg = lax.axis_index("wg")
+    n_hist = counts_ref[row]
+    n_steps = n_hist + tail_tiles
+    length = len_ref[row]
+    dtype = q_ref.dtype
+    c = scale * LOG2_E
+
+    @pl.when(wg < 2)
+    def _consumer():
+        plgpu.set_max_registers(232, action="increase")
+        q_smem = q_smem2.at[wg]
+        q_base = lax.axis_index("q_tile") * (2 * block_q) + wg * block_q
+        plgpu.copy_gmem_to_smem(q_ref.at[row, kv_head, pl.ds(q_base, block_q)], q_smem,
+                                q_ready.at[wg])
+        plgpu.barrier_wait(q_ready.at[wg])
+        m = plgpu.layout_cast(jnp.full((block_q,), MASK_VALUE, jnp.float32),
+                              plgpu.Layout.WGMMA.reduce(1))
+        l = plgpu.layout_cast(jnp.full((block_q,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+        acc = plgpu.layout_cast(jnp.full((block_q, geom.head_dim), 0.0, jnp.float32),
+                                plgpu.Layout.WGMMA)
+
+        def step(carry, *, j, masked: bool):
+            acc, m, l = carry
+            slot = lax.rem(j, stages)
+            plgpu.barrier_wait(k_ready.at[slot])
+
+            def qk(acc_ref):
+                plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+                return acc_ref[...]
+
+            s = pl.run_scoped(qk, plgpu.ACC((block_q, block_kv), jnp.float32)) * c
+            plgpu.barrier_arrive(k_free.at[slot])
+            if masked:
+                n_valid = _valid_keys_in_tile(j, n_hist, length, geom, block_kv)
+                cols = plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 1,
+                                              layout=plgpu.Layout.WGMMA)
+                s = jnp.where(cols < n_valid, s, MASK_VALUE)
+            m_new = jnp.maximum(m, s.max(axis=1))
+            alpha = jnp.exp2(m - m_new)
+            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+            l = l * alpha + p.sum(axis=1)
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            plgpu.barrier_wait(v_ready.at[slot])
+            if masked:
+                v_rows = plgpu.broadcasted_iota(jnp.int32, (block_kv, geom.head_dim), 0,
+                                                layout=plgpu.Layout.WGMMA)
+                v_tile = v_smem.at[slot]
+                v_tile[...] = jnp.where(v_rows < n_valid, v_tile[...], jnp.zeros((), dtype))
+                plgpu.commit_smem()
+
+            def pv(acc_ref):
+                plgpu.wgmma(acc_ref, p.astype(dtype), v_smem.at[slot])
+
+            acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+            plgpu.barrier_arrive(v_free.at[slot])
+            return acc, m_new, l
+
+        def body(j, carry):
+            full = _valid_keys_in_tile(j, n_hist, length, geom, block_kv) == block_kv
+            return lax.cond(full, functools.partial(step, j=j, masked=False),
+                            functools.partial(step, j=j, masked=True), carry)
+
+        acc, m, l = lax.fori_loop(0, n_steps, body, (acc, m, l))
+        acc = acc / lax.broadcast_in_dim(l, acc.shape, [0])
+        q_smem[...] = acc.astype(dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(q_smem, o_ref.at[row, kv_head, pl.ds(q_base, block_q)])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == 2)
+    def _producer():
+        plgpu.set_max_registers(40, action="decrease")
+
+        def issue(j):
+            slot = lax.rem(j, stages)
+
+            @pl.when(j < n_hist)
+            def _history():
+                # Tile starts are multiples of block_kv (block_kv divides block_size); TMA into the
+                # tiled shared-memory layout needs the compiler to know it.
+                start = starts_ref[row, j] + kv_head * head_row_stride(_pool_geometry(geom))
+                rows = pl.ds(pl.multiple_of(start, block_kv), block_kv)
+                plgpu.copy_gmem_to_smem(kp_ref.at[rows], k_smem.at[slot], k_ready.at[slot])
+                plgpu.copy_gmem_to_smem(vp_ref.at[rows], v_smem.at[slot], v_ready.at[slot])
+
+            @pl.when(j >= n_hist)
+            def _tail():
+                rows = pl.ds((j - n_hist) * block_kv, block_kv)
+                plgpu.copy_gmem_to_smem(kt_ref.at[row, rows, kv_head], k_smem.at[slot],
+                                        k_ready.at[slot])
+                plgpu.copy_gmem_to_smem(vt_ref.at[row, rows, kv_head], v_smem.at[slot],
+                                        v_ready.at[slot])
+
+        @pl.loop(0, jnp.minimum(n_steps, stages))
+        def _prologue(j):
+            issue(j)
+
+        @pl.loop(stages, n_steps)
+        def _steady(j):
+            slot = lax.rem(j, stages)
+            plgpu.barrier_wait(k_free.at[slot])
+            plgpu.barrier_wait(v_free.at[slot])
+            issue(j)
+
+
+@functools.partial(jax.jit, static_argnames=("geom", "scale", "block_kv", "stages"))
+def window_attention(q, k_cur, v_cur, extra_k, extra_v, k_pool, v_pool, pages, lengths, layer,
+                     *, geom: WindowGeometry, scale: float, block_kv: int, stages: int = STAGES):
+    """Folds GQA into ``q``, pads it to whole CTA tiles, builds the tail tiles and the history tile
+    table, views the pools as token rows, launches the kernel and unfolds the output.
+
+    Arguments as :func:`pallas_kernels.window_attention.window_attention` (``layer`` an int32
+    scalar, ``extra_k``/``extra_v`` possibly ``None``, the tiling validated): ``block_kv`` keys per
+    tile (a multiple of 64 dividing ``block_size``), ``stages`` K/V tiles in flight (2-4).
+    """
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    rows, g, hkv, d = geom.rows, geom.group, geom.kv_heads, geom.head_dim
+    folded = g * geom.q_len
+    block_q = BLOCK_Q
+    q_pad = round_up(folded, 2 * block_q)
+    qf = q.reshape(rows, geom.q_len, hkv, g, d).transpose(0, 2, 3, 1, 4).reshape(
+        rows, hkv, folded, d)
+    qf = jnp.pad(qf, ((0, 0), (0, 0), (0, q_pad - folded), (0, 0)))
+    tail_tiles = cdiv(geom.tail_len, block_kv)
+    k_tail, v_tail = tail_kv(k_cur, v_cur, extra_k, extra_v, tail_tiles * block_kv)
+    starts, counts = history_tiles(pages, lengths, layer, geom, block_kv)
+    transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+    def entry(q_ref, kp_ref, vp_ref, kt_ref, vt_ref, starts_ref, counts_ref, len_ref, o_ref):
+        tiles = [plgpu.SMEM((2, block_q, d), q.dtype, transforms=transforms),
+                 plgpu.SMEM((stages, block_kv, d), q.dtype, transforms=transforms),
+                 plgpu.SMEM((stages, block_kv, d), q.dtype, transforms=transforms)]
+        ready = (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
+                 plgpu.Barrier(num_barriers=2))
+        free = (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2
+        pl.run_scoped(
+            lambda *scoped: _kernel(q_ref, kp_ref, vp_ref, kt_ref, vt_ref, starts_ref, counts_ref,
+                                    len_ref, o_ref, scoped, geom=geom, scale=scale,
+                                    block_q=block_q, block_kv=block_kv, stages=stages,
+                                    tail_tiles=tail_tiles),
+            tiles, ready, free, collective_axes="wg")
+
+    out = plgpu.kernel(
+        entry,
+        out_type=jax.ShapeDtypeStruct(qf.shape, q.dtype),
+        grid=(q_pad // (2 * block_q), hkv, rows),
+        grid_names=("q_tile", "kv_head", "row"),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+    )(qf, token_rows(k_pool), token_rows(v_pool), k_tail, v_tail, starts, counts,
+      lengths.astype(jnp.int32))
+    out = out[:, :, :folded].reshape(rows, hkv, g, geom.q_len, d)
+    return out.transpose(0, 3, 1, 2, 4).reshape(q.shape)

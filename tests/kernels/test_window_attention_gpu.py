@@ -1,0 +1,316 @@
+"""Window attention: what only the GPU backends have (CPU, compiled on an NVIDIA GPU where present).
+
+* The ``"auto"`` table of :mod:`pallas_kernels.backend` on GPU.
+* The cuDNN gather path's history gather (contiguous, frame padding skipped, zeros past a length),
+  and kernel-sized cases (pages of 64+ tokens, head dim 64, NaN wherever a row must not look)
+  through ``cudnn_gather_xla`` here and ``cudnn_gather`` / ``pallas_mgpu`` compiled on a GPU.
+* The Mosaic GPU kernel lowered for ``cuda`` under an abstract H200 (Pallas' Mosaic GPU lowering and
+  MLIR verification; it has no CPU interpreter) and its tiling rules.
+* The scatter paged write lowered for ``cuda``: one aliased scatter per pool, no loop.
+* The sm_90 compile check of the Triton kernel (registers, shared memory, spills), where the
+  ``triton`` wheel is installed.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from benchmarks.gpu_compile import (
+    attention_at_tiling,
+    compile_lowered,
+    lower_for_cuda,
+    triton_wheel_bin,
+    wan_attention_specs,
+)
+from pallas_kernels.backend import resolve_backend
+from pallas_kernels.layout import from_token_major, layer_token_major, pool_shape
+from pallas_kernels.paged_write import write_chunk
+from pallas_kernels.window_attention import (
+    mosaic_gpu,
+    static_validate_inputs,
+    window_attention,
+    window_attention_reference,
+)
+from pallas_kernels.window_attention.validation import check_mosaic_tiling
+from pallas_kernels.window_attention.xla import gather_history
+from tests.kernels.device_backends import (
+    COMPILED_BACKENDS,
+    CUDNN_GATHER,
+    IGNORE_TRITON_DEPRECATION,
+    MOSAIC_GPU,
+)
+from tests.kernels.test_window_attention import (
+    HEAD_DIM,
+    KV_HEADS,
+    TOLERANCE,
+    Window,
+    check,
+    make_case,
+    poisoned,
+)
+
+ARGS = ("q", "k_cur", "v_cur", "k_pool", "v_pool", "pages", "lengths")
+
+
+# ------------------------------------------------------------------------------------------------
+# "auto" on GPU
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype,head_dim,expected", [
+    (jnp.bfloat16, 128, "cudnn_gather"), (jnp.float16, 64, "cudnn_gather"),
+    (jnp.bfloat16, 256, "cudnn_gather"), (jnp.bfloat16, 96, "cudnn_gather"),
+    (jnp.bfloat16, 512, "pallas_gpu"), (jnp.float32, 128, "pallas_gpu"),
+    (jnp.bfloat16, 12, "xla"), (jnp.float32, 96, "xla"), (jnp.float32, 8, "xla"),
+])
+def test_auto_table_on_gpu(dtype, head_dim, expected):
+    for platform in ("gpu", "cuda"):
+        resolved = resolve_backend("auto", platform, dtype=dtype, head_dim=head_dim)
+        assert resolved.name == expected and resolved.interpret is False
+
+
+def test_auto_elsewhere_and_for_the_write():
+    assert resolve_backend("auto", "tpu", dtype=jnp.bfloat16, head_dim=128).name == "pallas_tpu"
+    assert resolve_backend("auto", "cpu", dtype=jnp.bfloat16, head_dim=128).name == "xla"
+    # Without a dtype (the paged write) "auto" on GPU names the scatter write's backend.
+    assert resolve_backend("auto", "gpu").kind == "cudnn_gather"
+    assert resolve_backend("cudnn_gather_xla").kind == "cudnn_gather"
+    assert resolve_backend("pallas_mgpu").kind == "pallas_mgpu"
+
+
+# ------------------------------------------------------------------------------------------------
+# The cuDNN gather path
+# ------------------------------------------------------------------------------------------------
+
+
+def test_gathered_history_is_contiguous_and_zero_past_length():
+    """Token t of each row at position t, frame padding skipped, zeros (not NaN) past the length."""
+    case, owned = make_case(committed=(2, 5), window=Window(tokens_per_frame=24), lengths=[30, 71])
+    bad = poisoned(case, owned)
+    geom = static_validate_inputs(**bad, backend="cudnn_gather_xla")
+    hist = gather_history(bad["k_pool"], bad["pages"], bad["lengths"], jnp.int32(case["layer"]),
+                          geom)
+    assert hist.shape == (2, geom.capacity, KV_HEADS, HEAD_DIM)
+    pages = np.asarray(case["pages"])
+    pool = np.asarray(layer_token_major(case["k_pool"], case["layer"]))  # [pages, slots, H, D]
+    for row, length in enumerate([30, 71]):
+        for t in (0, 23, 24, length - 1):
+            frame, offset = divmod(t, 24)
+            slot = frame * 32 + offset  # 24-token frames on 16-slot pages: 2 pages = 32 slots.
+            np.testing.assert_array_equal(hist[row, t], pool[pages[row, slot // 16], slot % 16])
+        assert not np.any(np.asarray(hist[row, length:]))
+
+
+@pytest.mark.parametrize("backend", ["xla", "cudnn_gather_xla", "pallas_gpu_interpret",
+                                     *COMPILED_BACKENDS, CUDNN_GATHER])
+def test_bf16_ragged_lengths_with_frame_padding(backend):
+    """Lengths that end mid-frame and mid-page, 24-token frames on 16-slot pages, bf16, poison."""
+    case, owned = make_case(committed=(2, 5), window=Window(tokens_per_frame=24), lengths=[30, 71],
+                            dtype=jnp.bfloat16)
+    check(poisoned(case, owned), backend, expected=case)
+
+
+# ------------------------------------------------------------------------------------------------
+# Kernel-sized cases (what the Mosaic GPU kernel's tiles need)
+# ------------------------------------------------------------------------------------------------
+
+
+def make_wide_case(*, committed=(0, 2, 5), tokens_per_frame=200, block_size=128, sink=1, recent=2,
+                   num_q_heads=4, kv_heads=2, head_dim=64, extra=0, dtype=jnp.bfloat16, layer=1,
+                   lengths=None, layers=2, seed=0):
+    """A case on kernel-sized tiles (``block_size`` a multiple of 64, ``head_dim`` 64).
+
+    Rows own disjoint, scattered pages; every pool slot no row may read is NaN (the other layer,
+    free and foreign pages, frame padding, slots past each row's length), and page-list entries
+    past a row's visible pages name NaN pages. Returns ``(inputs, expected_inputs)``.
+    """
+    rng = np.random.default_rng(seed)
+    ppf = -(-tokens_per_frame // block_size)
+    max_pages = (sink + recent) * ppf
+    rows = len(committed)
+    num_pages = 1 + sum(committed) * ppf + rows * max_pages
+    free = list(rng.permutation(np.arange(1, num_pages)))
+    tables = np.zeros((rows, max_pages), np.int32)
+    stale = np.zeros((rows, max_pages), np.int32)
+    for row, frames in enumerate(committed):
+        frame_pages = [[free.pop() for _ in range(ppf)] for _ in range(frames)]
+        visible = list(range(min(frames, sink))) + list(range(max(sink, frames - recent), frames))
+        flat = [p for f in visible for p in frame_pages[f]]
+        tables[row, :len(flat)] = flat
+        stale[row] = tables[row]
+        stale[row, len(flat):] = [free.pop() for _ in range(max_pages - len(flat))]
+    if lengths is None:
+        lengths = [(min(n, sink) + max(0, min(n - sink, recent))) * tokens_per_frame
+                   for n in committed]
+
+    def normal(*shape):
+        return rng.normal(size=shape).astype(np.float32)
+
+    pool_shape = (layers, num_pages, block_size, kv_heads, head_dim)  # token-major, laid out below
+    k_pool, v_pool = normal(*pool_shape), normal(*pool_shape)
+    k_pool[:, 0] = v_pool[:, 0] = 0
+    readable = np.zeros((layers, num_pages, block_size), bool)
+    readable[:, 0] = True
+    for row in range(rows):
+        for t in range(lengths[row]):
+            slot = (t // tokens_per_frame) * ppf * block_size + t % tokens_per_frame
+            readable[layer, tables[row, slot // block_size], slot % block_size] = True
+    mask = readable[..., None, None]
+    cur_len = tokens_per_frame
+    case = dict(
+        q=jnp.asarray(normal(rows, cur_len + extra, num_q_heads, head_dim), dtype),
+        k_cur=jnp.asarray(normal(rows, cur_len, kv_heads, head_dim), dtype),
+        v_cur=jnp.asarray(normal(rows, cur_len, kv_heads, head_dim), dtype),
+        k_pool=from_token_major(jnp.asarray(k_pool, dtype)),
+        v_pool=from_token_major(jnp.asarray(v_pool, dtype)),
+        pages=jnp.asarray(tables), lengths=jnp.asarray(lengths, jnp.int32), layer=layer,
+        tokens_per_frame=tokens_per_frame,
+        extra_k=jnp.asarray(normal(rows, extra, kv_heads, head_dim), dtype) if extra else None,
+        extra_v=jnp.asarray(normal(rows, extra, kv_heads, head_dim), dtype) if extra else None,
+    )
+    bad = dict(case, k_pool=from_token_major(jnp.asarray(np.where(mask, k_pool, np.nan), dtype)),
+               v_pool=from_token_major(jnp.asarray(np.where(mask, v_pool, np.nan), dtype)),
+               pages=jnp.asarray(stale))
+    return bad, case
+
+
+WIDE_SPECS = {
+    "no_history": dict(committed=(0, 0)),
+    "sink_only_and_partial": dict(committed=(1, 2)),
+    "full_after_eviction_gqa_extras3": dict(committed=(5, 7), extra=3),
+    "ragged_lengths": dict(committed=(3, 3), lengths=[70, 333]),
+    "mha_f16_layer0": dict(committed=(4, 1), num_q_heads=2, dtype=jnp.float16, layer=0),
+    "one_page_per_frame_1664": dict(committed=(2, 4), tokens_per_frame=1560, block_size=1664,
+                                    num_q_heads=2, kv_heads=1),
+}
+
+
+def assert_matches_reference(out, expected) -> None:
+    want = window_attention_reference(**expected)
+    assert out.dtype == expected["q"].dtype and out.shape == expected["q"].shape
+    assert bool(jnp.all(jnp.isfinite(out))), "NaN/inf reached the output"
+    tol = TOLERANCE[jnp.dtype(expected["q"].dtype).type]
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want, np.float32),
+                               atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("backend", ["cudnn_gather_xla", CUDNN_GATHER, MOSAIC_GPU])
+@pytest.mark.parametrize("name", WIDE_SPECS)
+def test_wide_cases(name, backend):
+    inputs, expected = make_wide_case(**WIDE_SPECS[name])
+    assert_matches_reference(window_attention(**inputs, backend=backend), expected)
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="the compiled pallas_mgpu kernel needs "
+                    "an NVIDIA Hopper (or later) GPU (plgpu.kernel has no CPU interpreter)")
+@pytest.mark.parametrize("block_kv,stages", [(64, 2), (64, 4), (128, 3)])
+@pytest.mark.parametrize("name", WIDE_SPECS)
+def test_mosaic_tilings_on_gpu(name, block_kv, stages):
+    inputs, expected = make_wide_case(**WIDE_SPECS[name])
+    geom = static_validate_inputs(**inputs, backend="pallas_mgpu", block_k=block_kv)
+    out = mosaic_gpu.window_attention(*(inputs[k] for k in ARGS[:3]), inputs["extra_k"],
+                                      inputs["extra_v"], *(inputs[k] for k in ARGS[3:]),
+                                      jnp.int32(inputs["layer"]), geom=geom,
+                                      scale=geom.head_dim ** -0.5, block_kv=block_kv,
+                                      stages=stages)
+    assert_matches_reference(out, expected)
+
+
+# ------------------------------------------------------------------------------------------------
+# Mosaic GPU: lowering without a device, tiling rules
+# ------------------------------------------------------------------------------------------------
+
+
+def _specs(inputs):
+    return [jax.ShapeDtypeStruct(inputs[k].shape, inputs[k].dtype) for k in ARGS] + [
+        jax.ShapeDtypeStruct(inputs[k].shape, inputs[k].dtype)
+        for k in ("extra_k", "extra_v") if inputs[k] is not None]
+
+
+@pytest.mark.parametrize("name", WIDE_SPECS)
+def test_mosaic_lowers_for_cuda(name):
+    inputs, _ = make_wide_case(**WIDE_SPECS[name])
+
+    def fn(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *extras):
+        return window_attention(q, k_cur, v_cur, k_pool, v_pool, pages, lengths,
+                                layer=inputs["layer"], extra_k=extras[0] if extras else None,
+                                extra_v=extras[1] if extras else None,
+                                tokens_per_frame=inputs["tokens_per_frame"], block_k=64,
+                                backend="pallas_mgpu")
+
+    assert "mosaic_gpu_v2" in lower_for_cuda(jax.jit(fn), *_specs(inputs)).as_text()
+
+
+@pytest.mark.parametrize("block_kv,stages", [(128, 2), (128, 3), (64, 4)])
+def test_mosaic_lowers_for_cuda_at_wan_shape(block_kv, stages):
+    """Wan-1.3B, 1,664-token pages (13 x 128: one page per 1,560-token frame), rows 4."""
+    fn = attention_at_tiling(mosaic_gpu, "pallas_mgpu", block_kv=block_kv, stages=stages)
+    assert "mosaic_gpu_v2" in lower_for_cuda(fn, *wan_attention_specs(4, 1664)).as_text()
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(block_k=96), r"block_k=96 must be a positive multiple of 64 dividing block_size=128"),
+    (dict(block_k=256), r"block_k=256 must be a positive multiple of 64 dividing"),
+    (dict(block_q=128), r"block_q=128 must be 64 for the Mosaic GPU kernel"),
+])
+def test_mosaic_tiling_validation(change, message):
+    inputs, _ = make_wide_case(committed=(1,))
+    with pytest.raises(ValueError, match=message):
+        window_attention(**inputs, backend="pallas_mgpu", **change)
+
+
+def test_mosaic_dtype_head_dim_and_smem_validation():
+    inputs, _ = make_wide_case(committed=(1,), dtype=jnp.float32)
+    with pytest.raises(ValueError, match=r"q.dtype=float32 is not supported by the Mosaic GPU"):
+        window_attention(**inputs, backend="pallas_mgpu")
+    inputs, _ = make_wide_case(committed=(1,), head_dim=96)
+    with pytest.raises(ValueError, match=r"head_dim=96 is not supported by the Mosaic GPU kernel"):
+        window_attention(**inputs, backend="pallas_mgpu")
+    inputs, _ = make_wide_case(committed=(1,), head_dim=256, block_size=256)
+    with pytest.raises(ValueError, match=r"block_k=128, stages=2 need 327680 bytes of shared "
+                       r"memory at head_dim=256"):
+        window_attention(**inputs, backend="pallas_mgpu")
+    geom = static_validate_inputs(**inputs, backend="pallas_mgpu", block_k=64)
+    with pytest.raises(ValueError, match=r"stages=5 must be an int in \[2, 4\]"):
+        check_mosaic_tiling(geom, jnp.bfloat16, None, 64, 5)
+
+
+# ------------------------------------------------------------------------------------------------
+# The scatter paged write for GPU, lowered; the Triton kernel compiled for sm_90
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["cudnn_gather", "pallas_mgpu"])
+def test_gpu_write_lowers_to_one_aliased_scatter_per_pool(backend):
+    """For ``cuda``: two scatters with unique indices, no while loop or conditional, and both pools
+    aliased to the outputs when donated (the StableHLO that XLA:GPU receives)."""
+    sds = jax.ShapeDtypeStruct
+    pool, chunk = pool_shape(30, 64, 128, 12, 128), (30, 4, 3 * 1560, 12, 128)
+    fn = jax.jit(functools.partial(write_chunk, tokens_per_frame=1560, backend=backend),
+                 donate_argnums=(0, 1))
+    text = lower_for_cuda(fn, sds(pool, jnp.bfloat16), sds(pool, jnp.bfloat16),
+                          sds(chunk, jnp.bfloat16), sds(chunk, jnp.bfloat16),
+                          sds((4, 39), jnp.int32)).as_text()
+    assert text.count('"stablehlo.scatter"(') == 2
+    assert "unique_indices = true" in text
+    assert "stablehlo.while" not in text and "stablehlo.case" not in text
+    assert text.count("tf.aliasing_output") == 2
+
+
+@IGNORE_TRITON_DEPRECATION
+@pytest.mark.skipif(triton_wheel_bin() is None, reason="the sm_90 compile check needs the triton "
+                    "wheel from PyPI (pip install triton), which this environment lacks")
+def test_triton_attention_compiles_for_sm90_without_spills():
+    """Lowered under an abstract H200, compiled to cubin by the wheel: wgmma, no spills, one CTA's
+    shared memory, at most 255 registers."""
+    fn = jax.jit(lambda *a: window_attention(*a, tokens_per_frame=1560, backend="pallas_gpu"))
+    report = compile_lowered(fn, wan_attention_specs(1, 1560), None, "triton_sm90")
+    assert report["local_bytes"] == 0 and report["stack_bytes"] == 0, report
+    assert report["wgmma"] > 0, report
+    assert report["shared_bytes"] <= 227 * 1024, report
+    assert report["registers"] <= 255, report
