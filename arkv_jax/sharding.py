@@ -70,8 +70,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from arkv_jax.config import CacheGeometry, check_axis_sizes, check_divisible, divisors
-from pallas_kernels.layout import pool_shape, pool_spec_axes
 from arkv_jax.state import BlockTableState, StateLayout, init_state
+from pallas_kernels.layout import pool_shape, pool_spec_axes
 
 DATA = "data"
 MODEL = "model"

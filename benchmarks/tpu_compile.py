@@ -127,9 +127,9 @@ def splash_cycles(bundles, tree) -> tuple[float, float, str]:
 def worker(gen: str, kind: str, rows: int, dump: str) -> dict:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     sys.path.insert(0, ROOT)
-    import jax.numpy as jnp
-
     import functools
+
+    import jax.numpy as jnp
 
     from pallas_kernels import tpu_aot
     from pallas_kernels.layout import pool_shape

@@ -21,8 +21,8 @@ from arkv_jax.compat.vllm_omni import (
     seed_block_table,
 )
 from arkv_jax.state import free_queue
-from tests.reference_model import RefCache
 from pallas_kernels.layout import pool_shape
+from tests.reference_model import RefCache
 
 POS, NEG = "positive", "negative"
 BRANCHES = (ARDiffusionKVBranchSpec(POS, 0), ARDiffusionKVBranchSpec(NEG, 1))

@@ -23,11 +23,10 @@ from arkv_jax.cache import PagedKVCache
 from arkv_jax.config import KVBranch
 from arkv_jax.models import MODEL_CONFIGS, CausalDiT, init_random, prompt_embedding
 from arkv_jax.nnx import PagedHistory
-from arkv_jax.presets import get_preset
 from arkv_jax.planner import rollout_plan
+from arkv_jax.presets import get_preset
 from arkv_jax.reference import FullRecompute
-from arkv_jax.rollout import (ChunkConfig, Rollout, Sampler, chunk_noise, context_kv, generate_chunk,
-                              text_branches)
+from arkv_jax.rollout import ChunkConfig, Rollout, Sampler, chunk_noise, context_kv, generate_chunk, text_branches
 from arkv_jax.step import ChunkInputs
 from pallas_kernels.layout import pool_shape
 

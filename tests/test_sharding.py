@@ -290,7 +290,6 @@ def test_chunk_step_matches_per_shard_runs_and_has_no_collectives():
     # The same chunks, one data shard at a time, on one device with the plain functions.
     ref_states = [core.begin(core.init_state(layout, ROWS_PER_SHARD), rows_local[0])[0]
                   for _ in range(data)]
-    shape = (LAYERS, ROWS_PER_SHARD, TPF, KV_HEADS, HEAD_DIM)
     ref_pools = [(jnp.zeros(pool_layout.pool_shape(LAYERS, pages_per_shard, BLOCK, KV_HEADS, HEAD_DIM)),) * 2
                  for _ in range(data)]
     ref_step = jax.jit(_chunk_step)
@@ -428,7 +427,8 @@ def test_invalid_meshes_and_shapes_are_refused():
         sharded_write_chunk(mesh, args[3], args[4], new, new, jnp.ones((3, PPF), jnp.int32),
                                tokens_per_frame=TPF)
     odd_pool = jnp.zeros(pool_layout.pool_shape(LAYERS, 25, BLOCK, KV_HEADS, HEAD_DIM))
-    with pytest.raises(ValueError, match=rf"pool pages \(k_pool.shape\[{pool_layout.PAGE_AXIS}\]\)=25 must be divisible"):
+    odd = rf"pool pages \(k_pool.shape\[{pool_layout.PAGE_AXIS}\]\)=25 must be divisible"
+    with pytest.raises(ValueError, match=odd):
         new = jnp.zeros((LAYERS, 4, TPF, KV_HEADS, HEAD_DIM))
         sharded_write_chunk(mesh, odd_pool, odd_pool, new, new, jnp.ones((4, PPF), jnp.int32),
                                tokens_per_frame=TPF)

@@ -19,9 +19,10 @@ a row are a prefix and
 * the tail (current chunk + extras, zero-padded to whole blocks) masks only its last partial block.
 
 No V tile is ever selected, so V goes from shared memory straight into the second matmul. The
-token-to-pool-row map of the head-major pool viewed as token rows (:func:`history_pool_rows`, ``4 * round_up(capacity, block_k)`` bytes per
-row) is computed outside the kernel, so a key block's addresses are one contiguous index load and no
-page-table lookup or division runs in the loop. Page-list entries past a row's visible pages are the
+token-to-pool-row map of the head-major pool viewed as token rows (:func:`history_pool_rows`,
+``4 * round_up(capacity, block_k)`` bytes per row) is computed outside the kernel, so a key
+block's addresses are one contiguous index load and no page-table lookup or division runs in the
+loop. Page-list entries past a row's visible pages are the
 layer's null page. The softmax runs in base 2: scores are scaled once by ``scale * log2(e)`` and
 exponentiated with ``exp2``. Accumulation, the running max and the normaliser are float32; f32
 inputs use full-precision dots.
