@@ -29,8 +29,9 @@ page
   (``BlockTableState``: each state row's page ids), ``block_size``, ``StateLayout.num_blocks``
   and the planner's ``*_blocks`` attributes.
 pool
-  The K and V arrays ``[layers, pages, block_size, kv_heads, head_dim]`` holding every page; on a
-  mesh each data shard owns a slice of ``pages_per_shard`` pages (*pool page* =
+  The K and V arrays ``[layers, kv_heads, pages, block_size, head_dim]`` (head-major,
+  ``pallas_kernels.layout.pool_shape``) holding every page; on a mesh each data shard owns a
+  slice of ``pages_per_shard`` pages (*pool page* =
   ``shard * pages_per_shard + shard-local page``).
 row
   Always qualified. A *state row* (a row of the block table) is one (session, KV branch) of a

@@ -137,7 +137,7 @@ class PagedHistory:
     """The visible pages of each row plus the current chunk, read through ``window_attention``.
 
     Attributes:
-      k_pool, v_pool: ``[L, pages, block_size, Hkv, D]`` the cache's pools (read only).
+      k_pool, v_pool: the cache's pools (:func:`pallas_kernels.layout.pool_shape`, read only).
       pages: int32 ``[B, (sink + window) * pages_per_frame]`` visible history pages.
       lengths: int32 ``[B]`` valid history tokens.
       tokens_per_frame: tokens per frame (static).

@@ -299,7 +299,7 @@ def generate_chunk(params: nnx.State, pools: tuple[Array, Array], inputs: ChunkI
 
     Args:
       params: the model's parameters, ``nnx.split(model)[1]`` (for ``config.graphdef``).
-      pools: ``(k_pool, v_pool)``, each ``[L, pages, block_size, Hkv, D]``, from ``cache.pools``;
+      pools: ``(k_pool, v_pool)``, each of :func:`pallas_kernels.layout.pool_shape`, from ``cache.pools``;
         only read.
       inputs: the batch's :class:`ChunkInputs` (``step.inputs``).
       text_kv: ``(k, v)``, each ``[rows, L, T, Hkv, D]``: the cache's text K/V of every block-table

@@ -25,12 +25,14 @@ from arkv_jax.sharding import (
     MODEL,
     check_heads,
     check_mesh,
+    chunk_spec,
     cross_attention_spec,
     head_spec,
     pool_spec,
     row_spec,
     shard_map,
 )
+from pallas_kernels.layout import KV_HEAD_AXIS, PAGE_AXIS
 from pallas_kernels.paged_write import write_chunk
 from pallas_kernels.window_attention import window_attention
 
@@ -45,8 +47,9 @@ def sharded_write_chunk(mesh: Mesh, k_pool: jax.Array, v_pool: jax.Array, k_new:
 
     Args:
       mesh: a mesh with ``"data"`` and ``"model"`` axes.
-      k_pool, v_pool: ``[L, data * pages_per_shard, S, Hkv, hd]`` (spec :func:`pool_spec`).
-      k_new, v_new: ``[L, data * rows_per_shard, F * T, Hkv, hd]`` (spec :func:`pool_spec`).
+      k_pool, v_pool: :func:`pallas_kernels.layout.pool_shape` pools of ``data * pages_per_shard``
+        pages (spec :func:`pool_spec`).
+      k_new, v_new: ``[L, data * rows_per_shard, F * T, Hkv, hd]`` (spec :func:`chunk_spec`).
       page_ids: int ``[data * rows_per_shard, F * ppf]``, *local* page ids of each row's shard
         (spec ``P("data", None)``); 0 or outside ``[1, pages_per_shard)`` skips (always: the
         kernel runs traced, so concrete ids are not value-checked here).
@@ -65,8 +68,8 @@ def sharded_write_chunk(mesh: Mesh, k_pool: jax.Array, v_pool: jax.Array, k_new:
                           ("v_new", v_new, 5), ("page_ids", page_ids, 2)):
         if jnp.ndim(x) != rank:
             raise ValueError(f"{name} must have rank {rank}, got shape {tuple(jnp.shape(x))}")
-    check_heads(model, kv_heads=k_pool.shape[3])
-    check_divisible("pool pages (k_pool.shape[1])", k_pool.shape[1], DATA, data)
+    check_heads(model, kv_heads=k_pool.shape[KV_HEAD_AXIS])
+    check_divisible(f"pool pages (k_pool.shape[{PAGE_AXIS}])", k_pool.shape[PAGE_AXIS], DATA, data)
     check_divisible("rows (k_new.shape[1])", k_new.shape[1], DATA, data)
     check_divisible("rows (page_ids.shape[0])", page_ids.shape[0], DATA, data)
     return _sharded_write_jit(k_pool, v_pool, k_new, v_new, page_ids, mesh=mesh,
@@ -78,8 +81,8 @@ def _sharded_write_jit(k_pool, v_pool, k_new, v_new, page_ids, *, mesh, tokens_p
     def body(kp, vp, kn, vn, ids):
         return write_chunk(kp, vp, kn, vn, ids, tokens_per_frame=tokens_per_frame, backend=backend)
 
-    pools = pool_spec()
-    return shard_map(body, mesh, (pools, pools, pools, pools, row_spec(2)), (pools, pools),
+    pools, chunk = pool_spec(), chunk_spec()
+    return shard_map(body, mesh, (pools, pools, chunk, chunk, row_spec(2)), (pools, pools),
                      check=False)(k_pool, v_pool, k_new, v_new, page_ids)
 
 
@@ -110,9 +113,10 @@ def sharded_window_attention(mesh: Mesh, q: jax.Array, k_cur: jax.Array, v_cur: 
         if jnp.ndim(x) != rank:
             raise ValueError(f"{name} must have rank {rank}, got shape {tuple(jnp.shape(x))}")
     check_heads(model, kv_heads=k_cur.shape[2], q_heads=q.shape[2])
-    check_divisible("kv_heads (k_pool.shape[3])", k_pool.shape[3], MODEL, model)
+    check_divisible(f"kv_heads (k_pool.shape[{KV_HEAD_AXIS}])", k_pool.shape[KV_HEAD_AXIS], MODEL,
+                    model)
     check_divisible("rows (q.shape[0])", q.shape[0], DATA, data)
-    check_divisible("pool pages (k_pool.shape[1])", k_pool.shape[1], DATA, data)
+    check_divisible(f"pool pages (k_pool.shape[{PAGE_AXIS}])", k_pool.shape[PAGE_AXIS], DATA, data)
     if (extra_k is None) != (extra_v is None):
         raise ValueError("extra_k and extra_v must be given together (both or neither)")
     if scale is None:

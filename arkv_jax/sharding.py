@@ -15,8 +15,10 @@ Mesh and what each axis splits:
 Layouts (``D`` = size of the data axis, ``M`` = size of the model axis):
 
 ======================  ==========================================  ===================================
-pools                   ``[L, D * pages_per_shard, S, Hkv, hd]``    ``P(None, "data", None, "model", None)``
+pools                   ``[L, Hkv, D * pages_per_shard, S, hd]``    ``P(None, "model", "data", None, None)``
+                        (:func:`pallas_kernels.layout.pool_shape`)  (:func:`pool_spec`)
 chunk K/V to write      ``[L, D * rows_per_shard, F * T, Hkv, hd]`` ``P(None, "data", None, "model", None)``
+                        (token-major)                               (:func:`chunk_spec`)
 ``q``, ``k_cur`` ...    ``[D * rows_per_shard, len, heads, hd]``    ``P("data", None, "model", None)``
 page ids / tables       ``[D * rows_per_shard, n]``                 ``P("data", None)``
 lengths                 ``[D * rows_per_shard]``                    ``P("data")``
@@ -69,13 +71,14 @@ from jax.sharding import PartitionSpec as P
 
 from arkv_jax.config import CacheGeometry, check_axis_sizes, check_divisible, divisors
 from arkv_jax.state import BlockTableState, StateLayout, init_state
+from pallas_kernels.layout import pool_shape, pool_spec_axes
 
 DATA = "data"
 MODEL = "model"
 AXES = (DATA, MODEL)
 
 __all__ = [
-    "AXES", "DATA", "MODEL", "auto_axes", "check_heads", "check_mesh", "cross_attention_spec",
+    "AXES", "DATA", "MODEL", "auto_axes", "check_heads", "check_mesh", "chunk_spec", "cross_attention_spec",
     "head_spec", "init_sharded_state", "make_mesh", "make_pools", "per_shard", "place", "pool_spec",
     "row_spec", "shard_map", "stack_states", "state_spec", "unstack_state",
 ]
@@ -187,9 +190,15 @@ def check_heads(mesh_model: int, *, kv_heads: int, q_heads: int | None = None) -
 
 
 def pool_spec() -> P:
-    """Spec of a ``[layers, pages, block_size, kv_heads, head_dim]`` pool (and of the
-    ``[layers, rows, tokens, kv_heads, head_dim]`` chunk to write): pages (rows) on data, heads on
-    model."""
+    """Spec of a pool (:func:`pallas_kernels.layout.pool_shape`, ``[layers, kv_heads, pages,
+    block_size, head_dim]``): pages on data, heads on model, i.e. ``P(None, "model", "data", None,
+    None)``."""
+    return P(*pool_spec_axes(kv_head=MODEL, page=DATA))
+
+
+def chunk_spec() -> P:
+    """Spec of the token-major ``[layers, rows, tokens, kv_heads, head_dim]`` chunk K/V to write:
+    rows on data, heads on model."""
     return P(None, DATA, None, MODEL, None)
 
 
@@ -244,7 +253,8 @@ def place(mesh: Mesh, tree: Any, spec: Any) -> Any:
 
 def make_pools(geometry: CacheGeometry, pages_per_shard: int, mesh: Mesh
                ) -> tuple[jax.Array, jax.Array]:
-    """Zero-filled K and V pools ``[L, data * pages_per_shard, S, Hkv, hd]``, born sharded with
+    """Zero-filled K and V pools of :func:`pallas_kernels.layout.pool_shape` (``data *
+    pages_per_shard`` pages), born sharded with
     :func:`pool_spec` (each device allocates only its part; two distinct buffers, donatable).
 
     ``geometry.num_kv_heads`` is the global head count (before sharding). Page 0 of every data shard
@@ -259,8 +269,8 @@ def make_pools(geometry: CacheGeometry, pages_per_shard: int, mesh: Mesh
             or pages_per_shard < 2:
         raise ValueError(f"pages_per_shard must be an int >= 2 (the null page and one more), got "
                          f"{pages_per_shard!r}")
-    shape = (geometry.num_layers, data * int(pages_per_shard), geometry.block_size,
-             geometry.num_kv_heads, geometry.head_dim)
+    shape = pool_shape(geometry.num_layers, data * int(pages_per_shard), geometry.block_size,
+                       geometry.num_kv_heads, geometry.head_dim)
     sharding = NamedSharding(mesh, pool_spec())
     zeros = jax.jit(lambda: (jnp.zeros(shape, geometry.dtype), jnp.zeros(shape, geometry.dtype)),
                     out_shardings=(sharding, sharding))

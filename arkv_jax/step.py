@@ -85,7 +85,7 @@ def commit_chunk(k_pool: Array, v_pool: Array, pending: core.BlockTableState, in
     """Writes a chunk's clean K/V into its pages, then commits its frames (advance + evict).
 
     Args:
-      k_pool, v_pool: ``[layers, pages, block_size, kv_heads, head_dim]`` pools (donate them in the
+      k_pool, v_pool: pools of :func:`pallas_kernels.layout.pool_shape` (donate them in the
         caller's jit for an in-place write).
       pending: the state :func:`prepare_chunk` returned.
       inputs: the :class:`ChunkInputs` :func:`prepare_chunk` returned.

@@ -40,6 +40,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 
+from pallas_kernels.layout import pool_shape
+
 H200 = dict(device_kind="NVIDIA H200", num_cores=132)
 SM90 = 90
 
@@ -170,7 +172,7 @@ def wan_attention_specs(rows: int, block_size: int, dtype=jnp.bfloat16, layers: 
     ppf = -(-tpf // block_size)
     max_pages = WAN["history_frames"] * ppf
     q_len = WAN["chunk_frames"] * tpf
-    pool = (layers, 1 + rows * max_pages, block_size, heads, head_dim)
+    pool = pool_shape(layers, 1 + rows * max_pages, block_size, heads, head_dim)
     kv = (rows, q_len, heads, head_dim)
     return (_sds((rows, q_len, heads, head_dim), dtype), _sds(kv, dtype), _sds(kv, dtype),
             _sds(pool, dtype), _sds(pool, dtype), _sds((rows, max_pages), jnp.int32),

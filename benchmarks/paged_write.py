@@ -37,6 +37,7 @@ import numpy as np
 from jax import lax
 
 from benchmarks.harness import emit, median_seconds, parse_args, print_table
+from pallas_kernels.layout import PAGE_AXIS, pool_geometry, pool_shape, set_pages
 from pallas_kernels.paged_write import pages_per_frame, write_chunk
 
 
@@ -51,9 +52,9 @@ def make_inputs(layers, num_pages, block_size, kv_heads, head_dim, rows, frames,
                 tokens_per_frame, dtype, seed=0):
     """Zeroed pools, a random chunk and distinct random page ids (a permutation of [1, P))."""
     rng = np.random.default_rng(seed)
-    pool_shape = (layers, num_pages, block_size, kv_heads, head_dim)
-    k_pool = jnp.zeros(pool_shape, dtype)
-    v_pool = jnp.zeros(pool_shape, dtype)
+    shape = pool_shape(layers, num_pages, block_size, kv_heads, head_dim)
+    k_pool = jnp.zeros(shape, dtype)
+    v_pool = jnp.zeros(shape, dtype)
     new_shape = (layers, rows, frames * tokens_per_frame, kv_heads, head_dim)
     k_new = jax.random.normal(jax.random.key(seed), new_shape, dtype)
     v_new = jax.random.normal(jax.random.key(seed + 1), new_shape, dtype)
@@ -66,32 +67,42 @@ def make_inputs(layers, num_pages, block_size, kv_heads, head_dim, rows, frames,
 
 def written_bytes(k_pool, page_ids) -> int:
     """K and V bytes one write stores: whole pages, all layers."""
-    layers, _, block_size, kv_heads, head_dim = k_pool.shape
-    return 2 * page_ids.size * layers * block_size * kv_heads * head_dim * k_pool.dtype.itemsize
+    g = pool_geometry(k_pool)
+    return 2 * page_ids.size * g.num_layers * g.block_size * g.kv_heads * g.head_dim * \
+        k_pool.dtype.itemsize
 
 
 def contiguous_copy(k_pool, v_pool, k_slab, v_slab, start=1):
-    """The baseline: the same bytes, as one contiguous ``[L, N, S, H, D]`` slab per pool, written
+    """The baseline: the same bytes, as one slab of ``N`` pages per pool (:func:`slab_like`), written
     at page ``start`` (1: a compile-time constant) with ``dynamic_update_slice`` (bf16 moved as raw
     bits, as the XLA path does)."""
     def put(pool, slab):
         bits = {2: jnp.uint16, 4: jnp.uint32}[pool.dtype.itemsize]
         out = lax.dynamic_update_slice_in_dim(lax.bitcast_convert_type(pool, bits),
-                                              lax.bitcast_convert_type(slab, bits), start, axis=1)
+                                              lax.bitcast_convert_type(slab, bits), start, axis=PAGE_AXIS)
         return lax.bitcast_convert_type(out, pool.dtype)
     return put(k_pool, k_slab), put(v_pool, v_slab)
 
 
+def slab_like(pool, num_pages):
+    """Ones in the pool's layout and dtype, ``num_pages`` pages."""
+    g = pool_geometry(pool)
+    return jnp.ones(pool_shape(g.num_layers, num_pages, g.block_size, g.kv_heads, g.head_dim,
+                               check=False), pool.dtype)
+
+
 def xla_scatter(k_pool, v_pool, k_new, v_new, page_ids, *, tokens_per_frame):
     """XLA scatter over the page axis (the common alternative); no padding support needed here."""
-    layers, num_pages, block_size, kv_heads, head_dim = k_pool.shape
+    g = pool_geometry(k_pool)
+    layers, num_pages, block_size, kv_heads, head_dim = (g.num_layers, g.num_pages, g.block_size,
+                                                         g.kv_heads, g.head_dim)
     if tokens_per_frame % block_size:
         k_new, v_new = (_pad_frames(x, block_size, tokens_per_frame) for x in (k_new, v_new))
     ids = page_ids.reshape(-1)
     ids = jnp.where((ids >= 1) & (ids < num_pages), ids,
                     num_pages + jnp.arange(ids.shape[0], dtype=ids.dtype))
     page_shape = (layers, ids.shape[0], block_size, kv_heads, head_dim)
-    return tuple(pool.at[:, ids].set(new.reshape(page_shape), unique_indices=True, mode="drop")
+    return tuple(set_pages(pool, ids, new.reshape(page_shape), unique_indices=True, mode="drop")
                  for pool, new in ((k_pool, k_new), (v_pool, v_new)))
 
 
@@ -155,7 +166,7 @@ def bench_cpu(quick: bool, reps: int, rounds: int) -> dict[str, Any]:
             **geometry, tokens_per_frame=tokens_per_frame, dtype=dtype)
         write = functools.partial(write_chunk, tokens_per_frame=tokens_per_frame, backend="xla")
         nbytes = written_bytes(k_pool, page_ids)
-        slab = jnp.ones((layers, page_ids.size, *k_pool.shape[2:]), dtype)
+        slab = slab_like(k_pool, page_ids.size)
         seconds = interleaved_seconds({
             "write": donated_runner(write, (k_pool, v_pool), (k_new, v_new, page_ids)),
             "copy": donated_runner(contiguous_copy, (k_pool, v_pool), (slab, slab)),
@@ -209,7 +220,7 @@ def bench_gpu(block_size: int, rows: int, reps: int, rounds: int) -> dict[str, A
     k_pool, v_pool, k_new, v_new, page_ids = make_inputs(
         **geometry, tokens_per_frame=tokens_per_frame, dtype=jnp.bfloat16)
     nbytes = written_bytes(k_pool, page_ids)
-    slab = jnp.ones((shape["layers"], page_ids.size, *k_pool.shape[2:]), jnp.bfloat16)
+    slab = slab_like(k_pool, page_ids.size)
     rest = (k_new, v_new, page_ids)
     cases = {
         "pallas_gpu": functools.partial(write_chunk, tokens_per_frame=tokens_per_frame,

@@ -70,6 +70,7 @@ def _worker(devices: int, quick: bool, reps: int | None) -> dict:
     from arkv_jax.config import CacheGeometry, WindowPolicy
     from arkv_jax.sharded_kernels import sharded_window_attention, sharded_write_chunk
     from arkv_jax.step import prepare_chunk
+    from pallas_kernels.layout import pool_shape
     from pallas_kernels.paged_write import write_chunk
     from pallas_kernels.window_attention import window_attention
 
@@ -142,7 +143,7 @@ def _worker(devices: int, quick: bool, reps: int | None) -> dict:
             return state, k_pool, v_pool, outs, ok
 
         state, _ = core.begin(core.init_state(layout, sessions), rows)
-        shape = (L, pps, geometry.block_size, cfg["kv_heads"], cfg["head_dim"])
+        shape = pool_shape(L, pps, geometry.block_size, cfg["kv_heads"], cfg["head_dim"])
         pools = [jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.float32)]
         return _runner(step, [state, *pools], inputs(0), cfg["steps"]), 2 * pools[0].nbytes
 

@@ -4,9 +4,9 @@ Needs libtpu (``pip install -e ".[tpu]"``); runs no kernel. At the ``wan-1.3b`` 
 12 KV heads x 128, 1,560-token frames in 1,560-slot pages, a 3-frame chunk over 12 visible frames)
 for each generation it compiles, each in its own process (so each has its own bundle dump):
 
-* the paged window attention (:mod:`pallas_kernels.tpu_window_attention`), rows 1 and 4;
-* the gather + splash baseline (:mod:`pallas_kernels.tpu_gather_baseline`), rows 1 and 4;
-* the donated paged write (:mod:`pallas_kernels.tpu_paged_write`), one row's 3-frame commit.
+* the paged window attention (:mod:`pallas_kernels.window_attention.tpu`), rows 1 and 4;
+* the gather + splash baseline (:mod:`pallas_kernels.window_attention.tpu_gather`), rows 1 and 4;
+* the donated paged write (:mod:`pallas_kernels.paged_write.tpu`), one row's 3-frame commit.
 
 Reported: whether each compiled, the kernel's VMEM estimate and limit, temporaries and aliased
 bytes as fractions of the pools, pool copies in the optimized HLO, and a compiler-derived time:
@@ -127,13 +127,17 @@ def splash_cycles(bundles, tree) -> tuple[float, float, str]:
 def worker(gen: str, kind: str, rows: int, dump: str) -> dict:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     sys.path.insert(0, ROOT)
+    import functools
+
     import jax.numpy as jnp
 
     from pallas_kernels import tpu_aot
-    from pallas_kernels import tpu_window_attention as twa
-    from pallas_kernels.tpu_gather_baseline import DEFAULT_BLOCKS, gather_window_attention
-    from pallas_kernels.tpu_layout import pool_shape
-    from pallas_kernels.tpu_paged_write import write_chunk
+    from pallas_kernels.layout import pool_shape
+    from pallas_kernels.paged_write import write_chunk as dispatch_write
+    from pallas_kernels.window_attention import tpu as twa
+    from pallas_kernels.window_attention.tpu_gather import DEFAULT_BLOCKS, gather_window_attention
+
+    write_chunk = functools.partial(dispatch_write, backend="pallas_tpu")
 
     chip = tpu_aot.CHIPS[gen]
     p = PRESET
@@ -177,7 +181,7 @@ def worker(gen: str, kind: str, rows: int, dump: str) -> dict:
     out["flops"] = flops
     if kind == "write":
         moved = 2 * p["layers"] * h * rows * p["cur_frames"] * s * d * 2  # K and V pages.
-        tree = loop_tree(parse_bundles(kernel_dump(dump, "tpu_paged_write")))
+        tree = loop_tree(parse_bundles(kernel_dump(dump, "paged_write_tpu")))
         issue = sum(n["own"] for n in tree) * (rows * p["cur_frames"] + 8) / chip.clock_hz
         hbm = 2 * moved / chip.hbm_bytes_per_s  # Read the chunk, write the pages.
         out.update(bytes_moved=moved, hbm_ms=hbm * 1e3, issue_ms=issue * 1e3,
@@ -187,7 +191,7 @@ def worker(gen: str, kind: str, rows: int, dump: str) -> dict:
         geom = twa.Geometry(rows, q_len, h, h, d, q_len, 0, p["layers"], pages, s, max_pages, t,
                             "bfloat16")
         plan = twa.make_plan(geom, twa.TUNED_BLOCKS[gen])
-        bundles = parse_bundles(kernel_dump(dump, "tpu_window_attention"))
+        bundles = parse_bundles(kernel_dump(dump, "window_attention_tpu"))
         m = geom.group * plan.block_q
         trips = dict(full_tail=geom.tail_len // plan.block_kv_compute,
                      sub_blocks=m // plan.block_q_compute, blocks=-(-max_pages // plan.pages_per_block))

@@ -30,6 +30,7 @@ import numpy as np
 
 from benchmarks.harness import emit, median_seconds, parse_args, print_table
 from pallas_kernels.common import pages_per_frame
+from pallas_kernels.layout import from_token_major
 from pallas_kernels.window_attention import window_attention
 
 H200_PEAK_TFLOPS = 790.0
@@ -93,7 +94,7 @@ def make_inputs(shape: Shape, block_size: int, seed: int = 0) -> dict:
         return rng.standard_normal(dims, np.float32)
 
     k_hist, v_hist = normal(rows, hist, heads, dim), normal(rows, hist, heads, dim)
-    k_pool = np.zeros((1, num_pages, block_size, heads, dim), np.float32)
+    k_pool = np.zeros((1, num_pages, block_size, heads, dim), np.float32)  # token-major, laid out below
     v_pool = np.zeros_like(k_pool)
     pages = (1 + rng.permutation(num_pages - 1)[:rows * max_pages]).reshape(rows, max_pages)
     for row in range(rows):
@@ -111,7 +112,7 @@ def make_inputs(shape: Shape, block_size: int, seed: int = 0) -> dict:
 
     return dict(
         q=put(normal(rows, shape.q_len, heads, dim)), k_cur=put(k_cur), v_cur=put(v_cur),
-        k_pool=put(k_pool), v_pool=put(v_pool), pages=jnp.asarray(pages, jnp.int32),
+        k_pool=put(from_token_major(k_pool)), v_pool=put(from_token_major(v_pool)), pages=jnp.asarray(pages, jnp.int32),
         lengths=jnp.full((rows,), hist, jnp.int32), tokens_per_frame=tpf,
         k_dense=put(np.concatenate([k_hist, k_cur], axis=1)),
         v_dense=put(np.concatenate([v_hist, v_cur], axis=1)),

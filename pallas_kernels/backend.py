@@ -16,6 +16,11 @@ name                          window attention                    paged write
 ``"pallas_tpu_interpret"``    the TPU kernel lowered to XLA by Pallas' generic interpreter
 ``"pallas_tpu_simulate"``     the TPU kernel under the TPU simulator: DMAs and semaphores emulated,
                               races detected, out-of-bounds reads raise (slow; small shapes only)
+``"pallas_tpu_gather"``       the visible pages gathered by XLA,  the TPU kernel
+                              then jax's splash attention,
+                              compiled (TPU; the TPU kernel's
+                              yardstick)
+``"pallas_tpu_gather_interpret"``  the same, splash interpreted   the TPU kernel, interpreted
 ``"pallas_gpu"``              the Triton kernel, compiled         the Triton page copy, compiled
                               (NVIDIA GPU)                        (NVIDIA GPU)
 ``"pallas_gpu_interpret"``    the Triton kernels under Pallas' interpreter
@@ -64,6 +69,8 @@ BACKEND_NAMES = (
     "pallas_tpu",
     "pallas_tpu_interpret",
     "pallas_tpu_simulate",
+    "pallas_tpu_gather",
+    "pallas_tpu_gather_interpret",
     "pallas_gpu",
     "pallas_gpu_interpret",
     "cudnn_gather",
@@ -79,7 +86,8 @@ CUDNN_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 """Dtypes cuDNN attention takes."""
 
 _KIND_OF = {"cudnn_gather_xla": "cudnn_gather", "pallas_tpu_interpret": "pallas_tpu",
-            "pallas_tpu_simulate": "pallas_tpu", "pallas_gpu_interpret": "pallas_gpu"}
+            "pallas_tpu_simulate": "pallas_tpu", "pallas_tpu_gather": "pallas_tpu",
+            "pallas_tpu_gather_interpret": "pallas_tpu", "pallas_gpu_interpret": "pallas_gpu"}
 
 
 @dataclasses.dataclass(frozen=True)

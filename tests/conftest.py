@@ -1,6 +1,15 @@
-"""Shared pytest setup: tests run on the CPU with float32 matmuls at full precision."""
+"""Shared pytest setup: tests run on the CPU with float32 matmuls at full precision.
 
-import jax
+The host backend stays JAX's default even where libtpu is installed (the TPU compile tests create
+libtpu's compile-only devices explicitly)."""
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+
+jax.config.update("jax_platforms", os.environ["JAX_PLATFORMS"])
 
 jax.config.update("jax_default_matmul_precision", "highest")
 jax.config.update("jax_num_cpu_devices", 8)  # multi-device tests (tests/test_sharding.py)

@@ -10,6 +10,7 @@ import pytest
 from arkv_jax.cache import PagedKVCache
 from arkv_jax.config import CacheGeometry, CrossAttentionSpec, KVBranch, WindowPolicy
 from pallas_kernels import window_attention, window_attention_reference
+from pallas_kernels.layout import LAYER_AXIS, layer_pages, page_mask, pool_geometry
 
 GEOMETRY = CacheGeometry(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float32", tokens_per_frame=6,
                          block_size=4, frames_per_forward=2)
@@ -50,6 +51,12 @@ class Recorder:
         return [i % per_session for i in range(len(step.session_ids))]
 
 
+def token_major_pages(pool, pages):
+    """``[layers, len(pages), block_size, H, D]``: pages of every layer, token-major."""
+    return np.stack([np.asarray(layer_pages(jnp.asarray(pool), layer, jnp.asarray(pages)))
+                     for layer in range(pool.shape[LAYER_AXIS])])
+
+
 def visible_history(cache, inputs, b):
     """The K the pool holds for row ``b``'s visible pages, frame by frame: [frames, layers, tpf, H, D]."""
     ppf, tpf = GEOMETRY.pages_per_frame, GEOMETRY.tokens_per_frame
@@ -58,7 +65,8 @@ def visible_history(cache, inputs, b):
     out = []
     for f in range(frames):
         pages = np.asarray(inputs.pages[b, f * ppf:(f + 1) * ppf])
-        tokens = k_pool[:, pages].reshape(GEOMETRY.num_layers, ppf * GEOMETRY.block_size, 2, 8)[:, :tpf]
+        tokens = token_major_pages(k_pool, pages).reshape(GEOMETRY.num_layers, ppf * GEOMETRY.block_size, 2,
+                                                          8)[:, :tpf]
         out.append(tokens)
     return out
 
@@ -198,10 +206,10 @@ def test_free_and_foreign_pages_never_reach_an_attention_output():
     with cache.chunk(["a"], 2) as step:
         inputs = step.inputs
         k_pool, v_pool = cache.pools
-        owned = np.zeros(k_pool.shape[1], bool)
+        owned = np.zeros(pool_geometry(k_pool).num_pages, bool)
         owned[np.asarray(inputs.pages).ravel()] = True
         owned[0] = True  # the null page stays zero
-        poison = jnp.asarray(~owned)[None, :, None, None, None]
+        poison = page_mask(~owned)
         k_nan, v_nan = jnp.where(poison, jnp.nan, k_pool), jnp.where(poison, jnp.nan, v_pool)
         q = jax.random.normal(jax.random.PRNGKey(7), (2, 12, 4, 8))
         k_cur, v_cur = chunk_kv(step, 99)

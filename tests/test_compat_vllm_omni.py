@@ -21,6 +21,7 @@ from arkv_jax.compat.vllm_omni import (
     seed_block_table,
 )
 from arkv_jax.state import free_queue
+from pallas_kernels.layout import pool_shape
 from tests.reference_model import RefCache
 
 POS, NEG = "positive", "negative"
@@ -325,7 +326,7 @@ def test_pools_are_allocated_on_the_device_zero_filled():
     import jax
 
     cache = make_cache(device=jax.devices()[0])
-    assert cache._k_pool.shape == (2, cache.num_blocks_total, 16, 4, 64)
+    assert cache._k_pool.shape == pool_shape(2, cache.num_blocks_total, 16, 4, 64)
     assert float(abs(cache._k_pool).max()) == 0.0
 
 

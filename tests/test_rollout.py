@@ -31,6 +31,7 @@ from arkv_jax.presets import get_preset
 from arkv_jax.reference import FullRecompute
 from arkv_jax.rollout import ChunkConfig, Rollout, Sampler, chunk_noise, context_kv, generate_chunk, text_branches
 from arkv_jax.step import ChunkInputs
+from pallas_kernels.layout import pool_shape
 
 PRESET = get_preset("tiny")
 CONFIG = MODEL_CONFIGS["tiny"]
@@ -299,7 +300,7 @@ def test_wan_1_3b_shapes_trace(model):
     wan.check_cache(geo, preset.cross_attention[0])
     visible = preset.window.resident_frames * geo.pages_per_frame
     spec = jax.ShapeDtypeStruct
-    pool = spec((geo.num_layers, 64, geo.block_size, geo.num_kv_heads, geo.head_dim), jnp.bfloat16)
+    pool = spec(pool_shape(geo.num_layers, 64, geo.block_size, geo.num_kv_heads, geo.head_dim), jnp.bfloat16)
     inputs = ChunkInputs(spec((1,), jnp.int32), spec((1, visible), jnp.int32), spec((1,), jnp.int32),
                          spec((1, preset.window.resident_frames), jnp.int32), spec((1,), jnp.int32),
                          spec((1, frames * geo.pages_per_frame), jnp.int32))

@@ -25,6 +25,7 @@ from arkv_jax.nnx import PagedHistory
 from arkv_jax.planner import DevicePlan, plan_per_device, rollout_plan
 from arkv_jax.presets import get_preset
 from arkv_jax.rollout import Rollout, Sampler
+from pallas_kernels.layout import LAYER_AXIS, layer_pages, page_mask, pool_geometry
 
 NUM_DEVICES = 8
 pytestmark = pytest.mark.skipif(
@@ -80,10 +81,16 @@ def visible_history(cache, step, sid):
     for b in rows:
         pages = np.asarray(step.inputs.pages[b]) + (b // per_shard) * cache.pages_per_shard
         frames = int(step.inputs.lengths[b]) // tpf
-        tokens = [k_pool[:, pages[f * ppf:(f + 1) * ppf]].reshape(GEOMETRY.num_layers, -1, GEOMETRY.num_kv_heads,
-                                                                  GEOMETRY.head_dim)[:, :tpf] for f in range(frames)]
+        tokens = [token_major_pages(k_pool, pages[f * ppf:(f + 1) * ppf]).reshape(
+            GEOMETRY.num_layers, -1, GEOMETRY.num_kv_heads, GEOMETRY.head_dim)[:, :tpf] for f in range(frames)]
         out.append(np.concatenate(tokens, axis=1) if tokens else np.zeros((0,)))
     return out
+
+
+def token_major_pages(pool, pages):
+    """``[layers, len(pages), block_size, H, D]``: pages of every layer, token-major."""
+    return np.stack([np.asarray(layer_pages(jnp.asarray(pool), layer, jnp.asarray(pages)))
+                     for layer in range(pool.shape[LAYER_AXIS])])
 
 
 def attention(cache, step, chunks):
@@ -245,8 +252,8 @@ def test_free_and_foreign_pages_never_reach_a_sharded_output():
     with cache.chunk(["a", "c"], 2) as step:
         clean = attention(cache, step, chunks)
         held = np.concatenate(list(cache.pages_held(["a", "c"]).values()))
-        poison = ~np.isin(np.arange(cache.pools[0].shape[1]), held)
-        k_pool, v_pool = (jnp.where(jnp.asarray(poison)[None, :, None, None, None], jnp.nan, p) for p in cache.pools)
+        poison = ~np.isin(np.arange(pool_geometry(cache.pools[0]).num_pages), held)
+        k_pool, v_pool = (jnp.where(page_mask(poison), jnp.nan, p) for p in cache.pools)
         cache._k_pool, cache._v_pool = sh.place(mesh, (k_pool, v_pool), (sh.pool_spec(), sh.pool_spec()))
         poisoned = attention(cache, step, chunks)
         rows = [i for i, s in enumerate(step.session_ids) if s is not None]
@@ -302,7 +309,7 @@ def test_a_cache_built_from_a_device_plan_allocates_what_the_plan_says():
     cache = PagedKVCache(GEOMETRY, WINDOW, CFG, TEXT, plan=plan, mesh=mesh_of(data, model), backend="xla")
     k_pool, v_pool = cache.pools
     assert cache.pages_per_shard == plan.pages_per_shard
-    assert k_pool.shape[1] == data * plan.pages_per_shard
+    assert pool_geometry(k_pool).num_pages == data * plan.pages_per_shard
     for device in cache.mesh.devices.flat:
         pool_bytes = sum(shard.data.nbytes for pool in (k_pool, v_pool) for shard in pool.addressable_shards
                          if shard.device == device)

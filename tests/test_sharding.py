@@ -27,6 +27,7 @@ from arkv_jax.config import CacheGeometry, CrossAttentionSpec, KVBranch, WindowP
 from arkv_jax.planner import plan_memory
 from arkv_jax.sharded_kernels import sharded_window_attention, sharded_write_chunk
 from arkv_jax.step import prepare_chunk
+from pallas_kernels import layout as pool_layout
 from pallas_kernels.paged_write import write_chunk
 from pallas_kernels.window_attention import window_attention
 
@@ -84,7 +85,7 @@ def test_sharded_write_is_bit_identical(shape, dtype):
     mesh = _mesh(shape)
     rng = np.random.default_rng(data)
     frames = 2
-    pool_shape = (LAYERS, data * PAGES_PER_SHARD, BLOCK, KV_HEADS, HEAD_DIM)
+    pool_shape = pool_layout.pool_shape(LAYERS, data * PAGES_PER_SHARD, BLOCK, KV_HEADS, HEAD_DIM)
     new_shape = (LAYERS, data * ROWS_PER_SHARD, frames * TPF, KV_HEADS, HEAD_DIM)
     k_pool = jnp.asarray(rng.standard_normal(pool_shape), dtype)
     v_pool = jnp.asarray(rng.standard_normal(pool_shape), dtype)
@@ -95,7 +96,8 @@ def test_sharded_write_is_bit_identical(shape, dtype):
 
     want = jax.jit(functools.partial(write_chunk, tokens_per_frame=TPF, backend="xla"))(
         k_pool, v_pool, k_new, v_new, jnp.asarray(glob))
-    placed = sh.place(mesh, (k_pool, v_pool, k_new, v_new), sh.pool_spec())
+    placed = sh.place(mesh, (k_pool, v_pool, k_new, v_new),
+                      (sh.pool_spec(), sh.pool_spec(), sh.chunk_spec(), sh.chunk_spec()))
     got = sharded_write_chunk(mesh, *placed, sh.place(mesh, jnp.asarray(local), sh.row_spec(2)),
                                  tokens_per_frame=TPF, backend="xla")
     for g, w in zip(got, want):
@@ -110,7 +112,7 @@ def _attention_inputs(data, rng, *, extras=True, dtype="float32"):
     rows = data * ROWS_PER_SHARD
     q_len = cur = 2 * TPF
     max_pages = 3 * PPF  # 3 visible history frames
-    pool_shape = (LAYERS, data * PAGES_PER_SHARD, BLOCK, KV_HEADS, HEAD_DIM)
+    pool_shape = pool_layout.pool_shape(LAYERS, data * PAGES_PER_SHARD, BLOCK, KV_HEADS, HEAD_DIM)
     arrays = dict(
         q=rng.standard_normal((rows, q_len, Q_HEADS, HEAD_DIM)),
         k_cur=rng.standard_normal((rows, cur, KV_HEADS, HEAD_DIM)),
@@ -181,7 +183,7 @@ def test_jitted_sharded_write_aliases_donated_pools():
                              block_size=BLOCK)
     k_pool, v_pool = sh.make_pools(geometry, PAGES_PER_SHARD, mesh)
     new_shape = (LAYERS, 2 * ROWS_PER_SHARD, TPF, KV_HEADS, HEAD_DIM)
-    k_new = sh.place(mesh, jnp.ones(new_shape, jnp.float32), sh.pool_spec())
+    k_new = sh.place(mesh, jnp.ones(new_shape, jnp.float32), sh.chunk_spec())
     ids = sh.place(mesh, jnp.asarray([[1, 2], [3, 4], [1, 2], [5, 6]], jnp.int32), sh.row_spec(2))
     step = jax.jit(functools.partial(sharded_write_chunk, mesh, tokens_per_frame=TPF,
                                      backend="xla"), donate_argnums=(0, 1))
@@ -196,7 +198,8 @@ def test_jitted_sharded_write_aliases_donated_pools():
     assert k_pool.is_deleted() and v_pool.is_deleted()
     _assert_sharded(k_out, mesh, sh.pool_spec())
     # Pages 1, 2 of data shard 0 hold row 0's frame: TPF ones per layer and head, then padding.
-    assert float(k_out[:, 1:3].sum()) == LAYERS * TPF * KV_HEADS * HEAD_DIM
+    assert float(np.take(np.asarray(k_out), [1, 2], axis=pool_layout.PAGE_AXIS).sum()) == \
+        LAYERS * TPF * KV_HEADS * HEAD_DIM
 
 
 def test_make_pools_and_state_placement():
@@ -204,10 +207,11 @@ def test_make_pools_and_state_placement():
     geometry = CacheGeometry(LAYERS, KV_HEADS, HEAD_DIM, "bfloat16", tokens_per_frame=TPF,
                              block_size=BLOCK)
     k_pool, v_pool = sh.make_pools(geometry, PAGES_PER_SHARD, mesh)
-    assert k_pool.shape == (LAYERS, 4 * PAGES_PER_SHARD, BLOCK, KV_HEADS, HEAD_DIM)
+    assert k_pool.shape == pool_layout.pool_shape(LAYERS, 4 * PAGES_PER_SHARD, BLOCK, KV_HEADS, HEAD_DIM)
+    assert sh.pool_spec() == P(None, sh.MODEL, sh.DATA, None, None)
     assert k_pool.dtype == jnp.bfloat16 and k_pool.sharding.spec == sh.pool_spec()
     assert {s.data.shape for s in k_pool.addressable_shards} == {
-        (LAYERS, PAGES_PER_SHARD, BLOCK, KV_HEADS // 2, HEAD_DIM)}
+        pool_layout.pool_shape(LAYERS, PAGES_PER_SHARD, BLOCK, KV_HEADS // 2, HEAD_DIM)}
     assert not np.asarray(k_pool, np.float32).any()
     assert (k_pool.addressable_shards[0].data.unsafe_buffer_pointer()
             != v_pool.addressable_shards[0].data.unsafe_buffer_pointer())
@@ -239,11 +243,12 @@ def test_explicit_axis_mesh_needs_placed_inputs():
     k_pool, v_pool = sh.make_pools(geometry, 8, mesh)
     new = jnp.ones((LAYERS, 4, BLOCK, KV_HEADS, HEAD_DIM))
     ids = sh.place(mesh, jnp.asarray([[1], [2], [1], [2]], jnp.int32), sh.row_spec(2))
-    k_out, _ = sharded_write_chunk(mesh, k_pool, v_pool, *sh.place(mesh, (new, new), sh.pool_spec()),
+    k_out, _ = sharded_write_chunk(mesh, k_pool, v_pool, *sh.place(mesh, (new, new), sh.chunk_spec()),
                                       ids, backend="xla")
     # Local page 1 of each data shard (global pages 1 and 9) holds row 0 / row 2: all ones.
     pool = np.asarray(k_out)  # (indexing an Explicit-axes array needs out_sharding)
-    assert pool[:, 1].sum() == pool[:, 9].sum() == float(new[:, 0].sum()) == pool.sum() / 4
+    page = functools.partial(np.take, pool, axis=pool_layout.PAGE_AXIS)
+    assert page(1).sum() == page(9).sum() == float(new[:, 0].sum()) == pool.sum() / 4
 
 
 def _chunk_step(state, rows):
@@ -285,8 +290,7 @@ def test_chunk_step_matches_per_shard_runs_and_has_no_collectives():
     # The same chunks, one data shard at a time, on one device with the plain functions.
     ref_states = [core.begin(core.init_state(layout, ROWS_PER_SHARD), rows_local[0])[0]
                   for _ in range(data)]
-    shape = (LAYERS, ROWS_PER_SHARD, TPF, KV_HEADS, HEAD_DIM)
-    ref_pools = [(jnp.zeros(shape[:1] + (pages_per_shard, BLOCK) + shape[3:]),) * 2
+    ref_pools = [(jnp.zeros(pool_layout.pool_shape(LAYERS, pages_per_shard, BLOCK, KV_HEADS, HEAD_DIM)),) * 2
                  for _ in range(data)]
     ref_step = jax.jit(_chunk_step)
     ref_attention = jax.jit(functools.partial(window_attention, tokens_per_frame=TPF, backend="xla"))
@@ -314,8 +318,10 @@ def test_chunk_step_matches_per_shard_runs_and_has_no_collectives():
             chex.assert_trees_all_equal(jax.device_get(sh.unstack_state(state, s)),
                                         jax.device_get(st))
             pps = slice(s * pages_per_shard, (s + 1) * pages_per_shard)
-            np.testing.assert_array_equal(np.asarray(k_pool[:, pps]), np.asarray(kp))
-            np.testing.assert_array_equal(np.asarray(v_pool[:, pps]), np.asarray(vp))
+            pages_of = functools.partial(np.take, indices=np.arange(pps.start, pps.stop),
+                                         axis=pool_layout.PAGE_AXIS)
+            np.testing.assert_array_equal(pages_of(np.asarray(k_pool)), np.asarray(kp))
+            np.testing.assert_array_equal(pages_of(np.asarray(v_pool)), np.asarray(vp))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -421,8 +427,9 @@ def test_invalid_meshes_and_shapes_are_refused():
         new = jnp.zeros((LAYERS, 3, TPF, KV_HEADS, HEAD_DIM))
         sharded_write_chunk(mesh, args[3], args[4], new, new, jnp.ones((3, PPF), jnp.int32),
                                tokens_per_frame=TPF)
-    odd_pool = jnp.zeros((LAYERS, 25, BLOCK, KV_HEADS, HEAD_DIM))
-    with pytest.raises(ValueError, match=r"pool pages \(k_pool.shape\[1\]\)=25 must be divisible"):
+    odd_pool = jnp.zeros(pool_layout.pool_shape(LAYERS, 25, BLOCK, KV_HEADS, HEAD_DIM))
+    odd = rf"pool pages \(k_pool.shape\[{pool_layout.PAGE_AXIS}\]\)=25 must be divisible"
+    with pytest.raises(ValueError, match=odd):
         new = jnp.zeros((LAYERS, 4, TPF, KV_HEADS, HEAD_DIM))
         sharded_write_chunk(mesh, odd_pool, odd_pool, new, new, jnp.ones((4, PPF), jnp.int32),
                                tokens_per_frame=TPF)

@@ -268,8 +268,9 @@ class PagedKVCache:
 
     @property
     def pools(self) -> tuple[Array, Array]:
-        """``(k_pool, v_pool)``, each ``[layers, shards x pages_per_shard, block_size, kv_heads,
-        head_dim]`` (sharded with :func:`arkv_jax.sharding.pool_spec` on a mesh)."""
+        """``(k_pool, v_pool)``, each :func:`pallas_kernels.layout.pool_shape` ``(layers, shards x
+        pages_per_shard, block_size, kv_heads, head_dim)``, i.e. ``[layers, kv_heads, pages,
+        block_size, head_dim]`` (sharded with :func:`arkv_jax.sharding.pool_spec` on a mesh)."""
         return self._k_pool, self._v_pool
 
     @property

@@ -45,7 +45,8 @@ def commit(k_pool, v_pool, pending, k_new, v_new, inputs: ChunkInputs, *, num_fr
         return kp, vp, jax.tree_util.tree_map(lambda x: x[None], state), ok[None]
 
     pools, rows = sharding.pool_spec(), jax.tree_util.tree_map(lambda x: sharding.row_spec(x.ndim), inputs)
-    return sharding.shard_map(body, mesh, (pools, pools, sharding.state_spec(), pools, pools, rows),
+    chunk = sharding.chunk_spec()
+    return sharding.shard_map(body, mesh, (pools, pools, sharding.state_spec(), chunk, chunk, rows),
                               (pools, pools, sharding.state_spec(), sharding.row_spec(2)), check=False)(
         k_pool, v_pool, pending, k_new, v_new, inputs)
 

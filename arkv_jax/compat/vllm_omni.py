@@ -70,6 +70,7 @@ from arkv_jax import state as core
 from arkv_jax.cache.cross_attention import collect_cross_attention_layers
 from arkv_jax.config import CacheGeometry, CrossAttentionSpec, KVBranch, WindowPolicy, ceil_div, lookup
 from arkv_jax.planner import InsufficientMemoryError, compute_num_blocks, plan_memory, scratch_blocks_per_branch
+from pallas_kernels.layout import layer_token_major, pool_geometry, pool_shape, write_tokens
 
 __all__ = [
     "ARDiffusionKVConfig", "ARDiffusionKVBranchSpec", "ARDiffusionRequestAdapter", "ARDiffusionKVCache",
@@ -173,10 +174,10 @@ class ARDiffusionRequestAdapter:
 
 @functools.partial(jax.jit, static_argnums=1, donate_argnums=0)
 def _write_slots(pool, layer: int, slots, new):
-    """``pool[layer]`` viewed as ``[pages * block_size, heads, dim]`` gets ``new`` at ``slots``."""
-    num_layers, pages, block_size, heads, dim = pool.shape
-    flat = pool.reshape(num_layers, pages * block_size, heads, dim).at[layer, slots].set(new)
-    return flat.reshape(pool.shape)
+    """``pool``'s layer ``layer`` gets token-major ``new`` ``[n, heads, dim]`` at the flat slots
+    ``slots`` (``page * block_size + offset``), in the pool's own layout."""
+    block_size = pool_geometry(pool).block_size
+    return write_tokens(pool, layer, slots // block_size, slots % block_size, new)
 
 
 _begin = jax.jit(core.begin, donate_argnums=0)
@@ -289,7 +290,7 @@ class ARDiffusionKVCache:
         self._k_pool = self._v_pool = None
         self._cross_sessions: dict[str, dict[str, dict[str, tuple[jax.Array, jax.Array]]]] = {}
         if self.device is not None:
-            shape = (num_layers, self.num_blocks_total, block_size, num_kv_heads, head_size)
+            shape = pool_shape(num_layers, self.num_blocks_total, block_size, num_kv_heads, head_size)
             self._k_pool = jax.device_put(jnp.zeros(shape, self.dtype), self.device)
             self._v_pool = jax.device_put(jnp.zeros(shape, self.dtype), self.device)
 
@@ -408,20 +409,25 @@ class ARDiffusionKVCache:
     def key_cache(self, layer_idx: int) -> jax.Array:
         """Layer ``layer_idx``'s K pool, ``[num_blocks_total, block_size, heads, head_size]``.
 
+        The seed's token-major view: the pools themselves are head-major
+        (:func:`pallas_kernels.layout.pool_shape`), so this is a copy of the layer
+        (:func:`pallas_kernels.layout.layer_token_major`), not a view that later writes update.
+
         Raises:
           RuntimeError: no pool device. TypeError: ``layer_idx`` is not an int (or is a bool).
           IndexError: ``layer_idx`` is out of range (negative indices count from the end).
         """
         k_pool = self._pools()[0]
-        return k_pool[self._layer(layer_idx, "layer_idx")]
+        return layer_token_major(k_pool, self._layer(layer_idx, "layer_idx"))
 
     def value_cache(self, layer_idx: int) -> jax.Array:
-        """Layer ``layer_idx``'s V pool, ``[num_blocks_total, block_size, heads, head_size]``.
+        """Layer ``layer_idx``'s V pool, ``[num_blocks_total, block_size, heads, head_size]`` (a
+        token-major copy, as :meth:`key_cache`).
 
         Raises: as :meth:`key_cache`.
         """
         v_pool = self._pools()[1]
-        return v_pool[self._layer(layer_idx, "layer_idx")]
+        return layer_token_major(v_pool, self._layer(layer_idx, "layer_idx"))
 
     def write_chunk_kv(self, layer_index: int, new_k, new_v, adapter: ARDiffusionRequestAdapter) -> None:
         """Writes one layer's K/V of the in-flight chunk into its slots, in place.

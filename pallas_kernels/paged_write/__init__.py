@@ -4,16 +4,19 @@ Shapes (``L`` layers, ``P`` pages, ``S`` tokens per page = block size, ``H`` KV 
 dim, ``R`` rows, ``F`` frames per chunk, ``T`` tokens per frame):
 
 ================  =====================================  ===========================================
-``k_pool``        ``[L, P, S, H, D]``                    one page = ``S * H * D`` elements per layer
-``v_pool``        ``[L, P, S, H, D]``                    same shape and dtype as ``k_pool``
-``k_new``         ``[L, R, F * T, H, D]``                the chunk's K, frame-major, pool dtype
+``k_pool``        ``[L, H, P, S, D]``                    :func:`pallas_kernels.layout.pool_shape`;
+                                                         a page = ``S * D`` elements per layer, head
+``v_pool``        ``[L, H, P, S, D]``                    same shape and dtype as ``k_pool``
+``k_new``         ``[L, R, F * T, H, D]``                the chunk's K, token-major (the model's
+                                                         layout), frame-major, pool dtype
 ``v_new``         ``[L, R, F * T, H, D]``                same shape and dtype as ``k_new``
 ``page_ids``      ``int32 [R, F * ceil(T / S)]``         physical page of each (row, frame, page)
 ================  =====================================  ===========================================
 
 A frame takes ``pages_per_frame = ceil(T / S)`` consecutive entries of its row's page list; the last
 page of a frame is padded with zeros (the padding tokens are written as zeros). Page 0 is the null
-page: it is never written. Every write is a whole-page copy (all layers of a page at once); pages
+page: it is never written. Every write is a whole-page copy (all layers and heads of a page at
+once); pages
 not named in ``page_ids`` stay bit-identical.
 
 Skip semantics: an entry equal to 0 or outside ``[1, P)`` writes nothing (padding rows and failed
@@ -25,17 +28,19 @@ on tracers). Eager callers that want skipped or repeated ids rejected call
 
 In place: call it inside a jitted step that donates the pools,
 ``jax.jit(step, donate_argnums=(0, 1))``; the outputs then alias the pools and a write moves only
-the chunk's bytes (``2 * L * R * F * ceil(T / S) * S * H * D * itemsize``). Without donation XLA
+the chunk's bytes (``2 * L * R * F * ceil(T / S) * S * H * D * itemsize``, plus on the Pallas backends a head-major
+copy of the chunk that XLA usually folds away). Without donation XLA
 copies both pools first.
 
 Backends (``backend=``, see :mod:`pallas_kernels.backend`), one module each: ``xla``
 (:mod:`~pallas_kernels.paged_write.xla`, a loop of page updates, the CPU default), ``pallas_tpu*``
-(:mod:`~pallas_kernels.paged_write.tpu`, HBM-to-HBM DMAs), ``pallas_gpu*``
-(:mod:`~pallas_kernels.paged_write.gpu`, Triton vector copies) and, under ``"auto"`` on GPU and
-the GPU attention names (``cudnn_gather*``, ``pallas_mgpu``),
+(:mod:`~pallas_kernels.paged_write.tpu`, HBM-to-HBM DMAs; also ``pallas_tpu_gather*``),
+``pallas_gpu*`` (:mod:`~pallas_kernels.paged_write.gpu`, Triton vector copies) and, under ``"auto"``
+on GPU and the GPU attention names (``cudnn_gather*``, ``pallas_mgpu``),
 :mod:`~pallas_kernels.paged_write.xla_gpu` (one XLA scatter of whole pages per pool). The loop and
-the Pallas kernels read the ``[L, R, F * T, H, D]`` chunk as it is and write a frame's padding from
-zeros; the scatter pads its updates. :func:`write_chunk_reference` (:mod:`~pallas_kernels.paged_write.reference`) is the
+the Pallas kernels read the chunk's frames (the Pallas ones head-major) and write a frame's padding
+from zeros; the scatter pads its updates. :func:`write_chunk_reference`
+(:mod:`~pallas_kernels.paged_write.reference`) is the
 pure-jnp reference they are tested against.
 """
 
@@ -47,6 +52,7 @@ import jax
 
 from pallas_kernels.backend import resolve_backend
 from pallas_kernels.common import pages_per_frame
+from pallas_kernels.layout import pool_geometry
 from pallas_kernels.paged_write import gpu, tpu, xla, xla_gpu
 from pallas_kernels.paged_write.reference import (
     chunk_frames,
@@ -74,7 +80,8 @@ def write_chunk(
     """Writes one chunk's K/V per row into the pages ``page_ids`` names, for all layers at once.
 
     Args:
-      k_pool, v_pool: ``[L, P, S, H, D]`` pools (fp32, bf16 or fp16), page 0 the null page.
+      k_pool, v_pool: ``[L, H, P, S, D]`` pools (:func:`pallas_kernels.layout.pool_shape`; fp32,
+        bf16 or fp16), page 0 the null page.
       k_new, v_new: ``[L, R, F * T, H, D]``, the pools' dtype (no implicit cast: a mismatch raises).
       page_ids: integer ``[R, F * ceil(T / S)]``; entry ``(r, f * ppf + j)`` is the physical page of
         row ``r``, frame ``f``, page ``j`` of the frame. 0 or out of ``[1, P)`` skips; a page named
@@ -101,7 +108,8 @@ def write_chunk(
 def _write_chunk_jit(k_pool, v_pool, k_new, v_new, page_ids, *, tokens_per_frame: int,
                      backend_name: str):
     backend = resolve_backend(backend_name)
-    num_pages, block_size = k_pool.shape[1], k_pool.shape[2]
+    pool = pool_geometry(k_pool)
+    num_pages, block_size = pool.num_pages, pool.block_size
     ids = valid_page_ids(page_ids, num_pages)
     k_frames = chunk_frames(k_new, tokens_per_frame)
     v_frames = chunk_frames(v_new, tokens_per_frame)

@@ -1,7 +1,9 @@
 """The paged chunk write as a Pallas GPU kernel, Triton lowering (``"pallas_gpu"``, ``_interpret``).
 
-One program per (page, layer, block of elements) copies ``block`` elements of a page with vector
-loads and stores; loads past a frame's end are masked to zero.
+One program per (page, layer x KV head, block of elements) copies ``block`` elements of a page of
+the head-major pool (:func:`pallas_kernels.layout.head_pages`: one (layer, head)'s page is ``S * D``
+contiguous elements) with vector loads and stores, from a head-major copy of the chunk (chunk
+sized, usually folded by XLA); loads past a frame's end are masked to zero.
 
 Why Triton rather than Mosaic GPU: the write must alias the donated pools. Mosaic GPU's
 ``pallas_call`` (which has ``input_output_aliases``) is deprecated in favour of ``plgpu.kernel``,
@@ -24,17 +26,19 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels.layout import head_pages, pool_geometry
+
 MAX_BLOCK_ELEMENTS = 4096
 """Most elements one program copies (a power of two; 4096 bf16 = 8 KiB)."""
 
 
 def _kernel(ids_ref, k_frames, v_frames, k_pool_in, v_pool_in, k_pool, v_pool, *, ppf: int,
             block: int, padded: bool):
-    """Program ``(i, l, c)`` copies elements ``[c * block, (c + 1) * block)`` of layer ``l`` of page
-    ``i`` into page ``ids_ref[i]`` of both pools (nothing when it is 0).
+    """Program ``(i, l, c)`` copies elements ``[c * block, (c + 1) * block)`` of (layer, head) ``l``
+    of page ``i`` into page ``ids_ref[i]`` of both pools (nothing when it is 0).
 
-    Refs are whole arrays in global memory: the unpadded chunk ``[L, R * F, T * H * D]``, pools
-    ``[L, P, S * H * D]``, the pool outputs aliasing the pool inputs. When frames are ``padded``,
+    Refs are whole arrays in global memory: the unpadded head-major chunk ``[L * H, R * F, T * D]``,
+    pools ``[L * H, P, S * D]``, the pool outputs aliasing the pool inputs. When frames are ``padded``,
     loads past a frame's end are masked to zero.
     """
     from jax.experimental.pallas import triton as pltriton
@@ -67,26 +71,30 @@ def write_chunk(k_pool, v_pool, k_frames, v_frames, ids, ppf: int, interpret: An
 
     ``k_frames``/``v_frames`` are the unpadded chunk as ``[L, R * F, T, H, D]``; ``ids`` flat int32
     ``[R * F * ppf]`` with skipped entries already 0; ``interpret`` as for ``pl.pallas_call``.
-    Grid ``(N, L, S * H * D / block)``: pages on the grid axis with the largest CUDA limit. The
+    Grid ``(N, L * H, S * D / block)``: pages on the grid axis with the largest CUDA limit. The
     outputs alias the pool operands.
     """
     from jax.experimental.pallas import triton as pltriton
 
-    num_layers, num_pages, block_size, kv_heads, head_dim = k_pool.shape
-    page_elements = block_size * kv_heads * head_dim
+    geom = pool_geometry(k_pool)
+    page_elements = geom.block_size * geom.head_dim
     block = block_elements(page_elements)
-    flat_pool = (num_layers, num_pages, page_elements)
-    flat_frames = (num_layers, k_frames.shape[1], k_frames.shape[2] * kv_heads * head_dim)
-    padded = ppf * block_size != k_frames.shape[2]
+    flat_pool = head_pages(k_pool).shape
+    layer_heads, num_frames, tokens = flat_pool[0], k_frames.shape[1], k_frames.shape[2]
+
+    def head_major(frames):  # [L, R * F, T, H, D] -> [L * H, R * F, T * D]
+        return frames.transpose(0, 3, 1, 2, 4).reshape(layer_heads, num_frames,
+                                                         tokens * geom.head_dim)
+
+    padded = ppf * geom.block_size != tokens
     k_out, v_out = pl.pallas_call(
         # A fresh partial per call (jax issue 40847).
         functools.partial(_kernel, ppf=ppf, block=block, padded=padded),
-        grid=(ids.shape[0], num_layers, page_elements // block),
+        grid=(ids.shape[0], layer_heads, page_elements // block),
         out_shape=[jax.ShapeDtypeStruct(flat_pool, k_pool.dtype)] * 2,
         input_output_aliases={3: 0, 4: 1},
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
         name="paged_write_gpu",
-    )(ids, k_frames.reshape(flat_frames), v_frames.reshape(flat_frames),
-      k_pool.reshape(flat_pool), v_pool.reshape(flat_pool))
+    )(ids, head_major(k_frames), head_major(v_frames), head_pages(k_pool), head_pages(v_pool))
     return k_out.reshape(k_pool.shape), v_out.reshape(v_pool.shape)

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.common import pages_per_frame
+from pallas_kernels.layout import PAGE_AXIS, from_token_major, page_mask, pool_geometry
 
 
 def write_chunk_reference(
@@ -24,16 +25,17 @@ def write_chunk_reference(
     Every pool page picks the chunk page whose valid id names it (a one-hot match of page ids
     against the page axis) or keeps its old bits: no scatter, no loop, ``O(P * R * F * ppf)``.
     """
-    num_pages, block_size = k_pool.shape[1], k_pool.shape[2]
+    pool = pool_geometry(k_pool)
+    num_pages, block_size = pool.num_pages, pool.block_size
     ids = valid_page_ids(page_ids, num_pages)
     match = (ids[None, :] == jnp.arange(num_pages, dtype=jnp.int32)[:, None]) & (ids[None, :] != 0)
-    written = match.any(axis=1)[None, :, None, None, None]
+    written = page_mask(match.any(axis=1))
     source = jnp.argmax(match, axis=1)
     tpf = block_size if tokens_per_frame is None else tokens_per_frame
 
     def one(pool: jax.Array, new: jax.Array) -> jax.Array:
-        pages = chunk_to_pages(new, block_size, tpf)
-        return jnp.where(written, pages[:, source], pool)
+        pages = from_token_major(chunk_to_pages(new, block_size, tpf))
+        return jnp.where(written, jnp.take(pages, source, axis=PAGE_AXIS), pool)
 
     return one(k_pool, k_new), one(v_pool, v_new)
 

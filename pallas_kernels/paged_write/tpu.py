@@ -1,10 +1,36 @@
 """The paged chunk write as a Pallas TPU (Mosaic) kernel (``"pallas_tpu"``, ``_interpret``,
-``_simulate``).
+``_simulate``) on the head-major pool layout, in place: one HBM->HBM DMA per page and pool.
 
-Each page is DMA'd HBM to HBM, all layers at once, straight from the chunk into the aliased pool
-(``pl.ANY`` refs, page ids scalar-prefetched into SMEM, at most :data:`DMAS_IN_FLIGHT` pages in
-flight). Skipped pages issue no DMA. A frame's padded last page takes two DMAs: its tokens, then a
-small zero block.
+Shapes (``L`` layers, ``H`` KV heads, ``P`` pages, ``S`` block size, ``D`` head dim, ``R`` rows,
+``F`` frames per chunk, ``T`` tokens per frame, ``ppf = ceil(T / S)`` pages per frame):
+
+================  =====================================  ===========================================
+``k_pool``        ``[L, H, P, S, D]``                    :func:`pallas_kernels.layout.pool_shape`
+``v_pool``        same as ``k_pool``
+``k_new``         ``[L, R, F * T, H, D]``                the chunk's K, token-major, pool dtype
+``v_new``         same as ``k_new``
+``page_ids``      int32 ``[R, F * ppf]``                 physical page of each (row, frame, page)
+================  =====================================  ===========================================
+
+Semantics (those of :mod:`pallas_kernels.paged_write`, on this layout): entry ``(r, f * ppf + j)``
+names the page that receives tokens ``[j * S, min((j + 1) * S, T))`` of frame ``f`` of row ``r``,
+for every layer and head at once; a frame's last page is zero-padded. An id of 0 (the null page) or
+outside ``[1, P)`` writes nothing. Pages not named stay bit-identical. A page named twice holds one
+of the writes or a mix of them (``dynamic_validate_inputs`` rejects repeated ids). The dispatcher
+(:func:`pallas_kernels.paged_write.write_chunk`) validates and calls :func:`write_chunk`; the
+compiled kernel needs a block size that is a multiple of 8
+(:func:`pallas_kernels.layout.check_tpu_block_size`).
+
+In place: inside ``jax.jit(step, donate_argnums=...)`` donating the pools, the outputs alias them
+(``input_output_aliases``) and the call moves ``2 * L * H * R * F * ppf * S * D * itemsize`` bytes
+per pool (the chunk read, the pages written), never a pool. Compiled temporaries: at most the
+head-major copy of the chunk, ``2 * L * R * F * T * H * D * itemsize`` bytes (XLA usually folds the
+transpose into the chunk's HBM layout, leaving none), plus a ``[L, H, ppf * S - T, D]`` zero
+block when frames are padded.
+
+Kernel: grid-less; the page ids are scalar-prefetched into SMEM; step ``i`` starts the K and V
+DMAs of page ``i`` (``[L, H, S, D]`` strided slabs, all layers and heads) and waits for those of
+page ``i - DMAS_IN_FLIGHT``; a skipped page issues no DMA.
 """
 
 from __future__ import annotations
@@ -18,55 +44,51 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels.layout import pool_geometry
+
 DMAS_IN_FLIGHT = 8
-"""Pages whose DMAs the kernel keeps in flight at once (K and V each)."""
+"""Pages whose DMAs (K and V each) are in flight at once."""
 
 
-def _kernel(ids_ref, k_frames, v_frames, *refs, ppf: int, padding: int):
-    """Grid-less body: page ``i`` DMAs HBM->HBM, all layers at once, into page ``ids_ref[i]``.
-
-    Refs: ``ids_ref`` SMEM int32 ``[N]`` (0 = skip); in HBM (``pl.ANY``) the unpadded chunk
-    ``[L, R * F, T, H, D]`` per pool, then (only when ``padding`` > 0) a zero block
-    ``[L, 1, padding, H, D]``, the pools (inputs, then the aliased outputs) and two DMA semaphores
-    (K, V). Step ``t`` starts page ``t`` and waits for page ``t - DMAS_IN_FLIGHT``.
-    """
-    zeros_ref, refs = (refs[0], refs[1:]) if padding else (None, refs)
-    _, _, k_pool, v_pool, sems = refs  # The pool inputs alias k_pool / v_pool.
-    num, block_size = ids_ref.shape[0], k_pool.shape[2]
+def _kernel(ids_ref, k_src, v_src, *refs, ppf: int, padding: int):
+    """Refs: ``ids_ref`` SMEM int32 ``[N]`` (0 = skip); in HBM the head-major chunk
+    ``[L, H, R * F, T, D]`` per pool, the zero block ``[L, H, padding, D]`` when ``padding``, the
+    pool inputs (aliased, unused), the pool outputs ``[L, H, P, S, D]``; two DMA semaphores."""
+    zeros = refs[0] if padding else None
+    k_pool, v_pool, sems = refs[-3:]
+    num, block_size = ids_ref.shape[0], k_pool.shape[3]
 
     def copies(i, last: bool):
         page, frame, start = ids_ref[i], lax.div(i, ppf), lax.rem(i, ppf) * block_size
         tokens = block_size - padding if last else block_size
         out = []
-        for sem, frames, pool in ((sems.at[0], k_frames, k_pool), (sems.at[1], v_frames, v_pool)):
-            dst = pool.at[:, pl.ds(page, 1)]
-            out.append(pltpu.make_async_copy(frames.at[:, pl.ds(frame, 1), pl.ds(start, tokens)],
-                                             dst.at[:, :, pl.ds(0, tokens)], sem))
+        for sem, src, pool in ((sems.at[0], k_src, k_pool), (sems.at[1], v_src, v_pool)):
+            out.append(pltpu.make_async_copy(src.at[:, :, frame, pl.ds(start, tokens)],
+                                             pool.at[:, :, page, pl.ds(0, tokens)], sem))
             if last:
-                out.append(pltpu.make_async_copy(zeros_ref, dst.at[:, :, pl.ds(tokens, padding)],
+                out.append(pltpu.make_async_copy(zeros, pool.at[:, :, page, pl.ds(tokens, padding)],
                                                  sem))
         return out
 
     def on_page(i, action: str):
+        def run(last: bool):
+            for copy in copies(i, last):
+                getattr(copy, action)()
+
         @pl.when(ids_ref[i] != 0)
         def _():
-            if not padding or ppf == 1:  # Pages all alike: all full, or all a frame's last.
-                _run(copies(i, last=bool(padding)), action)
+            if not padding or ppf == 1:  # Every page alike: all full, or all a frame's last.
+                run(bool(padding))
                 return
             is_last = lax.rem(i, ppf) == ppf - 1
-            pl.when(is_last)(lambda: _run(copies(i, last=True), action))
-            pl.when(jnp.logical_not(is_last))(lambda: _run(copies(i, last=False), action))
+            pl.when(is_last)(lambda: run(True))
+            pl.when(jnp.logical_not(is_last))(lambda: run(False))
 
     @pl.loop(0, num + DMAS_IN_FLIGHT)
     def _(step):
         pl.when(step < num)(lambda: on_page(step, "start"))
         done = step - DMAS_IN_FLIGHT
         pl.when(done >= 0)(lambda: on_page(done, "wait"))
-
-
-def _run(copies, action: str) -> None:
-    for copy in copies:
-        getattr(copy, action)()
 
 
 def write_chunk(k_pool, v_pool, k_frames, v_frames, ids, ppf: int, interpret: Any):
@@ -76,24 +98,23 @@ def write_chunk(k_pool, v_pool, k_frames, v_frames, ids, ppf: int, interpret: An
     ``[R * F * ppf]`` with skipped entries already 0; ``interpret`` as for ``pl.pallas_call``.
     The outputs alias the pool operands.
     """
-    num_layers, _, block_size, kv_heads, head_dim = k_pool.shape
-    padding = ppf * block_size - k_frames.shape[2]
-    zeros = ([jnp.zeros((num_layers, 1, padding, kv_heads, head_dim), k_pool.dtype)]
+    geom = pool_geometry(k_pool)
+    tokens_per_frame = k_frames.shape[2]
+    padding = ppf * geom.block_size - tokens_per_frame
+
+    def head_major(frames):  # [L, R * F, T, H, D] -> [L, H, R * F, T, D]
+        return frames.transpose(0, 3, 1, 2, 4)
+
+    zeros = ([jnp.zeros((geom.num_layers, geom.kv_heads, padding, geom.head_dim), k_pool.dtype)]
              if padding else [])
-    operands = [k_frames, v_frames, *zeros, k_pool, v_pool]
+    operands = [head_major(k_frames), head_major(v_frames), *zeros, k_pool, v_pool]
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
-    grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=1,
-        grid=(),
-        in_specs=[any_spec] * len(operands),
-        out_specs=[any_spec] * 2,
-        scratch_shapes=[pltpu.SemaphoreType.DMA((2,))],
-    )
-    # Operand indices count the scalar-prefetched ids (operand 0); the pools come last.
-    first_pool = 1 + len(operands) - 2
+    first_pool = len(operands) - 1  # Operand indices count the prefetched ids (operand 0).
     return pl.pallas_call(
         functools.partial(_kernel, ppf=ppf, padding=padding),  # Fresh per call (jax #40847).
-        grid_spec=grid_spec,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1, grid=(), in_specs=[any_spec] * len(operands),
+            out_specs=[any_spec] * 2, scratch_shapes=[pltpu.SemaphoreType.DMA((2,))]),
         out_shape=[jax.ShapeDtypeStruct(k_pool.shape, k_pool.dtype)] * 2,
         input_output_aliases={first_pool: 0, first_pool + 1: 1},
         interpret=interpret,

@@ -14,6 +14,7 @@ import numpy as np
 
 from pallas_kernels.backend import resolve_backend
 from pallas_kernels.common import check_rank, check_supported_dtype, pages_per_frame
+from pallas_kernels.layout import check_tpu_block_size, pool_geometry
 
 
 def static_validate_inputs(k_pool, v_pool, k_new, v_new, page_ids, *, tokens_per_frame=None,
@@ -30,7 +31,7 @@ def static_validate_inputs(k_pool, v_pool, k_new, v_new, page_ids, *, tokens_per
         not a positive int or does not divide the chunk; ``page_ids`` not ``[rows, num_frames *
         pages_per_frame]`` integers.
     """
-    resolve_backend(backend)
+    resolved = resolve_backend(backend)
     for name, x in (("k_pool", k_pool), ("v_pool", v_pool), ("k_new", k_new), ("v_new", v_new)):
         check_rank(name, x, 5)
     if k_pool.shape != v_pool.shape or k_pool.dtype != v_pool.dtype:
@@ -44,7 +45,11 @@ def static_validate_inputs(k_pool, v_pool, k_new, v_new, page_ids, *, tokens_per
         if x.dtype != k_pool.dtype:
             raise ValueError(f"{name} dtype must be the pool dtype {k_pool.dtype} (cast it "
                              f"first), got {x.dtype}")
-    num_layers, num_pages, block_size, kv_heads, head_dim = k_pool.shape
+    pool = pool_geometry(k_pool)
+    num_layers, num_pages, block_size = pool.num_layers, pool.num_pages, pool.block_size
+    kv_heads, head_dim = pool.kv_heads, pool.head_dim
+    if resolved.name == "pallas_tpu":  # The interpreters take any block size.
+        check_tpu_block_size(block_size)
     if num_pages < 2:
         raise ValueError(f"the pools need the null page and at least one more, got "
                          f"num_pages={num_pages}")
@@ -85,7 +90,7 @@ def dynamic_validate_inputs(k_pool, v_pool, k_new, v_new, page_ids, *, tokens_pe
     """
     static_validate_inputs(k_pool, v_pool, k_new, v_new, page_ids,
                            tokens_per_frame=tokens_per_frame, backend=backend)
-    num_pages = k_pool.shape[1]
+    num_pages = pool_geometry(k_pool).num_pages
     flat = np.asarray(page_ids).reshape(-1)
     bad = flat[(flat < 1) | (flat >= num_pages)]
     if bad.size:

@@ -1,7 +1,8 @@
 """The paged chunk write in plain lax (the ``"xla"`` backend, the CPU default).
 
 A ``fori_loop`` over the ``N = R * F * ppf`` page ids: one ``dynamic_update_slice`` of a whole
-``[L, 1, S, H, D]`` page per pool, under ``lax.cond`` (id 0 skips). Choices, each measured on CPU
+page of every layer and head (``[L, H, 1, S, D]``, :mod:`pallas_kernels.layout`; the token-major
+page is transposed in the loop body, O(page)) per pool, under ``lax.cond`` (id 0 skips). Choices, each measured on CPU
 against its alternative:
 
 - Not a scatter (``pool.at[:, ids].set(pages, unique_indices=True, mode="drop")``): XLA:CPU upcasts
@@ -24,6 +25,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels.layout import PAGE_AXIS, from_token_major, pool_geometry
+
 
 def write_chunk(k_pool, v_pool, k_frames, v_frames, ids, ppf: int):
     """``(k_pool, v_pool)`` with page ``i`` of the chunk written at page ``ids[i]`` (0 skips).
@@ -31,12 +34,19 @@ def write_chunk(k_pool, v_pool, k_frames, v_frames, ids, ppf: int):
     ``k_frames``/``v_frames`` are the unpadded chunk as ``[L, R * F, T, H, D]``; ``ids`` flat int32
     ``[R * F * ppf]`` with skipped entries already 0; ``ppf`` pages per frame.
     """
-    num_layers, _, block_size, kv_heads, head_dim = k_pool.shape
+    pool = pool_geometry(k_pool)
+    num_layers, block_size = pool.num_layers, pool.block_size
+    kv_heads, head_dim = pool.kv_heads, pool.head_dim
     last_tokens = k_frames.shape[2] - (ppf - 1) * block_size
     # Page index i >= 0: lax.div/rem (truncating) equal // and %, without their sign fix-ups.
 
     def page_at(frames, i):
-        """Page ``i`` of the chunk, ``[L, 1, S, H, D]`` raw bits, zero-padded if a frame's last."""
+        """Page ``i`` of the chunk in the pool's layout (one page of every layer and head), raw
+        bits, zero-padded if a frame's last."""
+        return from_token_major(token_page_at(frames, i))
+
+    def token_page_at(frames, i):
+        """Page ``i`` of the chunk, ``[L, 1, S, H, D]``."""
         frame, j = lax.div(i, ppf), lax.rem(i, ppf)
         if frames.dtype.itemsize == 2:
             frames = lax.bitcast_convert_type(frames, jnp.uint16)
@@ -63,10 +73,10 @@ def write_chunk(k_pool, v_pool, k_frames, v_frames, ids, ppf: int):
 
 
 def _put_page(pool: jax.Array, page: jax.Array, page_id: jax.Array) -> jax.Array:
-    """``pool`` with ``page`` (a ``[L, 1, S, H, D]`` page, or its raw uint16 bits for a 16-bit pool)
-    written at ``page_id`` on axis 1."""
+    """``pool`` with ``page`` (one page of every layer and head in the pool's layout, or its raw
+    uint16 bits for a 16-bit pool) written at ``page_id`` on the page axis."""
     if page.dtype == pool.dtype:
-        return lax.dynamic_update_slice_in_dim(pool, page, page_id, axis=1)
+        return lax.dynamic_update_slice_in_dim(pool, page, page_id, axis=PAGE_AXIS)
     bits = lax.bitcast_convert_type(pool, page.dtype)
-    out = lax.dynamic_update_slice_in_dim(bits, page, page_id, axis=1)
+    out = lax.dynamic_update_slice_in_dim(bits, page, page_id, axis=PAGE_AXIS)
     return lax.bitcast_convert_type(out, pool.dtype)

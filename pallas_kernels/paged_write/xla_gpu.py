@@ -4,7 +4,8 @@ on any platform).
 
 The unpadded chunk ``[L, R * F, T, H, D]`` is padded to whole pages (``jnp.pad`` to ``ppf * S``
 tokens per frame, then a free reshape to ``[L, R * F * ppf, S, H, D]``) and page ``i`` replaces
-pool page ``ids[i]`` in every layer at once. Why one scatter and not the ``xla`` backend's loop of
+pool page ``ids[i]`` in every layer and head at once (:func:`pallas_kernels.layout.set_pages`: the
+updates are transposed to the head-major layout, chunk-sized). Why one scatter and not the ``xla`` backend's loop of
 ``dynamic_update_slice``:
 
 - A ``while`` loop on XLA:GPU launches its body's kernels once per iteration and reads the loop
@@ -16,7 +17,7 @@ pool page ``ids[i]`` in every layer at once. Why one scatter and not the ``xla``
 - ``unique_indices=True`` lets XLA:GPU store without atomics. Valid ids are distinct in a correct
   call (:func:`~pallas_kernels.paged_write.dynamic_validate_inputs` rejects repeats); a page named
   twice under ``jit`` ends up holding one of its writes or a mix, the contract of ``write_chunk``.
-  Each update is ``L`` runs of ``S * H * D`` contiguous elements.
+  Each update is ``L * H`` runs of ``S * D`` contiguous elements.
 - The frame padding feeds the scatter's updates; XLA:GPU may fuse it into the scatter or
   materialise the padded chunk (one extra pass over the chunk's bytes, never the pool's).
 
@@ -28,6 +29,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from pallas_kernels.layout import pool_geometry, set_pages
+
 
 def write_chunk(k_pool, v_pool, k_frames, v_frames, ids, ppf: int):
     """``(k_pool, v_pool)`` with page ``i`` of the chunk written at page ``ids[i]`` (0 skips).
@@ -35,13 +38,15 @@ def write_chunk(k_pool, v_pool, k_frames, v_frames, ids, ppf: int):
     ``k_frames``/``v_frames`` are the unpadded chunk as ``[L, R * F, T, H, D]``; ``ids`` flat int32
     ``[R * F * ppf]`` with skipped entries already 0; ``ppf`` pages per frame.
     """
-    num_layers, num_pages, block_size, kv_heads, head_dim = k_pool.shape
+    g = pool_geometry(k_pool)
+    num_layers, num_pages, block_size = g.num_layers, g.num_pages, g.block_size
+    kv_heads, head_dim = g.kv_heads, g.head_dim
     ids = jnp.where(ids == 0, num_pages, ids)  # Out of range: dropped by the scatter.
     pad = ppf * block_size - k_frames.shape[2]
 
     def one(pool, frames):
         frames = jnp.pad(frames, ((0, 0), (0, 0), (0, pad), (0, 0), (0, 0))) if pad else frames
         pages = frames.reshape(num_layers, -1, block_size, kv_heads, head_dim)
-        return pool.at[:, ids].set(pages, mode="drop", unique_indices=True)
+        return set_pages(pool, ids, pages, mode="drop", unique_indices=True)
 
     return one(k_pool, k_frames), one(v_pool, v_frames)

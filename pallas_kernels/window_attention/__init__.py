@@ -16,7 +16,8 @@ Shapes and units (``rows`` rows, token counts in tokens, page counts in pages):
 ``q``                  ``[rows, q_len, num_q_heads, head_dim]``                        f32/bf16/f16
 ``k_cur``, ``v_cur``   ``[rows, cur_len, kv_heads, head_dim]`` (``cur_len >= 1``)      as ``q``
 ``extra_k/_v``         ``[rows, num_extra, kv_heads, head_dim]``, all valid            as ``q``
-``k_pool``, ``v_pool`` ``[num_layers, num_pages, block_size, kv_heads, head_dim]``     as ``q``
+``k_pool``, ``v_pool`` ``[num_layers, kv_heads, num_pages, block_size, head_dim]``     as ``q``
+                       (:func:`pallas_kernels.layout.pool_shape`)
 ``pages``              int32 ``[rows, max_pages]``: page ids into the pools (0 = null)
 ``lengths``            int32 ``[rows]``: valid history tokens, in ``[0, capacity]``
 ``layer``              int32 scalar (may be traced): which layer of the stacked pools
@@ -43,7 +44,9 @@ callers that want them checked call :func:`dynamic_validate_inputs` first.
 
 Backends (``backend=``, see :mod:`pallas_kernels.backend`, which also gives what ``"auto"``
 picks), one module each: ``xla`` (:mod:`~pallas_kernels.window_attention.xla`, the CPU default),
-``pallas_tpu*`` (:mod:`~pallas_kernels.window_attention.tpu`, Mosaic TPU), ``pallas_gpu*``
+``pallas_tpu*`` (:mod:`~pallas_kernels.window_attention.tpu`, Mosaic TPU, head-major pages DMA'd
+by hand), ``pallas_tpu_gather*`` (:mod:`~pallas_kernels.window_attention.tpu_gather`: the visible
+pages gathered by XLA, then jax's splash attention; the TPU kernel's yardstick), ``pallas_gpu*``
 (:mod:`~pallas_kernels.window_attention.gpu`, Triton), ``cudnn_gather*``
 (:mod:`~pallas_kernels.window_attention.cudnn_gather`, history gather + cuDNN attention, the
 default on NVIDIA GPUs) and ``pallas_mgpu`` (:mod:`~pallas_kernels.window_attention.mosaic_gpu`,
@@ -57,7 +60,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from pallas_kernels.backend import resolve_backend
-from pallas_kernels.window_attention import cudnn_gather, gpu, mosaic_gpu, tpu, xla
+from pallas_kernels.window_attention import cudnn_gather, gpu, mosaic_gpu, tpu, tpu_gather, xla
 from pallas_kernels.window_attention.geometry import (
     WindowGeometry,
     history_capacity,
@@ -86,8 +89,8 @@ def window_attention(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, layer=0
     Args:
       q: ``[rows, q_len, num_q_heads, head_dim]`` queries (f32, bf16 or f16).
       k_cur, v_cur: ``[rows, cur_len, kv_heads, head_dim]`` the current chunk's keys/values.
-      k_pool, v_pool: ``[num_layers, num_pages, block_size, kv_heads, head_dim]`` paged pools (read
-        only; page 0 is the null page).
+      k_pool, v_pool: ``[num_layers, kv_heads, num_pages, block_size, head_dim]`` paged pools
+        (:func:`pallas_kernels.layout.pool_shape`; read only; page 0 is the null page).
       pages: int ``[rows, max_pages]`` each row's page list (frame after frame, unused entries 0),
         ids in ``[0, num_pages)``.
       lengths: int ``[rows]`` valid history tokens per row, in ``[0, capacity]``.
@@ -98,11 +101,12 @@ def window_attention(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, layer=0
       tokens_per_frame: tokens per frame; defaults to ``block_size``.
       backend: a name from :data:`pallas_kernels.backend.BACKEND_NAMES`.
       block_q: query tile (Pallas backends): Triton's over the GQA-folded query axis (default
-        128, shrunk for short chunks), TPU's (default 128), Mosaic GPU's (64 only).
+        128, shrunk for short chunks), TPU's (default tuned per generation,
+        :data:`~pallas_kernels.window_attention.tpu.TUNED_BLOCKS`), Mosaic GPU's (64 only).
       block_k: key tile in tokens: Triton key block (power of two in [16, 256], default 64), TPU
-        tail block (default 512; history pages are always whole pages on TPU) or Mosaic GPU key
-        tile (a multiple of 64 dividing ``block_size``, default 128 where it divides). Unused by
-        ``xla`` and ``cudnn_gather*``.
+        history keys per DMA block (a multiple of 8, default tuned; history pages are always whole
+        pages on TPU) or Mosaic GPU key tile (a multiple of 64 dividing ``block_size``, default 128
+        where it divides). Unused by ``xla``, ``cudnn_gather*`` and ``pallas_tpu_gather*``.
 
     Returns:
       ``[rows, q_len, num_q_heads, head_dim]`` in ``q``'s dtype.
@@ -121,15 +125,16 @@ def window_attention(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, layer=0
     args = (q, k_cur, v_cur, extra_k, extra_v, k_pool, v_pool, pages, lengths, layer)
     if resolved.kind == "xla":
         return xla.window_attention(*args, geom=geom, scale=scale)
+    if resolved.name.startswith("pallas_tpu_gather"):
+        return tpu_gather.attention(*args, geom=geom, scale=scale, backend=resolved.name)
     if resolved.kind == "cudnn_gather":
         return cudnn_gather.window_attention(*args, geom=geom, scale=scale, backend=resolved.name)
     if resolved.kind == "pallas_mgpu":
         block_kv = mosaic_gpu.default_block_kv(geom.block_size) if block_k is None else block_k
         return mosaic_gpu.window_attention(*args, geom=geom, scale=scale, block_kv=int(block_kv))
     if resolved.kind == "pallas_tpu":
-        block_q, block_t = tpu.tiles(geom, block_q, block_k)
-        return tpu.window_attention(*args, geom=geom, scale=scale, block_q=block_q,
-                                    block_t=block_t, backend=resolved.name)
+        return tpu.attention(*args, geom=geom, scale=scale, block_q=block_q, block_k=block_k,
+                             backend=resolved.name)
     block_q, block_k = gpu.tiles(geom, block_q, block_k)
     return gpu.window_attention(*args, geom=geom, scale=scale, block_q=block_q, block_k=block_k,
                                 backend=resolved.name)

@@ -19,9 +19,10 @@ a row are a prefix and
 * the tail (current chunk + extras, zero-padded to whole blocks) masks only its last partial block.
 
 No V tile is ever selected, so V goes from shared memory straight into the second matmul. The
-token-to-pool-row map (:func:`history_pool_rows`, ``4 * round_up(capacity, block_k)`` bytes per
-row) is computed outside the kernel, so a key block's addresses are one contiguous index load and no
-page-table lookup or division runs in the loop. Page-list entries past a row's visible pages are the
+token-to-pool-row map of the head-major pool viewed as token rows (:func:`history_pool_rows`,
+``4 * round_up(capacity, block_k)`` bytes per row) is computed outside the kernel, so a key
+block's addresses are one contiguous index load and no page-table lookup or division runs in the
+loop. Page-list entries past a row's visible pages are the
 layer's null page. The softmax runs in base 2: scores are scaled once by ``scale * log2(e)`` and
 exponentiated with ``exp2``. Accumulation, the running max and the normaliser are float32; f32
 inputs use full-precision dots.
@@ -44,6 +45,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.backend import resolve_backend
 from pallas_kernels.common import LOG2_E, MASK_VALUE, matmul_precision, round_up
+from pallas_kernels.layout import PoolGeometry, head_row_stride, token_row, token_rows
 from pallas_kernels.window_attention.geometry import (
     WindowGeometry,
     history_token_slot,
@@ -101,22 +103,23 @@ def _kernel(rows_ref, len_ref, q_ref, kp_ref, vp_ref, kt_ref, vt_ref, o_ref, *,
             geom: WindowGeometry, scale: float, block_k: int):
     """Program ``(row, kv head, query block)``.
 
-    Refs: ``q_ref``/``o_ref`` ``[bq, D]``; ``kp_ref``/``vp_ref`` the pool as token rows
-    ``[layers * pages * block_size, kv_heads, D]``; ``rows_ref`` int32 ``[rows, round_up(capacity,
-    block_k)]``: the pool row of each history token (:func:`history_pool_rows`); ``len_ref``
-    ``[rows]``; ``kt_ref``/``vt_ref`` ``[rows, tail_pad, kv_heads, D]``.
+    Refs: ``q_ref``/``o_ref`` ``[bq, D]``; ``kp_ref``/``vp_ref`` the head-major pool as token rows
+    (:func:`pallas_kernels.layout.token_rows`, one KV head's slot per row); ``rows_ref`` int32
+    ``[rows, round_up(capacity, block_k)]``: the pool row of each history token of KV head 0
+    (:func:`history_pool_rows`; KV head ``h`` is :func:`pallas_kernels.layout.head_row_stride`
+    rows further); ``len_ref`` ``[rows]``; ``kt_ref``/``vt_ref`` ``[rows, tail_pad, kv_heads, D]``.
     """
     row, kv_head = pl.program_id(0), pl.program_id(1)
+    head_offset = kv_head * head_row_stride(_pool_geometry(geom))
     q = q_ref[...]
     length = len_ref[row]
     lane = lax.iota(jnp.int32, block_k)
     c = scale * LOG2_E
 
     def history_block(b, carry, masked: bool):
-        pool_row = rows_ref[row, pl.ds(pl.multiple_of(b * block_k, block_k), block_k)]
+        pool_row = rows_ref[row, pl.ds(pl.multiple_of(b * block_k, block_k), block_k)] + head_offset
         valid = (b * block_k + lane < length)[None, :] if masked else None
-        return _attend(carry, q, kp_ref[pool_row, kv_head, :], vp_ref[pool_row, kv_head, :],
-                       valid, c)
+        return _attend(carry, q, kp_ref[pool_row, :], vp_ref[pool_row, :], valid, c)
 
     def tail_block(b, carry, masked: bool):
         start = b * block_k if isinstance(b, int) else pl.multiple_of(b * block_k, block_k)
@@ -141,18 +144,24 @@ def _kernel(rows_ref, len_ref, q_ref, kp_ref, vp_ref, kt_ref, vt_ref, o_ref, *,
     o_ref[...] = (acc / denominator).astype(o_ref.dtype)
 
 
+def _pool_geometry(geom: WindowGeometry) -> PoolGeometry:
+    return PoolGeometry(geom.num_layers, geom.kv_heads, geom.num_pages, geom.block_size,
+                        geom.head_dim)
+
+
 def history_pool_rows(pages, lengths, layer, geom: WindowGeometry, padded_len: int):
-    """int32 ``[rows, padded_len]``: the row of the pool viewed as ``[layers * pages * block_size,
-    ...]`` that holds history token ``t`` of ``layer``, for ``t < lengths[row]``; every other token
+    """int32 ``[rows, padded_len]``: the row of the pool viewed as token rows
+    (:func:`pallas_kernels.layout.token_rows`) that holds history token ``t`` of ``layer`` and KV
+    head 0, for ``t < lengths[row]``; every other token
     (past the length or the capacity) names the row of token 0, so a key block that straddles the
     length reads finite, valid data in its masked lanes (or the null page's zeros at length 0).
     """
-    table = layer_page_table(pages, lengths, layer, geom)
+    table = layer_page_table(pages, lengths, 0, geom)
     tokens = jnp.arange(padded_len, dtype=jnp.int32)
     tokens = jnp.where(tokens[None, :] < lengths.astype(jnp.int32)[:, None], tokens[None, :], 0)
     slots = history_token_slot(tokens, geom)
     page = jnp.take_along_axis(table, slots // geom.block_size, axis=1)
-    return page * geom.block_size + slots % geom.block_size
+    return token_row(_pool_geometry(geom), layer, 0, page, slots % geom.block_size)
 
 
 @functools.partial(jax.jit, static_argnames=("geom", "scale", "block_q", "block_k", "num_warps",
@@ -178,7 +187,6 @@ def window_attention(q, k_cur, v_cur, extra_k, extra_v, k_pool, v_pool, pages, l
         rows, hkv, folded, d)
     qf = jnp.pad(qf, ((0, 0), (0, 0), (0, q_pad - folded), (0, 0)))
     k_tail, v_tail = tail_kv(k_cur, v_cur, extra_k, extra_v, round_up(geom.tail_len, block_k))
-    pool_shape = (geom.num_layers * geom.num_pages * geom.block_size, hkv, d)
     pool_rows = history_pool_rows(pages, lengths, layer, geom, round_up(geom.capacity, block_k))
     io_spec = pl.BlockSpec((None, None, block_q, d), lambda row, head, qb: (row, head, qb, 0))
     whole = pl.BlockSpec()
@@ -191,7 +199,7 @@ def window_attention(q, k_cur, v_cur, extra_k, extra_v, k_pool, v_pool, pages, l
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=resolve_backend(backend).interpret,
         name="window_attention_gpu",
-    )(pool_rows, lengths.astype(jnp.int32), qf, k_pool.reshape(pool_shape),
-      v_pool.reshape(pool_shape), k_tail, v_tail)
+    )(pool_rows, lengths.astype(jnp.int32), qf, token_rows(k_pool), token_rows(v_pool), k_tail,
+      v_tail)
     out = out[:, :, :folded].reshape(rows, hkv, g, geom.q_len, d)
     return out.transpose(0, 3, 1, 2, 4).reshape(q.shape)

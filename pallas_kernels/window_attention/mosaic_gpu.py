@@ -7,9 +7,10 @@ NaN contract), under two requirements (checked by
 
 * **Pool layout.** ``block_size`` (tokens per page) must be a multiple of the key tile ``block_kv``
   (``block_k=`` of ``window_attention``; default :func:`default_block_kv`), so that no key tile
-  straddles two pages: a tile is then one TMA box of ``block_kv`` consecutive rows of the pool viewed
-  as ``[layers * pages * block_size, kv_heads, head_dim]``, starting at row ``(layer * num_pages +
-  page) * block_size + offset``. For 1,560-token frames that means 1,664-token pages (13 x 128, one
+  straddles two pages: a tile is then one TMA box of ``block_kv`` consecutive, contiguous rows of
+  the head-major pool viewed as token rows ``[layers * kv_heads * pages * block_size, head_dim]``
+  (:func:`pallas_kernels.layout.token_rows`), starting at row :func:`pallas_kernels.layout.token_row`
+  ``(layer, kv_head, page, offset)``. For 1,560-token frames that means 1,664-token pages (13 x 128, one
   page per frame, 104 padding slots) or 128-token pages (13 per frame): frame alignment
   (``tokens_per_frame`` need not divide ``block_size``) lets the cache pick one.
 * **Types.** bf16 or f16; ``head_dim`` a multiple of 64 up to 256; the tiling's shared memory
@@ -55,6 +56,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.common import LOG2_E, MASK_VALUE, cdiv, round_up
+from pallas_kernels.layout import PoolGeometry, head_row_stride, token_row, token_rows
 from pallas_kernels.window_attention.geometry import WindowGeometry, layer_page_table, tail_kv
 
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -77,18 +79,26 @@ def smem_bytes(head_dim: int, itemsize: int, block_q: int, block_kv: int, stages
     return itemsize * head_dim * (2 * block_q + 2 * stages * block_kv)
 
 
+def _pool_geometry(geom: WindowGeometry) -> PoolGeometry:
+    return PoolGeometry(geom.num_layers, geom.kv_heads, geom.num_pages, geom.block_size,
+                        geom.head_dim)
+
+
 def history_tiles(pages, lengths, layer, geom: WindowGeometry, block_kv: int):
     """Per row: the pool row where each history key tile starts, and how many tiles to visit.
 
     Returns ``(starts, counts)``: int32 ``[rows, max_pages * block_size // block_kv]`` rows of the
-    pool viewed as ``[layers * pages * block_size, ...]`` (tiles in page-list order; entries past the
-    visible pages start in the layer's null page), and int32 ``[rows]``: tiles up to and including
+    pool viewed as token rows (:func:`pallas_kernels.layout.token_rows`) for KV head 0 (KV head
+    ``h`` starts :func:`pallas_kernels.layout.head_row_stride` rows further; tiles in page-list
+    order; entries past the visible pages start in the layer's null page), and int32 ``[rows]``:
+    tiles up to and including
     the one holding the row's last valid history key (0 without history).
     """
-    table = layer_page_table(pages, lengths, layer, geom)
+    table = layer_page_table(pages, lengths, 0, geom)
     per_page = geom.block_size // block_kv
     tile = jnp.arange(geom.max_pages * per_page, dtype=jnp.int32)
-    starts = table[:, tile // per_page] * geom.block_size + (tile % per_page) * block_kv
+    starts = token_row(_pool_geometry(geom), layer, 0, table[:, tile // per_page],
+                       (tile % per_page) * block_kv)
     lengths = lengths.astype(jnp.int32)
     last = jnp.maximum(lengths - 1, 0)
     last_slot = (last // geom.tokens_per_frame) * geom.frame_slots + last % geom.tokens_per_frame
@@ -113,8 +123,8 @@ def _kernel(q_ref, kp_ref, vp_ref, kt_ref, vt_ref, starts_ref, counts_ref, len_r
             tail_tiles: int):
     """Body of one CTA ``(query tile, kv head, row)``; see the module docstring.
 
-    Refs (GMEM): ``q_ref``/``o_ref`` ``[rows, kv_heads, q_pad, D]``; ``kp_ref``/``vp_ref``
-    ``[layers * pages * block_size, kv_heads, D]``; ``kt_ref``/``vt_ref``
+    Refs (GMEM): ``q_ref``/``o_ref`` ``[rows, kv_heads, q_pad, D]``; ``kp_ref``/``vp_ref`` the
+    pools as token rows ``[layers * kv_heads * pages * block_size, D]``; ``kt_ref``/``vt_ref``
     ``[rows, tail_tiles * block_kv, kv_heads, D]``; ``starts_ref``/``counts_ref``/``len_ref`` from
     :func:`history_tiles` and ``lengths``. ``scoped``: SMEM tiles and barriers.
     """
@@ -203,9 +213,10 @@ def _kernel(q_ref, kp_ref, vp_ref, kt_ref, vt_ref, starts_ref, counts_ref, len_r
             def _history():
                 # Tile starts are multiples of block_kv (block_kv divides block_size); TMA into the
                 # tiled shared-memory layout needs the compiler to know it.
-                rows = pl.ds(pl.multiple_of(starts_ref[row, j], block_kv), block_kv)
-                plgpu.copy_gmem_to_smem(kp_ref.at[rows, kv_head], k_smem.at[slot], k_ready.at[slot])
-                plgpu.copy_gmem_to_smem(vp_ref.at[rows, kv_head], v_smem.at[slot], v_ready.at[slot])
+                start = starts_ref[row, j] + kv_head * head_row_stride(_pool_geometry(geom))
+                rows = pl.ds(pl.multiple_of(start, block_kv), block_kv)
+                plgpu.copy_gmem_to_smem(kp_ref.at[rows], k_smem.at[slot], k_ready.at[slot])
+                plgpu.copy_gmem_to_smem(vp_ref.at[rows], v_smem.at[slot], v_ready.at[slot])
 
             @pl.when(j >= n_hist)
             def _tail():
@@ -250,7 +261,6 @@ def window_attention(q, k_cur, v_cur, extra_k, extra_v, k_pool, v_pool, pages, l
     tail_tiles = cdiv(geom.tail_len, block_kv)
     k_tail, v_tail = tail_kv(k_cur, v_cur, extra_k, extra_v, tail_tiles * block_kv)
     starts, counts = history_tiles(pages, lengths, layer, geom, block_kv)
-    pool_shape = (geom.num_layers * geom.num_pages * geom.block_size, hkv, d)
     transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
     def entry(q_ref, kp_ref, vp_ref, kt_ref, vt_ref, starts_ref, counts_ref, len_ref, o_ref):
@@ -275,7 +285,7 @@ def window_attention(q, k_cur, v_cur, extra_k, extra_v, k_pool, v_pool, pages, l
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
-    )(qf, k_pool.reshape(pool_shape), v_pool.reshape(pool_shape), k_tail, v_tail, starts, counts,
+    )(qf, token_rows(k_pool), token_rows(v_pool), k_tail, v_tail, starts, counts,
       lengths.astype(jnp.int32))
     out = out[:, :, :folded].reshape(rows, hkv, g, geom.q_len, d)
     return out.transpose(0, 3, 1, 2, 4).reshape(q.shape)

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels.layout import read_tokens
 from pallas_kernels.window_attention.validation import check_arrays
 
 
@@ -31,8 +32,8 @@ def window_attention_reference(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, 
     slot = jnp.where(valid, (tokens // geom.tokens_per_frame) * geom.frame_slots
                      + tokens % geom.tokens_per_frame, 0)
     page = jnp.take_along_axis(pages.astype(jnp.int32), slot // geom.block_size, axis=1)
-    k_hist = k_pool[layer][page, slot % geom.block_size]
-    v_hist = v_pool[layer][page, slot % geom.block_size]
+    k_hist = read_tokens(k_pool, layer, page, slot % geom.block_size)
+    v_hist = read_tokens(v_pool, layer, page, slot % geom.block_size)
     keys = [k_hist, k_cur] + ([] if extra_k is None else [extra_k])
     values = [v_hist, v_cur] + ([] if extra_v is None else [extra_v])
     k = jnp.repeat(jnp.concatenate(keys, axis=1).astype(f32), geom.group, axis=2)

@@ -1,166 +1,515 @@
 """Window attention as a Pallas TPU (Mosaic) kernel (``"pallas_tpu"``, ``_interpret``,
-``_simulate``).
+``_simulate``) on the head-major pool layout (:mod:`pallas_kernels.layout`).
 
-Grid ``(rows, query blocks, max_pages + tail blocks)``; the page table (with the layer folded in),
-the per-row visible page counts and the lengths are scalar-prefetched; each history step brings one
-whole page ``[block_size, kv_heads, head_dim]`` of K and of V into VMEM through a ``BlockSpec``
-whose ``index_map`` reads the page table (Pallas double-buffers it). Past a row's last visible page
-the index map repeats that page, so no further DMA is issued, and the compute is skipped with
-``pl.when``; a row without history reads its null page once. The tail steps read the current chunk
-+ extras the same way. An online (flash) softmax keeps ``m``, ``l`` and the accumulator for all
-query heads of the block in VMEM scratch.
+The chunk's queries attend, bidirectionally, to each row's visible history pages, to the current
+chunk's own keys (``k_cur``/``v_cur``) and to extra tokens (``extra_k``/``extra_v``); the pools are
+read only. Semantics are those of :func:`pallas_kernels.window_attention.window_attention`
+(frame-aligned pages, ``lengths``, extras, GQA, NaN-safe selection, the null page 0), whose
+dispatcher calls :func:`attention` (tiles ``block_q`` and ``block_k`` = ``keys_per_block``);
+:func:`window_attention` here takes every tiling knob and the TPU generation (compile tests,
+benchmarks).
 
-Only whole pages are DMA'd: a per-KV-head block would put a squeezed dimension in the second-minor
-position of the pool, which Mosaic's block rules forbid. Wrapper-side layout changes touch only
-``q``, the output and the (small) tail, never the pool, apart from merging its two leading axes (a
-free reshape). Each grid step handles one page, so a real TPU wants ``block_size >= 128``.
+Shapes (``rows`` rows; token counts in tokens):
+
+=====================  ==============================================================  ===========
+``q``                  ``[rows, q_len, num_q_heads, head_dim]``                        f32/bf16/f16
+``k_cur``, ``v_cur``   ``[rows, cur_len, kv_heads, head_dim]`` (``cur_len >= 1``)      as ``q``
+``extra_k/_v``         ``[rows, num_extra, kv_heads, head_dim]``, all valid            as ``q``
+``k_pool``, ``v_pool`` ``[num_layers, kv_heads, num_pages, block_size, head_dim]``     as ``q``
+``pages``              int32 ``[rows, max_pages]``: page ids (0 = the null page)
+``lengths``            int32 ``[rows]``: valid history tokens, in ``[0, capacity]``
+``layer``              int32 scalar (may be traced)
+output                 ``[rows, q_len, num_q_heads, head_dim]``, ``q``'s dtype
+=====================  ==============================================================  ===========
+
+Frames: a frame of ``tokens_per_frame`` (``T``) tokens fills ``ppf = ceil(T / block_size)``
+consecutive page-list entries; page-list slot ``s`` holds a valid token iff its in-frame offset
+``s % (ppf * block_size)`` is below ``T`` and the token's position is below ``lengths[row]``. Within a
+page the valid slots are a prefix, which is how the kernel masks.
+
+Kernel (Mosaic). Grid ``(rows, kv_heads, query blocks)``; the page table, the visible page counts,
+the lengths and the layer are scalar-prefetched. Per grid step:
+
+* the queries of one query block of all ``group = num_q_heads // kv_heads`` query heads of the KV
+  head, as one ``[group * block_q, head_dim]`` matrix (GQA folded into M), pre-scaled by
+  ``scale * log2(e)`` so the softmax uses ``exp2``;
+* the current chunk + extras of the (row, KV head), ``[tail_pad, head_dim]``, through a BlockSpec
+  (fetched once per (row, head): consecutive query blocks reuse it);
+* history pages, ``pages_per_block`` at a time, DMA'd by hand from ``pool[layer, head, page]`` into a
+  double-buffered VMEM block ``[2, pages_per_block, block_size, head_dim]`` (block ``b + 1`` in flight
+  while block ``b`` is computed); only the row's visible pages are fetched and visited;
+* compute chunks of about ``block_kv_compute`` keys (several whole pages, or pieces of one page) times
+  query sub-blocks of ``block_q_compute`` rows: an online softmax with lane-dense ``m``/``l`` scratch
+  ``[group * block_q, 128]`` float32 and a float32 accumulator. A chunk whose slots are all valid is
+  computed with no masking at all; a partly valid chunk selects (``jnp.where``) its invalid keys to
+  a finite minimum and its invalid values to 0, so NaN in free or foreign pages, frame padding or
+  stale VMEM cannot reach the output; a chunk with no valid slot is skipped.
+
+VMEM: :func:`vmem_estimate_bytes` (blocks double-buffered, scratch, the compute chunk's float32
+intermediates); the call sets ``vmem_limit_bytes`` from it and raises a ValueError past the
+generation's budget. Block sizes come from :data:`TUNED_BLOCKS` (per generation), overridable.
+
+Temporaries outside the kernel (compiled, per call): the scaled head-major copy of ``q``, the
+kernel's output before its transpose back (``2 * rows * q_pad * num_q_heads * head_dim`` elements in
+all) and the head-major tail (``2 * rows * kv_heads * tail_pad * head_dim``), plus int32 tables; never
+a pool (:func:`temp_bound_bytes`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.backend import resolve_backend
-from pallas_kernels.common import MASK_VALUE, online_softmax_step, round_up
-from pallas_kernels.window_attention.geometry import (
-    WindowGeometry,
-    layer_page_table,
-    tail_kv,
-    visible_page_count,
-)
+from pallas_kernels.common import MASK_VALUE
+from pallas_kernels.layout import check_tpu_block_size, page_index
+from pallas_kernels.window_attention.geometry import WindowGeometry, visible_page_count
+from pallas_kernels.window_attention.validation import check_arrays
 
-BLOCK_Q = 128
-"""Default query tile (shrunk to the chunk, in multiples of 8)."""
-BLOCK_T = 512
-"""Default tail tile in tokens (shrunk to the tail, in multiples of 8)."""
+LANES = 128
+LOG2_E = math.log2(math.e)
 
 
-def tiles(geom: WindowGeometry, block_q: int | None, block_k: int | None) -> tuple[int, int]:
-    """``(block_q, block_t)``: the given tiles (already validated), or the defaults shrunk to the
-    query and tail lengths."""
-    def tile(value, default, extent):
-        return min(default, round_up(extent, 8)) if value is None else int(value)
+@dataclasses.dataclass(frozen=True)
+class Blocks:
+    """Block sizes of one call.
 
-    return tile(block_q, BLOCK_Q, geom.q_len), tile(block_k, BLOCK_T, geom.tail_len)
-
-
-def _kernel(table_ref, nvis_ref, len_ref, q_ref, kp_ref, vp_ref, kt_ref, vt_ref, o_ref,
-            m_ref, l_ref, acc_ref, *, geom: WindowGeometry, scale: float, block_t: int):
-    """Grid step ``(row, q block, key step)``; key steps ``[0, max_pages)`` are history pages, then
-    tail blocks of ``block_t`` tokens.
-
-    Refs: ``q_ref``/``o_ref`` ``[Hq, bq, D]``; ``kp_ref``/``vp_ref`` one page
-    ``[block_size, Hkv, D]``; ``kt_ref``/``vt_ref`` ``[block_t, Hkv, D]``; scratch
-    ``m_ref``/``l_ref`` ``[Hq, bq, 1]`` and ``acc_ref`` ``[Hq, bq, D]`` float32. ``table_ref`` is
-    unused here (read by the index maps).
+    Attributes:
+      block_q: queries per query block and query head (M is ``group * block_q``).
+      block_q_compute: rows of M per softmax update (divides ``group * block_q``).
+      block_kv_compute: keys per compute chunk (a multiple of 128).
+      keys_per_block: target history keys per DMA block (``pages_per_block * block_size``).
     """
-    del table_ref
-    row, step = pl.program_id(0), pl.program_id(2)
 
-    @pl.when(step == 0)
-    def _init():
-        m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
-        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
-        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
-
-    def attend(k_ref, v_ref, valid_row, valid_col):
-        for kv_head in range(geom.kv_heads):
-            k = k_ref[:, kv_head, :]
-            v = v_ref[:, kv_head, :]
-            for head in range(kv_head * geom.group, (kv_head + 1) * geom.group):
-                m_ref[head], l_ref[head], acc_ref[head] = online_softmax_step(
-                    m_ref[head], l_ref[head], acc_ref[head], q_ref[head], k, v, valid_row,
-                    valid_col, scale)
-
-    def iotas(n):
-        return (lax.broadcasted_iota(jnp.int32, (1, n), 1),
-                lax.broadcasted_iota(jnp.int32, (n, 1), 0))
-
-    @pl.when(step < nvis_ref[row])
-    def _history_page():
-        # Pages are frame aligned: page `step` lies wholly in frame step // pages_per_frame.
-        frame = lax.div(step, geom.pages_per_frame)
-        first = lax.rem(step, geom.pages_per_frame) * geom.block_size
-        masks = [(first + i < geom.tokens_per_frame)
-                 & (frame * geom.tokens_per_frame + first + i < len_ref[row])
-                 for i in iotas(geom.block_size)]
-        attend(kp_ref, vp_ref, *masks)
-
-    @pl.when(step >= geom.max_pages)
-    def _tail_block():
-        first = (step - geom.max_pages) * block_t
-        masks = [first + i < geom.tail_len for i in iotas(block_t)]
-        attend(kt_ref, vt_ref, *masks)
-
-    @pl.when(step == pl.num_programs(2) - 1)
-    def _finish():
-        o_ref[...] = (acc_ref[...] / l_ref[...]).astype(o_ref.dtype)
+    block_q: int
+    block_q_compute: int
+    block_kv_compute: int
+    keys_per_block: int
 
 
-def _page_index(row, qb, step, table_ref, nvis_ref, len_ref, *, max_pages: int):
-    """Pool block for key step ``step``: its page, or the last visible page once past it (a repeated
-    block index issues no DMA). Rows without history read their null page once."""
-    del qb, len_ref
-    entry = jnp.maximum(jnp.minimum(step, nvis_ref[row] - 1), 0)
-    return table_ref[row * max_pages + entry], 0, 0, 0
+TUNED_BLOCKS = {
+    "v5e": Blocks(block_q=1568, block_q_compute=784, block_kv_compute=512, keys_per_block=2048),
+    "v6e": Blocks(block_q=1568, block_q_compute=784, block_kv_compute=512, keys_per_block=2048),
+}
+"""Default block sizes per generation (chosen from compiler bundle counts, ``benchmarks/tpu_compile.py``)."""
+VMEM_BUDGET = {"v5e": 100 << 20, "v6e": 100 << 20}
+"""Most scoped VMEM a call may ask for, bytes (of 128 MiB physical)."""
 
 
-def _tail_index(row, qb, step, table_ref, nvis_ref, len_ref, *, max_pages: int):
-    del qb, table_ref, nvis_ref, len_ref
-    return row, jnp.maximum(step - max_pages, 0), 0, 0
+@dataclasses.dataclass(frozen=True)
+class Geometry(WindowGeometry):
+    """:class:`~pallas_kernels.window_attention.geometry.WindowGeometry` plus the dtype's name
+    (hashable): the static sizes of one TPU call."""
+
+    dtype: str
+
+    @classmethod
+    def of(cls, geom: WindowGeometry, dtype) -> "Geometry":
+        return cls(**dataclasses.asdict(geom), dtype=jnp.dtype(dtype).name)
+
+    @property
+    def itemsize(self) -> int:
+        return jnp.dtype(self.dtype).itemsize
+
+    @property
+    def sublanes(self) -> int:
+        """Rows of one VMEM tile (8 for 32-bit, 16 for 16-bit types)."""
+        return 8 * 4 // self.itemsize
 
 
-def _query_index(row, qb, step, table_ref, nvis_ref, len_ref):
-    del step, table_ref, nvis_ref, len_ref
-    return row, 0, qb, 0
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Derived, static tiling of one call."""
+
+    block_q: int
+    num_q_blocks: int
+    block_q_compute: int
+    block_kv_compute: int
+    pages_per_block: int
+    pages_per_chunk: int  # > 0: chunks of whole pages; 0: pieces of one page.
+    tail_pad: int
+
+    @property
+    def q_pad(self) -> int:
+        return self.block_q * self.num_q_blocks
 
 
-@functools.partial(jax.jit, static_argnames=("geom", "scale", "block_q", "block_t", "backend"))
-def window_attention(q, k_cur, v_cur, extra_k, extra_v, k_pool, v_pool, pages, lengths, layer,
-                     *, geom: WindowGeometry, scale: float, block_q: int, block_t: int,
-                     backend: str):
-    """Wrapper of the kernel: pads ``q`` to ``block_q`` and transposes it head-major, builds the
-    padded tail, folds ``layer`` into the page table and merges the pool's two leading axes.
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
 
-    Arguments as :func:`pallas_kernels.window_attention.window_attention`; ``backend`` one of the
-    ``pallas_tpu*`` names (it sets ``interpret``).
+
+def make_plan(geom: Geometry, blocks: Blocks) -> Plan:
+    """The static tiling for ``geom`` from the (validated) target ``blocks``."""
+    sub = geom.sublanes
+    num_q_blocks = -(-geom.q_len // blocks.block_q)
+    block_q = _round_up(-(-geom.q_len // num_q_blocks), sub)
+    m = geom.group * block_q
+    bqc = max(sub, min(blocks.block_q_compute, m) // sub * sub)
+    while m % bqc:
+        bqc -= sub
+    bkc, size = blocks.block_kv_compute, geom.block_size
+    if size % sub == 0 and size <= bkc:
+        per_chunk = max(1, min(bkc // size, geom.max_pages))
+        per_block = max(per_chunk, blocks.keys_per_block // size // per_chunk * per_chunk)
+        per_block = min(per_block, _round_up(geom.max_pages, per_chunk))
+    else:
+        per_chunk = 0
+        per_block = max(1, min(blocks.keys_per_block // size, geom.max_pages))
+    full, rest = divmod(geom.tail_len, bkc)
+    tail_pad = full * bkc + _round_up(rest, sub)
+    return Plan(block_q, num_q_blocks, bqc, bkc, per_block, per_chunk, tail_pad)
+
+
+def vmem_estimate_bytes(geom: Geometry, plan: Plan) -> int:
+    """Scoped VMEM the kernel needs: double-buffered q, output and tail blocks, the double-buffered
+    K and V page blocks, the ``m``/``l``/accumulator scratch and one compute chunk's float32
+    logits and probabilities (with their cast copy), in bytes."""
+    isz, d = geom.itemsize, geom.head_dim
+    m = geom.group * plan.block_q
+    slots = _round_up(geom.block_size, geom.sublanes)
+    blocks = 2 * 2 * m * d * isz + 2 * 2 * plan.tail_pad * d * isz
+    pages = 2 * 2 * plan.pages_per_block * slots * d * isz
+    scratch = 2 * m * LANES * 4 + m * _round_up(d, LANES) * 4
+    chunk = plan.block_q_compute * plan.block_kv_compute * (4 + 4 + isz) + 2 * plan.block_kv_compute * d * 4
+    return blocks + pages + scratch + chunk
+
+
+def temp_bound_bytes(geom: Geometry, plan: Plan) -> int:
+    """Upper bound of the compiled call's temporaries (outside the pools), bytes: the head-major
+    queries and output, the head-major tail, the tables, and 1 MiB for XLA's small buffers."""
+    isz = geom.itemsize
+    q = 2 * geom.rows * plan.q_pad * geom.num_q_heads * geom.head_dim * isz
+    tail = 2 * geom.rows * geom.kv_heads * plan.tail_pad * geom.head_dim * isz
+    return q + tail + 4 * geom.rows * (geom.max_pages + 2) + (1 << 20)
+
+
+# ------------------------------------------------------------------------------------------------
+# Public API
+# ------------------------------------------------------------------------------------------------
+
+
+def window_attention(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, layer=0, extra_k=None,
+                     extra_v=None, scale=None, tokens_per_frame=None, generation=None,
+                     block_q=None, block_q_compute=None, block_kv_compute=None,
+                     keys_per_block=None, interpret: Any = False):
+    """The TPU kernel with every tiling knob (the dispatcher exposes ``block_q``/``block_k``).
+
+    Args:
+      q, k_cur, v_cur, k_pool, v_pool, pages, lengths, layer, extra_k, extra_v, scale,
+        tokens_per_frame: as :func:`pallas_kernels.window_attention.window_attention` (pools in
+        :func:`pallas_kernels.layout.pool_shape`).
+      generation: ``"v5e"`` or ``"v6e"``: which :data:`TUNED_BLOCKS` row and VMEM budget; default
+        the default device's generation, ``"v5e"`` off TPU.
+      block_q, block_q_compute, block_kv_compute, keys_per_block: override the tuned
+        :class:`Blocks` fields.
+      interpret: ``pl.pallas_call``'s ``interpret`` (False compiles for TPU; True or a
+        ``pltpu.InterpretParams`` runs on the CPU).
+
+    Returns:
+      ``[rows, q_len, num_q_heads, head_dim]`` in ``q``'s dtype.
+
+    Raises:
+      ValueError: what :func:`~pallas_kernels.window_attention.validation.check_arrays` rejects;
+        a bad scale, generation or tile; a block size that is not a multiple of 8 (compiled only);
+        a tiling whose VMEM estimate exceeds the generation's budget. Values (page ids, lengths,
+        layer) are not checked (``dynamic_validate_inputs`` does).
     """
-    q_pad, tail_pad = round_up(geom.q_len, block_q), round_up(geom.tail_len, block_t)
-    q_t = jnp.pad(q, ((0, 0), (0, q_pad - geom.q_len), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
-    k_tail, v_tail = tail_kv(k_cur, v_cur, extra_k, extra_v, tail_pad)
-    pool_shape = (geom.num_layers * geom.num_pages, geom.block_size, geom.kv_heads, geom.head_dim)
-    table = layer_page_table(pages, lengths, layer, geom).reshape(-1)
+    geom = check_arrays(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, layer=layer,
+                        extra_k=extra_k, extra_v=extra_v, tokens_per_frame=tokens_per_frame)
+    if interpret is False:
+        check_tpu_block_size(geom.block_size)
+    scale = _check_scale(geom.head_dim ** -0.5 if scale is None else scale)
+    geom = Geometry.of(geom, q.dtype)
+    plan, vmem_limit = plan_call(geom, generation, block_q=block_q,
+                                 block_q_compute=block_q_compute,
+                                 block_kv_compute=block_kv_compute, keys_per_block=keys_per_block)
+    return _window_attention(q, k_cur, v_cur, extra_k, extra_v, k_pool, v_pool, pages, lengths,
+                             jnp.asarray(layer, jnp.int32), geom=geom, plan=plan, scale=scale,
+                             vmem_limit=vmem_limit, interpret=interpret)
+
+
+def attention(q, k_cur, v_cur, extra_k, extra_v, k_pool, v_pool, pages, lengths, layer, *,
+              geom: WindowGeometry, scale: float, block_q: int | None, block_k: int | None,
+              backend: str):
+    """The dispatcher's entry (inputs already validated): ``block_k`` is ``keys_per_block``, the
+    history keys of one DMA block; ``backend`` one of the ``pallas_tpu*`` names."""
+    geom = Geometry.of(geom, q.dtype)
+    plan, vmem_limit = plan_call(geom, None, block_q=block_q, keys_per_block=block_k)
+    return _window_attention(q, k_cur, v_cur, extra_k, extra_v, k_pool, v_pool, pages, lengths,
+                             layer, geom=geom, plan=plan, scale=scale, vmem_limit=vmem_limit,
+                             interpret=resolve_backend(backend).interpret)
+
+
+def plan_call(geom: Geometry, generation: str | None, **overrides) -> tuple[Plan, int]:
+    """``(plan, vmem_limit_bytes)`` of one call from the tuned blocks of ``generation`` (default:
+    the default device's) with the non-None ``overrides``.
+
+    Raises:
+      ValueError: unknown generation, a block size out of range, or a VMEM estimate over the
+        generation's budget.
+    """
+    generation = default_generation() if generation is None else generation
+    blocks = resolve_blocks(generation, **overrides)
+    plan = make_plan(geom, blocks)
+    vmem = vmem_estimate_bytes(geom, plan)
+    if vmem > VMEM_BUDGET[generation]:
+        raise ValueError(f"the tiling {blocks} needs about {vmem >> 20} MiB of VMEM, over the "
+                         f"{VMEM_BUDGET[generation] >> 20} MiB budget of {generation}; use smaller "
+                         "block_q / block_kv_compute / keys_per_block")
+    return plan, _vmem_limit(vmem, generation)
+
+
+def default_generation() -> str:
+    """``"v6e"`` or ``"v5e"`` from the default device's kind; ``"v5e"`` off TPU."""
+    device = jax.devices()[0]
+    kind = getattr(device, "device_kind", "").lower()
+    return "v6e" if device.platform == "tpu" and ("v6" in kind) else "v5e"
+
+
+def resolve_blocks(generation: str, **overrides) -> Blocks:
+    """The tuned :class:`Blocks` of ``generation`` with the non-None ``overrides`` applied.
+
+    Raises:
+      ValueError: unknown generation, or a block size out of range.
+    """
+    if generation not in TUNED_BLOCKS:
+        raise ValueError(f"generation must be one of {sorted(TUNED_BLOCKS)}, got {generation!r}")
+    given = {k: v for k, v in overrides.items() if v is not None}
+    blocks = dataclasses.replace(TUNED_BLOCKS[generation], **given)
+    for name in ("block_q", "block_q_compute", "keys_per_block"):
+        value = getattr(blocks, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 8 or value % 8:
+            raise ValueError(f"{name}={value!r} must be a positive multiple of 8")
+    bkc = blocks.block_kv_compute
+    if isinstance(bkc, bool) or not isinstance(bkc, int) or bkc < LANES or bkc % LANES:
+        raise ValueError(f"block_kv_compute={bkc!r} must be a positive multiple of {LANES}")
+    return blocks
+
+
+def _vmem_limit(estimate: int, generation: str) -> int:
+    return int(min(VMEM_BUDGET[generation], max(32 << 20, estimate * 5 // 4 + (4 << 20))))
+
+
+def _check_scale(scale) -> float:
+    if not isinstance(scale, (int, float, np.floating)) or not 0 < scale < math.inf:
+        raise ValueError(f"scale must be a positive finite number, got {scale!r}")
+    return float(scale)
+
+
+# ------------------------------------------------------------------------------------------------
+# Kernel
+# ------------------------------------------------------------------------------------------------
+
+
+def _lanes(x, n: int):
+    """A lane-dense ``[rows, 128]`` statistic widened (or cut) to ``n`` lanes."""
+    reps, rest = divmod(n, LANES)
+    parts = ([jnp.tile(x, (1, reps))] if reps else []) + ([x[:, :rest]] if rest else [])
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
+
+
+def _prefix_masks(n: int, limits):
+    """Key masks of a chunk of ``n`` keys made of ``len(limits)`` equal pages, page ``i`` valid in
+    its first ``limits[i]`` slots: ``([1, n], [n, 1])`` booleans."""
+    size = n // len(limits)
+    masks = []
+    for shape, axis in (((1, n), 1), ((n, 1), 0)):
+        pos = lax.broadcasted_iota(jnp.int32, shape, axis)
+        mask = None
+        for i, lim in enumerate(limits):
+            part = (pos >= i * size) & (pos < i * size + lim)
+            mask = part if mask is None else mask | part
+        masks.append(mask)
+    return masks
+
+
+def _kernel(table_ref, nvis_ref, len_ref, layer_ref, q_ref, kt_ref, vt_ref, k_hbm, v_hbm, o_ref,
+            kbuf, vbuf, sems, m_ref, l_ref, acc_ref, *, geom: Geometry, plan: Plan):
+    """Grid step ``(row, kv head, query block)``; see the module docstring.
+
+    Refs: SMEM ``table_ref`` ``[rows * max_pages]`` (0 past the visible pages), ``nvis_ref``
+    ``[rows]``, ``len_ref`` ``[rows]``, ``layer_ref`` ``[1]``; VMEM ``q_ref``/``o_ref`` ``[M, D]``,
+    ``kt_ref``/``vt_ref`` ``[tail_pad, D]``; HBM pools ``[L, H, P, S, D]``; scratch ``kbuf``/``vbuf``
+    ``[2, pages_per_block, S, D]``, DMA ``sems`` ``[2, 2]`` (K/V x buffer), ``m_ref``/``l_ref``
+    ``[M, 128]`` and ``acc_ref`` ``[M, D]`` float32.
+    """
+    row, head = pl.program_id(0), pl.program_id(1)
+    size, ppb, bkc, bqc = geom.block_size, plan.pages_per_block, plan.block_kv_compute, \
+        plan.block_q_compute
+    m_rows = q_ref.shape[0]
+    precision = lax.Precision.HIGHEST if geom.dtype == "float32" else lax.Precision.DEFAULT
+    m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
+    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    def update(k, v, masks=None):
+        """Online-softmax update of every query sub-block with one chunk of keys ``k``/``v``."""
+        n = k.shape[0]
+        if masks is not None:
+            v = jnp.where(masks[1], v, jnp.zeros_like(v))
+
+        def sub_block(i, carry):
+            rows_ = pl.ds(pl.multiple_of(i * bqc, bqc), bqc)
+            s = lax.dot_general(q_ref[rows_], k, (((1,), (1,)), ((), ())), precision=precision,
+                                preferred_element_type=jnp.float32)
+            if masks is not None:
+                s = jnp.where(masks[0], s, MASK_VALUE)
+            m_prev, l_prev = m_ref[rows_], l_ref[rows_]
+            m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+            p = jnp.exp2(s - _lanes(m_next, n))
+            alpha = jnp.exp2(m_prev - m_next)
+            l_ref[rows_] = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
+            m_ref[rows_] = m_next
+            pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+                                 precision=precision, preferred_element_type=jnp.float32)
+            acc_ref[rows_] = acc_ref[rows_] * _lanes(alpha, geom.head_dim) + pv
+            return carry
+
+        lax.fori_loop(0, m_rows // bqc, sub_block, 0)
+
+    # The current chunk and extras first: every row then has a real running max before any
+    # partly valid history chunk.
+    full_tail = geom.tail_len // bkc
+
+    def tail_chunk(c, carry):
+        keys = pl.ds(pl.multiple_of(c * bkc, bkc), bkc)
+        update(kt_ref[keys], vt_ref[keys])
+        return carry
+
+    if full_tail:
+        lax.fori_loop(0, full_tail, tail_chunk, 0)
+    if plan.tail_pad > full_tail * bkc:
+        n = plan.tail_pad - full_tail * bkc
+        keys = pl.ds(full_tail * bkc, n)
+        valid = geom.tail_len - full_tail * bkc
+        update(kt_ref[keys], vt_ref[keys], None if valid == n else _prefix_masks(n, [valid]))
+
+    # History: blocks of `ppb` page-list entries, double-buffered by hand.
+    nvis, length, layer = nvis_ref[row], len_ref[row], layer_ref[0]
+    num_blocks = lax.div(nvis + ppb - 1, ppb)
+
+    def page_dmas(block, slot, i):
+        entry = block * ppb + i
+        page = table_ref[row * geom.max_pages + jnp.minimum(entry, geom.max_pages - 1)]
+        return entry, [pltpu.make_async_copy(pool.at[page_index(layer, head, page)], buf.at[slot, i],
+                                             sems.at[kind, slot])
+                       for kind, (pool, buf) in enumerate(((k_hbm, kbuf), (v_hbm, vbuf)))]
+
+    def for_block(block, slot, action: str):
+        def one(i, carry):
+            entry, dmas = page_dmas(block, slot, i)
+
+            @pl.when(entry < nvis)
+            def _():
+                for dma in dmas:
+                    getattr(dma, action)()
+            return carry
+
+        lax.fori_loop(0, ppb, one, 0, unroll=ppb <= 8)
+
+    def valid_slots(entry):
+        """Valid slots (a prefix) of page-list entry ``entry``."""
+        frame, first = lax.div(entry, geom.pages_per_frame), \
+            lax.rem(entry, geom.pages_per_frame) * size
+        n = jnp.minimum(geom.tokens_per_frame - first, length - frame * geom.tokens_per_frame - first)
+        return jnp.clip(n, 0, size)
+
+    def chunk(k, v, limits, n):
+        """Computes one chunk: unmasked if every slot is valid, masked if some, skipped if none."""
+        full = functools.reduce(jnp.logical_and, [lim == n // len(limits) for lim in limits])
+        some = functools.reduce(jnp.logical_or, [lim > 0 for lim in limits])
+        pl.when(full)(lambda: update(k(), v()))
+        pl.when(some & jnp.logical_not(full))(
+            lambda: update(k(), v(), _prefix_masks(n, limits)))
+
+    def history_block(block, carry):
+        slot = lax.rem(block, 2)
+        pl.when(block + 1 < num_blocks)(lambda: for_block(block + 1, 1 - slot, "start"))
+        for_block(block, slot, "wait")
+        first = block * ppb
+        if plan.pages_per_chunk:
+            g = plan.pages_per_chunk
+            n = g * size
+
+            def page_chunk(c, carry):
+                pages_ = pl.ds(pl.multiple_of(c * g, g), g)
+                limits = [valid_slots(first + c * g + i) for i in range(g)]
+                chunk(lambda: kbuf[slot, pages_].reshape(n, geom.head_dim),
+                      lambda: vbuf[slot, pages_].reshape(n, geom.head_dim), limits, n)
+                return carry
+
+            lax.fori_loop(0, ppb // g, page_chunk, 0)
+        else:
+            def page(i, carry):
+                limit = valid_slots(first + i)
+                for start in range(0, size, bkc):
+                    n = min(bkc, size - start)
+                    keys = pl.ds(start, n)
+                    chunk(lambda keys=keys: kbuf[slot, i, keys], lambda keys=keys: vbuf[slot, i, keys],
+                          [jnp.clip(limit - start, 0, n)], n)
+                return carry
+
+            lax.fori_loop(0, ppb, page, 0)
+        return carry
+
+    pl.when(num_blocks > 0)(lambda: for_block(0, 0, "start"))
+    lax.fori_loop(0, num_blocks, history_block, 0)
+    o_ref[...] = (acc_ref[...] / _lanes(l_ref[...], geom.head_dim)).astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("geom", "plan", "scale", "vmem_limit", "interpret"))
+def _window_attention(q, k_cur, v_cur, extra_k, extra_v, k_pool, v_pool, pages, lengths, layer, *,
+                      geom: Geometry, plan: Plan, scale: float, vmem_limit: int, interpret: Any):
+    """Wrapper of :func:`_kernel`: scales ``q`` and lays it out ``[rows, kv_heads, q blocks, M, D]``
+    (GQA folded into M), builds the head-major tail, the page table and the visible counts."""
+    rows, hkv, g, d, bq = geom.rows, geom.kv_heads, geom.group, geom.head_dim, plan.block_q
+    nqb, m = plan.num_q_blocks, geom.group * plan.block_q
+    qs = (q.astype(jnp.float32) * (scale * LOG2_E)).astype(q.dtype)
+    qs = jnp.pad(qs, ((0, 0), (0, plan.q_pad - geom.q_len), (0, 0), (0, 0)))
+    qs = qs.reshape(rows, nqb, bq, hkv, g, d).transpose(0, 3, 1, 4, 2, 5).reshape(rows, hkv, nqb,
+                                                                                   m, d)
+    pad = plan.tail_pad - geom.tail_len
+    parts_k = [k_cur] + ([] if extra_k is None else [extra_k])
+    parts_v = [v_cur] + ([] if extra_v is None else [extra_v])
+    zeros = [jnp.zeros((rows, pad, hkv, d), q.dtype)] if pad else []
+    k_tail = jnp.concatenate(parts_k + zeros, axis=1).transpose(0, 2, 1, 3)
+    v_tail = jnp.concatenate(parts_v + zeros, axis=1).transpose(0, 2, 1, 3)
+
+    lengths = lengths.astype(jnp.int32)
     nvis = visible_page_count(lengths, geom)
-    num_steps = geom.max_pages + tail_pad // block_t
-    q_spec = pl.BlockSpec((None, geom.num_q_heads, block_q, geom.head_dim), _query_index)
-    page_spec = pl.BlockSpec((None, geom.block_size, geom.kv_heads, geom.head_dim),
-                             functools.partial(_page_index, max_pages=geom.max_pages))
-    tail_spec = pl.BlockSpec((None, block_t, geom.kv_heads, geom.head_dim),
-                             functools.partial(_tail_index, max_pages=geom.max_pages))
-    stats_shape = pltpu.VMEM((geom.num_q_heads, block_q, 1), jnp.float32)
-    grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=3,
-        grid=(geom.rows, q_pad // block_q, num_steps),
-        in_specs=[q_spec, page_spec, page_spec, tail_spec, tail_spec],
-        out_specs=q_spec,
-        scratch_shapes=[stats_shape, stats_shape,
-                        pltpu.VMEM((geom.num_q_heads, block_q, geom.head_dim), jnp.float32)],
-    )
-    kernel = functools.partial(_kernel, geom=geom, scale=scale, block_t=block_t)
+    entry = jnp.arange(geom.max_pages, dtype=jnp.int32)[None, :]
+    table = jnp.where(entry < nvis[:, None], pages.astype(jnp.int32), 0).reshape(-1)
+
+    q_spec = pl.BlockSpec((None, None, None, m, d), lambda r, h, b, *_: (r, h, b, 0, 0))
+    tail_spec = pl.BlockSpec((None, None, plan.tail_pad, d), lambda r, h, b, *_: (r, h, 0, 0))
+    hbm = pl.BlockSpec(memory_space=pl.ANY)
+    buf = pltpu.VMEM((2, plan.pages_per_block, geom.block_size, d), q.dtype)
     out = pl.pallas_call(
-        kernel,
-        out_shape=jax.ShapeDtypeStruct(q_t.shape, q.dtype),
-        grid_spec=grid_spec,
+        functools.partial(_kernel, geom=geom, plan=plan),
+        out_shape=jax.ShapeDtypeStruct((rows, hkv, nqb, m, d), q.dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=4,
+            grid=(rows, hkv, nqb),
+            in_specs=[q_spec, tail_spec, tail_spec, hbm, hbm],
+            out_specs=q_spec,
+            scratch_shapes=[buf, buf, pltpu.SemaphoreType.DMA((2, 2)),
+                            pltpu.VMEM((m, LANES), jnp.float32),
+                            pltpu.VMEM((m, LANES), jnp.float32),
+                            pltpu.VMEM((m, d), jnp.float32)]),
         compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel", "arbitrary")),
-        interpret=resolve_backend(backend).interpret,
+            dimension_semantics=("parallel", "parallel", "arbitrary"),
+            vmem_limit_bytes=vmem_limit),
+        interpret=interpret,
         name="window_attention_tpu",
-    )(table, nvis, lengths.astype(jnp.int32), q_t, k_pool.reshape(pool_shape),
-      v_pool.reshape(pool_shape), k_tail, v_tail)
-    return out.transpose(0, 2, 1, 3)[:, :geom.q_len]
+    )(table, nvis, lengths, layer.reshape(1), qs, k_tail, v_tail, k_pool, v_pool)
+    out = out.reshape(rows, hkv, nqb, g, bq, d).transpose(0, 2, 4, 1, 3, 5)
+    return out.reshape(rows, plan.q_pad, geom.num_q_heads, d)[:, :geom.q_len]

@@ -16,6 +16,7 @@ import numpy as np
 
 from pallas_kernels.backend import CUDNN_DTYPES, cudnn_supports, resolve_backend
 from pallas_kernels.common import check_rank, check_supported_dtype, is_power_of_two
+from pallas_kernels.layout import PAGE_AXIS, POOL_LAYOUT, check_tpu_block_size, pool_geometry, pool_shape
 from pallas_kernels.window_attention import mosaic_gpu
 from pallas_kernels.window_attention.geometry import WindowGeometry
 
@@ -31,7 +32,9 @@ def static_validate_inputs(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, l
 
     * ``pallas_gpu*`` (Triton): ``head_dim`` a power of two >= 16; ``block_q``/``block_k`` powers
       of two in ``[16, 256]``.
-    * ``pallas_tpu*``: ``block_q``/``block_k`` positive multiples of 8.
+    * ``pallas_tpu*``: ``block_q``/``block_k`` positive multiples of 8; the compiled
+      ``pallas_tpu`` kernel also a ``block_size`` that is a multiple of 8
+      (:func:`pallas_kernels.layout.check_tpu_block_size`; the interpreters take any).
     * ``cudnn_gather``: bf16 or f16, ``head_dim`` a multiple of 8 in ``[8, 256]`` (tiles unused;
       ``cudnn_gather_xla`` takes any supported dtype and head dim).
     * ``pallas_mgpu``: bf16 or f16, ``head_dim`` a multiple of 64 in ``[64, 256]``, ``block_q``
@@ -57,6 +60,8 @@ def static_validate_inputs(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, l
     elif resolved.kind == "pallas_tpu":
         _check_tpu_tile("block_q", block_q)
         _check_tpu_tile("block_k", block_k)
+        if resolved.name == "pallas_tpu":  # The interpreters take any block size.
+            check_tpu_block_size(geom.block_size)
     elif resolved.name == "cudnn_gather":
         _check_cudnn(q.dtype, geom.head_dim)
     elif resolved.kind == "pallas_mgpu":
@@ -122,7 +127,7 @@ def dynamic_validate_inputs(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, 
     if bad.size:
         r, s = bad[0]
         raise ValueError(f"pages[{r}, {s}]={table[r, s]} is not a page id; allowed "
-                         f"[0, {geom.num_pages}) (k_pool.shape[1])")
+                         f"[0, {geom.num_pages}) (k_pool.shape[{PAGE_AXIS}])")
     lens = np.asarray(lengths)
     bad = np.flatnonzero((lens < 0) | (lens > geom.capacity))
     if bad.size:
@@ -155,12 +160,13 @@ def _check_shapes(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, extra_k, extr
                   tokens_per_frame) -> WindowGeometry:
     check_rank("q", q, 4, "[rows, q_len, num_q_heads, head_dim]")
     check_rank("k_cur", k_cur, 4, "[rows, cur_len, kv_heads, head_dim]")
-    check_rank("k_pool", k_pool, 5, "[num_layers, num_pages, block_size, kv_heads, head_dim]")
+    check_rank("k_pool", k_pool, 5, POOL_LAYOUT)
     check_rank("pages", pages, 2, "[rows, max_pages]")
     check_rank("lengths", lengths, 1, "[rows]")
     rows, q_len, num_q_heads, head_dim = q.shape
     _, cur_len, kv_heads, _ = k_cur.shape
-    num_layers, num_pages, block_size, _, _ = k_pool.shape
+    pool = pool_geometry(k_pool)
+    num_layers, num_pages, block_size = pool.num_layers, pool.num_pages, pool.block_size
     _same_shape("v_cur", v_cur, "k_cur", k_cur)
     _same_shape("v_pool", v_pool, "k_pool", k_pool)
     if (extra_k is None) != (extra_v is None):
@@ -174,7 +180,8 @@ def _check_shapes(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, extra_k, extr
         num_extra = extra_k.shape[1]
         _expect("extra_k", extra_k.shape, (rows, num_extra, kv_heads, head_dim))
     _expect("k_cur", k_cur.shape, (rows, cur_len, kv_heads, head_dim))
-    _expect("k_pool", k_pool.shape, (num_layers, num_pages, block_size, kv_heads, head_dim))
+    _expect("k_pool", k_pool.shape, pool_shape(num_layers, num_pages, block_size, kv_heads, head_dim,
+                                            check=False))
     _expect("pages", pages.shape, (rows, pages.shape[1]))
     _expect("lengths", lengths.shape, (rows,))
     if min(rows, q_len, cur_len, head_dim, kv_heads, num_layers, num_pages, block_size) < 1:

@@ -8,6 +8,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.layout import read_tokens
 from pallas_kernels.window_attention.geometry import (
     WindowGeometry,
     history_token_slot,
@@ -82,5 +83,5 @@ def gather_history(pool: jax.Array, pages: jax.Array, lengths: jax.Array, layer:
     table = layer_page_table(pages, lengths, 0, geom)
     slot = history_token_slot(jnp.arange(geom.capacity, dtype=jnp.int32), geom)
     page, offset = table[:, slot // geom.block_size], slot % geom.block_size
-    return jnp.where(history_valid(lengths, geom)[:, :, None, None], pool[layer, page, offset],
-                     jnp.zeros((), pool.dtype))
+    return jnp.where(history_valid(lengths, geom)[:, :, None, None],
+                     read_tokens(pool, layer, page, offset), jnp.zeros((), pool.dtype))

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels.layout import from_token_major, pool_geometry, pool_shape, to_token_major
 from pallas_kernels.paged_write import (
     dynamic_validate_inputs,
     pages_per_frame,
@@ -41,7 +42,8 @@ HEADS, HEAD_DIM = 2, 128
 def make_case(seed, *, layers=2, num_pages=24, rows=2, frames=2, tokens_per_frame=24,
               dtype=jnp.float32, nan_pages=4):
     """Random pools (null page zero, ``nan_pages`` pages NaN), a random chunk and random distinct
-    page ids drawn from a permutation of ``[1, num_pages)``."""
+    page ids drawn from a permutation of ``[1, num_pages)``. Pools are built token-major
+    ``[L, P, S, H, D]`` and laid out with :func:`pallas_kernels.layout.from_token_major`."""
     rng = np.random.default_rng(seed)
     shape = (layers, num_pages, BLOCK, HEADS, HEAD_DIM)
 
@@ -49,7 +51,7 @@ def make_case(seed, *, layers=2, num_pages=24, rows=2, frames=2, tokens_per_fram
         x = rng.standard_normal(shape).astype(np.float32)
         x[:, 0] = 0.0
         x[:, rng.choice(np.arange(1, num_pages), nan_pages, replace=False)] = np.nan
-        return jnp.asarray(x, dtype)
+        return from_token_major(jnp.asarray(x, dtype))
 
     ppf = pages_per_frame(tokens_per_frame, BLOCK)
     new_shape = (layers, rows, frames * tokens_per_frame, HEADS, HEAD_DIM)
@@ -70,8 +72,14 @@ def assert_bitwise_equal(actual, expected):
     np.testing.assert_array_equal(bits(actual), bits(expected))
 
 
+def token_major(pool) -> np.ndarray:
+    """A pool as a token-major ``[L, P, S, H, D]`` numpy array (pages on axis 1)."""
+    return np.asarray(to_token_major(jnp.asarray(pool)))
+
+
 def assert_only_named_pages_changed(before, after, page_ids, num_pages):
     """Pages outside ``page_ids`` (and always the null page) are bit-identical to ``before``."""
+    before, after = token_major(before), token_major(after)
     ids = np.asarray(page_ids).reshape(-1)
     named = np.zeros(num_pages, bool)
     named[ids[(ids >= 1) & (ids < num_pages)]] = True
@@ -81,8 +89,9 @@ def assert_only_named_pages_changed(before, after, page_ids, num_pages):
 
 
 def numpy_write(pool, new, page_ids, tokens_per_frame):
-    """An independent, loop-by-loop numpy statement of the write (for checking the reference)."""
-    pool = np.array(pool)
+    """An independent, loop-by-loop numpy statement of the write (for checking the reference), on
+    the token-major view; returns the pool in its own layout."""
+    pool = token_major(pool).copy()
     layers, rows, tokens, heads, dim = new.shape
     block = pool.shape[2]
     ppf = pages_per_frame(tokens_per_frame, block)
@@ -97,7 +106,7 @@ def numpy_write(pool, new, page_ids, tokens_per_frame):
                 stop = min(start + block, (f + 1) * tokens_per_frame)
                 pool[:, page] = 0
                 pool[:, page, : stop - start] = np.asarray(new)[:, r, start:stop]
-    return pool
+    return np.asarray(from_token_major(pool))
 
 
 def test_pages_per_frame():
@@ -128,11 +137,11 @@ def test_matches_reference_padded_frames(backend, dtype):
     assert k_out.dtype == k_pool.dtype and k_out.shape == k_pool.shape
     assert_bitwise_equal(k_out, k_ref)
     assert_bitwise_equal(v_out, v_ref)
-    assert_only_named_pages_changed(k_pool, k_out, page_ids, k_pool.shape[1])
-    assert_only_named_pages_changed(v_pool, v_out, page_ids, v_pool.shape[1])
+    assert_only_named_pages_changed(k_pool, k_out, page_ids, pool_geometry(k_pool).num_pages)
+    assert_only_named_pages_changed(v_pool, v_out, page_ids, pool_geometry(v_pool).num_pages)
     # The padding tokens of each frame's last page are zeros.
     last_pages = np.asarray(page_ids)[:, 1::2].reshape(-1)
-    assert not np.asarray(k_out, np.float32)[:, last_pages, 8:].any()
+    assert not token_major(k_out.astype(jnp.float32))[:, last_pages, 8:].any()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -163,7 +172,7 @@ def test_matches_reference_short_and_long_frames(backend, tokens_per_frame):
 def test_skipped_ids_corrupt_nothing(backend, jitted):
     """0 and out-of-range ids skip, eagerly as under jit: the kernel never checks values."""
     k_pool, v_pool, k_new, v_new, page_ids = make_case(4, rows=3, tokens_per_frame=24)
-    num_pages = k_pool.shape[1]
+    num_pages = pool_geometry(k_pool).num_pages
     skipped = (page_ids.at[0, :].set(0)            # a padding row
                .at[1, 1].set(num_pages)            # just out of range
                .at[1, 2].set(-1)                   # negative
@@ -328,7 +337,7 @@ def test_donated_write_is_in_place(backend, tokens_per_frame):
     checked compiled on GPU only: XLA:CPU upcasts a bf16 scatter to f32 across the whole pool, see
     ``pallas_kernels/paged_write/xla.py``.)"""
     layers, num_pages = 2, 2048
-    shape = (layers, num_pages, BLOCK, 1, HEAD_DIM)
+    shape = pool_shape(layers, num_pages, BLOCK, 1, HEAD_DIM)
     k_pool = jnp.zeros(shape, jnp.bfloat16)
     v_pool = jnp.zeros(shape, jnp.bfloat16)
     k_new = jnp.zeros((layers, 2, 2 * tokens_per_frame, 1, HEAD_DIM), jnp.bfloat16)
@@ -350,7 +359,7 @@ def test_pallas_gpu_interpret_aliases_pools():
     """The GPU kernel's outputs alias the donated pools. (Its temp is not checked: Pallas' generic
     interpreter carries an aliased input and its output side by side through the grid loop, a
     pool-sized copy that the compiled Triton kernel does not make.)"""
-    shape = (1, 64, BLOCK, 1, HEAD_DIM)
+    shape = pool_shape(1, 64, BLOCK, 1, HEAD_DIM)
     pool = jnp.zeros(shape, jnp.float32)
     new = jnp.zeros((1, 1, BLOCK, 1, HEAD_DIM), jnp.float32)
     args = (pool, pool, new, new, jnp.ones((1, 1), jnp.int32))
@@ -385,7 +394,7 @@ def test_new_page_id_values_do_not_retrace(backend, fresh_trace_counter):
                            backend=backend)
 
     for seed in range(3):
-        ids = np.random.default_rng(seed).permutation(np.arange(1, k_pool.shape[1]))
+        ids = np.random.default_rng(seed).permutation(np.arange(1, pool_geometry(k_pool).num_pages))
         new_ids = jnp.asarray(ids[: page_ids.size].reshape(page_ids.shape), jnp.int32)
         k_pool, v_pool = step(k_pool, v_pool, k_new, v_new, new_ids)
     step(k_pool, v_pool, k_new, v_new, jnp.zeros_like(page_ids))
@@ -401,7 +410,7 @@ def test_lowers_for_device(platform, backend, call, tokens_per_frame, lower_for_
     """The kernels lower to a Mosaic TPU / Triton custom call (Pallas' own lowering rules), for
     full and padded frames; the device compiler itself is not run here."""
     ppf = pages_per_frame(tokens_per_frame, BLOCK)
-    pool = jax.ShapeDtypeStruct((2, 64, BLOCK, HEADS, HEAD_DIM), jnp.bfloat16)
+    pool = jax.ShapeDtypeStruct(pool_shape(2, 64, BLOCK, HEADS, HEAD_DIM), jnp.bfloat16)
     new = jax.ShapeDtypeStruct((2, 2, 2 * tokens_per_frame, HEADS, HEAD_DIM), jnp.bfloat16)
     ids = jax.ShapeDtypeStruct((2, 2 * ppf), jnp.int32)
     write = functools.partial(write_chunk, tokens_per_frame=tokens_per_frame, backend=backend)

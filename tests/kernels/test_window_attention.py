@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels.layout import KV_HEAD_AXIS, page_mask, pool_shape, slot_mask
 from pallas_kernels.window_attention import (
     WindowGeometry,
     dynamic_validate_inputs,
@@ -87,13 +88,14 @@ def make_case(*, committed=(0, 2, 6), window=Window(), extra=0, cur_frames=1, nu
     def normal(*shape):
         return jnp.asarray(rng.normal(size=shape), dtype)
 
-    pool_shape = (LAYERS, NUM_PAGES, BLOCK, KV_HEADS, HEAD_DIM)
+    shape = pool_shape(LAYERS, NUM_PAGES, BLOCK, KV_HEADS, HEAD_DIM)
+    null = page_mask(jnp.arange(NUM_PAGES) == 0)
     case = dict(
         q=normal(rows, cur_len + extra, num_q_heads, HEAD_DIM),
         k_cur=normal(rows, cur_len, KV_HEADS, HEAD_DIM),
         v_cur=normal(rows, cur_len, KV_HEADS, HEAD_DIM),
-        k_pool=normal(*pool_shape).at[:, 0].set(0),
-        v_pool=normal(*pool_shape).at[:, 0].set(0),
+        k_pool=jnp.where(null, 0, normal(*shape)),
+        v_pool=jnp.where(null, 0, normal(*shape)),
         pages=jnp.asarray(tables),
         lengths=jnp.asarray(lengths, jnp.int32),
         layer=layer,
@@ -126,7 +128,7 @@ def poisoned(case: dict, owned: list[list[int]]) -> dict:
     for row, used in enumerate(np.asarray(visible_page_count(lengths, geom))):
         unread = [p for p in owned[row] if p not in tables[row, :used]] or [0]
         stale[row, used:] = np.resize(unread, max_pages - used)
-    mask = jnp.asarray(readable)[..., None, None]
+    mask = slot_mask(readable)
     return dict(case, k_pool=jnp.where(mask, case["k_pool"], jnp.nan),
                 v_pool=jnp.where(mask, case["v_pool"], jnp.nan), pages=jnp.asarray(stale))
 
@@ -206,6 +208,14 @@ def test_tpu_simulator():
     check(poisoned(case, owned), "pallas_tpu_simulate", expected=case)
 
 
+@pytest.mark.parametrize("committed,extra", [((0, 2, 5), 3), ((6, 1), 0)])
+def test_tpu_gather_baseline(committed, extra):
+    """``pallas_tpu_gather``: XLA gathers the visible pages, splash attention (interpret mode) does
+    the rest; GQA, extras, frame padding, NaN poison, ragged fills."""
+    case, owned = make_case(committed=committed, window=Window(tokens_per_frame=24), extra=extra)
+    check(poisoned(case, owned), "pallas_tpu_gather_interpret", expected=case)
+
+
 def test_auto_is_xla_on_cpu():
     case, _ = make_case(committed=(2,))
     np.testing.assert_array_equal(window_attention(**case, backend="auto"),
@@ -256,7 +266,7 @@ def test_lowers_for_device(platform, backend, call, lower_for_device):
     sds = jax.ShapeDtypeStruct
     rows, q_len, cur_len, max_pages, head_dim = 2, 48, 48, 6, 128
     kv = (rows, cur_len, KV_HEADS, head_dim)
-    pool = (LAYERS, NUM_PAGES, BLOCK, KV_HEADS, head_dim)
+    pool = pool_shape(LAYERS, NUM_PAGES, BLOCK, KV_HEADS, head_dim)
     args = (sds((rows, q_len, 8, head_dim), jnp.bfloat16), sds(kv, jnp.bfloat16),
             sds(kv, jnp.bfloat16), sds(pool, jnp.bfloat16), sds(pool, jnp.bfloat16),
             sds((rows, max_pages), jnp.int32), sds((rows,), jnp.int32), sds((), jnp.int32))
@@ -278,7 +288,8 @@ STATIC_ERRORS = [
     (lambda c: dict(q=c["q"][..., :8]), r"k_cur.shape=.* does not match"),
     (lambda c: dict(q=c["q"][:, :, :3]), r"num_q_heads=3 .* multiple of kv_heads=2"),
     (lambda c: dict(v_cur=c["v_cur"][:, :3]), r"v_cur.shape must equal k_cur.shape"),
-    (lambda c: dict(k_pool=c["k_pool"][..., :1, :], v_pool=c["v_pool"][..., :1, :]),
+    (lambda c: dict(k_pool=jnp.take(c["k_pool"], jnp.arange(1), axis=KV_HEAD_AXIS),
+                    v_pool=jnp.take(c["v_pool"], jnp.arange(1), axis=KV_HEAD_AXIS)),
      r"k_pool.shape=.* does not match"),
     (lambda c: dict(v_pool=c["v_pool"][:1]), r"v_pool.shape must equal k_pool.shape"),
     (lambda c: dict(pages=c["pages"][:1]), r"pages.shape=.* does not match"),

@@ -28,6 +28,7 @@ from benchmarks.gpu_compile import (
     wan_attention_specs,
 )
 from pallas_kernels.backend import resolve_backend
+from pallas_kernels.layout import from_token_major, layer_token_major, pool_shape
 from pallas_kernels.paged_write import write_chunk
 from pallas_kernels.window_attention import (
     mosaic_gpu,
@@ -43,7 +44,15 @@ from tests.kernels.device_backends import (
     IGNORE_TRITON_DEPRECATION,
     MOSAIC_GPU,
 )
-from tests.kernels.test_window_attention import TOLERANCE, Window, check, make_case, poisoned
+from tests.kernels.test_window_attention import (
+    HEAD_DIM,
+    KV_HEADS,
+    TOLERANCE,
+    Window,
+    check,
+    make_case,
+    poisoned,
+)
 
 ARGS = ("q", "k_cur", "v_cur", "k_pool", "v_pool", "pages", "lengths")
 
@@ -86,8 +95,9 @@ def test_gathered_history_is_contiguous_and_zero_past_length():
     geom = static_validate_inputs(**bad, backend="cudnn_gather_xla")
     hist = gather_history(bad["k_pool"], bad["pages"], bad["lengths"], jnp.int32(case["layer"]),
                           geom)
-    assert hist.shape == (2, geom.capacity, *case["k_pool"].shape[3:])
-    pages, pool = np.asarray(case["pages"]), np.asarray(case["k_pool"][case["layer"]])
+    assert hist.shape == (2, geom.capacity, KV_HEADS, HEAD_DIM)
+    pages = np.asarray(case["pages"])
+    pool = np.asarray(layer_token_major(case["k_pool"], case["layer"]))  # [pages, slots, H, D]
     for row, length in enumerate([30, 71]):
         for t in (0, 23, 24, length - 1):
             frame, offset = divmod(t, 24)
@@ -141,7 +151,7 @@ def make_wide_case(*, committed=(0, 2, 5), tokens_per_frame=200, block_size=128,
     def normal(*shape):
         return rng.normal(size=shape).astype(np.float32)
 
-    pool_shape = (layers, num_pages, block_size, kv_heads, head_dim)
+    pool_shape = (layers, num_pages, block_size, kv_heads, head_dim)  # token-major, laid out below
     k_pool, v_pool = normal(*pool_shape), normal(*pool_shape)
     k_pool[:, 0] = v_pool[:, 0] = 0
     readable = np.zeros((layers, num_pages, block_size), bool)
@@ -156,14 +166,16 @@ def make_wide_case(*, committed=(0, 2, 5), tokens_per_frame=200, block_size=128,
         q=jnp.asarray(normal(rows, cur_len + extra, num_q_heads, head_dim), dtype),
         k_cur=jnp.asarray(normal(rows, cur_len, kv_heads, head_dim), dtype),
         v_cur=jnp.asarray(normal(rows, cur_len, kv_heads, head_dim), dtype),
-        k_pool=jnp.asarray(k_pool, dtype), v_pool=jnp.asarray(v_pool, dtype),
+        k_pool=from_token_major(jnp.asarray(k_pool, dtype)),
+        v_pool=from_token_major(jnp.asarray(v_pool, dtype)),
         pages=jnp.asarray(tables), lengths=jnp.asarray(lengths, jnp.int32), layer=layer,
         tokens_per_frame=tokens_per_frame,
         extra_k=jnp.asarray(normal(rows, extra, kv_heads, head_dim), dtype) if extra else None,
         extra_v=jnp.asarray(normal(rows, extra, kv_heads, head_dim), dtype) if extra else None,
     )
-    bad = dict(case, k_pool=jnp.asarray(np.where(mask, k_pool, np.nan), dtype),
-               v_pool=jnp.asarray(np.where(mask, v_pool, np.nan), dtype), pages=jnp.asarray(stale))
+    bad = dict(case, k_pool=from_token_major(jnp.asarray(np.where(mask, k_pool, np.nan), dtype)),
+               v_pool=from_token_major(jnp.asarray(np.where(mask, v_pool, np.nan), dtype)),
+               pages=jnp.asarray(stale))
     return bad, case
 
 
@@ -278,7 +290,7 @@ def test_gpu_write_lowers_to_one_aliased_scatter_per_pool(backend):
     """For ``cuda``: two scatters with unique indices, no while loop or conditional, and both pools
     aliased to the outputs when donated (the StableHLO that XLA:GPU receives)."""
     sds = jax.ShapeDtypeStruct
-    pool, chunk = (30, 64, 128, 12, 128), (30, 4, 3 * 1560, 12, 128)
+    pool, chunk = pool_shape(30, 64, 128, 12, 128), (30, 4, 3 * 1560, 12, 128)
     fn = jax.jit(functools.partial(write_chunk, tokens_per_frame=1560, backend=backend),
                  donate_argnums=(0, 1))
     text = lower_for_cuda(fn, sds(pool, jnp.bfloat16), sds(pool, jnp.bfloat16),

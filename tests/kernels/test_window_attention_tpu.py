@@ -1,5 +1,8 @@
-"""The head-major TPU window-attention kernel against its reference, in interpret mode and under the
-TPU simulator (races detected, out-of-bounds reads raise, uninitialised memory is NaN).
+"""The TPU window-attention kernel's own tiling knobs (``pallas_kernels.window_attention.tpu.
+window_attention``: query sub-blocks, compute chunks, DMA blocks, pages cut into pieces, head dim
+128) against the reference, in interpret mode and under the TPU simulator (races detected,
+out-of-bounds reads raise, uninitialised memory is NaN). The dispatcher's tests
+(``test_window_attention.py``) run the same kernel with its tuned tiles through ``backend=``.
 
 NaN goes wherever a row must not look (``poisoned``): the other layer, free, evicted and foreign
 pages, frame padding, slots past a row's length, stale page-list entries.
@@ -16,8 +19,9 @@ import numpy as np
 import pytest
 
 from pallas_kernels.backend import tpu_simulator_params
-from pallas_kernels.tpu_layout import pool_shape
-from pallas_kernels.tpu_window_attention import window_attention, window_attention_reference
+from pallas_kernels.layout import page_mask, pool_geometry, pool_shape, slot_mask
+from pallas_kernels.window_attention import window_attention_reference
+from pallas_kernels.window_attention.tpu import window_attention
 
 TOLERANCE = {jnp.float32: 2e-5, jnp.bfloat16: 3e-2, jnp.float16: 4e-3}
 LAYERS, NUM_PAGES, BLOCK, KV_HEADS, HEAD_DIM = 2, 40, 16, 2, 128
@@ -69,7 +73,8 @@ def make_case(*, committed=(0, 2, 6), window=Window(), extra=0, cur_frames=1, nu
     case = dict(q=normal(rows, cur + extra, num_q_heads, HEAD_DIM),
                 k_cur=normal(rows, cur, KV_HEADS, HEAD_DIM),
                 v_cur=normal(rows, cur, KV_HEADS, HEAD_DIM),
-                k_pool=normal(*shape).at[:, :, 0].set(0), v_pool=normal(*shape).at[:, :, 0].set(0),
+                k_pool=jnp.where(page_mask(jnp.arange(NUM_PAGES) == 0), 0, normal(*shape)),
+                v_pool=jnp.where(page_mask(jnp.arange(NUM_PAGES) == 0), 0, normal(*shape)),
                 pages=jnp.asarray(tables), lengths=jnp.asarray(lengths, jnp.int32), layer=layer,
                 tokens_per_frame=tpf,
                 extra_k=normal(rows, extra, KV_HEADS, HEAD_DIM) if extra else None,
@@ -81,7 +86,7 @@ def poisoned(case: dict, owned: list[list[int]]) -> dict:
     """NaN in every pool slot no row may read; stale page-list entries past the visible pages."""
     tables, lengths = np.asarray(case["pages"]), np.asarray(case["lengths"])
     rows, max_pages = tables.shape
-    tpf, block = case["tokens_per_frame"], case["k_pool"].shape[3]
+    tpf, block = case["tokens_per_frame"], pool_geometry(case["k_pool"]).block_size
     ppf = -(-tpf // block)
     readable = np.zeros((LAYERS, NUM_PAGES, block), bool)
     readable[:, 0] = True
@@ -93,7 +98,7 @@ def poisoned(case: dict, owned: list[list[int]]) -> dict:
         used = -(-((lengths[row] // tpf) * ppf * block + lengths[row] % tpf) // block)
         unread = [p for p in owned[row] if p not in tables[row, :used]] or [0]
         stale[row, used:] = np.resize(unread, max_pages - used)
-    mask = jnp.asarray(readable)[:, None, :, :, None]
+    mask = slot_mask(readable)
     return dict(case, k_pool=jnp.where(mask, case["k_pool"], jnp.nan),
                 v_pool=jnp.where(mask, case["v_pool"], jnp.nan), pages=jnp.asarray(stale))
 
@@ -108,22 +113,19 @@ def check(case, interpret=True, expected=None, **kwargs):
                                atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("tiles", [{}, SMALL], ids=["tuned", "small"])
-def test_fill_levels(tiles):
+def test_fill_levels(tiles=SMALL):
     """No history, sink only, partial, full, after eviction; rows at different fill levels; GQA."""
     for committed in [(0, 0, 0), (1, 0, 2), (6, 9, 4)]:
         case, owned = make_case(committed=committed)
         check(poisoned(case, owned), expected=case, **tiles)
 
 
-@pytest.mark.parametrize("tiles", [{}, SMALL], ids=["tuned", "small"])
-def test_ragged_lengths(tiles):
+def test_ragged_lengths(tiles=SMALL):
     case, owned = make_case(committed=(3, 3, 1), lengths=[5, 37, 16])
     check(poisoned(case, owned), expected=case, **tiles)
 
 
-@pytest.mark.parametrize("tiles", [{}, SMALL], ids=["tuned", "small"])
-def test_extras_frame_padding_and_poison(tiles):
+def test_extras_frame_padding_and_poison(tiles=SMALL):
     """3 extra tokens, 24-token frames on 16-slot pages (8 padding slots per frame)."""
     case, owned = make_case(committed=(0, 2, 5), window=Window(tokens_per_frame=24), extra=3)
     check(poisoned(case, owned), expected=case, **tiles)
@@ -181,9 +183,6 @@ def test_one_trace_while_window_fills():
 @pytest.mark.parametrize("change,message", [
     (lambda c: dict(q=c["q"][0]), r"q must have rank 4"),
     (lambda c: dict(q=c["q"][:, :, :3]), r"num_q_heads=3 .* multiple of kv_heads=2"),
-    (lambda c: dict(pages=c["pages"].at[1, 2].set(NUM_PAGES)), r"pages\[1, 2\]=40 is not a page id"),
-    (lambda c: dict(lengths=c["lengths"].at[0].set(-1)), r"lengths\[0\]=-1 is out of range; allowed \[0, 48\]"),
-    (lambda c: dict(layer=LAYERS), r"layer=2 is out of range; allowed \[0, 2\)"),
     (lambda c: dict(k_cur=c["k_cur"].astype(jnp.bfloat16)), r"k_cur.dtype must equal q.dtype"),
     (lambda c: dict(block_kv_compute=100), r"block_kv_compute=100 must be a positive multiple of 128"),
     (lambda c: dict(block_q=12), r"block_q=12 must be a positive multiple of 8"),
@@ -195,18 +194,8 @@ def test_one_trace_while_window_fills():
      r"block_size=12 \(pool.shape\[3\]\) must be a multiple of 8"),
 ])
 def test_validation(change, message):
+    """The kernel's own knobs; values (pages, lengths, layer) are ``dynamic_validate_inputs``' job
+    (``test_window_attention.py``). The block-size rule is the compiled kernel's."""
     case, _ = make_case(committed=(3, 1))
     with pytest.raises(ValueError, match=message):
-        window_attention(**dict(case, **change(case)), interpret=True)
-
-
-def test_gather_baseline_matches_reference():
-    """The gather + splash baseline: GQA, extras, frame padding, NaN poison, ragged fills."""
-    from pallas_kernels.tpu_gather_baseline import gather_window_attention
-
-    case, owned = make_case(committed=(0, 2, 5), window=Window(tokens_per_frame=24), extra=3)
-    bad = poisoned(case, owned)
-    out = gather_window_attention(**bad, interpret=True, block_q=128, block_kv=128,
-                                  block_kv_compute=128)
-    assert bool(jnp.all(jnp.isfinite(out)))
-    np.testing.assert_allclose(out, window_attention_reference(**case), atol=2e-5, rtol=2e-5)
+        window_attention(**dict(case, **change(case)), interpret=False)

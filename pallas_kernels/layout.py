@@ -1,4 +1,4 @@
-"""The TPU-native K/V pool layout: head-major pages, one helper every module uses.
+"""The K/V pool layout: head-major pages, the one place every module takes it from.
 
 A pool holds, for every layer, KV head and page, one ``[block_size, head_dim]`` tile column:
 
@@ -9,8 +9,15 @@ page ``p`` of      ``pool[layer, head, p]``: ``[block_size, head_dim]``, contigu
 null page          ``p = 0`` in every (layer, head): never written, zero-filled
 =================  ============================================================================
 
+Every module (both kernels' XLA, Pallas TPU and Pallas GPU paths, their references, the sharding
+specs, the cache, the Flax layers, compat, tests and benchmarks) builds, reads and indexes pools only
+through this module: :func:`pool_shape`, the axis constants, :func:`read_tokens` /
+:func:`write_tokens` (token-major access to slots), :func:`page_mask` / :func:`slot_mask`
+(broadcasting masks over pages or slots) and the conversions :func:`to_token_major` /
+:func:`from_token_major`. A change of layout touches this module only.
+
 Why this layout (measured with libtpu's compile-only v5e/v6e devices, see
-``tests/kernels_tpu/test_tpu_compile.py`` and ``benchmarks/tpu_compile.py``):
+``tests/kernels/test_tpu_compile.py`` and ``benchmarks/tpu_compile.py``):
 
 * The two minor dimensions are ``(block_size, head_dim)``: XLA:TPU tiles them exactly as Mosaic does
   (``(8|16, 128)`` tiles on the slot and lane axes), whatever the head count, so no pool is relaid
@@ -43,6 +50,13 @@ KV_HEAD_AXIS = 1
 """Axis of the KV head in a pool (the axis a head-sharded mesh splits)."""
 PAGE_AXIS = 2
 """Axis of the page id in a pool."""
+SLOT_AXIS = 3
+"""Axis of the slot (token) within a page."""
+HEAD_DIM_AXIS = 4
+"""Axis of the head dimension (minor)."""
+POOL_RANK = 5
+POOL_LAYOUT = "[num_layers, kv_heads, num_pages, block_size, head_dim]"
+"""The pool's axes as written in error messages and docs."""
 POOL_AXES = ("layer", "kv_head", "page", "slot", "head_dim")
 """Names of the pool's axes, major to minor."""
 SLOT_MULTIPLE = 8
@@ -70,14 +84,17 @@ class PoolGeometry:
 
 
 def pool_shape(num_layers: int, num_pages: int, block_size: int, kv_heads: int,
-               head_dim: int) -> tuple[int, int, int, int, int]:
+               head_dim: int, *, check: bool = True) -> tuple[int, int, int, int, int]:
     """The shape of one K (or V) pool: ``(num_layers, kv_heads, num_pages, block_size, head_dim)``.
 
     Arguments are in the cache's own order (pages before heads), so callers never spell the layout.
+    ``check=False`` skips the range checks (validators that report sizes their own way).
 
     Raises:
       ValueError: any size below 1, or ``num_pages < 2`` (the null page and one more).
     """
+    if not check:
+        return (num_layers, kv_heads, num_pages, block_size, head_dim)
     sizes = dict(num_layers=num_layers, num_pages=num_pages, block_size=block_size,
                  kv_heads=kv_heads, head_dim=head_dim)
     for name, value in sizes.items():
@@ -113,16 +130,103 @@ def check_tpu_block_size(block_size: int) -> None:
 
 
 def pool_geometry(pool) -> PoolGeometry:
-    """The :class:`PoolGeometry` of a pool array (or ``ShapeDtypeStruct``) in this layout.
+    """The :class:`PoolGeometry` of a pool array (or ``ShapeDtypeStruct``, or a shape tuple) in
+    this layout.
 
     Raises:
       ValueError: ``pool`` is not rank 5.
     """
-    shape = tuple(getattr(pool, "shape", ()))
-    if len(shape) != 5:
+    shape = tuple(pool) if isinstance(pool, (tuple, list)) else tuple(getattr(pool, "shape", ()))
+    if len(shape) != POOL_RANK:
         raise ValueError(f"a pool must have rank 5 {list(POOL_AXES)}, got shape {shape}")
-    num_layers, kv_heads, num_pages, block_size, head_dim = shape
-    return PoolGeometry(num_layers, kv_heads, num_pages, block_size, head_dim)
+    return PoolGeometry(shape[LAYER_AXIS], shape[KV_HEAD_AXIS], shape[PAGE_AXIS],
+                        shape[SLOT_AXIS], shape[HEAD_DIM_AXIS])
+
+
+def pool_spec_axes(layer=None, kv_head=None, page=None, slot=None, head_dim=None) -> tuple:
+    """A partition-spec tuple in pool axis order from per-axis entries (mesh axis names or None)."""
+    entries = {LAYER_AXIS: layer, KV_HEAD_AXIS: kv_head, PAGE_AXIS: page, SLOT_AXIS: slot,
+               HEAD_DIM_AXIS: head_dim}
+    return tuple(entries[axis] for axis in range(POOL_RANK))
+
+
+def page_index(layer, kv_head, page) -> tuple:
+    """The index of one page ``[block_size, head_dim]`` of ``(layer, kv_head)`` in a pool (or a
+    pool ``Ref``: ``pool.at[page_index(...)]``, the unit the TPU kernels DMA)."""
+    entries = {LAYER_AXIS: layer, KV_HEAD_AXIS: kv_head, PAGE_AXIS: page}
+    return tuple(entries[axis] for axis in sorted(entries))
+
+
+def head_pages(pool) -> jax.Array:
+    """The pool as ``[num_layers * kv_heads, num_pages, block_size * head_dim]``: every (layer, KV
+    head)'s pages as flat contiguous rows (a free reshape; ``.reshape(pool.shape)`` undoes it)."""
+    geom = pool_geometry(pool)
+    return pool.reshape(geom.num_layers * geom.kv_heads, geom.num_pages,
+                        geom.block_size * geom.head_dim)
+
+
+def token_rows(pool) -> jax.Array:
+    """The pool as token rows ``[num_layers * kv_heads * num_pages * block_size, head_dim]`` (a
+    free reshape); row :func:`token_row` holds one slot of one KV head."""
+    return pool.reshape(-1, pool.shape[HEAD_DIM_AXIS])
+
+
+def token_row(geom: PoolGeometry, layer, kv_head, page, slot):
+    """The row of :func:`token_rows` holding ``slot`` of ``page`` of ``(layer, kv_head)`` (ints or
+    int arrays that broadcast together)."""
+    return ((layer * geom.kv_heads + kv_head) * geom.num_pages + page) * geom.block_size + slot
+
+
+def head_row_stride(geom: PoolGeometry) -> int:
+    """Rows of :func:`token_rows` between the same slot of KV heads ``h`` and ``h + 1``."""
+    return token_row(geom, 0, 1, 0, 0)
+
+
+def read_tokens(pool, layer, page, offset):
+    """Slots ``(page, offset)`` of ``layer``, token-major: ``[*page.shape, kv_heads, head_dim]``.
+
+    ``layer`` an int scalar (may be traced); ``page`` and ``offset`` int arrays that broadcast
+    together. One gather, no copy of the layer."""
+    # Advanced indices separated by a slice put their broadcast shape first: token-major.
+    return pool[layer, :, page, offset]
+
+
+def write_tokens(pool, layer, page, offset, new):
+    """``pool`` with token-major ``new`` ``[*page.shape, kv_heads, head_dim]`` written at slots
+    ``(page, offset)`` of ``layer`` (a functional update)."""
+    return pool.at[layer, :, page, offset].set(new)
+
+
+def layer_token_major(pool, layer) -> jax.Array:
+    """Every page of ``layer``, token-major ``[num_pages, block_size, kv_heads, head_dim]`` (the
+    seed's and vLLM's ``key_cache[layer]``; a copy of one layer)."""
+    return jnp.transpose(pool[layer], (1, 2, 0, 3))
+
+
+def layer_pages(pool, layer, pages):
+    """Pages ``pages`` (int ``[n]``) of ``layer``, token-major ``[n, block_size, kv_heads,
+    head_dim]``: the seed's ``key_cache[layer][pages]`` view (a copy)."""
+    return jnp.transpose(pool[layer][:, pages], (1, 2, 0, 3))
+
+
+def set_pages(pool, ids, pages, **scatter_options):
+    """``pool`` with token-major ``pages`` ``[num_layers, n, block_size, kv_heads, head_dim]``
+    written at page ids ``ids`` (int ``[n]``) of every layer and head: one scatter
+    (``scatter_options`` go to ``.at[...].set``, e.g. ``mode="drop", unique_indices=True``)."""
+    index = tuple(ids if axis == PAGE_AXIS else slice(None) for axis in range(PAGE_AXIS + 1))
+    # Advanced indices after basic slices keep their axis: the update is in the pool's layout.
+    return pool.at[index].set(from_token_major(pages), **scatter_options)
+
+
+def page_mask(mask):
+    """A bool ``[num_pages]`` mask broadcastable against a pool."""
+    return jnp.asarray(mask).reshape(
+        tuple(-1 if axis == PAGE_AXIS else 1 for axis in range(POOL_RANK)))
+
+
+def slot_mask(mask):
+    """A bool ``[num_layers, num_pages, block_size]`` mask broadcastable against a pool."""
+    return jnp.expand_dims(jnp.asarray(mask), (KV_HEAD_AXIS, HEAD_DIM_AXIS))
 
 
 def empty_pool(num_layers: int, num_pages: int, block_size: int, kv_heads: int, head_dim: int,
@@ -131,8 +235,9 @@ def empty_pool(num_layers: int, num_pages: int, block_size: int, kv_heads: int, 
     return jnp.zeros(pool_shape(num_layers, num_pages, block_size, kv_heads, head_dim), dtype)
 
 
-def from_token_major(pool: jax.Array) -> jax.Array:
+def from_token_major(pool) -> jax.Array:
     """``[L, P, S, H, D]`` (the seed's and vLLM's page layout) -> this layout (a full copy)."""
+    pool = jnp.asarray(pool)
     if pool.ndim != 5:
         raise ValueError(f"a token-major pool must have rank 5 [L, P, S, H, D], got {pool.shape}")
     return jnp.transpose(pool, (0, 3, 1, 2, 4))

@@ -1,7 +1,9 @@
-"""Gather-then-flash window attention on TPU: the yardstick of the paged kernel, and a fallback.
+"""Gather-then-flash window attention on TPU (``"pallas_tpu_gather"``, ``_interpret``): the
+yardstick of the paged kernel (:mod:`~pallas_kernels.window_attention.tpu`), and a fallback.
 
-Same arguments, shapes and semantics as :func:`pallas_kernels.tpu_window_attention.window_attention`
-(head-major pools, frame-aligned pages, lengths, extras, GQA). For one layer it
+Same arguments, shapes and semantics as :func:`pallas_kernels.window_attention.window_attention`
+(pools in :func:`pallas_kernels.layout.pool_shape`, frame-aligned pages, lengths, extras, GQA).
+For one layer it
 
 1. gathers each row's visible history tokens by position into contiguous head-major K/V
    ``[rows, kv_heads, capacity, head_dim]`` (an XLA gather through the page table; frame padding is
@@ -19,13 +21,17 @@ head_dim``); never a pool.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
-from pallas_kernels.tpu_window_attention import check_inputs
+from pallas_kernels.backend import resolve_backend
+from pallas_kernels.common import round_up
+from pallas_kernels.layout import read_tokens
+from pallas_kernels.window_attention.geometry import WindowGeometry
+from pallas_kernels.window_attention.validation import check_arrays
 
 DEFAULT_BLOCKS = dict(block_q=1024, block_kv=2048, block_kv_compute=512)
 """Splash block sizes used by default (tokamax/splash-style sizes for head dim 128)."""
@@ -37,7 +43,7 @@ def gather_window_attention(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, 
                             interpret: bool = False):
     """Window attention by gathering the visible pages and running splash attention.
 
-    Args: those of :func:`pallas_kernels.tpu_window_attention.window_attention`, plus splash's
+    Args: those of :func:`pallas_kernels.window_attention.window_attention`, plus splash's
       ``block_q``, ``block_kv`` and ``block_kv_compute`` (multiples of 128, ``block_kv_compute``
       dividing ``block_kv``; defaults :data:`DEFAULT_BLOCKS`) and ``interpret`` (a bool: splash's
       interpret mode).
@@ -49,7 +55,7 @@ def gather_window_attention(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, 
       ValueError: those of ``window_attention``; a block size that is not a positive multiple of
         128, or a ``block_kv_compute`` that does not divide ``block_kv``.
     """
-    geom = check_inputs(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, layer=layer,
+    geom = check_arrays(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, layer=layer,
                         extra_k=extra_k, extra_v=extra_v, tokens_per_frame=tokens_per_frame)
     given = dict(block_q=block_q, block_kv=block_kv, block_kv_compute=block_kv_compute)
     blocks = {k: DEFAULT_BLOCKS[k] if v is None else v for k, v in given.items()}
@@ -67,6 +73,20 @@ def gather_window_attention(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, 
                              blocks=tuple(sorted(blocks.items())), interpret=interpret)
 
 
+def attention(q, k_cur, v_cur, extra_k, extra_v, k_pool, v_pool, pages, lengths, layer, *,
+              geom: WindowGeometry, scale: float, backend: str):
+    """The dispatcher's entry (inputs already validated): :data:`DEFAULT_BLOCKS` shrunk to the
+    call's query and key lengths (multiples of 128)."""
+    kv_len = geom.capacity + geom.tail_len
+    block_q = min(DEFAULT_BLOCKS["block_q"], round_up(geom.q_len, 128))
+    block_kv = min(DEFAULT_BLOCKS["block_kv"], round_up(kv_len, 128))
+    block_kv_compute = 128 * math.gcd(block_kv // 128, DEFAULT_BLOCKS["block_kv_compute"] // 128)
+    blocks = dict(block_q=block_q, block_kv=block_kv, block_kv_compute=block_kv_compute)
+    return _gather_attention(q, k_cur, v_cur, extra_k, extra_v, k_pool, v_pool, pages, lengths,
+                             layer, geom=geom, scale=scale, blocks=tuple(sorted(blocks.items())),
+                             interpret=bool(resolve_backend(backend).interpret))
+
+
 def gather_history(pool, pages, lengths, layer, geom):
     """Each row's history tokens of ``layer`` by position: ``[rows, kv_heads, capacity, head_dim]``
     (slots past ``lengths`` selected to 0) and their validity ``[rows, capacity]``."""
@@ -76,9 +96,9 @@ def gather_history(pool, pages, lengths, layer, geom):
     slot = (token // tpf) * geom.pages_per_frame * geom.block_size + token % tpf
     page = jnp.where(valid, pages.astype(jnp.int32)[:, slot // geom.block_size], 0)
     offset = jnp.where(valid, slot % geom.block_size, 0)
-    hist = lax.dynamic_index_in_dim(pool, layer, 0, keepdims=False)[:, page, offset]
-    hist = jnp.where(valid[None, :, :, None], hist, jnp.zeros((), pool.dtype))
-    return hist.transpose(1, 0, 2, 3), valid
+    hist = read_tokens(pool, layer, page, offset)  # [rows, capacity, kv_heads, head_dim]
+    hist = jnp.where(valid[:, :, None, None], hist, jnp.zeros((), pool.dtype))
+    return hist.transpose(0, 2, 1, 3), valid
 
 
 @functools.partial(jax.jit, static_argnames=("geom", "scale", "blocks", "interpret"))

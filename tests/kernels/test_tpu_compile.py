@@ -12,9 +12,9 @@ import jax.numpy as jnp
 import pytest
 
 from pallas_kernels import tpu_aot
-from pallas_kernels import tpu_window_attention as twa
-from pallas_kernels.tpu_layout import pool_shape, tpu_block_size
-from pallas_kernels.tpu_paged_write import write_chunk
+from pallas_kernels.layout import PAGE_AXIS, pool_shape, tpu_block_size
+from pallas_kernels.paged_write import write_chunk
+from pallas_kernels.window_attention import tpu as twa
 
 pytestmark = pytest.mark.skipif(not tpu_aot.libtpu_available(),
                                 reason="libtpu is not installed (pip install -e '.[tpu]')")
@@ -40,7 +40,8 @@ def test_write_compiles_in_place(gen, preset):
     shape = pool_shape(layers, pages, block, heads, 128)
     new = (layers, 1, frames * tpf, heads, 128)
     compiled = tpu_aot.compile_for_tpu(
-        lambda kp, vp, kn, vn, ids: write_chunk(kp, vp, kn, vn, ids, tokens_per_frame=tpf),
+        lambda kp, vp, kn, vn, ids: write_chunk(kp, vp, kn, vn, ids, tokens_per_frame=tpf,
+                                                backend="pallas_tpu"),
         [(shape, BF16)] * 2 + [(new, BF16)] * 2 + [((1, frames * ppf), jnp.int32)], gen,
         donate_argnums=(0, 1))
     rep = tpu_aot.report(compiled, [shape])
@@ -73,7 +74,7 @@ def test_attention_compiles_without_pool_copies(gen, preset, rows):
                                     extra_v=ev, tokens_per_frame=tpf, generation=gen)
 
     rep = tpu_aot.report(tpu_aot.compile_for_tpu(fn, specs, gen), [shape])
-    geom = twa.Geometry(rows, q_len, heads, heads, 128, cur, extra, 2, shape[2], block, max_pages,
-                        tpf, "bfloat16")
+    geom = twa.Geometry(rows, q_len, heads, heads, 128, cur, extra, 2, shape[PAGE_AXIS], block,
+                        max_pages, tpf, "bfloat16")
     assert rep.pool_copies == 0
     assert rep.temp_bytes <= twa.temp_bound_bytes(geom, twa.make_plan(geom, twa.TUNED_BLOCKS[gen]))
