@@ -25,6 +25,8 @@ set -u
 out="${OUT:-device_check_out}"
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# tests/conftest.py keeps JAX on the host CPU unless JAX_PLATFORMS says otherwise.
+export JAX_PLATFORMS="${JAX_PLATFORMS:-cuda,cpu}"
 
 timeout 30 python -c "import jax, platform; print('jax', jax.__version__, 'python', \
 platform.python_version()); print(jax.devices()); print(jax.devices()[0].device_kind)" \

@@ -1,7 +1,8 @@
 """Shared pytest setup: tests run on the CPU with float32 matmuls at full precision.
 
 The host backend stays JAX's default even where libtpu is installed (the TPU compile tests create
-libtpu's compile-only devices explicitly)."""
+libtpu's compile-only devices explicitly). To run the compiled-device parameters on a GPU or TPU,
+set ``JAX_PLATFORMS`` (e.g. ``cuda,cpu``), as ``benchmarks/device_check.sh`` does."""
 
 import os
 
