@@ -124,7 +124,8 @@ def test_config_types_refuse_bad_fields(field, value):
         return
     if field in ("block_size", "spec_heads") and value is None:
         return
-    if field == "dtype" and isinstance(value, str) and value in ("float32", "bfloat16", "float16", "f", "e", "f4", "f2"):
+    valid_dtypes = ("float32", "bfloat16", "float16", "f", "e", "f4", "f2")
+    if field == "dtype" and isinstance(value, str) and value in valid_dtypes:
         return
     check(call, word)
 

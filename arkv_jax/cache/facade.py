@@ -54,8 +54,16 @@ from arkv_jax import state as core
 from arkv_jax.cache import programs
 from arkv_jax.cache.cross_attention import CrossAttentionStore
 from arkv_jax.cache.sessions import SessionTable
-from arkv_jax.config import (ArgumentTypeError, CacheGeometry, CrossAttentionSpec, KVBranch, WindowPolicy,
-                             require_bool, require_str_sequence, validate_branches)
+from arkv_jax.config import (
+    ArgumentTypeError,
+    CacheGeometry,
+    CrossAttentionSpec,
+    KVBranch,
+    WindowPolicy,
+    require_bool,
+    require_str_sequence,
+    validate_branches,
+)
 from arkv_jax.planner import DevicePlan, MemoryPlan, resolve_plan
 from arkv_jax.sharded_kernels import gather_rows
 from arkv_jax.step import ChunkInputs
