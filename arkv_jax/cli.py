@@ -1,12 +1,14 @@
-"""The ``arkv-jax`` command line: ``plan`` (memory planning), ``demo`` (sessions sharing a cache) and
-``generate`` (prompts to mp4)."""
+"""The ``arkv-jax`` command line: ``plan`` (memory planning), ``demo`` (sessions sharing a cache),
+``generate`` (prompts to mp4) and ``bench`` (a checkout's benchmarks)."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import importlib.metadata
+import pathlib
 import re
+import runpy
 import sys
 from typing import Sequence
 
@@ -361,6 +363,40 @@ def _request_host_devices(count: int) -> None:
         pass
 
 
+def _benchmark_names(root: pathlib.Path) -> list[str]:
+    return sorted(p.stem for p in (root / "benchmarks").glob("*.py") if p.stem not in ("__init__", "harness"))
+
+
+def _add_bench_parser(sub) -> None:
+    p = sub.add_parser("bench", help="run one of the checkout's benchmarks (benchmarks/NAME.py)",
+                       description="Run benchmarks/NAME.py of the repository checkout in the current folder "
+                                   "(the same as `python -m benchmarks.NAME ARGS` there); ARGS go to the script, "
+                                   "e.g. --quick.")
+    p.add_argument("name", help="the benchmark, e.g. orchestration, paged_write, window_attention, rollout")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own flags")
+    p.set_defaults(run=_run_bench)
+
+
+def _run_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    root = pathlib.Path.cwd()
+    if not (root / "benchmarks" / "harness.py").exists():
+        parser.error(f"bench runs the benchmarks of a repository checkout; {root} has no benchmarks/ folder "
+                     "(cd to the repository root)")
+    names = _benchmark_names(root)
+    if args.name not in names:
+        parser.error(f"unknown benchmark {args.name!r}; choose from {names}")
+    saved_argv, saved_path = sys.argv, list(sys.path)
+    sys.path.insert(0, str(root))
+    sys.argv = [f"benchmarks/{args.name}.py", *args.args]
+    try:
+        runpy.run_module(f"benchmarks.{args.name}", run_name="__main__")
+    except SystemExit as done:
+        return done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
+    finally:
+        sys.argv, sys.path[:] = saved_argv, saved_path
+    return 0
+
+
 def _version() -> str:
     try:
         return importlib.metadata.version("arkv-jax")
@@ -377,6 +413,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plan_parser(sub)
     _add_demo_parser(sub)
     _add_generate_parser(sub)
+    _add_bench_parser(sub)
     return parser
 
 

@@ -105,3 +105,17 @@ def test_cli_version(capsys):
     with pytest.raises(SystemExit) as info:
         cli.main(["--version"])
     assert info.value.code == 0 and capsys.readouterr().out.startswith("arkv-jax ")
+
+
+def test_cli_bench_runs_a_checkout_benchmark_and_refuses_elsewhere(capsys, monkeypatch, tmp_path):
+    root = __import__("pathlib").Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(root)
+    with pytest.raises(SystemExit) as info:
+        cli.main(["bench", "nope"])
+    assert info.value.code == 2 and "choose from" in capsys.readouterr().err
+    assert cli.main(["bench", "orchestration", "--help"]) == 0
+    assert "--quick" in capsys.readouterr().out
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as info:
+        cli.main(["bench", "orchestration"])
+    assert info.value.code == 2 and "no benchmarks/ folder" in capsys.readouterr().err
