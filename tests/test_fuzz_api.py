@@ -166,3 +166,44 @@ def test_plan_memory_examples_from_the_issue():
     check(lambda: plan_memory("geometry", WINDOW, available_bytes=1 << 20), "geometry")
     check(lambda: plan_memory(GEOMETRY, WINDOW, ("main",), available_bytes=1 << 20), "kv_branches")
     assert np.isfinite(plan_memory(GEOMETRY, WINDOW, available_bytes=1 << 20).memory_fraction)
+
+
+# ------------------------------------------------------------------------------------------------
+# The kernels' public functions and Rollout.join.
+
+def _attention_args():
+    from pallas_kernels.layout import pool_shape
+
+    pool = jnp.zeros(pool_shape(2, 6, 4, 1, 8), jnp.float32)
+    q = jnp.zeros((1, 4, 2, 8), jnp.float32)
+    cur = jnp.zeros((1, 4, 1, 8), jnp.float32)
+    return dict(q=q, k_cur=cur, v_cur=cur, k_pool=pool, v_pool=pool, pages=jnp.zeros((1, 2), jnp.int32),
+                lengths=jnp.zeros((1,), jnp.int32))
+
+
+@settings(max_examples=40, deadline=None)
+@given(field=st.sampled_from(["layer", "tokens_per_frame", "backend", "scale"]),
+       value=st.one_of(st.booleans(), st.text(max_size=3), st.none(), st.floats(allow_nan=True),
+                       st.integers(max_value=0)))
+def test_window_attention_static_validation_names_the_parameter(field, value):
+    from pallas_kernels.window_attention import static_validate_inputs
+
+    if field == "layer" and (value is None or isinstance(value, int) and not isinstance(value, bool)):
+        return  # ints are valid layers for static validation (range is the dynamic check)
+    if field == "tokens_per_frame" and value is None:
+        return  # None means block_size
+    if field == "scale" and (value is None or isinstance(value, float) and math.isfinite(value) and value > 0):
+        return
+    check(lambda: static_validate_inputs(**_attention_args(), **{field: value}), field)
+
+
+@settings(max_examples=30, deadline=None)
+@given(field=st.sampled_from(["tokens_per_frame", "backend"]),
+       value=st.one_of(st.booleans(), st.text(max_size=3), st.floats(allow_nan=True), st.integers(max_value=0)))
+def test_paged_write_static_validation_names_the_parameter(field, value):
+    from pallas_kernels.paged_write import static_validate_inputs
+
+    args = _attention_args()
+    new = jnp.zeros((2, 1, 4, 1, 8), jnp.float32)
+    check(lambda: static_validate_inputs(args["k_pool"], args["v_pool"], new, new, jnp.ones((1, 1), jnp.int32),
+                                         **{field: value}), field)

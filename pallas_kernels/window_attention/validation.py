@@ -149,10 +149,12 @@ def check_arrays(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, layer=0, ex
     geom = _check_shapes(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, extra_k, extra_v,
                          tokens_per_frame)
     _check_dtypes(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, extra_k, extra_v)
+    dtype = getattr(layer, "dtype", None)
+    integer = isinstance(layer, (int, np.integer)) or (dtype is not None and jnp.issubdtype(dtype, jnp.integer))
+    if isinstance(layer, bool) or not integer:
+        raise TypeError(f"layer must be an integer scalar (it may be traced), got {layer!r}")
     if jnp.ndim(layer) != 0:
         raise ValueError(f"layer must be an int scalar, got shape {jnp.shape(layer)}")
-    if not jnp.issubdtype(jnp.result_type(layer), jnp.integer):
-        raise TypeError(f"layer must be an integer scalar (it may be traced), got {layer!r}")
     return geom
 
 
@@ -192,7 +194,8 @@ def _check_shapes(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, extra_k, extr
         raise ValueError(f"num_q_heads={num_q_heads} (q.shape[2]) must be a positive multiple of "
                          f"kv_heads={kv_heads} (k_cur.shape[2])")
     tokens_per_frame = block_size if tokens_per_frame is None else tokens_per_frame
-    if not isinstance(tokens_per_frame, (int, np.integer)) or tokens_per_frame < 1:
+    if isinstance(tokens_per_frame, bool) or not isinstance(tokens_per_frame, (int, np.integer)) \
+            or tokens_per_frame < 1:
         raise ValueError(f"tokens_per_frame must be an int >= 1 (frames fill "
                          f"ceil(tokens_per_frame / block_size={block_size}) pages); got "
                          f"{tokens_per_frame!r}")
@@ -215,7 +218,7 @@ def _check_dtypes(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, extra_k, extr
 
 
 def _check_scale(scale) -> None:
-    if not isinstance(scale, (int, float, np.floating)) or not 0 < scale < math.inf:
+    if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating)) or not 0 < scale < math.inf:
         raise ValueError(f"scale must be a positive finite number (a Python float), got {scale!r}")
 
 
