@@ -1,5 +1,9 @@
 """The ``arkv-jax`` command line: ``plan`` (memory planning), ``demo`` (sessions sharing a cache),
-``generate`` (prompts to mp4) and ``bench`` (a checkout's benchmarks)."""
+``generate`` (prompts to mp4) and ``bench`` (a checkout's benchmarks).
+
+One module for the whole command line: each subcommand's parser and runner sit together, and the
+flag helpers they share are defined once.
+"""
 
 from __future__ import annotations
 

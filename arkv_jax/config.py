@@ -9,6 +9,9 @@ The small shared rules live here once: :func:`ceil_div`, :func:`pages_per_frame`
 :meth:`WindowPolicy.frame_visible`).
 
 Units: sizes in tokens, frames or pages as the field name says; bytes are plain ``int``.
+
+One module for every configuration type and the argument checks they share, so each rule has one
+source.
 """
 
 from __future__ import annotations

@@ -33,6 +33,9 @@ Output, on stdout: a header, the memory plan, one row per chunk (DiT denoise + c
 text time, video frames per second), a summary with the VAE's share of the time, and the written
 files. A tqdm bar with each chunk's latency and frames per second goes to stderr when both streams
 are terminals.
+
+One module for the ``generate`` job: the checkpoint layout checks, the pipeline, the per-chunk
+loop, video writing and the report are one command's parts.
 """
 
 from __future__ import annotations

@@ -47,6 +47,9 @@ model's computation to match, adding one all-reduce per row-parallel layer.
 
 The exactness reference, :class:`arkv_jax.reference.FullRecompute`, generates the same videos
 without any cache from the same :class:`Sampler`, noise draws and :mod:`arkv_jax.samplers` math.
+
+One module for the rollout: the sampler, the pure chunk function and its config, and the
+:class:`Rollout` loop that jits it are one contract; the sampler math is in :mod:`arkv_jax.samplers`.
 """
 
 from __future__ import annotations

@@ -33,6 +33,10 @@ per-chunk bookkeeping and page write run on every shard at once without communic
 Scratch pages. The plan keeps vLLM-Omni's scratch reservation in its budget, but denoise steps never
 write the pool, so the pools hold only the managed pages (as :class:`~arkv_jax.planner.DevicePlan`
 counts them).
+
+The facade stays one module: :class:`PagedKVCache` is one transaction (one lock, one in-flight
+chunk) whose public methods validate their arguments before touching shared state; the session
+table, the cross-attention store and the jitted programs are already their own modules.
 """
 
 from __future__ import annotations

@@ -42,6 +42,9 @@ holding Wan's file is read from it first (the official Wan 2.1 repository keeps 
 DiT's and the VAE's weights). Tokenisation (:func:`encode_prompts`) goes through
 ``transformers.AutoTokenizer`` from a local directory (the ``google/umt5-xxl`` tokenizer Wan ships),
 with Wan's prompt cleaning (``ftfy`` if installed, HTML unescaping, whitespace collapsing).
+
+One module for the encoder: the layers, the encoder stack, tokenisation and the two checkpoint
+formats' key maps describe one model.
 """
 
 from __future__ import annotations

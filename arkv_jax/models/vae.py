@@ -42,6 +42,9 @@ official ``Wan2.1_VAE.pth`` (Wan's ``WanVAE_`` names: ``decoder.conv1``, ``decod
 post-quant convolution; :func:`official_vae_names` is the map, checked in the tests against
 diffusers' own ``convert_wan_vae_to_diffusers``). Only the decoder is read; the encoder's weights
 are ignored.
+
+One module for the decoder: the causal convolutions, the stream cache, the blocks and the two
+checkpoint formats' key maps describe one model.
 """
 
 from __future__ import annotations

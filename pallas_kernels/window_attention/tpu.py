@@ -53,6 +53,9 @@ Temporaries outside the kernel (compiled, per call): the scaled head-major copy 
 kernel's output before its transpose back (``2 * rows * q_pad * num_q_heads * head_dim`` elements in
 all) and the head-major tail (``2 * rows * kv_heads * tail_pad * head_dim``), plus int32 tables; never
 a pool (:func:`temp_bound_bytes`).
+
+One module for the Mosaic TPU kernel: its tiling table, VMEM estimate, DMA schedule and body
+are one kernel.
 """
 
 from __future__ import annotations
