@@ -37,13 +37,14 @@ def test_readme_is_short_and_links_every_doc():
 
 def test_readme_example_runs():
     namespace = run_blocks(README)
-    assert namespace["video"].shape[0] == 13 * 2 and namespace["rollout"].num_traces == 1
+    rollout = namespace["rollout"]
+    assert namespace["video"].shape[0] == 13 * 2 and set(rollout.traces_per_batch.values()) == {1}
 
 
 # What each document's examples must leave behind, beyond running.
 CHECKS = {
     "protocol.md": lambda ns: ns["cache"].sessions == ("alice",),
-    "rollout.md": lambda ns: ns["video"].shape[0] == 13 * 2 and ns["rollout"].num_traces == 1,
+    "rollout.md": lambda ns: ns["video"].shape[0] == 13 * 2 and set(ns["rollout"].traces_per_batch.values()) == {1},
     "functional-core.md": lambda ns: int(ns["st"].free_count) == 255,
     "sharding.md": lambda ns: (ns["rollout"].cache.num_shards == len(ns["rollout"].sessions)
                                == ns["jax"].device_count()
