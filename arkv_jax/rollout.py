@@ -70,7 +70,7 @@ from arkv_jax.cache import PagedKVCache
 from arkv_jax.config import ArgumentTypeError, require_positive, require_real
 from arkv_jax.models.dit import CausalDiT, prompt_embedding, tensor_parallel_specs
 from arkv_jax.nnx import PagedHistory
-from arkv_jax.sharded_kernels import gather_rows
+from arkv_jax.sharded_kernels import gather_rows, take_rows
 from arkv_jax.sharding import DATA, MODEL
 from arkv_jax.step import ChunkInputs
 
@@ -284,10 +284,7 @@ def batch_rows(table: Array, rows: Array, mesh: Mesh | None) -> Array:
     """``table[rows]`` ``[B, ...]`` of a per-row table ``[rows, ...]``, zero where ``rows`` is
     negative (padding); with a mesh, each data shard reads its own rows
     (:func:`arkv_jax.sharded_kernels.gather_rows`, no communication)."""
-    if mesh is not None:
-        return gather_rows(mesh, table, rows)
-    valid = (rows >= 0).reshape((-1,) + (1,) * (table.ndim - 1))
-    return jnp.where(valid, jnp.take(table, jnp.maximum(rows, 0), axis=0), jnp.zeros((), table.dtype))
+    return take_rows(table, rows) if mesh is None else gather_rows(mesh, table, rows)
 
 
 def generate_chunk(params: nnx.State, pools: tuple[Array, Array], inputs: ChunkInputs,

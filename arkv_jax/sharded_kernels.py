@@ -36,7 +36,7 @@ from pallas_kernels.layout import KV_HEAD_AXIS, PAGE_AXIS
 from pallas_kernels.paged_write import write_chunk
 from pallas_kernels.window_attention import window_attention
 
-__all__ = ["gather_rows", "sharded_window_attention", "sharded_write_chunk"]
+__all__ = ["gather_rows", "sharded_window_attention", "sharded_write_chunk", "take_rows"]
 
 
 def sharded_write_chunk(mesh: Mesh, k_pool: jax.Array, v_pool: jax.Array, k_new: jax.Array,
@@ -163,10 +163,12 @@ def gather_rows(mesh: Mesh, table: jax.Array, rows: jax.Array, *, head_axis: int
       ``[data * B, ...]`` sharded like ``table``; padding rows are zero.
     """
     spec = cross_attention_spec(jnp.ndim(table), 0, head_axis)
+    return shard_map(take_rows, mesh, (spec, row_spec(1)), spec)(table, rows)
 
-    def body(part, local_rows):
-        taken = jnp.take(part, jnp.maximum(local_rows, 0), axis=0)
-        valid = (local_rows >= 0).reshape((-1,) + (1,) * (part.ndim - 1))
-        return jnp.where(valid, taken, jnp.zeros((), part.dtype))
 
-    return shard_map(body, mesh, (spec, row_spec(1)), spec)(table, rows)
+def take_rows(table: jax.Array, rows: jax.Array) -> jax.Array:
+    """``table[rows]`` ``[B, ...]`` of a per-row table ``[rows, ...]`` on one device, zero where
+    ``rows`` is negative (padding): what :func:`gather_rows` runs on each data shard."""
+    taken = jnp.take(table, jnp.maximum(rows, 0), axis=0)
+    valid = (rows >= 0).reshape((-1,) + (1,) * (table.ndim - 1))
+    return jnp.where(valid, taken, jnp.zeros((), table.dtype))
