@@ -15,9 +15,11 @@ NOTEBOOK = pathlib.Path(__file__).resolve().parent.parent / "notebooks" / "quick
 
 
 @pytest.mark.slow
-def test_quickstart_notebook_runs_and_shows_its_results(monkeypatch):
-    # The real-model section's tiny fallback, even on a machine with an accelerator and the hub in reach.
+def test_quickstart_notebook_runs_and_shows_its_results(monkeypatch, tmp_path):
+    # The real-model section's tiny fallback, even on a machine with an accelerator and the hub in reach;
+    # its mp4 goes to a tempfile.mkdtemp folder, here under tmp_path.
     monkeypatch.setenv("ARKV_REAL_MODEL", "0")
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
     notebook = nbformat.read(NOTEBOOK, as_version=4)
     client = nbclient.NotebookClient(notebook, timeout=300, kernel_name="python3",
                                      resources={"metadata": {"path": str(NOTEBOOK.parent)}})
@@ -39,3 +41,4 @@ def test_quickstart_notebook_runs_and_shows_its_results(monkeypatch):
     assert "read back fox.mp4: 21 frames of 64x96" in text
     videos = [out for out in outputs if "data:video/mp4;base64," in out.get("data", {}).get("text/html", "")]
     assert len(videos) == 1
+    assert [p.name for p in tmp_path.glob("arkv_generate_*/*.mp4")] == ["fox.mp4"]
