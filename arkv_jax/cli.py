@@ -309,9 +309,10 @@ def _add_generate_parser(sub) -> None:
     p.add_argument("--prompt", action="append", default=None, metavar="TEXT",
                    help="the prompt; repeat for several sessions (session i gets prompt i mod count)")
     p.add_argument("--prompt-at", action="append", type=_prompt_at, default=[], metavar="CHUNK:TEXT",
-                   help="switch every session to TEXT before chunk CHUNK (1, 2, ...); repeatable. Without KV recache "
-                        "(not available yet) a switch re-populates the session's cross-attention (text K/V) only: the "
-                        "frames already in the window keep the K/V computed under the old prompt")
+                   help="switch every session to TEXT before chunk CHUNK (1, 2, ...); repeatable. A switch recomputes "
+                        "the K/V of the frames the next chunk sees under the new prompt (LongLive's KV recache)")
+    p.add_argument("--switch-sink", choices=("keep", "recompute"), default="keep",
+                   help="at a prompt switch, keep the attention sink's K/V (default, as LongLive) or recompute them")
     p.add_argument("--frames", type=_positive_int, default=None,
                    help="latent frames per session, a multiple of the chunk (default 6 with --random-tiny: 2-frame "
                         "chunks; 21 with a checkpoint: 3-frame chunks, 81 video frames); F latent frames give "
@@ -349,7 +350,8 @@ def _run_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         generate.run_generate(prompts=prompts, checkpoint=args.checkpoint, generator=args.generator,
                               random_tiny=args.random_tiny, prompt_at=switches, frames=args.frames, seed=args.seed,
                               sessions=args.sessions, out=args.out, steps=args.steps, guidance=args.guidance,
-                              fps=args.fps, backend=args.backend, allow_pickle=args.allow_pickle)
+                              fps=args.fps, backend=args.backend, allow_pickle=args.allow_pickle,
+                              switch_sink=args.switch_sink)
     except generate.GenerateError as error:  # refused before the run, or a checkpoint that does not load
         parser.error(str(error))
     return 0

@@ -291,6 +291,20 @@ class WindowPolicy:
         fits = first + frames <= self.resident_frames
         return sink, np.where(fits, live, np.minimum(live, np.maximum(0, self.window_frames - frames)))
 
+    def max_history(self, chunk_frames: int) -> int:
+        """The most history frames a chunk of ``chunk_frames`` frames ever sees: the sink plus at
+        most ``window_frames - chunk_frames`` recent frames (none in reset mode). A prompt switch
+        recomputes this many frames per branch (:meth:`arkv_jax.cache.PagedKVCache.recache`)."""
+        recent = 0 if self.reset_at_boundary else max(0, self.window_frames - chunk_frames)
+        return self.sink_frames + recent
+
+    def latent_ring_frames(self, chunk_frames: int) -> int:
+        """Latent frames a session keeps so that a prompt switch can recompute its history: every
+        whole chunk of ``chunk_frames`` frames holding a sink frame or one of the recent frames of
+        :meth:`max_history` (chunks start at multiples of ``chunk_frames``)."""
+        recent = self.max_history(chunk_frames) - self.sink_frames
+        return chunk_frames * (ceil_div(self.sink_frames, chunk_frames) + ceil_div(recent, chunk_frames))
+
     def frame_visible(self, frame, chunk_first_frame, chunk_frames) -> np.ndarray:
         """Whether frame ``frame`` is visible to (every query of) the chunk of ``chunk_frames``
         frames starting at ``chunk_first_frame``: a sink or recent history frame of

@@ -18,10 +18,11 @@ The whole path of a streaming video model, in JAX:
    session's mp4 (imageio with imageio-ffmpeg's pip-installed ffmpeg; nothing is fetched at run
    time). ``F`` latent frames give ``1 + 4 (F - 1)`` video frames.
 
-Prompt switches (``prompt_at``: chunk -> prompt, for every session). No KV recache exists yet, so a
-switch re-populates the session's cross-attention cache (its text K/V, positive branch) only: the
-frames already in the self-attention window keep the K/V they were computed with under the old
-prompt (LongLive's recache, which recomputes them, is not done).
+Prompt switches (``prompt_at``: chunk -> prompt, for every session) are LongLive's, with KV recache:
+:meth:`arkv_jax.rollout.Rollout.switch_prompt` recomputes the frames the next chunk attends to under
+the new prompt from the session's latent ring and swaps them in with the new text K/V (``switch_sink``:
+the sink's K/V kept, LongLive's default, or recomputed). The plan then holds the rings and the fresh
+pages of one recache (:func:`arkv_jax.planner.rollout_plan`'s ``latent_frame_bytes``).
 
 Checks before anything is loaded or run (:class:`GenerateError`, a ``ValueError``): counts, the
 frames against the chunk size, switch chunks, the checkpoint folder's files
@@ -55,13 +56,14 @@ from flax import nnx
 from tqdm import tqdm
 
 from arkv_jax.cache import PagedKVCache
+from arkv_jax.cache.recache import SINK_MODES
 from arkv_jax.config import CacheGeometry, CrossAttentionSpec, KVBranch, WindowPolicy
 from arkv_jax.models import vae as vae_lib
-from arkv_jax.models.dit import MODEL_CONFIGS, CausalDiT, prompt_embedding
+from arkv_jax.models.dit import MODEL_CONFIGS, CausalDiT
 from arkv_jax.models.dit import init_random as init_random_dit
 from arkv_jax.planner import format_bytes, rollout_plan
 from arkv_jax.presets import get_preset
-from arkv_jax.rollout import Rollout, Sampler, context_kv
+from arkv_jax.rollout import Rollout, Sampler
 
 #: Frames per second of the written videos (Wan 2.1's 16 fps).
 DEFAULT_FPS = 16
@@ -344,7 +346,7 @@ class ChunkTiming:
       chunk: chunk index.
       dit_s: ``Rollout.step`` (denoise steps + commit forward + cache commit, latents on the host).
       vae_s: the VAE decode of every session's chunk (pixels on the host, uint8).
-      text_s: prompt switches before the chunk (re-populating the text K/V), or the joins for chunk 0.
+      text_s: prompt switches before the chunk (KV recache and text K/V), or the joins for chunk 0.
       write_s: appending the frames to the mp4s.
       video_frames: video frames decoded, all sessions.
     """
@@ -387,13 +389,14 @@ def to_uint8(frames) -> np.ndarray:
     return np.clip(np.rint((np.asarray(frames, np.float32) + 1.0) * 127.5), 0, 255).astype(np.uint8)
 
 
-def set_text(rollout: Rollout, session_id: str, context: np.ndarray, branch: str | None = None) -> None:
-    """Re-populates one branch (default: the prompt's) of a session's text K/V from ``context``
-    ``[tokens, text_dim]``: the prompt switch without KV recache."""
-    k, v = context_kv(rollout.chunk_config.graphdef, rollout.params, jnp.asarray(context, jnp.float32)[None])
-    layers = rollout.model.config.num_layers
-    rollout.cache.populate_cross_attention(session_id, rollout.text_cache, branch or rollout.branches[0],
-                                           ((k[i, 0], v[i, 0]) for i in range(layers)))
+def switch(rollout: Rollout, session_id: str, prompt: str, context: np.ndarray | None = None,
+           negative_context: np.ndarray | None = None, sink: str = "keep") -> None:
+    """``Rollout.switch_prompt`` with the encoder's ``context`` (and the CFG negative's) when there is
+    one, else through the prompt (hash stand-in), as :func:`join` conditions."""
+    if context is None:
+        rollout.switch_prompt(session_id, prompt, sink=sink)
+    else:
+        rollout.switch_prompt(session_id, context=context, negative_context=negative_context, sink=sink)
 
 
 def join(rollout: Rollout, session_id: str, prompt: str, seed: int, context: np.ndarray | None = None,
@@ -419,11 +422,11 @@ def run_generate(*, prompts: Sequence[str], checkpoint: str | pathlib.Path | Non
                  prompt_at: Mapping[int, str] | None = None, frames: int | None = None, seed: int = 0,
                  sessions: int = 1, out: str | pathlib.Path = "video.mp4", steps: int | None = None,
                  guidance: float | None = None, fps: int = DEFAULT_FPS, backend: str = "auto",
-                 allow_pickle: bool = False, stdout: TextIO | None = None, stderr: TextIO | None = None,
-                 progress: bool | None = None) -> GenerateResult:
+                 allow_pickle: bool = False, switch_sink: str = "keep", stdout: TextIO | None = None,
+                 stderr: TextIO | None = None, progress: bool | None = None) -> GenerateResult:
     """Runs the command (see the module docstring). Session ``i`` gets ``prompts[i % len(prompts)]``
     and noise seed ``seed + i``; ``prompt_at`` switches every session's prompt before the given
-    chunks (1 and later).
+    chunks (1 and later), with KV recache (``switch_sink``: ``"keep"`` or ``"recompute"`` the sink).
 
     Raises:
       GenerateError: refused before the run (bad counts, frames not a multiple of the chunk,
@@ -449,6 +452,8 @@ def run_generate(*, prompts: Sequence[str], checkpoint: str | pathlib.Path | Non
         raise GenerateError(f"--frames {frames}: must be a positive multiple of the {chunk_frames} latent frames "
                             f"of a chunk (e.g. {chunk_frames * max(1, -(-frames // chunk_frames))})")
     chunks = frames // chunk_frames
+    if switch_sink not in SINK_MODES:
+        raise GenerateError(f"--switch-sink must be one of {SINK_MODES}, got {switch_sink!r}")
     switches = dict(prompt_at or {})
     bad = sorted(c for c in switches if not 1 <= c < chunks)
     if bad:
@@ -478,7 +483,9 @@ def run_generate(*, prompts: Sequence[str], checkpoint: str | pathlib.Path | Non
 
     branches = ((KVBranch("positive", 0), KVBranch("negative", 1)) if guidance is not None else (KVBranch("main"),))
     cross = (CrossAttentionSpec("text", model.config.text_tokens),)
-    plan = rollout_plan(pipeline.geometry, pipeline.window, branches, cross, sessions)
+    ring_frame_bytes = int(np.prod(model.config.frame_shape)) * jnp.dtype(model.config.dtype).itemsize
+    plan = rollout_plan(pipeline.geometry, pipeline.window, branches, cross, sessions,
+                        latent_frame_bytes=ring_frame_bytes if switches else None)
     cache = PagedKVCache(pipeline.geometry, pipeline.window, branches, cross, plan=plan, backend=backend)
     rollout = Rollout(model, cache, sampler, max_traces=1)
 
@@ -500,7 +507,7 @@ def run_generate(*, prompts: Sequence[str], checkpoint: str | pathlib.Path | Non
     if encoded:
         print(f"text: {len(contexts)} prompt(s) encoded by umT5 in {encode_s:.2f} s", file=stdout)
     if switches:
-        print("prompt switches (text K/V re-populated only; no KV recache of the window): "
+        print(f"prompt switches (KV recache, sink {switch_sink}): "
               + ", ".join(f"chunk {c}: {p!r}" for c, p in sorted(switches.items())), file=stdout)
 
     import imageio
@@ -530,9 +537,9 @@ def run_generate(*, prompts: Sequence[str], checkpoint: str | pathlib.Path | Non
                                  negative)
                     elif chunk in switches:
                         text = switches[chunk]
+                        negative = contexts.get("") if sampler.num_branches > 1 else None
                         for sid in ids:
-                            set_text(rollout, sid, contexts[text] if encoded
-                                     else prompt_embedding(text, model.config.text_tokens, model.config.text_dim))
+                            switch(rollout, sid, text, contexts.get(text), negative, switch_sink)
                     jax.block_until_ready(cache.cross_attention_kv(rollout.text_cache))
                     text_s = time.perf_counter() - start
 
@@ -593,5 +600,5 @@ def _print_summary(stream: TextIO, timings: Sequence[ChunkTiming], encode_s: flo
 __all__ = [
     "CheckpointFiles", "ChunkTiming", "DEFAULT_FPS", "DEFAULT_FRAMES", "DEFAULT_STEPS", "GenerateError",
     "GenerateResult", "Pipeline", "checkpoint_geometry", "ffmpeg_exe", "find_checkpoint", "join", "load_pipeline",
-    "output_paths", "parse_prompt_at", "prepare_outputs", "run_generate", "set_text", "tiny_pipeline", "to_uint8",
+    "output_paths", "parse_prompt_at", "prepare_outputs", "run_generate", "switch", "tiny_pipeline", "to_uint8",
 ]

@@ -594,19 +594,38 @@ def resolve_plan(geometry: CacheGeometry, window: WindowPolicy, kv_branches: Seq
 
 
 def rollout_plan(geometry: CacheGeometry, window: WindowPolicy, kv_branches: Sequence[KVBranch],
-                 cross_attention: Sequence[CrossAttentionSpec], sessions: int, *, model: int = 1) -> MemoryPlan:
+                 cross_attention: Sequence[CrossAttentionSpec], sessions: int, *, model: int = 1,
+                 latent_frame_bytes: int | None = None) -> MemoryPlan:
     """The smallest plan that holds ``sessions`` sessions and runs them all in one batched chunk
     (the planner's ``batched_in_flight`` reservation, with a budget of exactly what it requires):
     the pool is as small as the rollout allows, so page reuse shows in a short run.
 
     For a mesh, ``sessions`` is per data shard and ``model`` the size of the ``"model"`` axis: the
-    plan is one device's (heads divided by ``model``), which ``PagedKVCache(..., mesh=)`` takes."""
+    plan is one device's (heads divided by ``model``), which ``PagedKVCache(..., mesh=)`` takes.
+
+    Prompt switches (:meth:`arkv_jax.rollout.Rollout.switch_prompt`): with ``latent_frame_bytes``
+    (bytes of one latent frame, e.g. ``H * W * C * itemsize``) the plan also holds each session's
+    latent ring (:meth:`~arkv_jax.config.WindowPolicy.latent_ring_frames`, as model-owned state per
+    session) and the fresh pages of one recache (:func:`recache_blocks`).
+    """
     geometry, cross_attention = local_shapes(geometry, cross_attention, model)
-    kw = dict(cross_attention=cross_attention, session_capacity=sessions, batched_in_flight=True)
+    owned, extra_blocks = 0, 0
+    if latent_frame_bytes is not None:
+        require_non_negative("latent_frame_bytes", latent_frame_bytes)
+        owned = window.latent_ring_frames(geometry.frames_per_forward) * int(latent_frame_bytes)
+        extra_blocks = recache_blocks(geometry, window, len(kv_branches))
+    kw = dict(cross_attention=cross_attention, session_capacity=sessions, batched_in_flight=True,
+              model_owned_state_bytes_per_session=owned)
     probe = plan_memory(geometry, window, kv_branches, available_bytes=1 << 60, memory_fraction=1.0, **kw)
-    budget = (probe.scratch_reserved_bytes + probe.cross_attention_bytes_per_session * sessions
-              + probe.required_managed_blocks * probe.page_size_bytes)
+    budget = (probe.scratch_reserved_bytes + (probe.cross_attention_bytes_per_session + owned) * sessions
+              + (probe.required_managed_blocks + extra_blocks) * probe.page_size_bytes)
     return plan_memory(geometry, window, kv_branches, available_bytes=budget, memory_fraction=1.0, **kw)
+
+
+def recache_blocks(geometry: CacheGeometry, window: WindowPolicy, num_branches: int) -> int:
+    """Fresh pages one prompt switch's recache takes while it runs: every history frame a chunk can
+    see (:meth:`~arkv_jax.config.WindowPolicy.max_history`) for each of a session's branches."""
+    return num_branches * window.max_history(geometry.frames_per_forward) * geometry.pages_per_frame
 
 
 # ----------------------------------------------------------------------------------------------

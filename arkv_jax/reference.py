@@ -43,16 +43,21 @@ class MaskedHistory:
     Attributes:
       frame_mask: bool ``[B, F, F]``; ``frame_mask[b, i, j]``: frame ``i`` sees frame ``j``.
       tokens_per_frame: tokens per frame (static).
+      pinned: ``None``, or ``(k, v)`` ``[L, B, P, Hkv, D]``: K/V that replace the first ``P`` tokens'
+        own in every layer (a sink kept across a prompt switch: :meth:`FullRecompute.commit_kv`).
     """
 
     frame_mask: Array
     tokens_per_frame: int = struct.field(pytree_node=False)
+    pinned: tuple[Array, Array] | None = None
 
     def attend(self, q: Array, k: Array, v: Array, layer: Array) -> Array:
         """Attention of ``q`` ``[B, F * tpf, Hq, D]`` over the forward's own ``k``/``v``
-        ``[B, F * tpf, Hkv, D]`` under the frame mask (``layer`` is unused)."""
-        del layer
+        ``[B, F * tpf, Hkv, D]`` (the pinned tokens' replaced) under the frame mask."""
         tpf = self.tokens_per_frame
+        if self.pinned is not None:
+            k, v = (jax.lax.dynamic_update_slice_in_dim(x, pin[layer].astype(x.dtype), 0, axis=1)
+                    for x, pin in zip((k, v), self.pinned))
         mask = jnp.repeat(jnp.repeat(self.frame_mask, tpf, axis=1), tpf, axis=2)
         return masked_attention(q, k, v, mask)
 
@@ -92,6 +97,7 @@ class FullRecompute:
         self.model, self.window, self.sampler, self.chunk_frames = model, window, sampler, chunk_frames
         self._graphdef, self.params = nnx.split(model)
         self.chunk_fn = jax.jit(self._chunk_fn)
+        self.commit_kv_fn = jax.jit(self._commit_kv_fn)
 
     def text_kv(self, prompts: Sequence[str] | None = None, *, contexts: Sequence | None = None,
                 negative_contexts: Sequence | None = None) -> tuple[Array, Array]:
@@ -114,26 +120,53 @@ class FullRecompute:
         context = np.stack([c for branches in per_session for c in branches])
         return context_kv(self._graphdef, self.params, jnp.asarray(context))
 
-    def chunk(self, history: Array, first_frame: int, noise: Array, text_kv: tuple[Array, Array]) -> Array:
+    def chunk(self, history: Array, first_frame: int, noise: Array, text_kv: tuple[Array, Array], *,
+              visible: np.ndarray | None = None, pinned: tuple[Array, Array] | None = None) -> Array:
         """The clean chunk ``[S, F, H, W, C]`` starting at frame ``first_frame`` (all sessions),
         given the earlier frames as the cache's commit forward saw them in ``history``
         ``[S, max_frames, H, W, C]`` (clean latents, or noised with ``context_noise``; later
         entries are ignored), the chunk's float32 noise draws ``noise`` ``[S, D, F, H, W, C]``
         (``D = sampler.noise_draws``; rank 5 for one draw) and :meth:`text_kv`. Runs
-        :attr:`chunk_fn`, one compilation per ``max_frames``."""
-        return self.chunk_fn(self.params, history, jnp.int32(first_frame), noise, text_kv)
+        :attr:`chunk_fn`, one compilation per ``max_frames``.
+
+        Prompt switches (:meth:`arkv_jax.rollout.Rollout.switch_prompt`): ``visible`` (bool
+        ``[max_frames]``, default all) masks out the frames a switch forgot, for every query;
+        ``pinned`` (:meth:`commit_kv` of a kept sink) replaces the sink's K/V in every layer.
+        """
+        frames = history.shape[1]
+        visible = np.ones(frames, bool) if visible is None else np.asarray(visible, bool)
+        return self.chunk_fn(self.params, history, jnp.int32(first_frame), noise, text_kv, jnp.asarray(visible),
+                             pinned)
+
+    def commit_kv(self, history: Array, num_frames: int, text_kv: tuple[Array, Array]) -> tuple[Array, Array]:
+        """Every layer's K/V ``[L, S * branches, num_frames * tpf, Hkv, D]`` of the first
+        ``num_frames`` frames of ``history`` (as for :meth:`chunk`) as their commit forwards
+        computed them under ``text_kv``: what the cache holds for a sink of ``num_frames`` frames."""
+        return self.commit_kv_fn(self.params, history[:, :num_frames], text_kv)
+
+    def _commit_kv_fn(self, params, history_latents: Array, text_kv: tuple[Array, Array]):
+        model = nnx.merge(self._graphdef, params)
+        nb = self.sampler.num_branches
+        sessions, frames = history_latents.shape[:2]
+        rows = sessions * nb
+        mask = jnp.asarray(window_frame_mask(frames, self.chunk_frames, self.window))
+        history = MaskedHistory(jnp.broadcast_to(mask, (rows, frames, frames)), self.model.config.tokens_per_frame)
+        t = jnp.full((rows, frames), float(self.sampler.context_noise))
+        _, kv = model(jnp.repeat(history_latents, nb, axis=0), t, jnp.zeros((rows,), jnp.int32), history, *text_kv,
+                      return_kv=True)
+        return kv
 
     def _chunk_fn(self, params, history_latents: Array, first_frame: Array, noise: Array,
-                  text_kv: tuple[Array, Array]) -> Array:
+                  text_kv: tuple[Array, Array], visible: Array, pinned: tuple[Array, Array] | None) -> Array:
         model = nnx.merge(self._graphdef, params)
         nb, chunk = self.sampler.num_branches, self.chunk_frames
         sessions, max_frames = history_latents.shape[:2]
         rows = sessions * nb
         frames = jnp.arange(max_frames)
         generated = frames < first_frame + chunk
-        mask = jnp.asarray(window_frame_mask(max_frames, chunk, self.window)) & generated[None, :]
+        mask = jnp.asarray(window_frame_mask(max_frames, chunk, self.window)) & (generated & visible)[None, :]
         history = MaskedHistory(jnp.broadcast_to(mask, (rows, max_frames, max_frames)),
-                                self.model.config.tokens_per_frame)
+                                self.model.config.tokens_per_frame, pinned)
         current = (frames >= first_frame) & generated
         context_t = float(self.sampler.context_noise)
 

@@ -336,6 +336,31 @@ def generate_chunk(params: nnx.State, pools: tuple[Array, Array], inputs: ChunkI
     return x, k, v
 
 
+def recache_kv(params: nnx.State, pools: tuple[Array, Array], inputs: ChunkInputs, text_kv: tuple[Array, Array],
+               latents: Array, timestep: Array, *, config: ChunkConfig) -> tuple[Array, Array]:
+    """The K/V of one recache unit (:class:`arkv_jax.cache.recache.RecacheUnit`): the commit forward
+    of a session's kept frames under new conditioning, pure and traceable like :func:`generate_chunk`.
+
+    Args:
+      params, pools: as for :func:`generate_chunk` (the pools are only read).
+      inputs: the unit's :class:`ChunkInputs` (``B`` = the session's branch rows).
+      text_kv: ``(k, v)``, each ``[L, B, T, Hkv, D]``: the new text K/V of the rows.
+      latents: ``[n, H, W, C]`` the unit's commit-forward input (:func:`arkv_jax.samplers.commit_input`
+        of its chunk's clean latents, the unit's frames).
+      timestep: float scalar, the commit forward's timestep.
+
+    Returns:
+      ``(k, v)``: every layer's K/V ``[L, B, n * tokens_per_frame, Hkv, D]`` (``k`` post-RoPE).
+    """
+    model = nnx.merge(config.graphdef, params)
+    rows, frames = inputs.rows.shape[0], latents.shape[0]
+    history = PagedHistory.from_inputs(pools, inputs, config.tokens_per_frame, config.backend, mesh=config.mesh)
+    x = jnp.broadcast_to(latents.astype(model.config.dtype), (rows, *latents.shape))
+    _, kv = model(x, jnp.full((rows, frames), timestep, jnp.float32), inputs.first_frame, history, *text_kv,
+                  return_kv=True)
+    return kv
+
+
 class ChunkResult(NamedTuple):
     """One chunk of every active session.
 
@@ -352,10 +377,13 @@ class ChunkResult(NamedTuple):
 
 @dataclasses.dataclass
 class _Session:
-    """A session's noise seed and the latents ``[F, H, W, C]`` of each chunk it generated."""
+    """A session's noise seed, the latents ``[F, H, W, C]`` of each chunk it generated (host), and
+    its latent ring: chunk index -> device latents of the chunks a prompt switch recomputes from
+    (:meth:`arkv_jax.config.WindowPolicy.latent_ring_frames`)."""
 
     seed: int
     chunks: list[np.ndarray] = dataclasses.field(default_factory=list)
+    ring: dict[int, Array] = dataclasses.field(default_factory=dict)
 
 
 def default_buckets(max_sessions: int) -> tuple[int, ...]:
@@ -465,6 +493,7 @@ class Rollout:
         self.chunk_config = ChunkConfig(graphdef, sampler, self.chunk_frames, cache.geometry.tokens_per_frame,
                                         backend or cache.backend, cache.mesh)
         self.chunk_fn = jax.jit(self._traced_chunk)
+        self.recache_fn = jax.jit(functools.partial(recache_kv, config=self.chunk_config))
         self._sessions: dict[str, _Session] = {}
 
     def bucket(self, num_sessions: int) -> int:
@@ -532,16 +561,66 @@ class Rollout:
         del self._sessions[session_id]
         return latents
 
+    def switch_prompt(self, session_id: str, prompt: str | None = None, *, context=None, negative_context=None,
+                      sink: str = "keep") -> tuple[int, ...]:
+        """Switches a session to new conditioning between chunks, with a KV recache (LongLive).
+
+        The frames the session's next chunk attends to are recomputed under the new prompt from the
+        session's latent ring, at their absolute positions, and swapped in together with the new
+        text K/V (:meth:`PagedKVCache.recache`): the sink's K/V are kept (``sink="keep"``) or
+        recomputed too (``"recompute"``). Each recomputed chunk sees what it saw when it was
+        generated, less the frames that have left the window; the following chunks see the new
+        prompt and the recomputed history. All or nothing: on any error the session keeps its old
+        history and text K/V.
+
+        Conditioning as for :meth:`join` (``prompt`` through the hash stand-in, or ``context`` and,
+        with guidance, ``negative_context``).
+
+        Returns:
+          the absolute frames recomputed, in time order.
+
+        Raises:
+          KeyError: unknown session. ValueError: bad conditioning, a bad ``sink``, a sharded cache.
+          RuntimeError: the pool lacks the fresh pages (plan it with
+            :func:`arkv_jax.planner.rollout_plan`'s ``latent_frame_bytes``).
+        """
+        session = self._session(session_id)
+        if self.cache.mesh is not None:
+            raise ValueError("switch_prompt runs on a one-device cache (mesh=None)")
+        if prompt is not None and not isinstance(prompt, str):
+            raise ArgumentTypeError(f"prompt must be a string or None, got {type(prompt).__name__}")
+        config, f = self.model.config, self.chunk_frames
+        contexts = branch_contexts(config.text_tokens, config.text_dim, len(self.branches), prompt, context,
+                                   negative_context)
+        text = [context_kv(self.chunk_config.graphdef, self.params, jnp.asarray(c[None])) for c in contexts]
+        text_kv = tuple(jnp.concatenate([kv[i] for kv in text], axis=1) for i in range(2))
+        shape = (f, *config.frame_shape)
+        with self.cache.recache(session_id, f, sink=sink, branches=self.branches) as job:
+            for unit in job.units:
+                chunk, offset = divmod(unit.first_frame, f)
+                draws = samplers.session_noise(session.seed, chunk, shape, self.sampler.noise_draws)
+                x, t_c = samplers.commit_input(session.ring[chunk][None], jnp.asarray(draws[None]), self.sampler)
+                k, v = self.recache_fn(self.params, self.cache.pools, unit.inputs, text_kv,
+                                       x[0, offset:offset + unit.num_frames], jnp.float32(t_c))
+                job.write(k, v)
+            for branch, (k, v) in zip(self.branches, text):
+                job.populate_cross_attention(self.text_cache, branch, zip(k[:, 0], v[:, 0]))
+            job.commit()
+        return job.frames
+
+    def _session(self, session_id: str) -> _Session:
+        try:
+            return self._sessions[session_id]
+        except KeyError:
+            raise KeyError(f"unknown session {session_id!r}") from None
+
     def latents(self, session_id: str) -> np.ndarray:
         """All latents a session generated so far: ``[frames, H, W, C]``.
 
         Raises:
           KeyError: unknown session.
         """
-        try:
-            session = self._sessions[session_id]
-        except KeyError:
-            raise KeyError(f"unknown session {session_id!r}") from None
+        session = self._session(session_id)
         if not session.chunks:
             return np.zeros((0, *self.model.config.frame_shape), jnp.dtype(self.model.config.dtype))
         return np.concatenate(session.chunks)
@@ -579,7 +658,17 @@ class Rollout:
         latents = np.asarray(x)[positions]
         for i, sid in enumerate(ids):
             self._sessions[sid].chunks.append(latents[i])
+            self._keep_in_ring(self._sessions[sid], int(counts[i]), x[positions[i]])
         return ChunkResult(ids, counts * self.chunk_frames, latents)
+
+    def _keep_in_ring(self, session: _Session, chunk_index: int, latents: Array) -> None:
+        """Adds a chunk's device latents to the session's ring and drops the chunks no prompt switch
+        can need any more (neither a sink chunk nor one of the recent history's)."""
+        session.ring[chunk_index] = latents
+        window, f = self.cache.window, self.chunk_frames
+        oldest_recent = (chunk_index + 1) * f - (window.max_history(f) - window.sink_frames)
+        for c in [c for c in session.ring if c * f >= window.sink_frames and (c + 1) * f <= oldest_recent]:
+            del session.ring[c]
 
     def _traced_chunk(self, params, pools, inputs: ChunkInputs, text_kv, noise):
         """:func:`generate_chunk` under the trace guard: runs once per trace of :attr:`chunk_fn`."""

@@ -453,6 +453,57 @@ def end(state: BlockTableState, rows: Array) -> tuple[BlockTableState, Array]:
     return _empty_rows(state, rows, ok, jnp.zeros_like(rows), active=False), ok
 
 
+def _fresh_ids(state: BlockTableState, rows: Array, replace: Array) -> tuple[Array, Array, Array, Array]:
+    """The pages the next pops of the free ring give the marked table positions, rows in batch order
+    and positions in table order. Returns ``(rows, marks, fresh, ok)``: the safe rows, the marks
+    ``[B, table_width]`` (none on padding rows), the fresh ids there (0 elsewhere) and ``ok`` (scalar:
+    every marked row is active with its marks on stored pages, and the ring holds every fresh page)."""
+    rows, valid = _batch(state, rows)
+    marks = jnp.asarray(replace, bool) & valid[:, None]
+    stored = jnp.arange(state.layout.table_width)[None, :] < state.num_pages[rows][:, None]
+    counts = jnp.sum(marks, axis=1, dtype=jnp.int32)
+    fits = ~jnp.any(marks, axis=1) | (state.active[rows] & ~jnp.any(marks & ~stored, axis=1))
+    ok = jnp.all(fits) & (jnp.sum(counts) <= state.free_count)
+    rank = (jnp.cumsum(counts) - counts)[:, None] + jnp.cumsum(marks, axis=1) - 1
+    fresh = jnp.where(marks, state.free_ids[(state.free_head + rank) % state.ring_size], 0)
+    return rows, marks, fresh, ok
+
+
+def fresh_pages(state: BlockTableState, rows: Array, replace: Array) -> Array:
+    """int32 ``[B, table_width]``: the page :func:`swap_pages` would give each marked position (0
+    elsewhere): pages that are free now, so K/V can be written into them before the swap."""
+    return _fresh_ids(state, rows, replace)[2]
+
+
+def swap_pages(state: BlockTableState, rows: Array, replace: Array) -> tuple[BlockTableState, Array]:
+    """Gives the marked table positions of each row fresh pages and frees the pages they held: the
+    page-level half of a K/V recompute (write the new K/V into :func:`fresh_pages` first, then swap).
+    Frame counts, eviction and every unmarked position are unchanged.
+
+    Fresh pages come from the free ring's head, rows in batch order and positions in table order;
+    the replaced pages go to the ring's tail in the same order.
+
+    Args:
+      rows: ``[B]`` int32 row indices (negative = padding: never marked).
+      replace: bool ``[B, table_width]``: the positions of each row's table to give fresh pages.
+
+    Returns:
+      ``(state, ok)``, all or nothing: ``ok`` (scalar) is False, and the state unchanged, if a
+      marked row is inactive or has marks past its stored pages, or the ring holds fewer free pages
+      than there are marks.
+    """
+    rows, marks, fresh, ok = _fresh_ids(state, rows, replace)
+    marks = marks & ok
+    counts = jnp.sum(marks, axis=1, dtype=jnp.int32)
+    total = jnp.sum(counts)
+    popped = state.replace(free_head=(state.free_head + total) % state.ring_size,
+                           free_count=state.free_count - total)
+    old = state.tables[rows]
+    freed = _push_free(popped, counts, jnp.where(marks, jnp.cumsum(marks, axis=1) - 1, -1), old)
+    tables = _scatter_rows(state.tables, rows, jnp.any(marks, axis=1), jnp.where(marks, fresh, old))
+    return freed.replace(tables=tables), ok
+
+
 # ----------------------------------------------------------------------------------------------
 # Read-only views.
 

@@ -47,7 +47,7 @@ def test_sessions_and_prompt_switch_in_process(tmp_path, capsys):
                      "--prompt", "waves on a shore", "--prompt-at", "1:a city at night", "--out",
                      str(tmp_path / "v.mp4"), "--seed", "5"]) == 0
     out = capsys.readouterr().out
-    assert "chunk 1: 'a city at night'" in out and "no KV recache" in out
+    assert "chunk 1: 'a city at night'" in out and "KV recache, sink keep" in out
     videos = [read_video(tmp_path / f"v_session{i}.mp4") for i in range(2)]
     assert all(v.shape == (13, 64, 96, 3) for v in videos)
     assert not np.array_equal(videos[0], videos[1])  # different prompts and seeds

@@ -56,7 +56,8 @@ from jax.sharding import Mesh, NamedSharding
 from arkv_jax import sharding
 from arkv_jax import state as core
 from arkv_jax.cache import programs
-from arkv_jax.cache.cross_attention import CrossAttentionStore
+from arkv_jax.cache.cross_attention import CrossAttentionStore, collect_cross_attention_layers
+from arkv_jax.cache.recache import SINK_MODES, Recache, plan_recache
 from arkv_jax.cache.sessions import SessionTable
 from arkv_jax.config import (
     ArgumentTypeError,
@@ -534,6 +535,111 @@ class PagedKVCache:
             with self._lock:
                 if self._in_flight is step:
                     self._in_flight = None
+
+    # -- recomputing a session's history -------------------------------------------------------------
+    @contextlib.contextmanager
+    def recache(self, session_id: str, chunk_frames: int | None = None, *, sink: str = "keep",
+                branches: Sequence[str] | None = None):
+        """Recomputes a session's history K/V into fresh pages (a prompt switch's KV recache); see
+        :mod:`arkv_jax.cache.recache`.
+
+        Yields a :class:`~arkv_jax.cache.recache.Recache`: for each ``unit`` of ``recache.units`` in
+        order, run the forward on ``unit.inputs`` (``unit.num_frames`` frames from
+        ``unit.first_frame``, the session's rows in branch order) and ``recache.write(k, v)``; stage
+        new cross-attention K/V with ``recache.populate_cross_attention``; then ``recache.commit()``
+        swaps the fresh pages in and publishes the staged K/V at once. If the ``with`` block exits
+        without a commit (an exception, or no call), nothing changed: the session keeps its pages
+        and cross-attention K/V. While it is in flight the cache refuses chunks and lifecycle calls,
+        as for a chunk.
+
+        Args:
+          session_id: an open session on a cache of one data shard.
+          chunk_frames: frames per chunk of the session's stream (default
+            ``geometry.frames_per_forward``); the session must stand at a multiple of it.
+          sink: ``"keep"`` the sink's K/V (LongLive's default) or ``"recompute"`` them too.
+          branches: the KV branches to recompute (default: all), the units' rows in this order.
+
+        Raises:
+          KeyError: unknown session or branch. TypeError/ValueError: a bad ``sink``, ``chunk_frames``
+            or ``branches`` (repeated), a cache on several data shards, or a session not at a chunk
+            boundary.
+          RuntimeError: a chunk or recache is in flight, or the pool lacks the fresh pages
+            (nothing changes).
+        """
+        if not isinstance(sink, str) or sink not in SINK_MODES:
+            raise ValueError(f"sink must be one of {SINK_MODES}, got {sink!r}")
+        if chunk_frames is None:
+            chunk_frames = self.geometry.frames_per_forward
+        if isinstance(chunk_frames, (bool, np.bool_)) or not isinstance(chunk_frames, (int, np.integer)):
+            raise ArgumentTypeError(f"chunk_frames must be an int in [1, {self.window.window_frames}], got "
+                                    f"{chunk_frames!r} ({type(chunk_frames).__name__})")
+        if not 1 <= chunk_frames <= self.window.window_frames:
+            raise ValueError(f"chunk_frames must be an int in [1, {self.window.window_frames}] (window_frames), "
+                             f"got {chunk_frames}")
+        if self.num_shards > 1:
+            raise ValueError(f"recache runs on a cache of one data shard; this one has {self.num_shards}")
+        names = self._sessions.branches if branches is None else require_str_sequence("branches", branches)
+        if len(set(names)) != len(names):
+            raise ValueError(f"branches must not repeat, got {list(names)}")
+        with self._lock:
+            self.slot(session_id)
+            rows = self.rows([session_id], names)  # one shard: global rows are the local ones
+            self._require_idle("recompute a session's K/V")
+            shard_state = jax.tree_util.tree_map(lambda x: x[0], self._state)
+            plan = plan_recache(shard_state, rows, self.window, int(chunk_frames), sink)
+            job = Recache(session_id, tuple(names), sink, plan.frames, plan.units,
+                          on_write=self._recache_write, on_stage=self._recache_stage,
+                          on_commit=functools.partial(self._recache_commit, rows=rows, replace=plan.replace))
+            self._in_flight = job
+        try:
+            yield job
+        finally:
+            with self._lock:
+                if self._in_flight is job:
+                    self._in_flight = None
+
+    def _recache_job(self, job: Recache) -> None:
+        if self._in_flight is not job or job.committed:
+            raise RuntimeError("this recache is not in flight (already committed, or its with-block has exited)")
+
+    def _recache_write(self, job: Recache, k_new: Array, v_new: Array) -> None:
+        g = self.geometry
+        with self._lock:
+            self._recache_job(job)
+            unit = job.next_unit
+            if unit is None:
+                raise RuntimeError(f"all {len(job.units)} units of this recache are written; commit it")
+            expected = (g.num_layers, len(job.branches), unit.num_frames * g.tokens_per_frame, g.num_kv_heads,
+                        g.head_dim)
+            _check_kv("k_new", k_new, expected)
+            _check_kv("v_new", v_new, expected)
+            self._k_pool, self._v_pool = programs.write(
+                self._k_pool, self._v_pool, jnp.asarray(k_new, g.dtype), jnp.asarray(v_new, g.dtype),
+                unit.inputs.write_pages, tokens_per_frame=g.tokens_per_frame, backend=self.backend, mesh=self._mesh)
+            job.written += 1
+
+    def _recache_stage(self, job: Recache, name: str, branch: str, layer_kv) -> None:
+        with self._lock:
+            self._recache_job(job)
+            row = int(self.rows([job.session_id], [branch])[0])
+            job.staged[name, row] = collect_cross_attention_layers(
+                name, layer_kv, self.geometry.num_layers, self._cross.row_shape(name), allow_unbatched=True,
+                require_float=True)
+
+    def _recache_commit(self, job: Recache, *, rows: np.ndarray, replace: np.ndarray) -> None:
+        with self._lock:
+            self._recache_job(job)
+            if job.next_unit is not None:
+                raise RuntimeError(f"{job.written} of {len(job.units)} recache units are written; write them all "
+                                   "before committing")
+            state, ok = programs.swap_pages(self._state, jnp.asarray(rows)[None], jnp.asarray(replace)[None],
+                                            mesh=self._mesh)
+            self._state = state  # unchanged unless ok (all or nothing)
+            if not bool(jnp.all(ok)):  # plan_recache checked every condition under this lock
+                raise RuntimeError("the page swap of a recache was refused; nothing changed")
+            for (name, row), (k, v) in job.staged.items():
+                self._cross.populate(name, row, zip(k, v))
+            job.committed = True
 
     # -- helpers -------------------------------------------------------------------------------------
     def _commit(self, step: ChunkStep, k_new: Array, v_new: Array) -> None:

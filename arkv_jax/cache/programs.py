@@ -16,6 +16,7 @@ from jax.sharding import Mesh
 from arkv_jax import sharding
 from arkv_jax import state as core
 from arkv_jax import step as step_lib
+from arkv_jax.sharded_kernels import sharded_write_chunk
 from arkv_jax.step import ChunkInputs
 
 
@@ -67,3 +68,19 @@ def end(state, rows, *, mesh: Mesh):
 def resident_pages(state, rows, *, mesh: Mesh):
     """Every shard's :func:`arkv_jax.state.resident_pages`: ``([data, B, table_width], [data, B])``."""
     return sharding.per_shard(core.resident_pages, mesh)(state, rows)
+
+
+@functools.partial(jax.jit, static_argnames=("tokens_per_frame", "backend", "mesh"), donate_argnums=(0, 1))
+def write(k_pool, v_pool, k_new, v_new, write_pages, *, tokens_per_frame: int, backend: str, mesh: Mesh):
+    """Writes K/V ``[L, data * B, F * T, Hkv, D]`` into the pages ``write_pages`` ``[data * B, F * ppf]``
+    (shard-local ids) of every shard, in place (:func:`arkv_jax.sharded_kernels.sharded_write_chunk`);
+    no state changes. Returns ``(k_pool, v_pool)``."""
+    return sharded_write_chunk(mesh, k_pool, v_pool, k_new, v_new, write_pages, tokens_per_frame=tokens_per_frame,
+                               backend=backend)
+
+
+@functools.partial(jax.jit, static_argnames="mesh", donate_argnums=0)
+def swap_pages(state, rows, replace, *, mesh: Mesh):
+    """Every shard's :func:`arkv_jax.state.swap_pages` (``rows`` ``[data, B]``, ``replace``
+    ``[data, B, table_width]``). Returns ``(state, ok [data])``."""
+    return sharding.per_shard(core.swap_pages, mesh)(state, rows, replace)
