@@ -278,6 +278,42 @@ def test_refused_calls_change_nothing():
         chex.assert_trees_all_equal(jax.tree.map(np.asarray, new_state), before)
 
 
+def test_swap_pages_gives_fresh_pages_frees_the_old_and_is_all_or_nothing():
+    layout = tiny_layout(sink=1, window=3, tokens=4, block=4, blocks=16)
+    state = core.init_state(layout, 3)
+    state, _ = core.begin(state, jnp.array([0, 1]))
+    for _ in range(3):
+        state, _ = core.allocate(state, jnp.array([0, 1]), 4)
+        state, _ = core.commit(state, jnp.array([0, 1]), 1)
+    rows = jnp.array([1, -1, 0])
+    tables = np.asarray(state.tables)
+    marks = np.zeros((3, layout.table_width), bool)
+    marks[0, [1, 2]] = marks[2, [0, 2]] = True
+    fresh = np.asarray(core.fresh_pages(state, rows, marks))
+    free = np.asarray(core.free_queue(state))[:4].tolist()
+    assert fresh[0, [1, 2]].tolist() + fresh[2, [0, 2]].tolist() == free  # ring head, rows in batch order
+    swapped, ok = core.swap_pages(state, rows, marks)
+    assert bool(ok)
+    new = np.asarray(swapped.tables)
+    assert new[1, [1, 2]].tolist() == free[:2] and new[0, [0, 2]].tolist() == free[2:]
+    assert new[1, 0] == tables[1, 0] and new[0, 1] == tables[0, 1]  # unmarked positions kept
+    queue = np.asarray(core.free_queue(swapped))[:int(swapped.free_count)].tolist()
+    assert queue[-4:] == [tables[1, 1], tables[1, 2], tables[0, 0], tables[0, 2]]
+    assert int(swapped.free_count) == int(state.free_count)
+    held = np.concatenate([new[r, :n] for r, n in enumerate(np.asarray(swapped.num_pages))])
+    assert sorted(held.tolist() + queue) == list(range(1, 16))  # every page held or free, once
+    inactive = np.zeros_like(marks)
+    inactive[1, 0] = True  # row 2 is inactive
+    short = state.replace(free_count=jnp.int32(3))  # a ring with 3 free pages, for 4 marks
+    for case, bad_rows, bad_marks in ((state, jnp.array([0, 2, 1]), inactive),
+                                      (state, rows, np.roll(marks, 3, axis=1)),  # past the stored pages
+                                      (short, rows, marks)):
+        before = jax.tree.map(np.asarray, case)
+        new_state, ok = core.swap_pages(case, bad_rows, bad_marks)
+        assert not bool(ok)
+        chex.assert_trees_all_equal(jax.tree.map(np.asarray, new_state), before)
+
+
 def test_long_prefill_is_evicted_at_the_first_commit_in_one_catch_up():
     """A prefill longer than the window: vLLM-Omni frees every out-of-window frame at the first
     commit, highest index first."""
