@@ -55,9 +55,8 @@ def window_attention(q, k_cur, v_cur, extra_k, extra_v, k_pool, v_pool, pages, l
     = round_up(tail_len + capacity, block_k)``; per key block the float32 logits and probabilities,
     ``rows * num_q_heads * q_len * block_k * 4`` bytes each (for the default ``block_k`` within
     ``max(kv_bytes(geom, dtype), LOGITS_FLOOR_BYTES)`` unless ``KEY_ALIGN`` keys alone exceed it,
-    see :func:`key_block`); and the
-    float32 ``[rows, num_q_heads, q_len, head_dim]`` accumulator. No ``[q_len, keys]`` array of the
-    whole key axis is formed unless it fits in one block.
+    see :func:`key_block`); and the float32 ``[rows, num_q_heads, q_len, head_dim]`` accumulator.
+    No logits array over the whole key axis is formed unless it fits in one block.
     """
     rows, dtype = geom.rows, compute_dtype(q.dtype)
     block_k = key_block(geom, dtype) if block_k is None else block_k
