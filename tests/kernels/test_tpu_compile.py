@@ -2,8 +2,10 @@
 
 Each case compiles (Mosaic + XLA:TPU, VMEM against the kernel's limit), no pool appears in a
 ``copy``/``copy-start`` of the optimized HLO, the donated write aliases both pools with temporaries
-under 1 % of them, and attention's temporaries stay within ``temp_bound_bytes``. Pools use few
-layers: the properties do not depend on the layer count. Skipped without libtpu.
+under 1 % of them, and attention's temporaries stay within ``temp_bound_bytes``. The ``xla``
+backend (the fallback) is compiled too, at wan-1.3b: its temporaries stay within a small multiple of
+one layer's K/V. Pools use few layers: the properties do not depend on the layer count. Skipped
+without libtpu.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ import pytest
 from pallas_kernels import tpu_aot
 from pallas_kernels.layout import PAGE_AXIS, pool_shape, tpu_block_size
 from pallas_kernels.paged_write import write_chunk
+from pallas_kernels.window_attention import WindowGeometry, window_attention
 from pallas_kernels.window_attention import tpu as twa
+from pallas_kernels.window_attention import xla as xla_backend
 
 pytestmark = pytest.mark.skipif(not tpu_aot.libtpu_available(),
                                 reason="libtpu is not installed (pip install -e '.[tpu]')")
@@ -54,12 +58,13 @@ def test_write_compiles_in_place(gen, preset):
 ATTENTION_CASES = [(p, 1) for p in PRESETS] + [("wan-1.3b", 4)]
 
 
-@pytest.mark.parametrize("gen", GENERATIONS)
-@pytest.mark.parametrize("preset,rows", ATTENTION_CASES)
-def test_attention_compiles_without_pool_copies(gen, preset, rows):
+def attention_call(preset: str, rows: int):
+    """One layer's attention call at ``preset`` for ``rows`` rows (bf16, head_dim 128, 2 pool
+    layers): its :class:`WindowGeometry`, pool shape and ``(shape, dtype)`` specs of ``q, k_cur,
+    v_cur, k_pool, v_pool, pages, lengths, layer`` (then ``extra_k, extra_v`` if the preset has
+    extras)."""
     heads, tpf, block, frames, visible, extra = PRESETS[preset]
-    ppf = -(-tpf // block)
-    max_pages = visible * ppf
+    max_pages = visible * -(-tpf // block)
     shape = pool_shape(2, rows * max_pages + 1, block, heads, 128)
     cur, q_len = frames * tpf, frames * tpf + extra
     kv = (rows, cur, heads, 128)
@@ -68,13 +73,47 @@ def test_attention_compiles_without_pool_copies(gen, preset, rows):
              ((), jnp.int32)]
     if extra:
         specs += [((rows, extra, heads, 128), BF16)] * 2
+    geom = WindowGeometry(rows, q_len, heads, heads, 128, cur, extra, 2, shape[PAGE_AXIS], block,
+                          max_pages, tpf)
+    return geom, shape, specs
 
+
+def attention_fn(attend, geom: WindowGeometry, **kwargs):
+    """``fn(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, layer[, extra_k, extra_v])`` calling
+    ``attend`` (the facade's or the TPU module's ``window_attention``) with ``geom``'s frame size
+    and ``kwargs``."""
     def fn(q, kc, vc, kp, vp, pages, lengths, layer, ek=None, ev=None):
-        return twa.window_attention(q, kc, vc, kp, vp, pages, lengths, layer=layer, extra_k=ek,
-                                    extra_v=ev, tokens_per_frame=tpf, generation=gen)
+        return attend(q, kc, vc, kp, vp, pages, lengths, layer=layer, extra_k=ek, extra_v=ev,
+                      tokens_per_frame=geom.tokens_per_frame, **kwargs)
 
+    return fn
+
+
+@pytest.mark.parametrize("gen", GENERATIONS)
+@pytest.mark.parametrize("preset,rows", ATTENTION_CASES)
+def test_attention_compiles_without_pool_copies(gen, preset, rows):
+    geom, shape, specs = attention_call(preset, rows)
+    fn = attention_fn(twa.window_attention, geom, generation=gen)
     rep = tpu_aot.report(tpu_aot.compile_for_tpu(fn, specs, gen), [shape])
-    geom = twa.Geometry(rows, q_len, heads, heads, 128, cur, extra, 2, shape[PAGE_AXIS], block,
-                        max_pages, tpf, "bfloat16")
+    tpu_geom = twa.Geometry.of(geom, BF16)
     assert rep.pool_copies == 0
-    assert rep.temp_bytes <= twa.temp_bound_bytes(geom, twa.make_plan(geom, twa.TUNED_BLOCKS[gen]))
+    assert rep.temp_bytes <= twa.temp_bound_bytes(tpu_geom,
+                                                  twa.make_plan(tpu_geom, twa.TUNED_BLOCKS[gen]))
+
+
+XLA_TEMP_KV_MULTIPLE = 4
+"""The ``xla`` backend's temporaries stay within this many times one layer's attended K/V."""
+
+
+def test_xla_attention_temporaries_are_bounded():
+    """The ``xla`` fallback at wan-1.3b, one row, compiled for v5e: the online softmax over key
+    blocks keeps temporaries within ``XLA_TEMP_KV_MULTIPLE`` x one layer's attended K/V
+    (:func:`~pallas_kernels.window_attention.xla.kv_bytes`: 144 MB) and far below the float32
+    ``[heads, q_len, keys]`` logits (5.3 GB; the untiled path needed 5.3 GB of temporaries)."""
+    geom, shape, specs = attention_call("wan-1.3b", 1)
+    fn = attention_fn(window_attention, geom, backend="xla")
+    rep = tpu_aot.report(tpu_aot.compile_for_tpu(fn, specs, "v5e"), [shape])
+    full_logits = geom.num_q_heads * geom.q_len * (geom.tail_len + geom.capacity) * 4
+    assert rep.pool_copies == 0
+    assert rep.temp_bytes <= XLA_TEMP_KV_MULTIPLE * xla_backend.kv_bytes(geom, BF16)
+    assert rep.temp_bytes < full_logits / 10

@@ -29,6 +29,7 @@ from pallas_kernels.window_attention import (
     window_attention,
     window_attention_reference,
 )
+from pallas_kernels.window_attention import xla as xla_backend
 from tests.kernels.device_backends import COMPILED_BACKENDS, CUDNN_GATHER, IGNORE_TRITON_DEPRECATION
 
 FAST_BACKENDS = ("xla", "cudnn_gather_xla", "pallas_tpu_interpret", "pallas_gpu_interpret",
@@ -198,6 +199,60 @@ def test_small_tiles(backend, tiles):
     """Several query blocks, history key blocks and tail blocks per row."""
     case, owned = make_case(committed=(2, 6), window=Window(tokens_per_frame=24), extra=3)
     check(poisoned(case, owned), backend, expected=case, **tiles)
+
+
+XLA_BLOCK_CASES = {
+    "no history, sink only, partial, full": dict(committed=(0, 1, 2, 6)),
+    "ragged lengths": dict(committed=(3, 3, 1), lengths=[5, 37, 16]),
+    "extras and frame padding": dict(committed=(0, 2, 5), window=Window(tokens_per_frame=24),
+                                     extra=3),
+    "bf16 extras": dict(committed=(0, 3, 6), extra=3, dtype=jnp.bfloat16),
+}
+
+
+def xla_in_key_blocks(case: dict, block_k: int, scale: float | None):
+    """The ``xla`` backend on ``case`` with ``block_k`` keys per online-softmax block."""
+    geom = static_validate_inputs(**case, backend="xla")
+    scale = geom.head_dim ** -0.5 if scale is None else scale
+    names = ("q", "k_cur", "v_cur", "extra_k", "extra_v", "k_pool", "v_pool", "pages", "lengths")
+    return xla_backend.window_attention(*(case[n] for n in names), jnp.int32(case["layer"]),
+                                        geom=geom, scale=scale, block_k=block_k)
+
+
+@pytest.mark.parametrize("block_k,scale", [(8, None), (24, 3.0)])
+@pytest.mark.parametrize("name", list(XLA_BLOCK_CASES))
+def test_xla_several_key_blocks(name, block_k, scale):
+    """The ``xla`` online softmax over several key blocks (tail split over blocks, blocks of
+    padding only, blocks of masked history) matches the reference, with NaN wherever a row must not
+    look and a scale > 1 (masked logits overflow to -inf)."""
+    case, owned = make_case(**XLA_BLOCK_CASES[name])
+    geom = static_validate_inputs(**case, backend="xla")
+    keys = geom.tail_len + geom.capacity
+    assert xla_backend.key_block(geom, xla_backend.compute_dtype(case["q"].dtype)) == keys
+    assert keys > 2 * block_k
+    out = xla_in_key_blocks(poisoned(case, owned), block_k, scale)
+    want = window_attention_reference(**case, scale=scale)
+    assert bool(jnp.all(jnp.isfinite(out))), "NaN/inf reached the output"
+    tol = TOLERANCE[jnp.dtype(case["q"].dtype).type]
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want, np.float32),
+                               atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+def test_xla_key_block_bounds_the_logits_tile(rows):
+    """At the Wan-1.3B chunk (3 x 1,560 queries, 12 heads, 12 visible frames) the key axis splits
+    into even blocks of a multiple of 128 keys whose float32 logits fit the budget; small shapes
+    keep one block."""
+    geom = WindowGeometry(rows, 4680, 12, 12, 128, 4680, 0, 1, 1 + 12 * rows, 1560, 12, 1560)
+    block = xla_backend.key_block(geom, jnp.bfloat16)
+    budget = max(xla_backend.kv_bytes(geom, jnp.bfloat16), xla_backend.LOGITS_FLOOR_BYTES)
+    keys = geom.tail_len + geom.capacity
+    blocks = -(-keys // block)
+    assert block % xla_backend.KEY_ALIGN == 0 and blocks > 1
+    assert rows * 12 * 4680 * block * 4 <= budget
+    assert blocks * block - keys < blocks * xla_backend.KEY_ALIGN  # Even blocks: little padding.
+    small = dataclasses.replace(geom, q_len=48, cur_len=48, tokens_per_frame=16, block_size=16)
+    assert xla_backend.key_block(small, jnp.float32) == small.tail_len + small.capacity
 
 
 def test_tpu_simulator():
