@@ -70,6 +70,8 @@ from arkv_jax.reference import FullRecompute
 from arkv_jax.rollout import ChunkResult, Rollout, Sampler
 from arkv_jax.sharding import check_mesh, make_mesh
 from pallas_kernels.backend import BACKEND_NAMES, resolve_backend
+from pallas_kernels.window_attention.geometry import WindowGeometry
+from pallas_kernels.window_attention.xla import key_block
 
 PROMPTS = (
     "a red fox running through fresh snow",
@@ -320,10 +322,10 @@ def check_backend(backend: str, platform: str) -> None:
 
 def memory_estimate(preset: str, sessions: int, backend: str, platform: str) -> dict[str, int]:
     """Bytes the demo needs on one device, from the plan and the model's size: ``weights``, ``pools``
-    (the demo's plan, all K/V pages) and, where attention runs through the untiled XLA path
-    (``backend`` resolving to ``xla``), ``attention_logits`` of one layer (float32
-    ``[rows, heads, chunk tokens, chunk + visible history tokens]``, the largest temporary);
-    ``total`` is their sum. Nothing is allocated."""
+    (the demo's plan, all K/V pages) and, where attention runs through the XLA path (``backend``
+    resolving to ``xla``), ``attention_logits``: its float32 logits tile of one layer
+    (``[rows, heads, chunk tokens, key block]``, :func:`pallas_kernels.window_attention.xla.key_block`),
+    the largest temporary; ``total`` is their sum. Nothing is allocated."""
     config, cache_preset = MODEL_CONFIGS[preset], get_preset(preset)
     abstract = nnx.state(nnx.eval_shape(lambda: CausalDiT(config, rngs=nnx.Rngs(0))))
     weights = sum(leaf.size * np.dtype(leaf.dtype).itemsize for leaf in jax.tree_util.tree_leaves(abstract))
@@ -334,8 +336,11 @@ def memory_estimate(preset: str, sessions: int, backend: str, platform: str) -> 
     if resolve_backend(backend, platform).name == "xla":
         rows = sessions * len(cache_preset.kv_branches)
         queries = geometry.frames_per_forward * geometry.tokens_per_frame
-        keys = queries + window.resident_frames * geometry.tokens_per_frame
-        logits = rows * config.num_heads * queries * keys * 4
+        ppf = geometry.pages_per_frame
+        geom = WindowGeometry(rows, queries, config.num_heads, geometry.num_kv_heads, geometry.head_dim, queries, 0,
+                              geometry.num_layers, plan.managed_num_blocks, geometry.block_size,
+                              window.resident_frames * ppf, geometry.tokens_per_frame)
+        logits = rows * config.num_heads * queries * key_block(geom, geometry.dtype) * 4
     pools = plan.managed_num_blocks * plan.page_size_bytes
     return {"weights": weights, "pools": pools, "attention_logits": logits, "total": weights + pools + logits}
 

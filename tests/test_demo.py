@@ -196,5 +196,6 @@ def test_a_demo_the_device_cannot_hold_is_refused_up_front_with_the_estimate(mon
 
 def test_wan_demo_estimate_counts_its_weights_pools_and_logits():
     estimate = demo.memory_estimate("wan-1.3b", 4, "xla", "cpu")
-    assert estimate["weights"] > 2 << 30 and estimate["attention_logits"] > 10 << 30
+    # The XLA path's logits tile, not the whole [rows, heads, q, k] logits (tens of GiB here).
+    assert estimate["weights"] > 2 << 30 and 64 << 20 <= estimate["attention_logits"] < 4 << 30
     assert demo.memory_estimate("wan-1.3b", 4, "pallas_tpu", "tpu")["attention_logits"] == 0
