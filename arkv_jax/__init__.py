@@ -55,6 +55,10 @@ window
   current chunk's frames count inside it.
 sink
   The first ``sink_frames`` frames of a session: never evicted, always visible.
+recache
+  Recomputing the history K/V a session's next chunk sees (the recent window, and the sink unless
+  it is kept) under new conditioning, from the session's latent ring, into fresh pages swapped in
+  at once: LongLive's prompt switch (``Rollout.switch_prompt``, ``PagedKVCache.recache``).
 seed
   Only ever an RNG seed.
 """

@@ -15,7 +15,9 @@ Failure safety. Preparing a chunk allocates its pages in a *pending* copy of the
 the committed state is replaced only when :meth:`ChunkStep.commit` runs. If the forward raises
 inside ``with cache.chunk(...)``, the pending state is dropped: no page leaks and the sessions
 continue from their last committed chunk. With ``fail_closed=True`` the sessions of the failed chunk
-are closed instead, as vLLM-Omni's runner does. One chunk is in flight at a time.
+are closed instead, as vLLM-Omni's runner does. One chunk is in flight at a time. A prompt switch's
+:meth:`PagedKVCache.recache` is the same kind of transaction: it writes into pages that stay free
+until its commit swaps them in (:mod:`arkv_jax.cache.recache`).
 
 Isolation. A row's visible window only ever names pages that row holds (the state guarantees it),
 padding and unused entries point at the null page, and the attention kernels mask by length with
@@ -169,10 +171,10 @@ class PagedKVCache:
         evicted (reason ``"close"``, ``"reset"``, ``"lru_eviction"``, ``"forward_exception"``), so
         a model can drop per-session state of its own.
 
-    Threads. The cache may be shared by several threads; one chunk is in flight at a time, and a
-    call that cannot run while a chunk is in flight (``chunk``, ``open`` of a new session,
-    ``close``, ``reset``, ``populate_cross_attention``, ``clear_cross_attention``) is *refused at
-    once* with a ``RuntimeError`` ("... while a chunk is in flight"), never queued: a caller that
+    Threads. The cache may be shared by several threads; one chunk or recache (:meth:`recache`) is
+    in flight at a time, and a call that cannot run meanwhile (``chunk``, ``recache``, ``open`` of a
+    new session, ``close``, ``reset``, ``populate_cross_attention``, ``clear_cross_attention``) is
+    *refused at once* with a ``RuntimeError`` ("... while a chunk is in flight"), never queued: a caller that
     wants to wait retries (or serialises its chunks itself). Every mutating method and every
     commit runs under one reentrant lock, so the in-flight check and its setting are one step and
     no two threads ever build chunks from the same committed state.
@@ -231,7 +233,7 @@ class PagedKVCache:
         self._cross = CrossAttentionStore(
             cross_attention, geometry, self.num_rows,
             NamedSharding(self._mesh, sharding.cross_attention_spec(5, row_axis=0, head_axis=3)))
-        self._in_flight: ChunkStep | None = None
+        self._in_flight: ChunkStep | Recache | None = None
         self._lock = threading.RLock()
 
     # -- sizes and views -------------------------------------------------------------------------------
