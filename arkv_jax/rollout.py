@@ -72,7 +72,7 @@ from arkv_jax.models.dit import CausalDiT, prompt_embedding, tensor_parallel_spe
 from arkv_jax.nnx import PagedHistory
 from arkv_jax.sharded_kernels import gather_rows, take_rows
 from arkv_jax.sharding import DATA, MODEL
-from arkv_jax.step import ChunkInputs
+from arkv_jax.step import PADDING, ChunkInputs
 
 Array = jax.Array
 
@@ -393,15 +393,12 @@ def default_buckets(max_sessions: int) -> tuple[int, ...]:
     return (*sizes, max_sessions)
 
 
-_PADDING = ChunkInputs(-1, 0, 0, -1, 0, 0)  # rows, pages, lengths, history_frames, first_frame, write_pages
-
-
 @functools.partial(jax.jit, static_argnums=1)
 def pad_inputs(inputs: ChunkInputs, rows: int) -> ChunkInputs:
     """A compact batch's :class:`ChunkInputs` padded to ``rows`` batch rows with padding rows (row
     -1, no history, frame 0, nothing to write; see :mod:`arkv_jax.step`)."""
     return ChunkInputs(*(jnp.pad(a, [(0, rows - a.shape[0])] + [(0, 0)] * (a.ndim - 1), constant_values=fill)
-                         for a, fill in zip(inputs, _PADDING)))
+                         for a, fill in zip(inputs, PADDING)))
 
 
 class Rollout:
@@ -580,22 +577,24 @@ class Rollout:
           the absolute frames recomputed, in time order.
 
         Raises:
-          KeyError: unknown session. ValueError: bad conditioning, a bad ``sink``, a sharded cache.
+          KeyError: unknown session. ValueError: bad conditioning or a bad ``sink``.
           RuntimeError: the pool lacks the fresh pages (plan it with
             :func:`arkv_jax.planner.rollout_plan`'s ``latent_frame_bytes``).
         """
         session = self._session(session_id)
-        if self.cache.mesh is not None:
-            raise ValueError("switch_prompt runs on a one-device cache (mesh=None)")
         if prompt is not None and not isinstance(prompt, str):
             raise ArgumentTypeError(f"prompt must be a string or None, got {type(prompt).__name__}")
         config, f = self.model.config, self.chunk_frames
         contexts = branch_contexts(config.text_tokens, config.text_dim, len(self.branches), prompt, context,
                                    negative_context)
         text = [context_kv(self.chunk_config.graphdef, self.params, jnp.asarray(c[None])) for c in contexts]
-        text_kv = tuple(jnp.concatenate([kv[i] for kv in text], axis=1) for i in range(2))
+        text_kv = tuple(jnp.concatenate([kv[i] for kv in text], axis=1) for i in range(2))  # [L, branches, ...]
         shape = (f, *config.frame_shape)
-        with self.cache.recache(session_id, f, sink=sink, branches=self.branches) as job:
+        with self.cache.recache(session_id, f, sink=sink, branches=self.branches, full_batch=self.full_batch) as job:
+            if self.full_batch:  # the session's rows at its slot, zero text elsewhere (padding rows)
+                batch, at = self.cache.session_capacity * len(self.branches), self.cache.slot(session_id)
+                text_kv = tuple(jnp.zeros((x.shape[0], batch, *x.shape[2:]), x.dtype)
+                                .at[:, at * len(self.branches):(at + 1) * len(self.branches)].set(x) for x in text_kv)
             for unit in job.units:
                 chunk, offset = divmod(unit.first_frame, f)
                 draws = samplers.session_noise(session.seed, chunk, shape, self.sampler.noise_draws)

@@ -8,10 +8,11 @@ other session is untouched; no page leaks; a failed or refused recache changes n
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 
-from arkv_jax import samplers
+from arkv_jax import samplers, sharding
 from arkv_jax.cache import PagedKVCache
 from arkv_jax.models import MODEL_CONFIGS, init_random
 from arkv_jax.planner import rollout_plan
@@ -184,3 +185,31 @@ def test_cache_recache_protocol_and_refusals(model):
     with pytest.raises(RuntimeError, match="not in flight"):
         job.commit()
     rollout.step()
+
+
+@pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 devices (tests/conftest.py sets jax_num_cpu_devices)")
+def test_switch_on_a_mesh_matches_one_device(model):
+    """Sessions on two data shards, heads on two model shards: the switches run full batches and
+    give the one-device latents."""
+    def run(mesh):
+        sampler = Sampler(num_steps=2, guidance_scale=3.0)
+        model_axis = 1 if mesh is None else mesh.shape["model"]
+        sessions = 4 if mesh is None else 2  # per data shard
+        plan = rollout_plan(PRESET.geometry, PRESET.window, PRESET.kv_branches, PRESET.cross_attention, sessions,
+                            model=model_axis, latent_frame_bytes=FRAME_BYTES)
+        cache = PagedKVCache(PRESET.geometry, PRESET.window, PRESET.kv_branches, PRESET.cross_attention,
+                             plan=plan, mesh=mesh, backend="xla")
+        rollout = Rollout(model, cache, sampler)
+        for sid in ("a", "b", "c"):
+            rollout.join(sid, f"prompt {sid}", seed=ord(sid))
+        for c in range(7):
+            if c in (4, 6):
+                rollout.switch_prompt("c" if c == 4 else "a", f"new {c}", sink="keep" if c == 4 else "recompute")
+            rollout.step()
+        return {sid: rollout.leave(sid) for sid in ("a", "b", "c")}, cache
+
+    single, _ = run(None)
+    sharded, cache = run(sharding.make_mesh(2, 2, jax.devices()[:4]))
+    assert cache.num_shards == 2 and cache.num_free_pages() == cache.total_pages
+    for sid, expected in single.items():
+        np.testing.assert_allclose(sharded[sid], expected, atol=1e-5, rtol=0, err_msg=sid)

@@ -73,7 +73,7 @@ from arkv_jax.config import (
 )
 from arkv_jax.planner import DevicePlan, MemoryPlan, resolve_plan
 from arkv_jax.sharded_kernels import gather_rows
-from arkv_jax.step import ChunkInputs
+from arkv_jax.step import ChunkInputs, place_rows
 from pallas_kernels.backend import BACKEND_NAMES
 
 Array = jax.Array
@@ -541,13 +541,13 @@ class PagedKVCache:
     # -- recomputing a session's history -------------------------------------------------------------
     @contextlib.contextmanager
     def recache(self, session_id: str, chunk_frames: int | None = None, *, sink: str = "keep",
-                branches: Sequence[str] | None = None):
+                branches: Sequence[str] | None = None, full_batch: bool | None = None):
         """Recomputes a session's history K/V into fresh pages (a prompt switch's KV recache); see
         :mod:`arkv_jax.cache.recache`.
 
         Yields a :class:`~arkv_jax.cache.recache.Recache`: for each ``unit`` of ``recache.units`` in
         order, run the forward on ``unit.inputs`` (``unit.num_frames`` frames from
-        ``unit.first_frame``, the session's rows in branch order) and ``recache.write(k, v)``; stage
+        ``unit.first_frame``) and ``recache.write(k, v)``; stage
         new cross-attention K/V with ``recache.populate_cross_attention``; then ``recache.commit()``
         swaps the fresh pages in and publishes the staged K/V at once. If the ``with`` block exits
         without a commit (an exception, or no call), nothing changed: the session keeps its pages
@@ -555,16 +555,21 @@ class PagedKVCache:
         as for a chunk.
 
         Args:
-          session_id: an open session on a cache of one data shard.
+          session_id: an open session.
           chunk_frames: frames per chunk of the session's stream (default
             ``geometry.frames_per_forward``); the session must stand at a multiple of it.
           sink: ``"keep"`` the sink's K/V (LongLive's default) or ``"recompute"`` them too.
-          branches: the KV branches to recompute (default: all), the units' rows in this order.
+          branches: the KV branches to recompute (default: all).
+          full_batch: the units' batch layout, as for :meth:`chunk`: the session's rows only, in
+            ``branches`` order (the default without a mesh), or the full batch (always with a
+            mesh): batch row ``slot * len(branches) + i`` is the session's branch ``branches[i]``,
+            every other row padding (:data:`arkv_jax.step.PADDING`), so a sharded forward sees the
+            shapes and shardings of a chunk.
 
         Raises:
-          KeyError: unknown session or branch. TypeError/ValueError: a bad ``sink``, ``chunk_frames``
-            or ``branches`` (repeated), a cache on several data shards, or a session not at a chunk
-            boundary.
+          KeyError: unknown session or branch. TypeError/ValueError: a bad ``sink``, ``chunk_frames``,
+            ``branches`` (repeated) or ``full_batch`` (``False`` with a mesh), or a session not at a
+            chunk boundary.
           RuntimeError: a chunk or recache is in flight, or the pool lacks the fresh pages
             (nothing changes).
         """
@@ -578,20 +583,32 @@ class PagedKVCache:
         if not 1 <= chunk_frames <= self.window.window_frames:
             raise ValueError(f"chunk_frames must be an int in [1, {self.window.window_frames}] (window_frames), "
                              f"got {chunk_frames}")
-        if self.num_shards > 1:
-            raise ValueError(f"recache runs on a cache of one data shard; this one has {self.num_shards}")
         names = self._sessions.branches if branches is None else require_str_sequence("branches", branches)
         if len(set(names)) != len(names):
             raise ValueError(f"branches must not repeat, got {list(names)}")
+        if full_batch is not None:
+            require_bool("full_batch", full_batch)
+        if full_batch is None:
+            full_batch = self.mesh is not None
+        elif not full_batch and self.mesh is not None:
+            raise ValueError("on a mesh a recache runs full batches only (full_batch=True)")
         with self._lock:
-            self.slot(session_id)
-            rows = self.rows([session_id], names)  # one shard: global rows are the local ones
+            slot = self.slot(session_id)
+            shard, local = self._sessions.shard(slot), self.rows([session_id], names) % self.rows_per_shard
             self._require_idle("recompute a session's K/V")
-            shard_state = jax.tree_util.tree_map(lambda x: x[0], self._state)
-            plan = plan_recache(shard_state, rows, self.window, int(chunk_frames), sink)
-            job = Recache(session_id, tuple(names), sink, plan.frames, plan.units,
+            plan = plan_recache(jax.tree_util.tree_map(lambda x: x[shard], self._state), local, self.window,
+                                int(chunk_frames), sink)
+            units = plan.units
+            if full_batch:
+                positions = slot * len(names) + np.arange(len(names))
+                batch = self.session_capacity * len(names)
+                units = tuple(u._replace(inputs=place_rows(u.inputs, positions, batch)) for u in units)
+            rows = np.full((self.num_shards, len(names)), -1, np.int32)
+            replace = np.zeros((self.num_shards, *plan.replace.shape), bool)
+            rows[shard], replace[shard] = local, plan.replace
+            job = Recache(session_id, tuple(names), sink, plan.frames, units,
                           on_write=self._recache_write, on_stage=self._recache_stage,
-                          on_commit=functools.partial(self._recache_commit, rows=rows, replace=plan.replace))
+                          on_commit=functools.partial(self._recache_commit, rows=rows, replace=replace))
             self._in_flight = job
         try:
             yield job
@@ -611,8 +628,8 @@ class PagedKVCache:
             unit = job.next_unit
             if unit is None:
                 raise RuntimeError(f"all {len(job.units)} units of this recache are written; commit it")
-            expected = (g.num_layers, len(job.branches), unit.num_frames * g.tokens_per_frame, g.num_kv_heads,
-                        g.head_dim)
+            expected = (g.num_layers, unit.inputs.rows.shape[0], unit.num_frames * g.tokens_per_frame,
+                        g.num_kv_heads, g.head_dim)
             _check_kv("k_new", k_new, expected)
             _check_kv("v_new", v_new, expected)
             self._k_pool, self._v_pool = programs.write(
@@ -634,8 +651,7 @@ class PagedKVCache:
             if job.next_unit is not None:
                 raise RuntimeError(f"{job.written} of {len(job.units)} recache units are written; write them all "
                                    "before committing")
-            state, ok = programs.swap_pages(self._state, jnp.asarray(rows)[None], jnp.asarray(replace)[None],
-                                            mesh=self._mesh)
+            state, ok = programs.swap_pages(self._state, jnp.asarray(rows), jnp.asarray(replace), mesh=self._mesh)
             self._state = state  # unchanged unless ok (all or nothing)
             if not bool(jnp.all(ok)):  # plan_recache checked every condition under this lock
                 raise RuntimeError("the page swap of a recache was refused; nothing changed")
