@@ -135,8 +135,8 @@ class FullRecompute:
         """
         frames = history.shape[1]
         visible = np.ones(frames, bool) if visible is None else np.asarray(visible, bool)
-        return self.chunk_fn(self.params, history, jnp.int32(first_frame), noise, text_kv, jnp.asarray(visible),
-                             pinned)
+        return self.chunk_fn(self.params, history, jnp.int32(first_frame), noise, text_kv,
+                             jnp.array(visible, copy=True), pinned)  # a copy: the caller may reuse its array
 
     def commit_kv(self, history: Array, num_frames: int, text_kv: tuple[Array, Array]) -> tuple[Array, Array]:
         """Every layer's K/V ``[L, S * branches, num_frames * tpf, Hkv, D]`` of the first

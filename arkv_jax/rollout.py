@@ -597,8 +597,9 @@ class Rollout:
                                 .at[:, at * len(self.branches):(at + 1) * len(self.branches)].set(x) for x in text_kv)
             for unit in job.units:
                 chunk, offset = divmod(unit.first_frame, f)
-                draws = samplers.session_noise(session.seed, chunk, shape, self.sampler.noise_draws)
-                x, t_c = samplers.commit_input(session.ring[chunk][None], jnp.asarray(draws[None]), self.sampler)
+                draws = (jnp.asarray(samplers.session_noise(session.seed, chunk, shape, self.sampler.noise_draws)[None])
+                         if self.sampler.context_noise else None)  # only a noised commit input reads them
+                x, t_c = samplers.commit_input(session.ring[chunk][None], draws, self.sampler)
                 k, v = self.recache_fn(self.params, self.cache.pools, unit.inputs, text_kv,
                                        x[0, offset:offset + unit.num_frames], jnp.float32(t_c))
                 job.write(k, v)

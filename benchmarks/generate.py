@@ -11,7 +11,10 @@ separately, at the same shapes, in one run, and reports the VAE's share of a chu
   pixels on the host, as ``generate`` runs it;
 * **text**: one prompt through a random umT5 encoder of the DiT's text width (token ids given, so
   no tokenizer) and the DiT's text K/V of it (``context_kv``), once per join or prompt switch, not
-  per chunk; reported per prompt (interleaved medians of ``4 reps`` calls).
+  per chunk; reported per prompt (interleaved medians of ``4 reps`` calls);
+* **switch**: one session's prompt switch with KV recache (``Rollout.switch_prompt``, sink kept: the
+  text K/V of the new prompt through the hash stand-in, the window's frames recomputed and swapped
+  in), in steady state; once per switch, not per chunk.
 
 Shapes: ``tiny`` (the DiT ``tiny`` with 16 latent channels, the VAE ``tiny``, umT5 ``tiny``: what
 ``generate --random-tiny`` runs) and ``small`` (the rollout benchmark's small DiT, a VAE of base width
@@ -28,6 +31,7 @@ import dataclasses
 import statistics
 import time
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -86,7 +90,8 @@ def run(shape: Shape, sessions: int, reps: int) -> dict:
     branches = (KVBranch("main"),)
     cross = (CrossAttentionSpec("text", shape.model.text_tokens),)
     geometry = shape.geometry()
-    plan = rollout_plan(geometry, shape.window, branches, cross, sessions)
+    frame_bytes = int(np.prod(shape.model.frame_shape)) * jnp.dtype(shape.model.dtype).itemsize
+    plan = rollout_plan(geometry, shape.window, branches, cross, sessions, latent_frame_bytes=frame_bytes)
     cache = PagedKVCache(geometry, shape.window, branches, cross, plan=plan)
     rollout = Rollout(model, cache, Sampler(num_steps=3), max_traces=1)
     rng = np.random.default_rng(0)
@@ -127,10 +132,20 @@ def run(shape: Shape, sessions: int, reps: int) -> dict:
         chunk()
     dits, vaes, frames = zip(*(chunk() for _ in range(reps)))
     dit_ms, vae_ms = _median_ms(list(dits)), _median_ms(list(vaes))
+
+    def switch(k: int) -> float:
+        start = time.perf_counter()
+        rollout.switch_prompt("s0", f"switched prompt {k}")
+        jax.block_until_ready(cache.pools)
+        return time.perf_counter() - start
+
+    switch(-1)  # compiles the recache forward
+    switch_ms = _median_ms([switch(k) for k in range(reps)])
     return {"sessions": sessions, "chunk_frames": shape.chunk_frames, "video_frames_per_chunk": frames[0],
             "pixels": [h * decoder.config.spatial_factor, w * decoder.config.spatial_factor],
             "dit_ms": dit_ms, "vae_ms": vae_ms, "text_encode_ms_per_prompt": encode_ms,
-            "text_encode_and_kv_ms_per_prompt": text_ms,
+            "text_encode_and_kv_ms_per_prompt": text_ms, "switch_recache_ms": switch_ms,
+            "recached_frames": shape.window.max_history(shape.chunk_frames) - shape.window.sink_frames,
             "vae_share": vae_ms / (dit_ms + vae_ms),
             "video_frames_per_s": frames[0] / ((dit_ms + vae_ms) / 1e3),
             "video_frames_per_s_dit_only": frames[0] / (dit_ms / 1e3)}
@@ -149,9 +164,10 @@ def main(argv=None) -> None:
           "3 denoise steps + commit, no CFG; text once per prompt (join or switch), not per chunk")
     rows = [[name, f"{f['pixels'][0]}x{f['pixels'][1]}", f["video_frames_per_chunk"], f["dit_ms"], f["vae_ms"],
              f"{100 * f['vae_share']:.0f}%", f["text_encode_ms_per_prompt"], f["text_encode_and_kv_ms_per_prompt"],
-             f["video_frames_per_s"], f["video_frames_per_s_dit_only"]] for name, f in figures.items()]
+             f["switch_recache_ms"], f["video_frames_per_s"], f["video_frames_per_s_dit_only"]]
+            for name, f in figures.items()]
     harness.print_table(["shape", "pixels", "video frames", "DiT ms", "VAE ms", "VAE share", "umT5 ms",
-                         "umT5+KV ms", "frames/s", "frames/s DiT only"], rows)
+                         "umT5+KV ms", "switch ms", "frames/s", "frames/s DiT only"], rows)
     harness.emit({"benchmark": "generate", "reps": reps, "shapes": figures})
 
 

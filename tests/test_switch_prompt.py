@@ -9,6 +9,7 @@ other session is untouched; no page leaks; a failed or refused recache changes n
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -52,23 +53,26 @@ def reference_with_switches(model, sampler, prompt, seed, switches):
     reference = FullRecompute(model, PRESET.window, sampler, chunk_frames=F)
     shape, draws = (F, *CONFIG.frame_shape), sampler.noise_draws
     total = CHUNKS * F
-    clean = np.zeros((1, total, *CONFIG.frame_shape), np.float32)
+    clean = jnp.zeros((1, total, *CONFIG.frame_shape), jnp.float32)
+    history = clean  # what the commit forwards saw (noised with context_noise)
     visible, pinned = np.ones(total, bool), None
     text = reference.text_kv([prompt])
     for c in range(CHUNKS):
         if c in switches:
             new_prompt, sink = switches[c]
             start = c * F
-            visible[:start] &= PRESET.window.frame_visible(np.arange(start), start, F)
+            frames = np.arange(total)
+            visible = visible & ((frames >= start) | PRESET.window.frame_visible(frames, start, F))
             if sink == "keep" and pinned is None:
-                pinned = reference.commit_kv(clean, PRESET.window.sink_frames, text)
+                pinned = reference.commit_kv(history, PRESET.window.sink_frames, text)
             elif sink == "recompute":
                 pinned = None
             text = reference.text_kv([new_prompt])
-        noise = samplers.session_noise(seed, c, shape, draws)[None]
-        clean[:, c * F:(c + 1) * F] = np.asarray(reference.chunk(clean, c * F, noise, text, visible=visible,
-                                                                 pinned=pinned))
-    return clean[0]
+        noise = jnp.asarray(samplers.session_noise(seed, c, shape, draws)[None])
+        x = reference.chunk(history, c * F, noise, text, visible=visible, pinned=pinned)
+        clean = clean.at[:, c * F:(c + 1) * F].set(x)
+        history = history.at[:, c * F:(c + 1) * F].set(samplers.commit_input(x, noise, sampler)[0])
+    return np.asarray(clean[0])
 
 
 @pytest.fixture(scope="module", params=[None, 3.0], ids=["no_cfg", "cfg"])
@@ -110,6 +114,25 @@ def test_recomputed_frames_and_no_leak(switched):
     assert recomputed[5] == tuple(range(10 - (window.max_history(F) - window.sink_frames), 10))
     assert recomputed[8] == (*range(window.sink_frames), *range(16 - 4, 16))
     assert rollout.cache.num_free_pages() == free and not rollout.sessions
+
+
+def test_switch_with_context_noise_recomputes_from_the_noised_commit_inputs(model):
+    """With ``context_noise`` the commit forward sees the clean latents noised with the chunk's last
+    draw; the recache rebuilds that input from the session's seed."""
+    sampler = Sampler.self_forcing(context_noise=100.0)
+    cache = PagedKVCache(PRESET.geometry, PRESET.window, PRESET.kv_branches[:1], PRESET.cross_attention,
+                         plan=rollout_plan(PRESET.geometry, PRESET.window, PRESET.kv_branches[:1],
+                                           PRESET.cross_attention, 1, latent_frame_bytes=FRAME_BYTES),
+                         backend="xla")
+    rollout = Rollout(model, cache, sampler)
+    rollout.join("a", PROMPTS["a"], seed=SEEDS["a"])
+    switches = {4: ("a cat on a sofa", "keep"), 7: ("a dog in the rain", "recompute")}
+    for c in range(CHUNKS):
+        if c in switches:
+            rollout.switch_prompt("a", switches[c][0], sink=switches[c][1])
+        rollout.step()
+    expected = reference_with_switches(model, sampler, PROMPTS["a"], SEEDS["a"], switches)
+    np.testing.assert_allclose(rollout.latents("a"), expected, atol=2e-5, rtol=0)
 
 
 def test_switch_without_the_fresh_pages_is_refused_and_changes_nothing(model):

@@ -93,6 +93,12 @@ def _cross_attention_rows(k_table, v_table, rows, *, mesh: Mesh):
     return tuple(gather_rows(mesh, table, rows).swapaxes(0, 1) for table in (k_table, v_table))
 
 
+@jax.jit
+def _shard_state(state: core.BlockTableState, shard) -> core.BlockTableState:
+    """Shard ``shard``'s state of a sharded state (no leading axis)."""
+    return jax.tree_util.tree_map(lambda x: x[shard], state)
+
+
 def _check_kv(label: str, array, expected: tuple[int, ...]) -> None:
     """Checks one K/V argument of a commit: an array of a floating dtype and shape ``expected``."""
     if not isinstance(array, (jax.Array, np.ndarray)):
@@ -596,8 +602,7 @@ class PagedKVCache:
             slot = self.slot(session_id)
             shard, local = self._sessions.shard(slot), self.rows([session_id], names) % self.rows_per_shard
             self._require_idle("recompute a session's K/V")
-            plan = plan_recache(jax.tree_util.tree_map(lambda x: x[shard], self._state), local, self.window,
-                                int(chunk_frames), sink)
+            plan = plan_recache(_shard_state(self._state, shard), local, self.window, int(chunk_frames), sink)
             units = plan.units
             if full_batch:
                 positions = slot * len(names) + np.arange(len(names))

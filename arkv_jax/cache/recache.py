@@ -20,6 +20,7 @@ pages are as they were, so a failure at any point leaves the old history.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable, NamedTuple
 
 import jax
@@ -67,6 +68,17 @@ class RecachePlan:
     fresh: np.ndarray
 
 
+@functools.partial(jax.jit, static_argnums=2)
+def _row_views(state: core.BlockTableState, rows: Array, chunk_frames: int):
+    """Everything :func:`plan_recache` reads of ``rows``, in one program."""
+    return (core.computed_frames(state, rows), state.prefill_tokens[rows],
+            core.visible_window(state, rows, chunk_frames), core.resident_pages(state, rows),
+            core.num_free_pages(state))
+
+
+_fresh_pages = jax.jit(core.fresh_pages)
+
+
 def _frame_runs(frames: list[int], chunk_frames: int) -> list[tuple[int, int]]:
     """``(first, count)`` of the maximal runs of consecutive frames within one chunk."""
     runs: list[list[int]] = []
@@ -97,18 +109,16 @@ def plan_recache(state: core.BlockTableState, rows: np.ndarray, window: WindowPo
     layout = state.layout
     ppf, tpf = layout.pages_per_frame, layout.tokens_per_frame
     rows = jnp.asarray(rows, jnp.int32)
-    computed = np.asarray(core.computed_frames(state, rows))
-    view = core.visible_window(state, rows, chunk_frames)
-    lengths, ids, pages = (np.asarray(a) for a in (view.lengths, view.frame_ids, view.pages))
+    computed, prefill, view, (tables, counts), free = jax.device_get(_row_views(state, rows, chunk_frames))
+    lengths, ids, pages = view.lengths, view.frame_ids, view.pages
     if len(set(computed.tolist())) != 1 or len(set(lengths.tolist())) != 1:
         raise ValueError(f"the session's branches stand at different frames {computed.tolist()}; a recache "
                          "needs them in lockstep")
-    if int(computed[0]) % chunk_frames or int(np.asarray(state.prefill_tokens)[np.asarray(rows)].max()):
+    if int(computed[0]) % chunk_frames or int(prefill.max()):
         raise ValueError(f"the session stands at frame {int(computed[0])}, not at a boundary of "
                          f"chunk_frames={chunk_frames}-frame chunks from frame 0 (no prefill)")
     visible = ids[0, :int(lengths[0]) // tpf].tolist()
     redo = [f for f in visible if sink == "recompute" or f >= window.sink_frames]
-    tables, counts = (np.asarray(a) for a in core.resident_pages(state, rows))
     position = [{int(p): i for i, p in enumerate(t[:c])} for t, c in zip(tables, counts)]
     frame_slot = {f: i for i, f in enumerate(visible)}
     replace = np.zeros(tables.shape, bool)
@@ -116,11 +126,11 @@ def plan_recache(state: core.BlockTableState, rows: np.ndarray, window: WindowPo
         for f in redo:
             for p in pages[b, frame_slot[f] * ppf:(frame_slot[f] + 1) * ppf]:
                 replace[b, position[b][int(p)]] = True
-    need, free = int(replace.sum()), int(core.num_free_pages(state))
+    need, free = int(replace.sum()), int(free)
     if need > free:
         raise RuntimeError(f"a recache of frames {redo} needs {need} free pages, the pool has {free} (plan the "
                            "pool for prompt switches: arkv_jax.planner.rollout_plan(..., latent_frame_bytes=))")
-    fresh = np.asarray(core.fresh_pages(state, rows, replace))
+    fresh = np.asarray(_fresh_pages(state, rows, replace))
 
     def frame_pages(f: int) -> np.ndarray:  # [branches, ppf]: the pages frame f is read from
         old = pages[:, frame_slot[f] * ppf:(frame_slot[f] + 1) * ppf]
