@@ -101,7 +101,9 @@ class Blocks:
 
 TUNED_BLOCKS = {
     "v5e": Blocks(block_q=1568, block_q_compute=784, block_kv_compute=512, keys_per_block=2048),
-    "v6e": Blocks(block_q=1568, block_q_compute=784, block_kv_compute=512, keys_per_block=2048),
+    # v6e: block_kv_compute 1536 (a 1,560-slot page in pieces 1536 + 24) measured best of
+    # 256/512/768/1024/1536/1664 by benchmarks/tpu_compile.py's bundle estimate (2026-12-01).
+    "v6e": Blocks(block_q=1568, block_q_compute=784, block_kv_compute=1536, keys_per_block=2048),
 }
 """Default block sizes per generation (chosen from compiler bundle counts, ``benchmarks/tpu_compile.py``)."""
 VMEM_BUDGET = {"v5e": 100 << 20, "v6e": 100 << 20}
@@ -320,6 +322,24 @@ def _lanes(x, n: int):
     return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
 
 
+def _lane_partial_sums(p):
+    """Row sums of ``p`` ``[rows, n]`` kept as 128 per-lane partial sums ``[rows, 128]`` (their
+    total is the row sum): whole 128-lane slices are added elementwise, with no cross-lane
+    reduction; a ragged rest (``n % 128``) is reduced and added into lane 0."""
+    n = p.shape[1]
+    full = n // LANES
+    out = None
+    for j in range(full):
+        part = p[:, j * LANES:(j + 1) * LANES]
+        out = part if out is None else out + part
+    if n % LANES:
+        rest = jnp.sum(p[:, full * LANES:], axis=1, keepdims=True)
+        lane = lax.broadcasted_iota(jnp.int32, (p.shape[0], LANES), 1)
+        rest = jnp.where(lane == 0, rest, 0.0)
+        out = rest if out is None else out + rest
+    return out
+
+
 def _prefix_masks(n: int, limits):
     """Key masks of a chunk of ``n`` keys made of ``len(limits)`` equal pages, page ``i`` valid in
     its first ``limits[i]`` slots: ``([1, n], [n, 1])`` booleans."""
@@ -370,7 +390,7 @@ def _kernel(table_ref, nvis_ref, len_ref, layer_ref, q_ref, kt_ref, vt_ref, k_hb
             m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
             p = jnp.exp2(s - _lanes(m_next, n))
             alpha = jnp.exp2(m_prev - m_next)
-            l_ref[rows_] = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
+            l_ref[rows_] = alpha * l_prev + _lane_partial_sums(p)
             m_ref[rows_] = m_next
             pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
                                  precision=precision, preferred_element_type=jnp.float32)
@@ -466,7 +486,8 @@ def _kernel(table_ref, nvis_ref, len_ref, layer_ref, q_ref, kt_ref, vt_ref, k_hb
 
     pl.when(num_blocks > 0)(lambda: for_block(0, 0, "start"))
     lax.fori_loop(0, num_blocks, history_block, 0)
-    o_ref[...] = (acc_ref[...] / _lanes(l_ref[...], geom.head_dim)).astype(o_ref.dtype)
+    l_row = jnp.sum(l_ref[...], axis=1, keepdims=True)  # The lanes hold partial sums.
+    o_ref[...] = (acc_ref[...] / _lanes(l_row, geom.head_dim)).astype(o_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("geom", "plan", "scale", "vmem_limit", "interpret"))
