@@ -40,7 +40,9 @@ the lengths and the layer are scalar-prefetched. Per grid step:
   while block ``b`` is computed); only the row's visible pages are fetched and visited;
 * compute chunks of about ``block_kv_compute`` keys (several whole pages, or pieces of one page) times
   query sub-blocks of ``block_q_compute`` rows: an online softmax with lane-dense ``m``/``l`` scratch
-  ``[group * block_q, 128]`` float32 and a float32 accumulator. A chunk whose slots are all valid is
+  ``[group * block_q, 128]`` float32 and a float32 accumulator (``m`` is the row max on every lane;
+  ``l`` holds 128 per-lane partial sums, reduced across lanes once, at the end, so a chunk's sum
+  needs no cross-lane reduction). A chunk whose slots are all valid is
   computed with no masking at all; a partly valid chunk selects (``jnp.where``) its invalid keys to
   a finite minimum and its invalid values to 0, so NaN in free or foreign pages, frame padding or
   stale VMEM cannot reach the output; a chunk with no valid slot is skipped.
@@ -100,10 +102,11 @@ class Blocks:
 
 
 TUNED_BLOCKS = {
-    "v5e": Blocks(block_q=1568, block_q_compute=784, block_kv_compute=512, keys_per_block=2048),
-    # v6e: block_kv_compute 1536 (a 1,560-slot page in pieces 1536 + 24) measured best of
-    # 256/512/768/1024/1536/1664 by benchmarks/tpu_compile.py's bundle estimate (2026-12-01).
-    "v6e": Blocks(block_q=1568, block_q_compute=784, block_kv_compute=1536, keys_per_block=2048),
+    # Chosen by benchmarks/tpu_compile.py's bundle estimate at wan-1.3b (2026-12-01): one softmax
+    # sub-block per query block (block_q_compute = block_q) beat 784 on both chips; v6e's
+    # block_kv_compute 1536 (a 1,560-slot page in pieces 1536 + 24) beat 256-1664 and v5e's 512.
+    "v5e": Blocks(block_q=1568, block_q_compute=1568, block_kv_compute=512, keys_per_block=2048),
+    "v6e": Blocks(block_q=1568, block_q_compute=1568, block_kv_compute=1536, keys_per_block=2048),
 }
 """Default block sizes per generation (chosen from compiler bundle counts, ``benchmarks/tpu_compile.py``)."""
 VMEM_BUDGET = {"v5e": 100 << 20, "v6e": 100 << 20}
