@@ -82,7 +82,7 @@ def _with_mxu(node) -> bool:
     return node["mxu"] > 0 or any(_with_mxu(c) for c in node["children"])
 
 
-def attention_cycles(tree, trips: dict) -> tuple[float, str]:
+def attention_cycles(tree, trips: dict, bundles=None) -> tuple[float, str]:
     """Cycles of one grid step of the paged kernel (pages cut into pieces, every page full).
 
     Tree: the grid loop; inside it the tail-chunk loop (its query sub-block loop inside), the
@@ -91,6 +91,8 @@ def attention_cycles(tree, trips: dict) -> tuple[float, str]:
     """
     grid = tree[0]
     kids = [c for c in grid["children"] if _with_mxu(c)]
+    if trips["sub_blocks"] == 1 and bundles is not None:
+        return _attention_cycles_one_sub_block(bundles, grid, kids, trips)
     tail = [c for c in kids if c["children"]][:-1] if trips["full_tail"] else []
     history = [c for c in kids if c["children"]][-1]
     rest = [c for c in kids if not c["children"]]
@@ -104,6 +106,26 @@ def attention_cycles(tree, trips: dict) -> tuple[float, str]:
     note = (f"grid loop {grid['own']} bundles/step; tail chunk loop x{trips['full_tail']}; "
             f"{trips['blocks']} history blocks of {history['own']} + {sub} x "
             f"{[c['own'] for c in fast]} bundles (unmasked pieces)")
+    return cycles, note
+
+
+def _attention_cycles_one_sub_block(bundles, grid, kids, trips) -> tuple[float, str]:
+    """:func:`attention_cycles` when ``block_q_compute`` covers the whole query block: the
+    one-trip sub-block loops are gone, so the tail-chunk loop and the history-block loop have no
+    children. Inside the history-block loop each piece of a page is an unmasked then a masked
+    predicated region; the loop body is cut at its predicated-region fallthroughs (``PF``) and the
+    even segments (preamble + unmasked piece, then each further unmasked piece) are counted."""
+    history = kids[-1]
+    tail = kids[:-1] if trips["full_tail"] else []
+    cycles = grid["own"] + sum(trips["full_tail"] * t["own"] for t in tail)
+    start, end = history["start"], history["start"] + history["own"]
+    cuts = [start] + [i for i in range(start, end) if bundles[i][0] == "PF"] + [end]
+    segments = [b - a for a, b in zip(cuts, cuts[1:])]
+    fast = sum(segments[0::2])
+    cycles += trips["blocks"] * fast
+    note = (f"grid loop {grid['own']} bundles/step; tail chunk loop x{trips['full_tail']} of "
+            f"{[t['own'] for t in tail]}; {trips['blocks']} history blocks of {fast} bundles "
+            f"(unmasked path; segments {segments})")
     return cycles, note
 
 
@@ -195,7 +217,7 @@ def worker(gen: str, kind: str, rows: int, dump: str) -> dict:
         m = geom.group * plan.block_q
         trips = dict(full_tail=geom.tail_len // plan.block_kv_compute,
                      sub_blocks=m // plan.block_q_compute, blocks=-(-max_pages // plan.pages_per_block))
-        per_step, note = attention_cycles(loop_tree(bundles), trips)
+        per_step, note = attention_cycles(loop_tree(bundles), trips, bundles)
         steps = rows * h * plan.num_q_blocks
         seconds = steps * per_step / chip.clock_hz + steps * tpu_aot.GRID_STEP_SECONDS
         out.update(vmem_estimate=twa.vmem_estimate_bytes(geom, plan),

@@ -40,7 +40,9 @@ the lengths and the layer are scalar-prefetched. Per grid step:
   while block ``b`` is computed); only the row's visible pages are fetched and visited;
 * compute chunks of about ``block_kv_compute`` keys (several whole pages, or pieces of one page) times
   query sub-blocks of ``block_q_compute`` rows: an online softmax with lane-dense ``m``/``l`` scratch
-  ``[group * block_q, 128]`` float32 and a float32 accumulator. A chunk whose slots are all valid is
+  ``[group * block_q, 128]`` float32 and a float32 accumulator (``m`` is the row max on every lane;
+  ``l`` holds 128 per-lane partial sums, reduced across lanes once, at the end, so a chunk's sum
+  needs no cross-lane reduction). A chunk whose slots are all valid is
   computed with no masking at all; a partly valid chunk selects (``jnp.where``) its invalid keys to
   a finite minimum and its invalid values to 0, so NaN in free or foreign pages, frame padding or
   stale VMEM cannot reach the output; a chunk with no valid slot is skipped.
@@ -100,8 +102,11 @@ class Blocks:
 
 
 TUNED_BLOCKS = {
-    "v5e": Blocks(block_q=1568, block_q_compute=784, block_kv_compute=512, keys_per_block=2048),
-    "v6e": Blocks(block_q=1568, block_q_compute=784, block_kv_compute=512, keys_per_block=2048),
+    # Chosen by benchmarks/tpu_compile.py's bundle estimate at wan-1.3b (2026-12-01): one softmax
+    # sub-block per query block (block_q_compute = block_q) beat 784 on both chips; v6e's
+    # block_kv_compute 1536 (a 1,560-slot page in pieces 1536 + 24) beat 256-1664 and v5e's 512.
+    "v5e": Blocks(block_q=1568, block_q_compute=1568, block_kv_compute=512, keys_per_block=2048),
+    "v6e": Blocks(block_q=1568, block_q_compute=1568, block_kv_compute=1536, keys_per_block=2048),
 }
 """Default block sizes per generation (chosen from compiler bundle counts, ``benchmarks/tpu_compile.py``)."""
 VMEM_BUDGET = {"v5e": 100 << 20, "v6e": 100 << 20}
@@ -320,6 +325,24 @@ def _lanes(x, n: int):
     return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
 
 
+def _lane_partial_sums(p):
+    """Row sums of ``p`` ``[rows, n]`` kept as 128 per-lane partial sums ``[rows, 128]`` (their
+    total is the row sum): whole 128-lane slices are added elementwise, with no cross-lane
+    reduction; a ragged rest (``n % 128``) is reduced and added into lane 0."""
+    n = p.shape[1]
+    full = n // LANES
+    out = None
+    for j in range(full):
+        part = p[:, j * LANES:(j + 1) * LANES]
+        out = part if out is None else out + part
+    if n % LANES:
+        rest = jnp.sum(p[:, full * LANES:], axis=1, keepdims=True)
+        lane = lax.broadcasted_iota(jnp.int32, (p.shape[0], LANES), 1)
+        rest = jnp.where(lane == 0, rest, 0.0)
+        out = rest if out is None else out + rest
+    return out
+
+
 def _prefix_masks(n: int, limits):
     """Key masks of a chunk of ``n`` keys made of ``len(limits)`` equal pages, page ``i`` valid in
     its first ``limits[i]`` slots: ``([1, n], [n, 1])`` booleans."""
@@ -370,7 +393,7 @@ def _kernel(table_ref, nvis_ref, len_ref, layer_ref, q_ref, kt_ref, vt_ref, k_hb
             m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
             p = jnp.exp2(s - _lanes(m_next, n))
             alpha = jnp.exp2(m_prev - m_next)
-            l_ref[rows_] = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
+            l_ref[rows_] = alpha * l_prev + _lane_partial_sums(p)
             m_ref[rows_] = m_next
             pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
                                  precision=precision, preferred_element_type=jnp.float32)
@@ -466,7 +489,8 @@ def _kernel(table_ref, nvis_ref, len_ref, layer_ref, q_ref, kt_ref, vt_ref, k_hb
 
     pl.when(num_blocks > 0)(lambda: for_block(0, 0, "start"))
     lax.fori_loop(0, num_blocks, history_block, 0)
-    o_ref[...] = (acc_ref[...] / _lanes(l_ref[...], geom.head_dim)).astype(o_ref.dtype)
+    l_row = jnp.sum(l_ref[...], axis=1, keepdims=True)  # The lanes hold partial sums.
+    o_ref[...] = (acc_ref[...] / _lanes(l_row, geom.head_dim)).astype(o_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("geom", "plan", "scale", "vmem_limit", "interpret"))
