@@ -38,6 +38,7 @@ def test_quickstart_notebook_runs_and_shows_its_results(monkeypatch, tmp_path):
     # (6 latent frames -> 21 video frames of 64x96), read back by imageio and shown inline.
     assert "-> REAL_MODEL False" in text and "nothing downloaded" in text
     assert "arkv-jax memory plan" in text and "steady state:" in text and "returned per-chunk ms" in text
+    assert "prompt switches (KV recache, sink keep): chunk 2: 'the red fox stops and looks back'" in text
     assert "read back fox.mp4: 21 frames of 64x96" in text
     videos = [out for out in outputs if "data:video/mp4;base64," in out.get("data", {}).get("text/html", "")]
     assert len(videos) == 1
