@@ -5,7 +5,9 @@ Needs libtpu (``pip install -e ".[tpu]"``); runs no kernel. At the ``wan-1.3b`` 
 for each generation it compiles, each in its own process (so each has its own bundle dump):
 
 * the paged window attention (:mod:`pallas_kernels.window_attention.tpu`), rows 1 and 4;
-* the gather + splash baseline (:mod:`pallas_kernels.window_attention.tpu_gather`), rows 1 and 4;
+* the gather + splash baseline (:mod:`pallas_kernels.window_attention.tpu_gather`), rows 1 and 4,
+  with its generation's tuned splash tiles (``--baseline-blocks BQ,BKV,BKVC`` compiles only the
+  baseline, rows 1, with other tiles: how they were tuned);
 * the donated paged write (:mod:`pallas_kernels.paged_write.tpu`), one row's 3-frame commit.
 
 Reported: whether each compiled, the kernel's VMEM estimate and limit, temporaries and aliased
@@ -31,6 +33,8 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRESET = dict(layers=30, kv_heads=12, head_dim=128, tokens_per_frame=1560, block_size=1560,
               cur_frames=3, visible_frames=12)
+BLOCKS_ENV = "TPU_COMPILE_SPLASH_BLOCKS"
+"""Environment variable (JSON ``{"block_q": ..}``) overriding the baseline's tuned splash blocks."""
 
 
 # ------------------------------------------------------------------------------------------------
@@ -130,15 +134,39 @@ def _attention_cycles_one_sub_block(bundles, grid, kids, trips) -> tuple[float, 
 
 
 def splash_cycles(bundles, tree) -> tuple[float, float, str]:
-    """(per-grid-step cycles, once-per-query-block cycles) of splash attention's grid loop: the
-    steady body is the span between the first two predicated-region fallthroughs (after the
-    accumulator init, before the finalisation); the rest of the loop body runs once per query
-    block."""
+    """(per-grid-step cycles, once-per-query-block cycles) of splash attention's grid loop. The
+    once-per-query-block code is the two predicated regions skipped by a branch: the accumulator
+    init (from the last ``sbr.rel`` before the first predicated-region fallthrough to it) and the
+    finalisation (from the first ``sbr.rel`` at or after the second fallthrough to the next one);
+    everything else in the loop body (the steady compute between the first two fallthroughs, the
+    pipeline's DMA issue and waits, the loop bookkeeping) runs every grid step.
+
+    Raises:
+      ValueError: the loop is not one flat loop, or a branch does not skip to the fallthrough it
+        should (the parse does not hold for this variant).
+    """
+    if len(tree) != 1 or tree[0]["children"]:
+        raise ValueError(f"splash: {len(tree)} top-level loops, nested loops "
+                         f"{[len(n['children']) for n in tree]}: the steady/once split does not hold")
     grid = tree[0]
-    start = grid["start"]
-    pf = [i for i, (mark, _, _) in enumerate(bundles) if mark == "PF" and i > start]
-    steady = pf[1] - pf[0]
-    return steady, grid["own"] - steady, f"splash grid loop {grid['own']} bundles, steady {steady}"
+    start, end = grid["start"], grid["start"] + grid["own"]
+    pf = [i for i, (mark, _, _) in enumerate(bundles) if mark == "PF" and start < i < end]
+    branches = [i for i, (_, _, text) in enumerate(bundles) if "sbr.rel" in text and start < i < end]
+
+    def region(branch: int, fallthrough: int) -> int:
+        m = re.search(r"target = \$region(\d+)", bundles[branch][2])
+        if not m or f"empty region {m.group(1)} " not in bundles[fallthrough][2] + " ":
+            raise ValueError(f"splash: branch at bundle {branch} does not skip to the fallthrough "
+                             f"at {fallthrough}: the steady/once split does not hold")
+        return fallthrough - branch - 1
+
+    init_branch = max(i for i in branches if i < pf[0])
+    fin_branch = min(i for i in branches if i >= pf[1])
+    fin_end = min(i for i in pf if i > fin_branch)
+    once = region(init_branch, pf[0]) + region(fin_branch, fin_end)
+    steady = grid["own"] - once
+    return steady, once, (f"splash grid loop {grid['own']} bundles: {steady} per step (compute "
+                          f"{pf[1] - pf[0]}), init + finalisation {once} once per query block")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -157,7 +185,7 @@ def worker(gen: str, kind: str, rows: int, dump: str) -> dict:
     from pallas_kernels.layout import pool_shape
     from pallas_kernels.paged_write import write_chunk as dispatch_write
     from pallas_kernels.window_attention import tpu as twa
-    from pallas_kernels.window_attention.tpu_gather import DEFAULT_BLOCKS, gather_window_attention
+    from pallas_kernels.window_attention.tpu_gather import gather_window_attention, resolve_blocks
 
     write_chunk = functools.partial(dispatch_write, backend="pallas_tpu")
 
@@ -168,6 +196,7 @@ def worker(gen: str, kind: str, rows: int, dump: str) -> dict:
     q_len = p["cur_frames"] * t
     max_pages = p["visible_frames"]
     out: dict = dict(gen=gen, kind=kind, rows=rows)
+    splash_blocks = resolve_blocks(gen, **json.loads(os.environ.get(BLOCKS_ENV, "{}")))
     if kind == "write":
         pages = 16
         shape = pool_shape(p["layers"], pages, s, h, d)
@@ -188,7 +217,8 @@ def worker(gen: str, kind: str, rows: int, dump: str) -> dict:
                                             generation=gen)
         else:
             def fn(q, kc, vc, kp, vp, pg, ln, layer):
-                return gather_window_attention(q, kc, vc, kp, vp, pg, ln, layer=layer)
+                return gather_window_attention(q, kc, vc, kp, vp, pg, ln, layer=layer,
+                                               **splash_blocks)
     pool_bytes = 2 * 2 * int(_prod(shape))
     try:
         compiled = tpu_aot.compile_for_tpu(fn, specs, gen, donate_argnums=donate)
@@ -227,7 +257,8 @@ def worker(gen: str, kind: str, rows: int, dump: str) -> dict:
     else:
         bundles = parse_bundles(kernel_dump(dump, "splash_mqa_fwd"))
         steady, once, note = splash_cycles(bundles, loop_tree(bundles))
-        b = DEFAULT_BLOCKS
+        b = splash_blocks
+        out["blocks"] = b
         q_blocks = -(-q_len // b["block_q"])
         kv_blocks = -(-(max_pages * t + q_len) // b["block_kv"])
         steps = rows * h * q_blocks * kv_blocks
@@ -271,12 +302,21 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="rows 1 only")
     parser.add_argument("--generations", default="v5e,v6e")
+    parser.add_argument("--baseline-blocks", metavar="BQ,BKV,BKVC",
+                        help="compile only the baseline, rows 1, with these splash blocks (a sweep)")
     parser.add_argument("--worker", nargs=4, metavar=("GEN", "KIND", "ROWS", "DUMP"),
                         help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         gen, kind, rows, dump = args.worker
         print(json.dumps(worker(gen, kind, int(rows), dump)))
+        return 0
+    if args.baseline_blocks:
+        bq, bkv, bkvc = (int(x) for x in args.baseline_blocks.split(","))
+        os.environ[BLOCKS_ENV] = json.dumps(dict(block_q=bq, block_kv=bkv, block_kv_compute=bkvc))
+        for gen in args.generations.split(","):
+            r = run_job(gen, "baseline", 1)
+            print(json.dumps(r))
         return 0
     rows_list = (1,) if args.quick else (1, 4)
     summary = {}
@@ -290,7 +330,8 @@ def main(argv=None) -> int:
                 if r.get("compiles"):
                     extra = (f" vmem est {r['vmem_estimate'] / 2**20:.1f} MiB (limit "
                              f"{r['vmem_limit'] / 2**20:.0f} MiB)" if kind == "attention" else
-                             f" (kernel {r['kernel_ms']:.3f} ms + gather {r['gather_ms']:.3f} ms)")
+                             f" (kernel {r['kernel_ms']:.3f} ms + gather {r['gather_ms']:.3f} ms,"
+                             f" splash tiles {r['blocks']})")
                     print(f"{gen} {kind:9s} rows={rows}: compiles, pool copies {r['pool_copies']}, "
                           f"temp {r['temp_fraction']:.2%} of pools ({r['temp_bytes'] / 2**20:.1f} "
                           f"MiB), est {r['est_ms']:.3f} ms = {r['est_ms'] / rows:.3f} ms per row "

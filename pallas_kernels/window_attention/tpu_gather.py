@@ -31,40 +31,63 @@ from pallas_kernels.backend import resolve_backend
 from pallas_kernels.common import round_up
 from pallas_kernels.layout import read_tokens
 from pallas_kernels.window_attention.geometry import WindowGeometry
+from pallas_kernels.window_attention.tpu import default_generation
 from pallas_kernels.window_attention.validation import check_arrays
 
-DEFAULT_BLOCKS = dict(block_q=1024, block_kv=2048, block_kv_compute=512)
-"""Splash block sizes used by default (tokamax/splash-style sizes for head dim 128)."""
+TUNED_BLOCKS = {
+    # Chosen by benchmarks/tpu_compile.py's bundle estimate at wan-1.3b (--baseline-blocks sweep,
+    # benchmarks/RESULTS.md); larger tiles than these exceed splash's default scoped VMEM.
+    "v5e": dict(block_q=2432, block_kv=2048, block_kv_compute=256),
+    "v6e": dict(block_q=2432, block_kv=4096, block_kv_compute=1024),
+}
+"""Splash block sizes per generation (picked like the paged kernel's, by
+:func:`~pallas_kernels.window_attention.tpu.default_generation`; ``"v5e"`` off TPU)."""
 
 
-def gather_window_attention(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, layer=0,
-                            extra_k=None, extra_v=None, scale=None, tokens_per_frame=None,
-                            block_q=None, block_kv=None, block_kv_compute=None,
-                            interpret: bool = False):
-    """Window attention by gathering the visible pages and running splash attention.
-
-    Args: those of :func:`pallas_kernels.window_attention.window_attention`, plus splash's
-      ``block_q``, ``block_kv`` and ``block_kv_compute`` (multiples of 128, ``block_kv_compute``
-      dividing ``block_kv``; defaults :data:`DEFAULT_BLOCKS`) and ``interpret`` (a bool: splash's
-      interpret mode).
-
-    Returns:
-      ``[rows, q_len, num_q_heads, head_dim]`` in ``q``'s dtype.
+def resolve_blocks(generation: str | None = None, **overrides) -> dict:
+    """The tuned splash blocks of ``generation`` (default: the default device's) with the non-None
+    ``overrides`` applied, validated.
 
     Raises:
-      ValueError: those of ``window_attention``; a block size that is not a positive multiple of
-        128, or a ``block_kv_compute`` that does not divide ``block_kv``.
+      ValueError: unknown generation; a block size that is not a positive multiple of 128, or a
+        ``block_kv_compute`` that does not divide ``block_kv``.
     """
-    geom = check_arrays(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, layer=layer,
-                        extra_k=extra_k, extra_v=extra_v, tokens_per_frame=tokens_per_frame)
-    given = dict(block_q=block_q, block_kv=block_kv, block_kv_compute=block_kv_compute)
-    blocks = {k: DEFAULT_BLOCKS[k] if v is None else v for k, v in given.items()}
+    generation = default_generation() if generation is None else generation
+    if generation not in TUNED_BLOCKS:
+        raise ValueError(f"generation must be one of {sorted(TUNED_BLOCKS)}, got {generation!r}")
+    blocks = {k: TUNED_BLOCKS[generation][k] if overrides.get(k) is None else overrides[k]
+              for k in ("block_q", "block_kv", "block_kv_compute")}
     for name, value in blocks.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 128 or value % 128:
             raise ValueError(f"{name}={value!r} must be a positive multiple of 128")
     if blocks["block_kv"] % blocks["block_kv_compute"]:
         raise ValueError(f"block_kv_compute={blocks['block_kv_compute']} must divide "
                          f"block_kv={blocks['block_kv']}")
+    return blocks
+
+
+def gather_window_attention(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, layer=0,
+                            extra_k=None, extra_v=None, scale=None, tokens_per_frame=None,
+                            block_q=None, block_kv=None, block_kv_compute=None,
+                            generation=None, interpret: bool = False):
+    """Window attention by gathering the visible pages and running splash attention.
+
+    Args: those of :func:`pallas_kernels.window_attention.window_attention`, plus splash's
+      ``block_q``, ``block_kv`` and ``block_kv_compute`` (multiples of 128, ``block_kv_compute``
+      dividing ``block_kv``; defaults the :data:`TUNED_BLOCKS` row of ``generation``, ``"v5e"`` or
+      ``"v6e"``, default the default device's) and ``interpret`` (a bool: splash's interpret mode).
+
+    Returns:
+      ``[rows, q_len, num_q_heads, head_dim]`` in ``q``'s dtype.
+
+    Raises:
+      ValueError: those of ``window_attention``; an unknown generation; a block size that is not a
+        positive multiple of 128, or a ``block_kv_compute`` that does not divide ``block_kv``.
+    """
+    geom = check_arrays(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, layer=layer,
+                        extra_k=extra_k, extra_v=extra_v, tokens_per_frame=tokens_per_frame)
+    blocks = resolve_blocks(generation, block_q=block_q, block_kv=block_kv,
+                            block_kv_compute=block_kv_compute)
     scale = geom.head_dim ** -0.5 if scale is None else float(scale)
     if not 0 < scale < float("inf"):
         raise ValueError(f"scale must be a positive finite number, got {scale!r}")
@@ -75,12 +98,13 @@ def gather_window_attention(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, 
 
 def attention(q, k_cur, v_cur, extra_k, extra_v, k_pool, v_pool, pages, lengths, layer, *,
               geom: WindowGeometry, scale: float, backend: str):
-    """The dispatcher's entry (inputs already validated): :data:`DEFAULT_BLOCKS` shrunk to the
-    call's query and key lengths (multiples of 128)."""
+    """The dispatcher's entry (inputs already validated): the default device's
+    :data:`TUNED_BLOCKS` shrunk to the call's query and key lengths (multiples of 128)."""
+    tuned = TUNED_BLOCKS[default_generation()]
     kv_len = geom.capacity + geom.tail_len
-    block_q = min(DEFAULT_BLOCKS["block_q"], round_up(geom.q_len, 128))
-    block_kv = min(DEFAULT_BLOCKS["block_kv"], round_up(kv_len, 128))
-    block_kv_compute = 128 * math.gcd(block_kv // 128, DEFAULT_BLOCKS["block_kv_compute"] // 128)
+    block_q = min(tuned["block_q"], round_up(geom.q_len, 128))
+    block_kv = min(tuned["block_kv"], round_up(kv_len, 128))
+    block_kv_compute = 128 * math.gcd(block_kv // 128, tuned["block_kv_compute"] // 128)
     blocks = dict(block_q=block_q, block_kv=block_kv, block_kv_compute=block_kv_compute)
     return _gather_attention(q, k_cur, v_cur, extra_k, extra_v, k_pool, v_pool, pages, lengths,
                              layer, geom=geom, scale=scale, blocks=tuple(sorted(blocks.items())),

@@ -10,13 +10,14 @@ without libtpu.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import pytest
 
 from pallas_kernels import tpu_aot
 from pallas_kernels.layout import PAGE_AXIS, pool_shape, tpu_block_size
 from pallas_kernels.paged_write import write_chunk
-from pallas_kernels.window_attention import WindowGeometry, window_attention
+from pallas_kernels.window_attention import WindowGeometry, tpu_gather, window_attention
 from pallas_kernels.window_attention import tpu as twa
 from pallas_kernels.window_attention import xla as xla_backend
 
@@ -99,6 +100,18 @@ def test_attention_compiles_without_pool_copies(gen, preset, rows):
     assert rep.pool_copies == 0
     assert rep.temp_bytes <= twa.temp_bound_bytes(tpu_geom,
                                                   twa.make_plan(tpu_geom, twa.TUNED_BLOCKS[gen]))
+
+
+@pytest.mark.parametrize("gen", GENERATIONS)
+def test_gather_baseline_compiles_with_tuned_blocks(gen):
+    """The gather + splash baseline at wan-1.3b with its generation's tuned splash tiles: compiles
+    (splash's tiles within the default scoped VMEM) and copies no pool. At default matmul precision
+    (tests/conftest.py asks for "highest", which Mosaic refuses on bf16 splash matmuls)."""
+    geom, shape, specs = attention_call("wan-1.3b", 1)
+    fn = attention_fn(tpu_gather.gather_window_attention, geom, generation=gen)
+    with jax.default_matmul_precision("default"):
+        rep = tpu_aot.report(tpu_aot.compile_for_tpu(fn, specs, gen), [shape])
+    assert rep.pool_copies == 0
 
 
 XLA_TEMP_KV_MULTIPLE = 4

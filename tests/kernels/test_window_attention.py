@@ -271,6 +271,24 @@ def test_tpu_gather_baseline(committed, extra):
     check(poisoned(case, owned), "pallas_tpu_gather_interpret", expected=case)
 
 
+def test_tpu_gather_blocks():
+    """The baseline's splash tiles: a tuned row per generation (``"v5e"`` off TPU), keyword
+    overrides win, bad tiles and generations are refused."""
+    from pallas_kernels.window_attention import tpu_gather
+
+    assert tpu_gather.resolve_blocks() == tpu_gather.TUNED_BLOCKS["v5e"]
+    for gen, tuned in tpu_gather.TUNED_BLOCKS.items():
+        assert tpu_gather.resolve_blocks(gen) == tuned
+        assert tpu_gather.resolve_blocks(gen, block_q=256)["block_q"] == 256
+        assert tpu_gather.resolve_blocks(gen, block_kv_compute=None) == tuned
+    with pytest.raises(ValueError, match="generation"):
+        tpu_gather.resolve_blocks("v4")
+    with pytest.raises(ValueError, match="multiple of 128"):
+        tpu_gather.resolve_blocks("v6e", block_q=100)
+    with pytest.raises(ValueError, match="must divide"):
+        tpu_gather.resolve_blocks("v5e", block_kv=1024, block_kv_compute=768)
+
+
 def test_auto_is_xla_on_cpu():
     case, _ = make_case(committed=(2,))
     np.testing.assert_array_equal(window_attention(**case, backend="auto"),
