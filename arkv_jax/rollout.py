@@ -588,13 +588,12 @@ class Rollout:
         contexts = branch_contexts(config.text_tokens, config.text_dim, len(self.branches), prompt, context,
                                    negative_context)
         text = [context_kv(self.chunk_config.graphdef, self.params, jnp.asarray(c[None])) for c in contexts]
-        text_kv = tuple(jnp.concatenate([kv[i] for kv in text], axis=1) for i in range(2))  # [L, branches, ...]
         shape = (f, *config.frame_shape)
         with self.cache.recache(session_id, f, sink=sink, branches=self.branches, full_batch=self.full_batch) as job:
-            if self.full_batch:  # the session's rows at its slot, zero text elsewhere (padding rows)
-                batch, at = self.cache.session_capacity * len(self.branches), self.cache.slot(session_id)
-                text_kv = tuple(jnp.zeros((x.shape[0], batch, *x.shape[2:]), x.dtype)
-                                .at[:, at * len(self.branches):(at + 1) * len(self.branches)].set(x) for x in text_kv)
+            # The new text K/V at the session's batch rows, zeros at padding rows: [L, batch, T, Hkv, D].
+            text_kv = tuple(jnp.zeros((x.shape[0], job.batch_size, *x.shape[2:]), x.dtype)
+                            .at[:, job.positions].set(jnp.concatenate([kv[i] for kv in text], axis=1))
+                            for i, x in enumerate(text[0]))
             for unit in job.units:
                 chunk, offset = divmod(unit.first_frame, f)
                 draws = (jnp.asarray(samplers.session_noise(session.seed, chunk, shape, self.sampler.noise_draws)[None])

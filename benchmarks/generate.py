@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from arkv_jax.cache import PagedKVCache
-from arkv_jax.config import CacheGeometry, CrossAttentionSpec, KVBranch, WindowPolicy
+from arkv_jax.config import CrossAttentionSpec, KVBranch, WindowPolicy
 from arkv_jax.generate import to_uint8
 from arkv_jax.models import umt5
 from arkv_jax.models import vae as vae_lib
@@ -45,24 +45,16 @@ from arkv_jax.planner import rollout_plan
 from arkv_jax.presets import get_preset
 from arkv_jax.rollout import Rollout, Sampler, context_kv
 from benchmarks import harness
+from benchmarks import rollout as rollout_benchmark
 
 
 @dataclasses.dataclass(frozen=True)
-class Shape:
-    """A DiT, its cache layout, a VAE decoder and a umT5 encoder of the DiT's text width."""
+class Shape(rollout_benchmark.Shape):
+    """A DiT and its cache layout (:class:`benchmarks.rollout.Shape`), a VAE decoder and a umT5
+    encoder of the DiT's text width."""
 
-    name: str
-    model: DiTConfig
-    block_size: int
-    chunk_frames: int
-    window: WindowPolicy
     vae: vae_lib.WanVAEConfig
     text: umt5.UMT5EncoderConfig
-
-    def geometry(self) -> CacheGeometry:
-        m = self.model
-        return CacheGeometry(m.num_layers, m.num_kv_heads, m.head_dim, m.dtype, m.tokens_per_frame,
-                             self.block_size, self.chunk_frames)
 
 
 _TINY = get_preset("tiny")

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import glob
 import json
+import math
 import os
 import re
 import subprocess
@@ -219,7 +220,7 @@ def worker(gen: str, kind: str, rows: int, dump: str) -> dict:
             def fn(q, kc, vc, kp, vp, pg, ln, layer):
                 return gather_window_attention(q, kc, vc, kp, vp, pg, ln, layer=layer,
                                                **splash_blocks)
-    pool_bytes = 2 * 2 * int(_prod(shape))
+    pool_bytes = 2 * 2 * math.prod(int(d) for d in shape)
     try:
         compiled = tpu_aot.compile_for_tpu(fn, specs, gen, donate_argnums=donate)
     except Exception as e:  # Report a failed compile as data.
@@ -271,13 +272,6 @@ def worker(gen: str, kind: str, rows: int, dump: str) -> dict:
                    est_ms=(kernel_s + gather_s) * 1e3, note=note)
     out["fraction_of_peak"] = flops / (out["est_ms"] * 1e-3) / chip.bf16_flops
     return out
-
-
-def _prod(shape) -> int:
-    n = 1
-    for x in shape:
-        n *= int(x)
-    return n
 
 
 # ------------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ The host backend must stay the default: set ``JAX_PLATFORMS=cpu`` before importi
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 from collections.abc import Callable, Sequence
@@ -114,21 +115,14 @@ _COPY = re.compile(r"=\s*(\w+)\[([\d,]*)\]\S*\s+copy(?:-start)?\(")
 def copies_of(hlo_text: str, shapes: Sequence[tuple[int, ...]]) -> int:
     """How many ``copy``/``copy-start`` instructions of the optimized HLO produce an array of one of
     ``shapes`` (or of the same element count, which catches copies of reshaped pools)."""
-    sizes = {int(_prod(s)) for s in shapes}
+    sizes = {math.prod(int(d) for d in s) for s in shapes}
     exact = {tuple(s) for s in shapes}
     count = 0
     for _, dims in _COPY.findall(hlo_text):
         shape = tuple(int(d) for d in dims.split(",") if d)
-        if shape in exact or _prod(shape) in sizes:
+        if shape in exact or math.prod(shape) in sizes:
             count += 1
     return count
-
-
-def _prod(shape) -> int:
-    out = 1
-    for d in shape:
-        out *= int(d)
-    return out
 
 
 @dataclasses.dataclass(frozen=True)

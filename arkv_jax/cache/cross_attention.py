@@ -114,8 +114,20 @@ class CrossAttentionStore:
         Raises:
           KeyError: unknown cache. ValueError: wrong layer count, type or shape.
         """
-        k, v = collect_cross_attention_layers(name, layer_kv, self.geometry.num_layers, self.row_shape(name),
+        self.publish(name, row, *self.collect(name, layer_kv))
+
+    def collect(self, name: str, layer_kv: Iterable[tuple[Array, Array]]) -> tuple[Array, Array]:
+        """Validates and stacks one row's ``layer_kv`` of cache ``name`` (as :meth:`populate` takes
+        it) without publishing it: ``(k, v)``, each ``[layers, tokens, heads, head_dim]``.
+
+        Raises:
+          KeyError: unknown cache. ValueError: wrong layer count, type or shape.
+        """
+        return collect_cross_attention_layers(name, layer_kv, self.geometry.num_layers, self.row_shape(name),
                                               allow_unbatched=True, require_float=True)
+
+    def publish(self, name: str, row: int, k: Array, v: Array) -> None:
+        """Publishes ``row``'s K/V of cache ``name`` from :meth:`collect`'s output."""
         self._set(name, [row], k[None], v[None])
         self._populated.add((row, name))
 

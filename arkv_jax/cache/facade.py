@@ -58,7 +58,7 @@ from jax.sharding import Mesh, NamedSharding
 from arkv_jax import sharding
 from arkv_jax import state as core
 from arkv_jax.cache import programs
-from arkv_jax.cache.cross_attention import CrossAttentionStore, collect_cross_attention_layers
+from arkv_jax.cache.cross_attention import CrossAttentionStore
 from arkv_jax.cache.recache import SINK_MODES, Recache, plan_recache
 from arkv_jax.cache.sessions import SessionTable
 from arkv_jax.config import (
@@ -68,6 +68,7 @@ from arkv_jax.config import (
     KVBranch,
     WindowPolicy,
     require_bool,
+    require_int,
     require_str_sequence,
     validate_branches,
 )
@@ -499,13 +500,7 @@ class PagedKVCache:
                                     f"(window_frames), got {num_frames!r} ({type(num_frames).__name__})")
         num_frames = int(num_frames)
         names = self._sessions.branches if branches is None else require_str_sequence("branches", branches)
-        if full_batch is not None:
-            require_bool("full_batch", full_batch)
-        if full_batch is None:
-            full_batch = self.mesh is not None
-        elif not full_batch and self.mesh is not None:
-            raise ValueError("a sharded cache hands out full batches only (full_batch=True): each data "
-                             "shard must see the same rows every chunk")
+        full_batch = self._full_batch(full_batch)
         with self._lock:
             local, owners = self._sessions.batch(session_ids, names, full_batch=full_batch)
             busiest = int(np.max(np.sum(np.asarray(local) >= 0, axis=1)))
@@ -581,37 +576,25 @@ class PagedKVCache:
         """
         if not isinstance(sink, str) or sink not in SINK_MODES:
             raise ValueError(f"sink must be one of {SINK_MODES}, got {sink!r}")
-        if chunk_frames is None:
-            chunk_frames = self.geometry.frames_per_forward
-        if isinstance(chunk_frames, (bool, np.bool_)) or not isinstance(chunk_frames, (int, np.integer)):
-            raise ArgumentTypeError(f"chunk_frames must be an int in [1, {self.window.window_frames}], got "
-                                    f"{chunk_frames!r} ({type(chunk_frames).__name__})")
-        if not 1 <= chunk_frames <= self.window.window_frames:
-            raise ValueError(f"chunk_frames must be an int in [1, {self.window.window_frames}] (window_frames), "
-                             f"got {chunk_frames}")
+        chunk_frames = require_int("chunk_frames", self.geometry.frames_per_forward if chunk_frames is None
+                                   else chunk_frames, minimum=1, maximum=self.window.window_frames)
         names = self._sessions.branches if branches is None else require_str_sequence("branches", branches)
         if len(set(names)) != len(names):
             raise ValueError(f"branches must not repeat, got {list(names)}")
-        if full_batch is not None:
-            require_bool("full_batch", full_batch)
-        if full_batch is None:
-            full_batch = self.mesh is not None
-        elif not full_batch and self.mesh is not None:
-            raise ValueError("on a mesh a recache runs full batches only (full_batch=True)")
+        full_batch = self._full_batch(full_batch)
         with self._lock:
             slot = self.slot(session_id)
             shard, local = self._sessions.shard(slot), self.rows([session_id], names) % self.rows_per_shard
             self._require_idle("recompute a session's K/V")
-            plan = plan_recache(_shard_state(self._state, shard), local, self.window, int(chunk_frames), sink)
-            units = plan.units
+            plan = plan_recache(_shard_state(self._state, shard), local, self.window, chunk_frames, sink)
+            units, positions, batch = plan.units, np.arange(len(names)), len(names)
             if full_batch:
-                positions = slot * len(names) + np.arange(len(names))
-                batch = self.session_capacity * len(names)
+                positions, batch = slot * len(names) + positions, self.session_capacity * len(names)
                 units = tuple(u._replace(inputs=place_rows(u.inputs, positions, batch)) for u in units)
             rows = np.full((self.num_shards, len(names)), -1, np.int32)
             replace = np.zeros((self.num_shards, *plan.replace.shape), bool)
             rows[shard], replace[shard] = local, plan.replace
-            job = Recache(session_id, tuple(names), sink, plan.frames, units,
+            job = Recache(session_id, tuple(names), sink, plan.frames, units, positions, batch,
                           on_write=self._recache_write, on_stage=self._recache_stage,
                           on_commit=functools.partial(self._recache_commit, rows=rows, replace=replace))
             self._in_flight = job
@@ -646,9 +629,7 @@ class PagedKVCache:
         with self._lock:
             self._recache_job(job)
             row = int(self.rows([job.session_id], [branch])[0])
-            job.staged[name, row] = collect_cross_attention_layers(
-                name, layer_kv, self.geometry.num_layers, self._cross.row_shape(name), allow_unbatched=True,
-                require_float=True)
+            job.staged[name, row] = self._cross.collect(name, layer_kv)
 
     def _recache_commit(self, job: Recache, *, rows: np.ndarray, replace: np.ndarray) -> None:
         with self._lock:
@@ -661,7 +642,7 @@ class PagedKVCache:
             if not bool(jnp.all(ok)):  # plan_recache checked every condition under this lock
                 raise RuntimeError("the page swap of a recache was refused; nothing changed")
             for (name, row), (k, v) in job.staged.items():
-                self._cross.populate(name, row, zip(k, v))
+                self._cross.publish(name, row, k, v)
             job.committed = True
 
     # -- helpers -------------------------------------------------------------------------------------
@@ -679,6 +660,16 @@ class PagedKVCache:
                 self._k_pool, self._v_pool, step.pending, jnp.asarray(k_new, g.dtype), jnp.asarray(v_new, g.dtype),
                 step.inputs, num_frames=step.num_frames, backend=self.backend, mesh=self._mesh)
             step.committed = True
+
+    def _full_batch(self, full_batch: bool | None) -> bool:
+        """A ``full_batch`` argument resolved: ``None`` means full batches on a mesh only."""
+        if full_batch is None:
+            return self.mesh is not None
+        require_bool("full_batch", full_batch)
+        if not full_batch and self.mesh is not None:
+            raise ValueError("a sharded cache hands out full batches only (full_batch=True): each data "
+                             "shard must see the same rows every chunk")
+        return bool(full_batch)
 
     def _require_idle(self, what: str) -> None:
         if self._in_flight is not None:

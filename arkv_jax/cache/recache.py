@@ -166,6 +166,9 @@ class Recache:
       sink: ``"keep"`` or ``"recompute"``.
       frames: absolute frames recomputed, in time order (empty: nothing to recompute).
       units: the forwards to run, in order (:class:`RecacheUnit`).
+      positions: int ``[branches]``: the batch rows of the session's branches (in ``branches``
+        order) in every unit's inputs, K/V and text.
+      batch_size: batch rows of every unit (the session's rows, or the cache's full batch).
       written: units written so far.
       committed: whether :meth:`commit` ran.
       staged: the staged cross-attention K/V, ``(name, row) -> (k, v)``.
@@ -176,6 +179,8 @@ class Recache:
     sink: str
     frames: tuple[int, ...]
     units: tuple[RecacheUnit, ...]
+    positions: np.ndarray
+    batch_size: int
     on_write: Callable[["Recache", Array, Array], None] = dataclasses.field(repr=False)
     on_stage: Callable[["Recache", str, str, object], None] = dataclasses.field(repr=False)
     on_commit: Callable[["Recache"], None] = dataclasses.field(repr=False)
@@ -193,7 +198,8 @@ class Recache:
         fresh pages; later units read them.
 
         Args:
-          k_new, v_new: ``[layers, branches, num_frames * tokens_per_frame, kv_heads, head_dim]``.
+          k_new, v_new: ``[layers, batch_size, num_frames * tokens_per_frame, kv_heads, head_dim]``
+            (the session's rows at :attr:`positions`).
 
         Raises:
           RuntimeError: not in flight, or every unit is written. ValueError: wrong shapes.
