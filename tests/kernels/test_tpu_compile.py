@@ -10,6 +10,8 @@ without libtpu.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -50,7 +52,7 @@ def test_write_compiles_in_place(gen, preset):
         [(shape, BF16)] * 2 + [(new, BF16)] * 2 + [((1, frames * ppf), jnp.int32)], gen,
         donate_argnums=(0, 1))
     rep = tpu_aot.report(compiled, [shape])
-    pools = 2 * 2 * tpu_aot._prod(shape)
+    pools = 2 * 2 * math.prod(shape)
     assert rep.pool_copies == 0
     assert rep.alias_bytes >= pools
     assert rep.temp_bytes < 0.01 * pools
