@@ -19,7 +19,9 @@ Figures (matplotlib, Agg backend), written to ``out`` (created if needed):
 * ``memory.png``: memory over time: the pages each session holds against the frames it has
   generated (flat at the sink + window bound once the window is full), and the pool's pages in use
   after every step against its usable pages;
-* ``latency.png``: each step's latency (the first step includes compilation).
+* ``latency.png``: each step's latency; the steps that built programs (the first use of each batch
+  bucket: a new batch size compiles the chunk program) are marked, and the steady-state median
+  (:meth:`Timeline.steady_steps`, the same rule as the printed summary) is drawn across.
 
 Devices. With a ``mesh`` the cache and the model are sharded over it; each device then runs a
 smaller batch than one device does, and XLA:CPU rounds some sums differently for different batch
@@ -46,7 +48,6 @@ import dataclasses
 import pathlib
 import sys
 import tempfile
-import time
 from typing import Callable, TextIO
 
 import jax
@@ -61,6 +62,7 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 from tqdm import tqdm
 
+from arkv_jax.apps.compile_clock import CompileClock, Phase
 from arkv_jax.cache import PagedKVCache
 from arkv_jax.config import ceil_div
 from arkv_jax.models.dit import MODEL_CONFIGS, CausalDiT, init_random
@@ -115,6 +117,9 @@ class StepRecord:
       sessions: the sessions of the step, in batch order.
       first_frames: each session's first frame index in the step.
       seconds: wall time of the step (host to host, latents on the host).
+      compile_seconds: the part of ``seconds`` JAX spent tracing, lowering and compiling programs
+        (:class:`~arkv_jax.apps.compile_clock.CompileClock`); 0 once every program the step uses is
+        built.
       frames: latent frames generated (sessions x frames per chunk).
       pages_in_use: usable pages held by any row after the commit.
       pages_held: physical page ids each active session holds after the commit.
@@ -123,9 +128,15 @@ class StepRecord:
     sessions: tuple[str, ...]
     first_frames: tuple[int, ...]
     seconds: float
+    compile_seconds: float
     frames: int
     pages_in_use: int
     pages_held: dict[str, np.ndarray]
+
+    @property
+    def compiled(self) -> bool:
+        """Whether the step built a program (its latency is not a steady-state one)."""
+        return self.compile_seconds > 0
 
 
 @dataclasses.dataclass
@@ -151,13 +162,23 @@ class Timeline:
         shards = self.num_pages - self.usable_pages
         return np.arange(shards) * (self.num_pages // shards)
 
-    def observe(self, rollout: Rollout, result: ChunkResult, seconds: float) -> StepRecord:
-        """Records the step that produced ``result`` in ``seconds`` (call right after ``step()``)."""
-        record = StepRecord(result.session_ids, tuple(int(f) for f in result.first_frames), seconds,
-                            len(result.session_ids) * self.chunk_frames,
+    def step(self, rollout: Rollout, clock: CompileClock) -> tuple[ChunkResult, StepRecord]:
+        """Runs ``rollout.step()``, timed (``clock`` active), and records it."""
+        with Phase(clock) as phase:
+            result = rollout.step()
+        record = StepRecord(result.session_ids, tuple(int(f) for f in result.first_frames), phase.seconds,
+                            phase.compile_seconds, len(result.session_ids) * self.chunk_frames,
                             self.usable_pages - rollout.cache.num_free_pages(), rollout.pages_held())
         self.steps.append(record)
-        return record
+        return result, record
+
+    def steady_steps(self) -> list[StepRecord]:
+        """The steps that built no program: the steady state the report and the figure summarise."""
+        return [s for s in self.steps if not s.compiled]
+
+    def compile_step_indexes(self) -> list[int]:
+        """Indexes of the steps that built a program (the first use of each batch bucket)."""
+        return [i for i, s in enumerate(self.steps) if s.compiled]
 
     def session_names(self) -> list[str]:
         """Every session of the run, in order of first appearance."""
@@ -249,22 +270,25 @@ def memory_figure(timeline: Timeline, bound: int) -> Figure:
 
 
 def latency_figure(timeline: Timeline) -> Figure:
-    """Per-step latency in ms (log scale: the first step includes compilation), with the batch's
-    session count on each bar."""
+    """Per-step latency in ms (log scale), with the batch's session count on each bar; steps that
+    built a program in orange, the steady-state median (:meth:`Timeline.steady_steps`) as a line."""
     figure = _figure(8, 4)
     ax = figure.add_subplot()
     ms = np.asarray([s.seconds * 1e3 for s in timeline.steps])
-    steps = np.arange(len(ms))
-    bars = ax.bar(steps, ms, color="tab:blue")
+    colors = ["tab:orange" if s.compiled else "tab:blue" for s in timeline.steps]
+    bars = ax.bar(np.arange(len(ms)), ms, color=colors)
     ax.bar_label(bars, labels=[str(len(s.sessions)) for s in timeline.steps], fontsize="x-small")
-    if len(ms) > 1:
-        median = float(np.median(ms[1:]))
-        ax.axhline(median, color="black", linestyle="--", linewidth=1,
-                   label=f"median after step 0: {median:.1f} ms")
-        ax.legend(fontsize="small")
+    handles = [Patch(color="tab:orange", label="compiled (first use of a batch bucket)"),
+               Patch(color="tab:blue", label="steady state")]
+    steady = timeline.steady_steps()
+    if steady:
+        median = float(np.median([s.seconds for s in steady])) * 1e3
+        handles.append(ax.axhline(median, color="black", linestyle="--", linewidth=1,
+                                  label=f"steady-state median: {median:.1f} ms"))
+    ax.legend(handles=handles, fontsize="small")
     ax.set_yscale("log")
     ax.set(xlabel="step (bar label: sessions in the batch)", ylabel="latency (ms)",
-           title="Latency of every step (step 0 includes compilation)")
+           title="Latency of every step")
     return figure
 
 
@@ -430,19 +454,18 @@ class _Schedule:
         return cls(ids, {sid: PROMPTS[i % len(PROMPTS)] for i, sid in enumerate(ids)},
                    {sid: 1000 * seed + i for i, sid in enumerate(ids)}, chunks)
 
-    def run(self, rollout: Rollout, timeline: Timeline, on_step: Callable[[StepRecord], None] = lambda r: None
-            ) -> dict[str, np.ndarray]:
+    def run(self, rollout: Rollout, timeline: Timeline, clock: CompileClock,
+            on_step: Callable[[StepRecord], None] = lambda r: None) -> dict[str, np.ndarray]:
         """Session ``i`` joins before step ``i`` and leaves after its last chunk; records every step
-        in ``timeline``; returns each session's latents, in leaving order."""
+        in ``timeline`` (``clock`` active); returns each session's latents, in leaving order."""
         latents: dict[str, np.ndarray] = {}
         frames = self.chunks * rollout.chunk_frames
         for index in range(self.chunks + len(self.ids) - 1):
             if index < len(self.ids):
                 sid = self.ids[index]
                 rollout.join(sid, self.prompts[sid], seed=self.seeds[sid])
-            start = time.perf_counter()
-            result = rollout.step()
-            on_step(timeline.observe(rollout, result, time.perf_counter() - start))
+            result, record = timeline.step(rollout, clock)
+            on_step(record)
             for sid in result.session_ids:
                 if len(rollout.latents(sid)) == frames:
                     latents[sid] = rollout.leave(sid)
@@ -501,13 +524,14 @@ def run_demo(*, sessions: int = 4, chunks: int = 12, preset: str = "tiny", backe
     timeline = _timeline(rollout)
     if progress is None:
         progress = all(getattr(stream, "isatty", lambda: False)() for stream in (stdout, stderr))
-    with tqdm(total=chunks + sessions - 1, desc="demo", unit="step", file=stderr, disable=not progress) as bar:
+    with CompileClock() as clock, tqdm(total=chunks + sessions - 1, desc="demo", unit="step", file=stderr,
+                                       disable=not progress) as bar:
         def on_step(record: StepRecord) -> None:
             bar.set_postfix_str(f"{record.seconds * 1e3:.1f} ms, {record.frames / record.seconds:.1f} frames/s, "
                                 f"pool {record.pages_in_use}/{timeline.usable_pages} pages", refresh=False)
             bar.update()
 
-        latents = schedule.run(rollout, timeline, on_step)
+        latents = schedule.run(rollout, timeline, clock, on_step)
     _print_report(stdout, timeline)
 
     window, geometry = rollout.cache.window, rollout.cache.geometry
@@ -527,7 +551,8 @@ def run_demo(*, sessions: int = 4, chunks: int = 12, preset: str = "tiny", backe
               f"per session)", file=stdout)
         if mesh is not None:
             one_device = _rollout(model, preset, sessions, backend, None)
-            one = schedule.run(one_device, _timeline(one_device))
+            with CompileClock() as clock:
+                one = schedule.run(one_device, _timeline(one_device), clock)
             one_checksum = checksum_of(one)
             devices_diff = max(float(np.max(np.abs(latents[s].astype(np.float64) - one[s]))) for s in schedule.ids)
             dtype = MODEL_CONFIGS[preset].dtype
@@ -565,24 +590,30 @@ def _print_header(stream: TextIO, rollout: Rollout, preset: str, sessions: int, 
 
 
 def _print_report(stream: TextIO, timeline: Timeline) -> None:
-    """Per-step table and steady-state summary. Steady state: steps after the first, with as many
-    sessions as the step before (a new batch size compiles the cache's bookkeeping once)."""
+    """Per-step table and summary: the steps that built programs (the first use of each batch
+    bucket) are named, and the steady state is :meth:`Timeline.steady_steps`."""
     usable = timeline.usable_pages
-    print(f"{'step':>4}  {'sessions':>8}  {'frames':>14}  {'latency ms':>10}  {'frames/s':>9}  {'pages in use':>12}",
-          file=stream)
+    print(f"{'step':>4}  {'sessions':>8}  {'frames':>14}  {'latency ms':>10}  {'compile ms':>10}  {'frames/s':>9}  "
+          f"{'pages in use':>12}", file=stream)
     for i, step in enumerate(timeline.steps):
         frames = f"{min(step.first_frames)}..{max(step.first_frames) + timeline.chunk_frames - 1}"
         print(f"{i:>4}  {len(step.sessions):>8}  {frames:>14}  {step.seconds * 1e3:>10.1f}  "
-              f"{step.frames / step.seconds:>9.1f}  {f'{step.pages_in_use}/{usable}':>12}", file=stream)
-    steady = [s for i, s in enumerate(timeline.steps)
-              if i > 0 and len(s.sessions) == len(timeline.steps[i - 1].sessions)]
+              f"{step.compile_seconds * 1e3:>10.1f}  {step.frames / step.seconds:>9.1f}  "
+              f"{f'{step.pages_in_use}/{usable}':>12}", file=stream)
+    steady = timeline.steady_steps()
     frames = sum(s.frames for s in timeline.steps)
     seconds = sum(s.seconds for s in timeline.steps)
+    compiled = timeline.compile_step_indexes()
+    compile_s = sum(s.compile_seconds for s in timeline.steps)
+    where = (f"steps {', '.join(map(str, compiled))} built programs (the first use of each batch bucket), "
+             f"{compile_s:.2f} s of compilation" if compiled else "no step built a program")
     print(f"generated {plural(frames, 'latent frame')} in {seconds:.2f} s ({frames / seconds:.1f} frames/s "
-          f"overall; the first step, {timeline.steps[0].seconds:.2f} s, includes compilation)", file=stream)
+          f"overall, compilation included; {where})", file=stream)
+    peak = f"peak pool occupancy {max(s.pages_in_use for s in timeline.steps)}/{usable} usable pages"
     if steady:
         latency = float(np.median([s.seconds for s in steady]))
         rate = float(np.median([s.frames / s.seconds for s in steady]))
-        print(f"steady state: {latency * 1e3:.1f} ms per step (median), {rate:.1f} latent frames/s; "
-              f"peak pool occupancy {max(s.pages_in_use for s in timeline.steps)}/{usable} usable pages",
-              file=stream)
+        print(f"steady state: {latency * 1e3:.1f} ms per step (median of {plural(len(steady), 'step')} that "
+              f"built no program), {rate:.1f} latent frames/s; {peak}", file=stream)
+    else:
+        print(f"steady state: none (every step built a program; run more --chunks); {peak}", file=stream)

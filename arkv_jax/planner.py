@@ -101,15 +101,29 @@ def scratch_blocks_per_branch(geometry: CacheGeometry, max_scratch_tokens_per_br
         ``AR_DIFFUSION_KV_SCRATCH_BLOCKS_PER_BRANCH`` from the environment (unset means 0).
 
     Raises:
-      ValueError: the override is negative.
+      ValueError: the override is negative, or the environment's is not an integer.
     """
     declared = ceil_div(max_scratch_tokens_per_branch, geometry.block_size)
     minimum = geometry.frames_per_forward * geometry.pages_per_frame + declared
     if override is None:
-        override = int(os.environ.get(SCRATCH_OVERRIDE_ENV) or 0)
+        override = _scratch_override_from_environment()
     if override < 0:
         raise ValueError(f"{SCRATCH_OVERRIDE_ENV} must be non-negative")
     return max(minimum, override)
+
+
+def _scratch_override_from_environment() -> int:
+    """``AR_DIFFUSION_KV_SCRATCH_BLOCKS_PER_BRANCH`` as an int (unset or empty means 0).
+
+    Raises:
+      ValueError: a value that is not a decimal integer, naming the variable and the value.
+    """
+    raw = os.environ.get(SCRATCH_OVERRIDE_ENV, "").strip()
+    try:
+        return int(raw) if raw else 0
+    except ValueError:
+        raise ValueError(f"{SCRATCH_OVERRIDE_ENV}={raw!r} is not an integer; set it to a non-negative "
+                         "integer count of scratch pages per branch, or unset it") from None
 
 
 def cross_attention_bytes_per_session(geometry: CacheGeometry, specs: Sequence[CrossAttentionSpec],

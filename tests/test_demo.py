@@ -55,11 +55,14 @@ def test_plurals():
     assert [demo.plural(n, "session") for n in (0, 1, 2)] == ["0 sessions", "1 session", "2 sessions"]
 
 
-def timeline_of(num_pages, shards, held_per_step):
+def timeline_of(num_pages, shards, held_per_step, seconds=None, compile_seconds=None):
     timeline = demo.Timeline(num_pages=num_pages, usable_pages=num_pages - shards, chunk_frames=2)
+    seconds = seconds or [0.01] * len(held_per_step)
+    compile_seconds = compile_seconds or [0.0] * len(held_per_step)
     for step, held in enumerate(held_per_step):
         sessions = tuple(held)
-        timeline.steps.append(demo.StepRecord(sessions, (2 * step,) * len(sessions), 0.01, 2 * len(sessions),
+        timeline.steps.append(demo.StepRecord(sessions, (2 * step,) * len(sessions), seconds[step],
+                                              compile_seconds[step], 2 * len(sessions),
                                               sum(len(p) for p in held.values()), held))
     return timeline
 
@@ -96,6 +99,41 @@ def test_memory_and_latency_figures_plot_the_timeline():
     assert list(pool.lines[0].get_ydata()) == [4, 12]
     bars = demo.latency_figure(timeline).axes[0].patches
     assert [bar.get_height() for bar in bars] == pytest.approx([10.0, 10.0])
+
+
+def test_steps_that_compiled_are_named_and_kept_out_of_the_steady_state_in_text_and_figure():
+    held = [{"a": np.arange(1, 3)}, {"a": np.arange(1, 3), "b": np.arange(3, 5)}] + [{"a": np.arange(1, 3)}] * 3
+    timeline = timeline_of(40, 1, held, seconds=[2.0, 1.5, 0.010, 0.030, 0.020],
+                           compile_seconds=[1.9, 1.4, 0.0, 0.0, 0.0])
+    assert timeline.compile_step_indexes() == [0, 1]
+    out = io.StringIO()
+    demo._print_report(out, timeline)
+    text = out.getvalue()
+    assert "steps 0, 1 built programs (the first use of each batch bucket), 3.30 s of compilation" in text
+    assert "steady state: 20.0 ms per step (median of 3 steps that built no program)" in text
+    ax = demo.latency_figure(timeline).axes[0]
+    median = [line for line in ax.lines if line.get_label().startswith("steady-state median")]
+    assert len(median) == 1 and median[0].get_ydata()[0] == pytest.approx(20.0)
+    assert "20.0 ms" in median[0].get_label()
+    colors = [bar.get_facecolor() for bar in ax.patches]
+    assert colors[0] == colors[1] != colors[2] == colors[3] == colors[4]
+
+
+def test_a_run_where_every_step_compiles_says_there_is_no_steady_state():
+    timeline = timeline_of(40, 1, [{"a": np.arange(1, 3)}], seconds=[2.0], compile_seconds=[1.9])
+    out = io.StringIO()
+    demo._print_report(out, timeline)
+    assert "steady state: none (every step built a program; run more --chunks)" in out.getvalue()
+    labels = [line.get_label() for line in demo.latency_figure(timeline).axes[0].lines]
+    assert not any(label.startswith("steady-state median") for label in labels)
+
+
+def test_the_compile_clock_sees_the_first_use_of_each_batch_bucket_only(tmp_path):
+    result = demo.run_demo(sessions=3, chunks=3, out=tmp_path, stdout=io.StringIO())
+    batch_sizes = [len(step.sessions) for step in result.timeline.steps]
+    first_use = [i for i, size in enumerate(batch_sizes) if size not in batch_sizes[:i]]
+    assert batch_sizes == [1, 2, 3, 2, 1]
+    assert result.timeline.compile_step_indexes() == first_use == [0, 1, 2]
 
 
 class Terminal(io.StringIO):

@@ -145,6 +145,14 @@ def test_scratch_is_derived_from_declared_geometry_and_override_only_raises(monk
         scratch_blocks_per_branch(geometry, 17)
 
 
+@pytest.mark.parametrize("raw", ["abc", "1.5", "0x10"])
+def test_a_scratch_override_that_is_not_an_integer_names_the_variable_and_value(monkeypatch, raw):
+    geometry = CacheGeometry(1, 4, 64, "float32", tokens_per_frame=16, frames_per_forward=6)
+    monkeypatch.setenv(SCRATCH_OVERRIDE_ENV, raw)
+    with pytest.raises(ValueError, match=f"^{SCRATCH_OVERRIDE_ENV}={raw!r} is not an integer"):
+        scratch_blocks_per_branch(geometry, 17)
+
+
 def test_frame_aligned_paging_matches_vllm_omnis_s2_example():
     """LingBot at 832x480 with 16-token pages: 98 pages/frame, 294 scratch pages, managed(c)=1764c+490."""
     geometry = CacheGeometry(40, 40, 128, "bfloat16", tokens_per_frame=1560, block_size=16, frames_per_forward=3)

@@ -38,14 +38,19 @@ def collect_cross_attention_layers(name: str, layer_kv: Iterable[tuple[Array, Ar
     ``TypeError`` instead of being cast to the tables' dtype.
 
     Raises:
-      ValueError: too many or too few layers, a non-array item, or a wrong shape.
+      ValueError: too many or too few layers, an item that is not a ``(k, v)`` pair, a non-array
+        k or v, or a wrong shape.
       TypeError: a non-floating dtype (with ``require_float``).
     """
     batched = (1, *shape)
     ks, vs = [], []
-    for layer, (k, v) in enumerate(layer_kv):
+    for layer, item in enumerate(layer_kv):
         if layer >= num_layers:
             raise ValueError(f"{label} {name!r} expected {num_layers} layers, got more than {num_layers}")
+        if not isinstance(item, (tuple, list)) or len(item) != 2:
+            got = f"a {type(item).__name__}" + (f" of {len(item)} items" if isinstance(item, (tuple, list)) else "")
+            raise ValueError(f"{label} {name!r} layer {layer} must yield a (k, v) pair, got {got}")
+        k, v = item
         if not all(isinstance(x, (jax.Array, np.ndarray)) for x in (k, v)):
             raise ValueError(f"{label} {name!r} layer {layer} must yield jax.Array k/v, got "
                              f"{type(k).__name__} and {type(v).__name__}")
@@ -106,25 +111,30 @@ class CrossAttentionStore:
         """``(tokens, heads, head_dim)`` of one layer of one row of cache ``name``."""
         return self._table_shape(self.spec(name))[2:]
 
-    def populate(self, name: str, row: int, layer_kv: Iterable[tuple[Array, Array]]) -> None:
+    def populate(self, name: str, row: int, layer_kv: Iterable[tuple[Array, Array]], *,
+                 label: str = "cross-attention cache") -> None:
         """Publishes ``row``'s K/V of cache ``name`` atomically: ``layer_kv`` yields one ``(k, v)``
         per layer, each ``[tokens, heads, head_dim]`` (a leading axis of 1 is accepted); nothing is
-        written unless every layer arrived and validated.
+        written unless every layer arrived and validated. Messages start with ``label`` (e.g. the
+        session and branch the row belongs to).
 
         Raises:
-          KeyError: unknown cache. ValueError: wrong layer count, type or shape.
+          KeyError: unknown cache. ValueError: wrong layer count, an item that is not a ``(k, v)``
+            pair, a wrong type or shape.
         """
-        self.publish(name, row, *self.collect(name, layer_kv))
+        self.publish(name, row, *self.collect(name, layer_kv, label=label))
 
-    def collect(self, name: str, layer_kv: Iterable[tuple[Array, Array]]) -> tuple[Array, Array]:
+    def collect(self, name: str, layer_kv: Iterable[tuple[Array, Array]], *,
+                label: str = "cross-attention cache") -> tuple[Array, Array]:
         """Validates and stacks one row's ``layer_kv`` of cache ``name`` (as :meth:`populate` takes
         it) without publishing it: ``(k, v)``, each ``[layers, tokens, heads, head_dim]``.
 
         Raises:
-          KeyError: unknown cache. ValueError: wrong layer count, type or shape.
+          KeyError: unknown cache. ValueError: wrong layer count, an item that is not a ``(k, v)``
+            pair, a wrong type or shape.
         """
         return collect_cross_attention_layers(name, layer_kv, self.geometry.num_layers, self.row_shape(name),
-                                              allow_unbatched=True, require_float=True)
+                                              allow_unbatched=True, require_float=True, label=label)
 
     def publish(self, name: str, row: int, k: Array, v: Array) -> None:
         """Publishes ``row``'s K/V of cache ``name`` from :meth:`collect`'s output."""

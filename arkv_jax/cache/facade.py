@@ -156,6 +156,11 @@ def _check_session_id(session_id) -> None:
         raise ValueError(f"session_id must be a non-empty string, got {session_id!r}")
 
 
+def _cross_label(session_id: str, branch: str) -> str:
+    """How cross-attention messages name the row they were for."""
+    return f"session {session_id!r} branch {branch!r}: cross-attention cache"
+
+
 class PagedKVCache:
     """Paged K/V for many concurrent video sessions, on one device or a mesh.
 
@@ -433,7 +438,7 @@ class PagedKVCache:
             row = int(self.rows([session_id], [branch])[0])
             self._cross.spec(name)
             self._require_idle("populate a cross-attention cache")
-            self._cross.populate(name, row, layer_kv)
+            self._cross.populate(name, row, layer_kv, label=_cross_label(session_id, branch))
 
     def is_cross_attention_populated(self, session_id: str, name: str, branch: str) -> bool:
         """Whether ``populate_cross_attention`` published this cache."""
@@ -629,7 +634,7 @@ class PagedKVCache:
         with self._lock:
             self._recache_job(job)
             row = int(self.rows([job.session_id], [branch])[0])
-            job.staged[name, row] = self._cross.collect(name, layer_kv)
+            job.staged[name, row] = self._cross.collect(name, layer_kv, label=_cross_label(job.session_id, branch))
 
     def _recache_commit(self, job: Recache, *, rows: np.ndarray, replace: np.ndarray) -> None:
         with self._lock:
