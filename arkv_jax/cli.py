@@ -20,7 +20,7 @@ from arkv_jax import planner, presets
 from arkv_jax.config import CrossAttentionSpec, KVBranch, ceil_div
 
 #: ``--fraction``'s default: vLLM-Omni's ``ARDiffusionKVConfig.gpu_memory_fraction``.
-DEFAULT_FRACTION = 0.1
+DEFAULT_FRACTION = planner.DEFAULT_MEMORY_FRACTION
 
 
 def _positive_fraction(text: str) -> float:

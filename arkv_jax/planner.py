@@ -50,6 +50,10 @@ _log = logging.getLogger(__name__)
 #: Environment variable that can raise (never lower) the scratch pages per local branch.
 SCRATCH_OVERRIDE_ENV = "AR_DIFFUSION_KV_SCRATCH_BLOCKS_PER_BRANCH"
 
+#: vLLM-Omni's ``ARDiffusionKVConfig.gpu_memory_fraction`` default: the share of the available memory
+#: a budgeted plan may use, leaving the rest to the model.
+DEFAULT_MEMORY_FRACTION = 0.1
+
 _GiB = 1 << 30
 
 #: Nominal memory per chip (as sold; usable memory is a little less: probe a real device with
@@ -277,8 +281,8 @@ class InsufficientMemoryError(ValueError):
 
     def __init__(self, available: int, required: int) -> None:
         super().__init__(
-            f"available device memory cannot fit one session: available={available} bytes, "
-            f"required={required} bytes (managed self-attention + cross-attention + scratch + "
+            f"available device memory cannot fit one session: available {format_bytes(available)}, "
+            f"required {format_bytes(required)} (managed self-attention + cross-attention + scratch + "
             "model-owned state).")
         self.available, self.required = available, required
 
@@ -327,7 +331,7 @@ def plan_memory(
     kv_branches: Sequence[KVBranch] = (KVBranch("main"),),
     *,
     available_bytes: int,
-    memory_fraction: float = 0.1,
+    memory_fraction: float = DEFAULT_MEMORY_FRACTION,
     session_capacity: int = 1,
     cross_attention: Sequence[CrossAttentionSpec] = (),
     max_scratch_tokens_per_branch: int = 0,
@@ -519,7 +523,7 @@ def plan_per_device(
     data: int,
     model: int,
     available_bytes_per_device: int,
-    memory_fraction: float = 0.1,
+    memory_fraction: float = DEFAULT_MEMORY_FRACTION,
     sessions_per_shard: int = 1,
     cross_attention: Sequence[CrossAttentionSpec] = (),
     max_scratch_tokens_per_branch: int = 0,
@@ -561,7 +565,7 @@ def plan_per_device(
 def resolve_plan(geometry: CacheGeometry, window: WindowPolicy, kv_branches: Sequence[KVBranch],
                  cross_attention: Sequence[CrossAttentionSpec], *, data: int = 1, model: int = 1,
                  plan: MemoryPlan | DevicePlan | None = None, available_bytes: int | None = None,
-                 memory_fraction: float = 0.1, session_capacity: int = 1, device: Any = None
+                 memory_fraction: float | None = None, session_capacity: int = 1, device: Any = None
                  ) -> MemoryPlan:
     """The plan of one device of a cache on ``data`` x ``model`` devices (1 x 1 without a mesh).
 
@@ -571,10 +575,12 @@ def resolve_plan(geometry: CacheGeometry, window: WindowPolicy, kv_branches: Seq
       data, model: mesh axis sizes.
       plan: a :class:`MemoryPlan` of one device for these settings (heads divided by ``model``, e.g.
         ``plan_per_device(...).plan``), a :class:`DevicePlan` for this mesh, or ``None``: planned
-        from ``available_bytes`` (per device; ``None`` probes ``device`` with
-        :func:`device_free_bytes`), ``memory_fraction`` and ``session_capacity`` (sessions in all,
-        ``ceil(session_capacity / data)`` per data shard), with in-flight pages for every session
-        (``batched_in_flight=True``), since all sessions can run in one chunk.
+        for ``session_capacity`` sessions in all (``ceil(session_capacity / data)`` per data shard),
+        with in-flight pages for every session (``batched_in_flight=True``), since all sessions can
+        run in one chunk. With neither ``available_bytes`` nor ``memory_fraction`` the pool holds
+        exactly those sessions (:func:`rollout_plan`; logged at INFO); with either, vLLM-Omni's
+        budget rule applies: ``memory_fraction`` (default 0.1) of ``available_bytes`` (per device;
+        default: ``device``'s free memory, :func:`device_free_bytes`).
 
     Raises:
       ValueError: K/V or cross-attention heads not divisible by ``model``, a :class:`DevicePlan`
@@ -585,13 +591,20 @@ def resolve_plan(geometry: CacheGeometry, window: WindowPolicy, kv_branches: Seq
     local_geometry, local_cross = local_shapes(geometry, validate_cross_attention(cross_attention), model)
     if plan is None:
         require_positive("session_capacity", session_capacity)
+        if available_bytes is None and memory_fraction is None:
+            exact = rollout_plan(geometry, window, kv_branches, cross_attention, ceil_div(session_capacity, data),
+                                 model=model)
+            _log.info("no plan, available_bytes or memory_fraction given: the pool holds exactly %d session(s) "
+                      "per data shard, %d pages (%s) per device", exact.session_capacity, exact.num_blocks_total,
+                      format_bytes(exact.num_blocks_total * exact.page_size_bytes))
+            return exact
         if available_bytes is not None:
             require_non_negative("available_bytes", available_bytes)
         return plan_memory(
             local_geometry, window, kv_branches, cross_attention=local_cross,
             available_bytes=device_free_bytes(device) if available_bytes is None else available_bytes,
-            memory_fraction=memory_fraction, session_capacity=ceil_div(session_capacity, data),
-            batched_in_flight=True)
+            memory_fraction=DEFAULT_MEMORY_FRACTION if memory_fraction is None else memory_fraction,
+            session_capacity=ceil_div(session_capacity, data), batched_in_flight=True)
     if not isinstance(plan, (MemoryPlan, DevicePlan)):
         raise ArgumentTypeError(f"plan must be a MemoryPlan, a DevicePlan or None, got {type(plan).__name__}")
     if isinstance(plan, DevicePlan):
@@ -621,7 +634,13 @@ def rollout_plan(geometry: CacheGeometry, window: WindowPolicy, kv_branches: Seq
     (bytes of one latent frame, e.g. ``H * W * C * itemsize``) the plan also holds each session's
     latent ring (:meth:`~arkv_jax.config.WindowPolicy.latent_ring_frames`, as model-owned state per
     session) and the fresh pages of one recache (:func:`recache_blocks`).
+
+    Raises:
+      TypeError: ``sessions`` or ``model`` is not an int. ValueError: either is below 1, or a
+        negative ``latent_frame_bytes``.
     """
+    require_positive("sessions", sessions)
+    require_positive("model", model)
     geometry, cross_attention = local_shapes(geometry, cross_attention, model)
     owned, extra_blocks = 0, 0
     if latent_frame_bytes is not None:

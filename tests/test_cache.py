@@ -1,6 +1,7 @@
 """The cache facade: per-chunk protocol, lifecycle, cross-attention, failure safety, isolation."""
 
 import gc
+import re
 
 import jax
 import jax.numpy as jnp
@@ -195,6 +196,23 @@ def test_num_frames_beyond_what_the_pool_always_holds_is_refused_at_the_first_ca
     assert cache.num_free_pages() + len(cache.pages_held(["a"])["a"]) == cache.total_pages
 
 
+def test_num_frames_beyond_what_a_rows_table_holds_is_refused_at_the_first_call():
+    geometry = CacheGeometry(2, 2, 8, "float32", tokens_per_frame=6, block_size=4, frames_per_forward=2)
+    window = WindowPolicy(4, 1)
+    cache = PagedKVCache(geometry, window, available_bytes=1 << 30, memory_fraction=1.0, session_capacity=1)
+    # A row's table holds sink + window + frames_per_forward + 1 = 8 frames; 5 stay after a commit.
+    assert cache.max_chunk_frames() == 3
+    cache.open("s")
+    with pytest.raises(ValueError, match=r"num_frames must be an int in \[1, 3\], got 4 .* page table of 16 pages"):
+        with cache.chunk(["s"], 4):
+            pass
+    for frames in (3, 1, 3, 2, 3, 3):  # every accepted value works for the whole life of the session
+        with cache.chunk(["s"], frames) as step:
+            kv = jnp.ones((2, 1, frames * 6, 2, 8))
+            step.commit(kv, kv)
+    assert cache.num_free_pages() + len(cache.pages_held(["s"])["s"]) == cache.total_pages
+
+
 def test_free_and_foreign_pages_never_reach_an_attention_output():
     cache = make_cache()
     for sid in ("a", "b"):
@@ -257,8 +275,15 @@ def test_cross_attention_is_per_session_and_branch_and_transactional():
         cache.populate_cross_attention("s1", "text", "positive", text_layers(9.0, tokens=7))
     with pytest.raises(KeyError, match="Unknown cross-attention cache 'img'"):
         cache.populate_cross_attention("s1", "img", "positive", text_layers(9.0))
+    pair = text_layers(9.0)[0]
+    for item, got in ((pair + pair[:1], "a tuple of 3 items"), (pair[0], "a ArrayImpl"), (None, "a NoneType")):
+        with pytest.raises(ValueError, match=re.escape(
+                f"session 's1' branch 'negative': cross-attention cache 'text' layer 1 must yield a (k, v) "
+                f"pair, got {got}")):
+            cache.populate_cross_attention("s1", "text", "negative", [pair, item])
     k, _ = cache.cross_attention_kv("text")
     assert float(k[rows[0], 0, 0, 0, 0]) == 1.0  # the published cache survived every failure
+    assert float(k[rows[1], 0, 0, 0, 0]) == 3.0
 
 
 def test_reset_keeps_named_caches_and_clear_keeps_history():
@@ -470,3 +495,23 @@ def test_eager_cross_attention_rows_does_not_retrace():
             k, v = cache.cross_attention_rows(kv, step.inputs)
         assert facade._cross_attention_rows._cache_size() == before
         assert k.shape == (GEOMETRY.num_layers, 2, 5, GEOMETRY.num_kv_heads, GEOMETRY.head_dim)
+
+
+def test_without_a_plan_or_budget_the_pool_holds_exactly_the_sessions_asked_for(caplog):
+    from arkv_jax.planner import rollout_plan
+
+    for capacity in (1, 3):
+        with caplog.at_level("INFO", logger="arkv_jax.planner"):
+            cache = PagedKVCache(GEOMETRY, WINDOW, CFG, TEXT, session_capacity=capacity)
+        assert cache.plan == rollout_plan(GEOMETRY, WINDOW, CFG, TEXT, capacity)
+        assert cache.plan.session_capacity == capacity
+        assert [r.getMessage() for r in caplog.records if "holds exactly" in r.getMessage()][-1].startswith(
+            f"no plan, available_bytes or memory_fraction given: the pool holds exactly {capacity} session(s)")
+    for sid in ("a", "b", "c"):
+        cache.open(sid)
+    for chunk in range(4):  # a full window for every session, then more chunks: nothing runs out
+        with cache.chunk(["a", "b", "c"], GEOMETRY.frames_per_forward) as step:
+            step.commit(*chunk_kv(step, chunk))
+    # A budget (or a fraction) still plans by vLLM-Omni's rule.
+    budgeted = PagedKVCache(GEOMETRY, WINDOW, CFG, TEXT, available_bytes=1 << 24)
+    assert budgeted.plan.memory_fraction == 0.1 and budgeted.plan.num_blocks_total > cache.plan.num_blocks_total

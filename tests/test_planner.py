@@ -16,6 +16,7 @@ from arkv_jax.planner import (
     managed_blocks_required,
     parse_memory,
     plan_memory,
+    rollout_plan,
     scratch_blocks_per_branch,
 )
 from arkv_jax.presets import PRESETS
@@ -63,7 +64,7 @@ def test_tiny_worked_numbers(available, fraction, model_owned, configured, budge
 
 
 def test_cannot_fit_one_session_names_both_sizes():
-    with pytest.raises(InsufficientMemoryError, match=r"cannot fit one session.*available=127 bytes.*required=128 bytes"
+    with pytest.raises(InsufficientMemoryError, match=r"cannot fit one session: available 127 B, required 128 B"
                        ) as info:
         tiny_plan(127, sessions=1)
     assert (info.value.available, info.value.required) == (127, 128)
@@ -305,3 +306,21 @@ def test_summary_is_readable():
     for needle in ("bytes per frame", "bytes per session per branch", "sessions granted / requested",
                    "1 / 2 (request not met", "raised to admit one session", "managed pages"):
         assert needle in text
+
+
+@pytest.mark.parametrize("name, kwargs, error", [
+    ("sessions", dict(sessions=0), ValueError), ("sessions", dict(sessions=1.5), TypeError),
+    ("model", dict(sessions=1, model=0), ValueError),
+])
+def test_rollout_plan_names_the_parameter_the_caller_passed(name, kwargs, error):
+    tiny = PRESETS["tiny"]
+    with pytest.raises(error, match=f"^{name} must be positive"):
+        rollout_plan(tiny.geometry, tiny.window, tiny.kv_branches, tiny.cross_attention, **kwargs)
+
+
+def test_one_session_that_does_not_fit_is_reported_in_gib_and_bytes():
+    wan = PRESETS["wan-1.3b"]
+    with pytest.raises(InsufficientMemoryError, match=r"available 1\.00 GiB \(1,073,741,824 B\), required "
+                                                      r"\d+\.\d\d GiB \([\d,]+ B\)"):
+        plan_memory(wan.geometry, wan.window, wan.kv_branches, available_bytes=1 << 30, memory_fraction=1.0,
+                    session_capacity=1)

@@ -170,8 +170,12 @@ class PagedKVCache:
         per branch.
       cross_attention: named dense cross-attention caches per session and branch.
       plan, available_bytes, memory_fraction, session_capacity: the memory plan of *one device*, or
-        what to plan it from: see :func:`arkv_jax.planner.resolve_plan` (``available_bytes``
-        defaults to the first device's free memory; ``session_capacity`` counts all shards).
+        what to plan it from (:func:`arkv_jax.planner.resolve_plan`; ``session_capacity`` counts
+        all shards). Without a plan, a budget (``available_bytes``) or a ``memory_fraction``, the
+        pool holds exactly ``session_capacity`` sessions running in one batched chunk
+        (:func:`arkv_jax.planner.rollout_plan`); with either, vLLM-Omni's rule applies:
+        ``memory_fraction`` (default 0.1) of ``available_bytes`` (default: the first device's free
+        memory).
       device: where everything lives without a mesh (default: the first local device).
       mesh: a ``("data", "model")`` mesh to shard over (see the module docstring); exclusive with
         ``device``. A mesh with Explicit axes is used through its Auto view
@@ -212,7 +216,8 @@ class PagedKVCache:
                  kv_branches: Sequence[KVBranch] = (KVBranch("main"),),
                  cross_attention: Sequence[CrossAttentionSpec] = (), *,
                  plan: MemoryPlan | DevicePlan | None = None, available_bytes: int | None = None,
-                 memory_fraction: float = 0.1, session_capacity: int = 1, device=None, mesh: Mesh | None = None,
+                 memory_fraction: float | None = None, session_capacity: int = 1, device=None,
+                 mesh: Mesh | None = None,
                  backend: str = "auto", fail_closed: bool = False,
                  on_release: Callable[[str, str], None] | None = None) -> None:
         if device is not None and mesh is not None:
@@ -319,15 +324,17 @@ class PagedKVCache:
     def max_chunk_frames(self, rows_per_shard: int | None = None) -> int:
         """The largest ``num_frames`` a chunk of ``rows_per_shard`` rows on one data shard (default:
         every row of the shard, a chunk of every session and branch) can always take: with every
-        other row holding its most frames between chunks (sink + window; sink only in reset mode),
-        the shard's pages still hold the chunk. Never above ``window.window_frames``; a value at or
-        below it is valid for the whole life of the sessions, one above is refused at the first call.
+        row holding its most frames between chunks (sink + window; sink only in reset mode), the
+        row's page table still has room for the chunk and the shard's pages still hold it. Never
+        above ``window.window_frames``; a value at or below it is valid for the whole life of the
+        sessions, one above is refused at the first call.
         """
         rows = self.rows_per_shard if rows_per_shard is None else rows_per_shard
         w, ppf = self.window, self.geometry.pages_per_frame
         held = w.sink_frames + (0 if w.reset_at_boundary else w.window_frames)
+        table_room = self._state.layout.table_width // ppf - held
         spare = (self.pages_per_shard - 1) // ppf - self.rows_per_shard * held
-        return max(0, min(w.window_frames, spare // max(1, rows)))
+        return max(0, min(w.window_frames, table_room, spare // max(1, rows)))
 
     def slot(self, session_id: str) -> int:
         """The slot of a resident session (``KeyError`` if unknown): its rows are ``slot *
@@ -513,8 +520,10 @@ class PagedKVCache:
             if not 1 <= num_frames <= limit:
                 raise ValueError(
                     f"num_frames must be an int in [1, {limit}], got {num_frames!r} (at most window_frames="
-                    f"{self.window.window_frames}, and at most what {self.pages_per_shard - 1} pages per "
-                    f"shard hold for a chunk of {busiest} rows while every row holds its window)")
+                    f"{self.window.window_frames}, at most what a row's page table of "
+                    f"{self._state.layout.table_width} pages holds beside its window, and at most what "
+                    f"{self.pages_per_shard - 1} pages per shard hold for a chunk of {busiest} rows while "
+                    "every row holds its window)")
             self._require_idle("start a chunk")
             pending, inputs, ok = programs.prepare(self._state, jnp.asarray(local), num_frames=num_frames,
                                                    mesh=self._mesh)
