@@ -8,6 +8,7 @@ flag helpers they share are defined once.
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import importlib.metadata
 import pathlib
@@ -124,13 +125,16 @@ def _add_plan_parser(sub) -> None:
                    help="per-session model state outside the pool, a size like --memory takes (or 0)")
     p.add_argument("--memory", type=_memory,
                    help="available memory: a size (100GiB, 80GB) or a chip "
-                        f"({', '.join(sorted(planner.CHIP_MEMORY_BYTES))}); default: probe this device")
+                        f"({', '.join(sorted(planner.CHIP_MEMORY_BYTES))}); default: this device's free memory "
+                        "(on a CPU, the host's available RAM; the plan says which it probed)")
     p.add_argument("--fraction", type=_positive_fraction, default=None,
                    help="soft budget fraction of the available memory, in (0, 1] (default "
                         f"{DEFAULT_FRACTION}: vLLM-Omni's gpu_memory_fraction default, which leaves the rest "
                         "of the device to the model; raise it, e.g. 0.9, for a device that serves only this "
                         "cache and its model)")
-    p.add_argument("--sessions", type=int, help="resident sessions requested")
+    defaults = ", ".join(f"{name} {preset.session_capacity}" for name, preset in sorted(presets.PRESETS.items()))
+    p.add_argument("--sessions", type=int,
+                   help=f"resident sessions requested (default: the preset's: {defaults})")
     p.add_argument("--batched-in-flight", action="store_true",
                    help="reserve in-flight pages for every session (all sessions in one batched chunk, as "
                         "arkv_jax.cache.PagedKVCache runs them) instead of vLLM-Omni's one forward at a time")
@@ -138,7 +142,7 @@ def _add_plan_parser(sub) -> None:
                    help="plan one device of a (data, model) mesh, e.g. 4x2: sessions split over data, K/V "
                         "heads over model; --memory is then per device and --sessions counts every data shard")
     p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
-    p.set_defaults(run=_run_plan)
+    p.set_defaults(run=_run_plan, command_parser=p)
 
 
 def _mesh_shape(text: str) -> tuple[int, int]:
@@ -177,7 +181,7 @@ def _plan_from_args(args: argparse.Namespace):
                                              else preset.model_owned_state_bytes_per_session),
         batched_in_flight=args.batched_in_flight,
     )
-    available = args.memory if args.memory is not None else planner.device_free_bytes()
+    available = args.memory if args.memory is not None else args.probed[0]
     branches = args.branches or preset.kv_branches
     if args.mesh is not None:
 
@@ -190,6 +194,7 @@ def _plan_from_args(args: argparse.Namespace):
 
 
 def _run_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    args.probed = planner.probe_free_memory() if args.memory is None else None
     try:
         plan = _plan_from_args(args)
     except ValueError as exc:
@@ -197,6 +202,9 @@ def _run_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.json:
         print(plan.to_json())
         return 0
+    if args.probed is not None:
+        print(f"available memory: {planner.format_bytes(args.probed[0])}, probed from {args.probed[1]} "
+              "(pass --memory to plan another device)")
     print(plan.summary())
     one = plan.plan if isinstance(plan, planner.DevicePlan) else plan
     source = (f"--fraction {args.fraction:g}" if args.fraction is not None
@@ -249,7 +257,7 @@ def _add_demo_parser(sub) -> None:
                         "Default: one device, no mesh")
     p.add_argument("--model-axis", type=_positive_int, default=1,
                    help="size of the mesh's 'model' (heads) axis with --devices (default 1)")
-    p.set_defaults(run=_run_demo)
+    p.set_defaults(run=_run_demo, command_parser=p)
 
 
 def _run_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -332,7 +340,7 @@ def _add_generate_parser(sub) -> None:
     p.add_argument("--backend", default="auto", choices=BACKEND_NAMES, help="kernel backend (default auto)")
     p.add_argument("--allow-pickle", action="store_true",
                    help="let torch unpickle arbitrary objects from a --generator file (trusted files only)")
-    p.set_defaults(run=_run_generate)
+    p.set_defaults(run=_run_generate, command_parser=p)
 
 
 def _run_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -369,18 +377,36 @@ def _request_host_devices(count: int) -> None:
         pass
 
 
-def _benchmark_names(root: pathlib.Path) -> list[str]:
-    return sorted(p.stem for p in (root / "benchmarks").glob("*.py") if p.stem not in ("__init__", "harness"))
+def _benchmarks(root: pathlib.Path) -> dict[str, str]:
+    """The benchmarks of the checkout at ``root``: name -> its docstring's first paragraph."""
+    found = {}
+    for path in sorted((root / "benchmarks").glob("*.py")):
+        if path.stem not in ("__init__", "harness"):
+            try:
+                doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"))) or ""
+            except (OSError, SyntaxError, UnicodeDecodeError):
+                doc = ""
+            found[path.stem] = " ".join(doc.strip().split("\n\n")[0].split())
+    return found
+
+
+def _benchmark_list(root: pathlib.Path) -> str:
+    found = _benchmarks(root)
+    if not found:
+        return f"(no benchmarks/ folder in {root}: run from the repository root)"
+    return "\n".join(f"  {name:<22} {line}" for name, line in found.items())
 
 
 def _add_bench_parser(sub) -> None:
     p = sub.add_parser("bench", help="run one of the checkout's benchmarks (benchmarks/NAME.py)",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
                        description="Run benchmarks/NAME.py of the repository checkout in the current folder "
                                    "(the same as `python -m benchmarks.NAME ARGS` there); ARGS go to the script, "
-                                   "e.g. --quick.")
-    p.add_argument("name", help="the benchmark, e.g. orchestration, paged_write, window_attention, rollout")
-    p.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own flags")
-    p.set_defaults(run=_run_bench)
+                                   "e.g. --quick (every benchmark takes it).\n\nbenchmarks:\n"
+                                   + _benchmark_list(pathlib.Path.cwd()))
+    p.add_argument("name", nargs="?", help="the benchmark (listed above)")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own flags, e.g. --quick")
+    p.set_defaults(run=_run_bench, command_parser=p)
 
 
 def _run_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -388,9 +414,11 @@ def _run_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     if not (root / "benchmarks" / "harness.py").exists():
         parser.error(f"bench runs the benchmarks of a repository checkout; {root} has no benchmarks/ folder "
                      "(cd to the repository root)")
-    names = _benchmark_names(root)
+    names = list(_benchmarks(root))
+    if args.name is None:
+        parser.error(f"name a benchmark: one of {', '.join(names)} (arkv-jax bench --help describes each)")
     if args.name not in names:
-        parser.error(f"unknown benchmark {args.name!r}; choose from {names}")
+        parser.error(f"unknown benchmark {args.name!r}; choose from {', '.join(names)}")
     saved_argv, saved_path = sys.argv, list(sys.path)
     sys.path.insert(0, str(root))
     sys.argv = [f"benchmarks/{args.name}.py", *args.args]
@@ -427,7 +455,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``arkv-jax`` console script; returns the exit code (2 for bad flags)."""
     parser = build_parser()
     args = parser.parse_args(_join_negative_values(sys.argv[1:] if argv is None else argv))
-    return args.run(args, parser)
+    return args.run(args, args.command_parser)  # errors found later print the subcommand's usage
 
 
 if __name__ == "__main__":

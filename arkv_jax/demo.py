@@ -63,6 +63,7 @@ from matplotlib.patches import Patch
 from tqdm import tqdm
 
 from arkv_jax.apps.compile_clock import CompileClock, Phase
+from arkv_jax.apps.platforms import check_backend
 from arkv_jax.cache import PagedKVCache
 from arkv_jax.config import ceil_div
 from arkv_jax.models.dit import MODEL_CONFIGS, CausalDiT, init_random
@@ -71,7 +72,7 @@ from arkv_jax.presets import get_preset
 from arkv_jax.reference import FullRecompute
 from arkv_jax.rollout import ChunkResult, Rollout, Sampler
 from arkv_jax.sharding import check_mesh, make_mesh
-from pallas_kernels.backend import BACKEND_NAMES, resolve_backend
+from pallas_kernels.backend import resolve_backend
 from pallas_kernels.window_attention.geometry import WindowGeometry
 from pallas_kernels.window_attention.xla import key_block
 
@@ -87,11 +88,6 @@ PROMPTS = (
 #: Largest difference of any latent between a sharded and a one-device run that the demo accepts,
 #: by model dtype (``check`` judges against it; other dtypes are reported without a bound).
 DEVICE_TOLERANCE = {"float32": 1e-5}
-
-#: The compiled kernel backends: the platform each needs, in JAX's name and in words.
-_COMPILED_BACKENDS = {"pallas_gpu": ("gpu", "an NVIDIA GPU"), "pallas_mgpu": ("gpu", "an NVIDIA Hopper GPU"),
-                      "cudnn_gather": ("gpu", "an NVIDIA GPU with cuDNN"), "pallas_tpu": ("tpu", "a TPU")}
-
 
 def plural(count: int, noun: str) -> str:
     """``"1 session"``, ``"2 sessions"``."""
@@ -323,25 +319,6 @@ def prepare_out(out: str | pathlib.Path) -> pathlib.Path:
         raise ValueError(f"--out {str(out)!r}: cannot create or write the figures' folder "
                          f"({error.strerror or error})") from None
     return path
-
-
-def check_backend(backend: str, platform: str) -> None:
-    """Refuses a compiled kernel backend on devices of another platform.
-
-    Raises:
-      ValueError: an unknown backend, or a compiled one (``pallas_gpu``, ``pallas_mgpu``,
-        ``cudnn_gather``, ``pallas_tpu``, or ``auto`` resolving to one) on a platform other than
-        its own, with the backends that do run there.
-    """
-    resolved = resolve_backend(backend, platform)
-    needs, device = _COMPILED_BACKENDS.get(resolved.name, (platform, ""))
-    if platform != needs:
-        stand_ins = [f"--backend {name} ({why})" for name, why in (
-            (f"{resolved.name}_interpret", "the same kernel under Pallas' interpreter, slow"),
-            (f"{resolved.name}_xla", "the same gather with XLA's attention")) if name in BACKEND_NAMES]
-        raise ValueError(f"--backend {backend}: the compiled kernel needs {device}, and this run's devices are "
-                         f"{platform}; use --backend xla (runs everywhere)"
-                         + "".join(f" or {option}" for option in stand_ins))
 
 
 def memory_estimate(preset: str, sessions: int, backend: str, platform: str) -> dict[str, int]:

@@ -42,9 +42,9 @@ loop, video writing and the report are one command's parts.
 from __future__ import annotations
 
 import dataclasses
+import math
 import pathlib
 import sys
-import time
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import TextIO
@@ -55,6 +55,8 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
+from arkv_jax.apps.compile_clock import CompileClock, Phase
+from arkv_jax.apps.platforms import check_backend
 from arkv_jax.cache import PagedKVCache
 from arkv_jax.cache.recache import SINK_MODES
 from arkv_jax.config import CacheGeometry, CrossAttentionSpec, KVBranch, WindowPolicy
@@ -269,9 +271,17 @@ def load_pipeline(files: CheckpointFiles, *, allow_pickle: bool = False) -> Pipe
 def output_paths(out: str | pathlib.Path, sessions: int) -> list[pathlib.Path]:
     """The mp4 of each session: ``out`` itself for one session and an ``.mp4`` name;
     ``<stem>_session<i>.mp4`` beside it for several; ``<out>/session<i>.mp4`` when ``out`` is a
-    folder (an existing one, or a name without ``.mp4``)."""
+    folder (an existing one, or a name without ``.mp4``).
+
+    Raises:
+      GenerateError: the file system refuses to look ``out`` up (e.g. a name too long for it).
+    """
     path = pathlib.Path(out)
-    if path.suffix.lower() == ".mp4" and not path.is_dir():
+    try:
+        is_dir = path.is_dir()
+    except OSError as error:
+        raise GenerateError(f"--out: cannot use {str(out)!r} ({error.strerror or error})") from None
+    if path.suffix.lower() == ".mp4" and not is_dir:
         if sessions == 1:
             return [path]
         return [path.with_name(f"{path.stem}_session{i}.mp4") for i in range(sessions)]
@@ -318,18 +328,20 @@ def ffmpeg_exe() -> str:
 
 
 def parse_prompt_at(text: str) -> tuple[int, str]:
-    """``"CHUNK:TEXT"`` -> ``(chunk, text)``.
+    """``"CHUNK:TEXT"`` -> ``(chunk, text)``: switch to ``TEXT`` before chunk ``CHUNK`` (1 or later;
+    chunk 0's prompt is ``--prompt``).
 
     Raises:
-      ValueError: no colon, or ``CHUNK`` not a non-negative integer.
+      ValueError: no colon, or ``CHUNK`` not an integer >= 1.
     """
     chunk, sep, prompt = text.partition(":")
     try:
         index = int(chunk)
     except ValueError:
-        index = -1
-    if not sep or index < 0:
-        raise ValueError(f"must look like CHUNK:TEXT with CHUNK a chunk index (0, 1, ...), got {text!r}")
+        index = 0
+    if not sep or index < 1:
+        raise ValueError(f"must look like CHUNK:TEXT with CHUNK the chunk to switch before (1, 2, ...; chunk 0's "
+                         f"prompt is --prompt), got {text!r}")
     return index, prompt
 
 
@@ -340,27 +352,38 @@ def parse_prompt_at(text: str) -> tuple[int, str]:
 
 @dataclasses.dataclass
 class ChunkTiming:
-    """One chunk of every session.
+    """One chunk of every session. Each part's seconds exclude the compilation inside it, which is
+    ``compile_s`` (:class:`~arkv_jax.apps.compile_clock.CompileClock`).
 
     Attributes:
       chunk: chunk index.
+      text_s: the joins' text K/V (chunk 0; 0 otherwise).
+      recache_s: prompt switches before the chunk: KV recache and the new text K/V (0 without one).
       dit_s: ``Rollout.step`` (denoise steps + commit forward + cache commit, latents on the host).
       vae_s: the VAE decode of every session's chunk (pixels on the host, uint8).
-      text_s: prompt switches before the chunk (KV recache and text K/V), or the joins for chunk 0.
       write_s: appending the frames to the mp4s.
+      compile_s: building programs (tracing, lowering, compiling) during the chunk, all parts.
       video_frames: video frames decoded, all sessions.
     """
 
     chunk: int
+    text_s: float
+    recache_s: float
     dit_s: float
     vae_s: float
-    text_s: float
     write_s: float
+    compile_s: float
     video_frames: int
 
     @property
     def seconds(self) -> float:
-        return self.dit_s + self.vae_s + self.text_s + self.write_s
+        """Wall time of the chunk, compilation included."""
+        return self.text_s + self.recache_s + self.dit_s + self.vae_s + self.write_s + self.compile_s
+
+    @property
+    def steady(self) -> bool:
+        """Neither built a program nor switched a prompt: a steady-state chunk."""
+        return self.compile_s == 0 and self.recache_s == 0
 
 
 @dataclasses.dataclass
@@ -372,7 +395,8 @@ class GenerateResult:
       video_frames: video frames per session (``1 + 4 (frames - 1)``).
       frame_size: ``(height, width)`` in pixels.
       timings: one :class:`ChunkTiming` per chunk.
-      encode_s: encoding every prompt up front (umT5; 0 for the hash stand-in).
+      encode_s: encoding every prompt up front (umT5), compilation excluded; 0 for the hash stand-in.
+      encode_compile_s: compilation during that encoding.
       latents: each session's latents ``[frames, h, w, 16]``.
     """
 
@@ -381,6 +405,7 @@ class GenerateResult:
     frame_size: tuple[int, int]
     timings: list[ChunkTiming]
     encode_s: float
+    encode_compile_s: float
     latents: dict[str, np.ndarray]
 
 
@@ -417,23 +442,54 @@ def _cache_bytes(cache: vae_lib.DecoderCache) -> int:
     return sum(f.size * f.dtype.itemsize for f in cache.frames)
 
 
-def run_generate(*, prompts: Sequence[str], checkpoint: str | pathlib.Path | None = None,
-                 generator: str | pathlib.Path | None = None, random_tiny: bool = False,
-                 prompt_at: Mapping[int, str] | None = None, frames: int | None = None, seed: int = 0,
-                 sessions: int = 1, out: str | pathlib.Path = "video.mp4", steps: int | None = None,
-                 guidance: float | None = None, fps: int = DEFAULT_FPS, backend: str = "auto",
-                 allow_pickle: bool = False, switch_sink: str = "keep", stdout: TextIO | None = None,
-                 stderr: TextIO | None = None, progress: bool | None = None) -> GenerateResult:
-    """Runs the command (see the module docstring). Session ``i`` gets ``prompts[i % len(prompts)]``
-    and noise seed ``seed + i``; ``prompt_at`` switches every session's prompt before the given
-    chunks (1 and later), with KV recache (``switch_sink``: ``"keep"`` or ``"recompute"`` the sink).
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """A validated ``generate`` run (:func:`validate_request`): what to build and what to write.
+
+    Attributes:
+      kind: ``"tiny"`` or ``"checkpoint"``.
+      files: the checkpoint's files (``None`` for ``"tiny"``).
+      prompts: each session's prompt, by session id.
+      switches: chunk -> the prompt every session switches to before it.
+      frames, chunk_frames, chunks: latent frames per session, per chunk, and the chunk count.
+      paths: each session's mp4, writable.
+      sampler: the denoise schedule (CFG with ``guidance``).
+      guidance: the CFG scale, or ``None``.
+      seed, fps, backend, switch_sink, allow_pickle: as :func:`run_generate` takes them.
+    """
+
+    kind: str
+    files: CheckpointFiles | None
+    prompts: dict[str, str]
+    switches: dict[int, str]
+    frames: int
+    chunk_frames: int
+    chunks: int
+    paths: list[pathlib.Path]
+    sampler: Sampler
+    guidance: float | None
+    seed: int
+    fps: int
+    backend: str
+    switch_sink: str
+    allow_pickle: bool
+
+    @property
+    def session_ids(self) -> list[str]:
+        return list(self.prompts)
+
+
+def validate_request(*, prompts: Sequence[str], checkpoint, generator, random_tiny: bool,
+                     prompt_at: Mapping[int, str] | None, frames: int | None, seed: int, sessions: int, out,
+                     steps: int | None, guidance: float | None, fps: int, backend: str, allow_pickle: bool,
+                     switch_sink: str) -> Request:
+    """Every check :func:`run_generate` makes before it loads or builds anything.
 
     Raises:
-      GenerateError: refused before the run (bad counts, frames not a multiple of the chunk,
-        a switch outside the run, an incomplete checkpoint, an unwritable output, no ffmpeg), or a
-        checkpoint part that does not load.
+      GenerateError: bad counts, a guidance scale that is not positive and finite, frames not a
+        multiple of the chunk, a switch outside the run, a compiled backend for another platform,
+        an incomplete checkpoint, an output that cannot be written, no ffmpeg.
     """
-    stdout, stderr = stdout or sys.stdout, stderr or sys.stderr
     if random_tiny == (checkpoint is not None):
         raise GenerateError("pass exactly one of --checkpoint DIR and --random-tiny")
     if generator is not None and checkpoint is None:
@@ -442,8 +498,12 @@ def run_generate(*, prompts: Sequence[str], checkpoint: str | pathlib.Path | Non
         raise GenerateError("give at least one --prompt")
     if sessions < 1 or seed < 0 or fps < 1:
         raise GenerateError(f"sessions and fps must be >= 1 and seed >= 0, got {sessions}, {fps}, {seed}")
-    if guidance is not None and not guidance > 0:
-        raise GenerateError(f"--guidance must be positive, got {guidance}")
+    if guidance is not None and not 0 < guidance < math.inf:
+        raise GenerateError(f"--guidance must be a positive finite number, got {guidance}")
+    try:
+        check_backend(backend, jax.devices()[0].platform)
+    except ValueError as error:
+        raise GenerateError(str(error)) from None
     kind = "tiny" if random_tiny else "checkpoint"
     files = None if random_tiny else find_checkpoint(checkpoint, generator)
     chunk_frames = get_preset("tiny" if random_tiny else "wan-1.3b").geometry.frames_per_forward
@@ -462,143 +522,226 @@ def run_generate(*, prompts: Sequence[str], checkpoint: str | pathlib.Path | Non
     paths = output_paths(out, sessions)
     prepare_outputs(paths)
     ffmpeg_exe()
-    sampler = Sampler(num_steps=steps or DEFAULT_STEPS[kind], guidance_scale=guidance)
+    session_prompts = {f"s{i}": prompts[i % len(prompts)] for i in range(sessions)}
+    return Request(kind, files, session_prompts, switches, frames, chunk_frames, chunks, paths,
+                   Sampler(num_steps=steps or DEFAULT_STEPS[kind], guidance_scale=guidance), guidance, seed, fps,
+                   backend, switch_sink, allow_pickle)
 
-    pipeline = tiny_pipeline(seed) if random_tiny else load_pipeline(files, allow_pickle=allow_pickle)
-    model, decoder = pipeline.model, pipeline.vae
-    ids = [f"s{i}" for i in range(sessions)]
-    session_prompts = {sid: prompts[i % len(prompts)] for i, sid in enumerate(ids)}
 
-    # Text, up front: every distinct prompt once (umT5), or nothing (hash stand-in, inside join).
+@dataclasses.dataclass
+class Run:
+    """What :func:`build_run` made: the pipeline, the encoded text, the cache, its rollout and each
+    session's VAE stream cache."""
+
+    pipeline: Pipeline
+    contexts: dict[str, np.ndarray]
+    encoded: bool
+    encode: Phase
+    plan: object
+    cache: PagedKVCache
+    rollout: Rollout
+    decoder_caches: dict[str, vae_lib.DecoderCache]
+
+
+def build_run(request: Request, clock: CompileClock) -> Run:
+    """Loads (or makes) the pipeline, encodes every prompt once, and builds the cache and rollout.
+
+    Raises:
+      GenerateError: a checkpoint part that does not load.
+    """
+    sampler = request.sampler
+    pipeline = (tiny_pipeline(request.seed) if request.kind == "tiny"
+                else load_pipeline(request.files, allow_pickle=request.allow_pickle))
+    model = pipeline.model
     contexts: dict[str, np.ndarray] = {}
-    encode_s = 0.0
-    if pipeline.encode is not None:
-        texts = list(dict.fromkeys([*session_prompts.values(), *switches.values(),
-                                    *([""] if sampler.num_branches > 1 else [])]))
-        start = time.perf_counter()
-        contexts = dict(zip(texts, pipeline.encode(texts)))
-        encode_s = time.perf_counter() - start
+    encode = Phase(clock)
     encoded = pipeline.encode is not None
+    if encoded:  # every distinct prompt once (umT5); the hash stand-in runs inside join instead
+        texts = list(dict.fromkeys([*request.prompts.values(), *request.switches.values(),
+                                    *([""] if sampler.num_branches > 1 else [])]))
+        with encode:
+            contexts = dict(zip(texts, pipeline.encode(texts)))
     pipeline.encode = None  # drops the encoder (umT5-XXL: 11 GB in bfloat16) before the DiT runs
-
-    branches = ((KVBranch("positive", 0), KVBranch("negative", 1)) if guidance is not None else (KVBranch("main"),))
+    branches = ((KVBranch("positive", 0), KVBranch("negative", 1)) if request.guidance is not None
+                else (KVBranch("main"),))
     cross = (CrossAttentionSpec("text", model.config.text_tokens),)
     ring_frame_bytes = int(np.prod(model.config.frame_shape)) * jnp.dtype(model.config.dtype).itemsize
-    plan = rollout_plan(pipeline.geometry, pipeline.window, branches, cross, sessions,
-                        latent_frame_bytes=ring_frame_bytes if switches else None)
-    cache = PagedKVCache(pipeline.geometry, pipeline.window, branches, cross, plan=plan, backend=backend)
-    rollout = Rollout(model, cache, sampler, max_traces=1)
-
+    plan = rollout_plan(pipeline.geometry, pipeline.window, branches, cross, len(request.prompts),
+                        latent_frame_bytes=ring_frame_bytes if request.switches else None)
+    cache = PagedKVCache(pipeline.geometry, pipeline.window, branches, cross, plan=plan, backend=request.backend)
     h, w, _ = model.config.frame_shape
-    decoder_caches = {sid: vae_lib.decoder_init_cache(decoder, h, w) for sid in ids}
-    scale = decoder.config.spatial_factor
-    size = (h * scale, w * scale)
-    video_frames = decoder.config.num_pixel_frames(frames, True)
-    guidance_text = f"CFG {guidance}" if guidance is not None else "no CFG"
-    print(f"arkv-jax generate: {plural(sessions, 'session')} x {frames} latent frames ({plural(chunks, 'chunk')} of "
-          f"{chunk_frames}) "
-          f"-> {video_frames} video frames of {size[0]}x{size[1]} at {fps} fps each; {sampler.num_steps} denoise "
-          f"steps + 1 commit forward, {guidance_text}", file=stdout)
-    print(f"model: {pipeline.description}", file=stdout)
-    print("memory plan (paged KV cache):", file=stdout)
-    print(plan.summary(), file=stdout)
-    print(f"weights: DiT {format_bytes(_param_bytes(model))}, VAE decoder {format_bytes(_param_bytes(decoder))}; "
-          f"VAE stream cache {format_bytes(_cache_bytes(decoder_caches[ids[0]]))} per session", file=stdout)
-    if encoded:
-        print(f"text: {len(contexts)} prompt(s) encoded by umT5 in {encode_s:.2f} s", file=stdout)
-    if switches:
-        print(f"prompt switches (KV recache, sink {switch_sink}): "
-              + ", ".join(f"chunk {c}: {p!r}" for c, p in sorted(switches.items())), file=stdout)
+    decoder_caches = {sid: vae_lib.decoder_init_cache(pipeline.vae, h, w) for sid in request.session_ids}
+    return Run(pipeline, contexts, encoded, encode, plan, cache, Rollout(model, cache, sampler, max_traces=1),
+               decoder_caches)
 
+
+def run_generate(*, prompts: Sequence[str], checkpoint: str | pathlib.Path | None = None,
+                 generator: str | pathlib.Path | None = None, random_tiny: bool = False,
+                 prompt_at: Mapping[int, str] | None = None, frames: int | None = None, seed: int = 0,
+                 sessions: int = 1, out: str | pathlib.Path = "video.mp4", steps: int | None = None,
+                 guidance: float | None = None, fps: int = DEFAULT_FPS, backend: str = "auto",
+                 allow_pickle: bool = False, switch_sink: str = "keep", stdout: TextIO | None = None,
+                 stderr: TextIO | None = None, progress: bool | None = None) -> GenerateResult:
+    """Runs the command (see the module docstring): :func:`validate_request`, :func:`build_run`,
+    the chunk loop, the report. Session ``i`` gets ``prompts[i % len(prompts)]`` and noise seed
+    ``seed + i``; ``prompt_at`` switches every session's prompt before the given chunks (1 and
+    later), with KV recache (``switch_sink``: ``"keep"`` or ``"recompute"`` the sink).
+
+    Raises:
+      GenerateError: what :func:`validate_request` refuses (before anything loads), or a checkpoint
+        part that does not load.
+    """
+    stdout, stderr = stdout or sys.stdout, stderr or sys.stderr
+    request = validate_request(prompts=prompts, checkpoint=checkpoint, generator=generator, random_tiny=random_tiny,
+                               prompt_at=prompt_at, frames=frames, seed=seed, sessions=sessions, out=out,
+                               steps=steps, guidance=guidance, fps=fps, backend=backend, allow_pickle=allow_pickle,
+                               switch_sink=switch_sink)
+    with CompileClock() as clock:
+        run = build_run(request, clock)
+        decoder = run.pipeline.vae
+        h, w, _ = run.pipeline.model.config.frame_shape
+        size = (h * decoder.config.spatial_factor, w * decoder.config.spatial_factor)
+        video_frames = decoder.config.num_pixel_frames(request.frames, True)
+        _print_header(stdout, request, run, size, video_frames)
+        if progress is None:
+            progress = all(getattr(stream, "isatty", lambda: False)() for stream in (stdout, stderr))
+        timings, latents = _generate(request, run, clock, stdout, stderr, progress)
+    _print_summary(stdout, timings, run, len(request.prompts))
+    for sid, path in zip(request.session_ids, request.paths):
+        print(f"wrote {path} ({video_frames} frames, {size[0]}x{size[1]}, {request.fps} fps; prompt "
+              f"{request.prompts[sid]!r})", file=stdout)
+    return GenerateResult(request.paths, video_frames, size, timings, run.encode.seconds - run.encode.compile_seconds,
+                          run.encode.compile_seconds, latents)
+
+
+def _print_header(stream: TextIO, request: Request, run: Run, size: tuple[int, int], video_frames: int) -> None:
+    model, decoder, sampler = run.pipeline.model, run.pipeline.vae, request.sampler
+    guidance_text = f"CFG {request.guidance}" if request.guidance is not None else "no CFG"
+    print(f"arkv-jax generate: {plural(len(request.prompts), 'session')} x {request.frames} latent frames "
+          f"({plural(request.chunks, 'chunk')} of {request.chunk_frames}) -> {video_frames} video frames of "
+          f"{size[0]}x{size[1]} at {request.fps} fps each; {sampler.num_steps} denoise steps + 1 commit forward, "
+          f"{guidance_text}", file=stream)
+    print(f"model: {run.pipeline.description}", file=stream)
+    print("memory plan (paged KV cache):", file=stream)
+    print(run.plan.summary(), file=stream)
+    stream_cache = next(iter(run.decoder_caches.values()))
+    print(f"weights: DiT {format_bytes(_param_bytes(model))}, VAE decoder {format_bytes(_param_bytes(decoder))}; "
+          f"VAE stream cache {format_bytes(_cache_bytes(stream_cache))} per session", file=stream)
+    if run.encoded:
+        print(f"text: {len(run.contexts)} prompt(s) encoded by umT5 in {run.encode.seconds:.2f} s "
+              f"({run.encode.compile_seconds:.2f} s of it compiling)", file=stream)
+    else:
+        print("text: the DiT's hash stand-in (no encoder); each join computes its text K/V (the text column)",
+              file=stream)
+    if request.switches:
+        print(f"prompt switches (KV recache, sink {request.switch_sink}): "
+              + ", ".join(f"chunk {c}: {p!r}" for c, p in sorted(request.switches.items())), file=stream)
+
+
+def _generate(request: Request, run: Run, clock: CompileClock, stdout: TextIO, stderr: TextIO,
+              progress: bool) -> tuple[list[ChunkTiming], dict[str, np.ndarray]]:
+    """The chunk loop: joins (chunk 0) or switches, the DiT step, the VAE decode and the mp4 writes
+    of every chunk, each part timed; returns the timings and each session's latents."""
     import imageio
 
+    rollout, cache, decoder, ids = run.rollout, run.cache, run.pipeline.vae, request.session_ids
+    decoder_caches = run.decoder_caches
+    negative = run.contexts.get("") if request.sampler.num_branches > 1 else None
+    timings: list[ChunkTiming] = []
     # imageio-ffmpeg starts ffmpeg with subprocess (fork + exec at once, nothing of JAX's runs in the
     # child), which JAX's fork hook warns about; the warning does not apply, so it is silenced here.
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called", category=RuntimeWarning)
-        writers = {sid: imageio.get_writer(str(path), format="FFMPEG", mode="I", fps=fps, codec="libx264",
+        writers = {sid: imageio.get_writer(str(path), format="FFMPEG", mode="I", fps=request.fps, codec="libx264",
                                            pixelformat="yuv420p", quality=8, macro_block_size=1,
                                            ffmpeg_log_level="error")
-                   for sid, path in zip(ids, paths)}
-        timings: list[ChunkTiming] = []
-        latents: dict[str, np.ndarray] = {}
-        if progress is None:
-            progress = all(getattr(stream, "isatty", lambda: False)() for stream in (stdout, stderr))
-        print(f"{'chunk':>5}  {'DiT ms':>9}  {'VAE ms':>9}  {'text ms':>8}  {'write ms':>8}  {'video frames/s':>14}",
-              file=stdout)
+                   for sid, path in zip(ids, request.paths)}
+        print(f"{'chunk':>5}  {'text ms':>8}  {'recache ms':>10}  {'DiT ms':>9}  {'VAE ms':>9}  {'write ms':>8}  "
+              f"{'compile ms':>10}  {'video frames/s':>14}", file=stdout)
         try:
-            with tqdm(total=chunks, desc="generate", unit="chunk", file=stderr, disable=not progress) as bar:
-                for chunk in range(chunks):
-                    start = time.perf_counter()
+            with tqdm(total=request.chunks, desc="generate", unit="chunk", file=stderr, disable=not progress) as bar:
+                for chunk in range(request.chunks):
+                    text, recache, dit, vae, write = (Phase(clock) for _ in range(5))
                     if chunk == 0:
-                        negative = contexts.get("") if sampler.num_branches > 1 else None
-                        for i, sid in enumerate(ids):
-                            join(rollout, sid, session_prompts[sid], seed + i, contexts.get(session_prompts[sid]),
-                                 negative)
-                    elif chunk in switches:
-                        text = switches[chunk]
-                        negative = contexts.get("") if sampler.num_branches > 1 else None
-                        for sid in ids:
-                            switch(rollout, sid, text, contexts.get(text), negative, switch_sink)
-                    jax.block_until_ready(cache.cross_attention_kv(rollout.text_cache))
-                    text_s = time.perf_counter() - start
-
-                    start = time.perf_counter()
-                    result = rollout.step()
-                    dit_s = time.perf_counter() - start
-
-                    start = time.perf_counter()
+                        with text:
+                            for i, sid in enumerate(ids):
+                                join(rollout, sid, request.prompts[sid], request.seed + i,
+                                     run.contexts.get(request.prompts[sid]), negative)
+                            jax.block_until_ready(cache.cross_attention_kv(rollout.text_cache))
+                    elif chunk in request.switches:
+                        prompt = request.switches[chunk]
+                        with recache:
+                            for sid in ids:
+                                switch(rollout, sid, prompt, run.contexts.get(prompt), negative,
+                                       request.switch_sink)
+                            jax.block_until_ready(cache.cross_attention_kv(rollout.text_cache))
+                    with dit:
+                        result = rollout.step()
                     pixels = {}
-                    for i, sid in enumerate(result.session_ids):
-                        out_frames, decoder_caches[sid] = vae_lib.decode_chunk(decoder, decoder_caches[sid],
-                                                                               result.latents[i])
-                        pixels[sid] = to_uint8(out_frames)
-                    vae_s = time.perf_counter() - start
-
-                    start = time.perf_counter()
-                    for sid, video in pixels.items():
-                        for frame in video:
-                            writers[sid].append_data(frame)
-                    write_s = time.perf_counter() - start
-                    record = ChunkTiming(chunk, dit_s, vae_s, text_s, write_s, sum(len(v) for v in pixels.values()))
+                    with vae:
+                        for i, sid in enumerate(result.session_ids):
+                            out_frames, decoder_caches[sid] = vae_lib.decode_chunk(decoder, decoder_caches[sid],
+                                                                                   result.latents[i])
+                            pixels[sid] = to_uint8(out_frames)
+                    with write:
+                        for sid, video in pixels.items():
+                            for frame in video:
+                                writers[sid].append_data(frame)
+                    parts = (text, recache, dit, vae, write)
+                    record = ChunkTiming(chunk, *(p.seconds - p.compile_seconds for p in parts),
+                                         sum(p.compile_seconds for p in parts), sum(len(v) for v in pixels.values()))
                     timings.append(record)
                     rate = record.video_frames / record.seconds
-                    print(f"{chunk:>5}  {dit_s * 1e3:>9.1f}  {vae_s * 1e3:>9.1f}  {text_s * 1e3:>8.1f}  "
-                          f"{write_s * 1e3:>8.1f}  {rate:>14.1f}", file=stdout)
+                    print(f"{chunk:>5}  {record.text_s * 1e3:>8.1f}  {record.recache_s * 1e3:>10.1f}  "
+                          f"{record.dit_s * 1e3:>9.1f}  {record.vae_s * 1e3:>9.1f}  {record.write_s * 1e3:>8.1f}  "
+                          f"{record.compile_s * 1e3:>10.1f}  {rate:>14.1f}", file=stdout)
                     bar.set_postfix_str(f"{record.seconds * 1e3:.0f} ms, {rate:.1f} frames/s", refresh=False)
                     bar.update()
-            for sid in ids:
-                latents[sid] = rollout.leave(sid)
+            latents = {sid: rollout.leave(sid) for sid in ids}
         finally:
             for writer in writers.values():
                 writer.close()
-
-    _print_summary(stdout, timings, encode_s, sessions)
-    for sid, path in zip(ids, paths):
-        print(f"wrote {path} ({video_frames} frames, {size[0]}x{size[1]}, {fps} fps; prompt "
-              f"{session_prompts[sid]!r})", file=stdout)
-    return GenerateResult(paths, video_frames, size, timings, encode_s, latents)
+    return timings, latents
 
 
-def _print_summary(stream: TextIO, timings: Sequence[ChunkTiming], encode_s: float, sessions: int) -> None:
-    """Totals, and the steady state (chunks after the first two: chunks 0 and 1 compile the DiT's
-    chunk and the VAE's first and later chunks)."""
-    total = sum(t.seconds for t in timings) + encode_s
+def _print_summary(stream: TextIO, timings: Sequence[ChunkTiming], run: Run, sessions: int) -> None:
+    """Totals; compilation, text and recache each on its own; the steady state: the median of the
+    chunks that built no program and switched no prompt (:attr:`ChunkTiming.steady`)."""
+    encode = run.encode.seconds
+    total = sum(t.seconds for t in timings) + encode
     frames = sum(t.video_frames for t in timings)
     print(f"generated {frames} video frames ({plural(sessions, 'session')}) in {total:.2f} s "
-          f"({frames / total:.1f} frames/s overall, compilation included; text encoding up front "
-          f"{encode_s:.2f} s)", file=stream)
-    steady = list(timings[2:]) or list(timings[-1:])
+          f"({frames / total:.1f} frames/s overall, compilation included)", file=stream)
+    compiled = [t.chunk for t in timings if t.compile_s > 0]
+    compile_s = sum(t.compile_s for t in timings) + run.encode.compile_seconds
+    print(f"compilation: {compile_s:.2f} s" + (f", in chunks {', '.join(map(str, compiled))} (the first use of each "
+                                               "program)" if compiled else "")
+          + (f" and {run.encode.compile_seconds:.2f} s in the text encoder" if run.encode.compile_seconds else ""),
+          file=stream)
+    joins = sum(t.text_s for t in timings)
+    encoded = (f"umT5 {encode - run.encode.compile_seconds:.2f} s up front (compilation excluded), "
+               if run.encoded else "the hash stand-in (no encoder), ")
+    print(f"text: {encoded}the joins' text K/V {joins * 1e3:.1f} ms", file=stream)
+    switches = [t for t in timings if t.recache_s > 0]
+    if switches:
+        print("prompt switches (KV recache and text K/V, compilation excluded): "
+              + ", ".join(f"chunk {t.chunk} {t.recache_s * 1e3:.1f} ms" for t in switches), file=stream)
+    steady = [t for t in timings if t.steady]
+    if not steady:
+        print("steady state: none in this run (every chunk built a program or switched a prompt; run more "
+              "--frames)", file=stream)
+        return
     dit, vae = (float(np.median([getattr(t, f) for t in steady])) for f in ("dit_s", "vae_s"))
     seconds = float(np.median([t.seconds for t in steady]))
     rate = float(np.median([t.video_frames / t.seconds for t in steady]))
-    label = "steady state" if len(timings) > 2 else "last chunk (no steady state in so short a run)"
-    print(f"{label}: {seconds * 1e3:.1f} ms per chunk (median), DiT {dit * 1e3:.1f} ms, VAE {vae * 1e3:.1f} ms "
+    print(f"steady state ({plural(len(steady), 'chunk')} that built no program and switched no prompt): "
+          f"{seconds * 1e3:.1f} ms per chunk (median), DiT {dit * 1e3:.1f} ms, VAE {vae * 1e3:.1f} ms "
           f"({100 * vae / max(dit + vae, 1e-12):.0f}% of DiT + VAE), {rate:.1f} video frames/s", file=stream)
 
 
 __all__ = [
     "CheckpointFiles", "ChunkTiming", "DEFAULT_FPS", "DEFAULT_FRAMES", "DEFAULT_STEPS", "GenerateError",
-    "GenerateResult", "Pipeline", "checkpoint_geometry", "ffmpeg_exe", "find_checkpoint", "join", "load_pipeline",
-    "output_paths", "parse_prompt_at", "prepare_outputs", "run_generate", "switch", "tiny_pipeline", "to_uint8",
+    "GenerateResult", "Pipeline", "Request", "Run", "build_run", "checkpoint_geometry", "ffmpeg_exe", "find_checkpoint",
+    "join", "load_pipeline", "output_paths", "parse_prompt_at", "prepare_outputs", "run_generate", "switch",
+    "tiny_pipeline", "to_uint8", "validate_request",
 ]

@@ -689,7 +689,12 @@ def parse_memory(text: str) -> int:
 
 
 def device_free_bytes(device=None) -> int:
-    """Free memory of a JAX device in bytes.
+    """Free memory of a JAX device in bytes (:func:`probe_free_memory`'s count)."""
+    return probe_free_memory(device)[0]
+
+
+def probe_free_memory(device=None) -> tuple[int, str]:
+    """Free memory of a JAX device (default: the first local one) in bytes, and what was read.
 
     On GPU and TPU this is ``bytes_limit - bytes_in_use`` from ``device.memory_stats()``. Devices
     without memory statistics (the CPU) fall back to the host's available physical memory
@@ -703,8 +708,10 @@ def device_free_bytes(device=None) -> int:
     except Exception:  # noqa: BLE001 - backends without the API raise various errors
         stats = None
     if stats and "bytes_limit" in stats:
-        return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
-    return int(os.sysconf("SC_AVPHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+        free = int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+        return free, f"{device.platform} device {device.id}'s memory statistics"
+    free = int(os.sysconf("SC_AVPHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    return free, f"the host's available RAM ({device.platform} devices report no memory statistics)"
 
 
 def format_bytes(num_bytes: int) -> str:

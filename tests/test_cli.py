@@ -119,3 +119,59 @@ def test_cli_bench_runs_a_checkout_benchmark_and_refuses_elsewhere(capsys, monke
     with pytest.raises(SystemExit) as info:
         cli.main(["bench", "orchestration"])
     assert info.value.code == 2 and "no benchmarks/ folder" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, usage, needle", [
+    (["plan", "--sessions", "0", "--memory", "1GiB"], "usage: arkv-jax plan", "--sessions must be positive, got 0"),
+    (["generate", "--random-tiny", "--frames", "5"], "usage: arkv-jax generate", "--frames 5"),
+    (["generate", "--random-tiny", "--prompt-at", "0:foo"], "usage: arkv-jax generate", "(1, 2, ..."),
+    (["bench"], "usage: arkv-jax bench", "name a benchmark: one of "),
+    (["bench", "nope"], "usage: arkv-jax bench", "unknown benchmark 'nope'"),
+])
+def test_errors_found_after_parsing_print_the_subcommands_usage(capsys, monkeypatch, argv, usage, needle):
+    monkeypatch.chdir(cli.pathlib.Path(__file__).resolve().parents[1])  # bench runs a checkout's benchmarks
+    with pytest.raises(SystemExit) as info:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and err.startswith(usage) and needle in err
+    assert "the following arguments are required" not in err
+
+
+def test_bench_help_lists_every_benchmark_of_the_checkout(capsys, monkeypatch):
+    root = cli.pathlib.Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(root)
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--help"])
+    out = capsys.readouterr().out
+    names = sorted(p.stem for p in (root / "benchmarks").glob("*.py") if p.stem not in ("__init__", "harness"))
+    assert len(names) >= 9
+    for name in names:
+        assert re.search(rf"^  {name} +\S", out, re.MULTILINE), name
+
+
+def test_plan_help_states_the_sessions_default_of_each_preset(capsys):
+    from arkv_jax.presets import PRESETS
+
+    with pytest.raises(SystemExit):
+        cli.main(["plan", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    for name, preset in PRESETS.items():
+        assert f"{name} {preset.session_capacity}" in out
+
+
+def test_plan_without_memory_says_what_it_probed(capsys):
+    code, out = run_cli(capsys, "plan", "--preset", "tiny")
+    assert code == 0
+    assert re.search(r"^available memory: .*GiB .*, probed from the host's available RAM \(cpu devices report no "
+                     r"memory statistics\)", out, re.MULTILINE)
+    _, out = run_cli(capsys, "plan", "--preset", "tiny", "--json")
+    json.loads(out)  # still one JSON object
+
+
+def test_an_environment_override_that_is_not_an_integer_is_named(capsys, monkeypatch):
+    monkeypatch.setenv("AR_DIFFUSION_KV_SCRATCH_BLOCKS_PER_BRANCH", "abc")
+    with pytest.raises(SystemExit) as info:
+        cli.main(["plan", "--preset", "tiny", "--memory", "1GiB"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2
+    assert "AR_DIFFUSION_KV_SCRATCH_BLOCKS_PER_BRANCH='abc' is not an integer" in err

@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 
@@ -37,7 +38,12 @@ def test_random_tiny_writes_a_playable_mp4(tmp_path):
     lines = proc.stdout.splitlines()
     assert lines[0].startswith("arkv-jax generate: 1 session x 6 latent frames (3 chunks of 2) -> 21 video frames")
     assert "arkv-jax memory plan" in proc.stdout and "sessions granted / requested" in proc.stdout
-    assert any(line.startswith("steady state:") and "% of DiT + VAE" in line for line in lines)
+    # 3 chunks: 0 and 1 build programs (the DiT's chunk, the VAE's first and later chunks), 2 is steady.
+    assert any(line.startswith("compilation: ") and "in chunks 0, 1 (the first use of each program)" in line
+               for line in lines)
+    assert any(line.startswith("text: the hash stand-in (no encoder), the joins' text K/V") for line in lines)
+    assert any(line.startswith("steady state (1 chunk that built no program and switched no prompt): ")
+               and "% of DiT + VAE" in line for line in lines)
     assert lines[-1].startswith(f"wrote {out} (21 frames, 64x96, 16 fps")
     assert "os.fork" not in proc.stderr and "generate:" not in proc.stderr  # no warning, no bar off a terminal
 
@@ -48,6 +54,8 @@ def test_sessions_and_prompt_switch_in_process(tmp_path, capsys):
                      str(tmp_path / "v.mp4"), "--seed", "5"]) == 0
     out = capsys.readouterr().out
     assert "chunk 1: 'a city at night'" in out and "KV recache, sink keep" in out
+    assert "prompt switches (KV recache and text K/V, compilation excluded): chunk 1 " in out
+    assert "steady state: none in this run (every chunk built a program or switched a prompt" in out
     videos = [read_video(tmp_path / f"v_session{i}.mp4") for i in range(2)]
     assert all(v.shape == (13, 64, 96, 3) for v in videos)
     assert not np.array_equal(videos[0], videos[1])  # different prompts and seeds
@@ -71,17 +79,50 @@ def test_output_paths(tmp_path):
 @pytest.mark.parametrize("argv, message", [
     (["--random-tiny", "--frames", "5"], "--frames 5: must be a positive multiple of the 2 latent frames"),
     (["--random-tiny", "--prompt-at", "3:x"], "--prompt-at chunk 3: switches happen before chunks 1..2"),
-    (["--random-tiny", "--prompt-at", "0:x"], "--prompt-at chunk 0"),
+    (["--random-tiny", "--prompt-at", "0:x"], "CHUNK the chunk to switch before (1, 2, ...; chunk 0's prompt"),
+    (["--random-tiny", "--guidance", "inf"], "--guidance must be a positive finite number, got inf"),
+    (["--random-tiny", "--guidance", "nan"], "--guidance must be a positive finite number, got nan"),
+    (["--random-tiny", "--guidance", "0"], "--guidance must be a positive finite number, got 0.0"),
+    (["--random-tiny", "--backend", "pallas_gpu"], "--backend pallas_gpu: the compiled kernel needs an NVIDIA GPU"),
+    (["--random-tiny", "--backend", "pallas_tpu_gather"], "the compiled kernel needs a TPU"),
     (["--random-tiny", "--prompt-at", "one:x"], "must look like CHUNK:TEXT"),
     (["--random-tiny", "--generator", "g.pt"], "--generator needs --checkpoint"),
     (["--random-tiny", "--checkpoint", "."], "not allowed with argument"),
     ([], "one of the arguments --checkpoint --random-tiny is required"),
 ])
 def test_refusals(tmp_path, capsys, argv, message):
+    if "--backend" in argv and jax.devices()[0].platform != "cpu":
+        pytest.skip("the backend refusals are for a CPU machine")
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["generate", *argv, "--out", str(tmp_path / "x.mp4")])
     assert exit_info.value.code == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert err.startswith("usage: arkv-jax generate")  # the subcommand's usage, not the top level's
+    assert not (tmp_path / "x.mp4").exists() and list(tmp_path.iterdir()) == []
+
+
+def test_an_out_name_too_long_for_the_file_system_is_refused_in_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["generate", "--random-tiny", "--out", str(tmp_path / ("x" * 300 + ".mp4"))])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "--out: cannot" in err and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.skipif(jax.devices()[0].platform != "cpu", reason="the backend refusal is for a CPU machine")
+def test_a_backend_for_another_platform_is_refused_before_the_checkpoint_loads(tmp_path, capsys, monkeypatch):
+    root = make_checkpoint(tmp_path / "ckpt")
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the checkpoint was loaded before the backend was checked")
+
+    monkeypatch.setattr(generate, "load_pipeline", no_loading)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["generate", "--checkpoint", str(root), "--prompt", "x", "--backend", "pallas_gpu",
+                  "--out", str(tmp_path / "x.mp4")])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "the compiled kernel needs an NVIDIA GPU" in err
     assert not (tmp_path / "x.mp4").exists()
 
 
