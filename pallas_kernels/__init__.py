@@ -1,11 +1,13 @@
 """Pallas kernels for arkv-jax: paged chunk writes and paged window attention.
 
 One package per kernel (:mod:`pallas_kernels.paged_write`, :mod:`pallas_kernels.window_attention`),
-each with its public function, explicit ``static_validate_inputs`` / ``dynamic_validate_inputs``,
-one module per backend (``xla``, ``tpu``, ``gpu`` (Triton); for attention also ``cudnn_gather``
-and ``mosaic_gpu``, for the write ``xla_gpu``) and a pure-jnp ``reference``; the backend is
-chosen with one ``backend=`` argument (see :mod:`pallas_kernels.backend`). Rules they share live in
-:mod:`pallas_kernels.common`. Kernels know pages and lengths, never sessions or meshes.
+each with its public function, explicit ``static_validate_inputs`` / ``dynamic_validate_inputs``
+and a value check (page ids, lengths) that runs by default on concrete values (``validate=``, one
+rule for both kernels, :mod:`pallas_kernels.common`), one module per backend (``xla``, ``tpu``,
+``gpu`` (Triton); for attention also ``cudnn_gather`` and ``mosaic_gpu``, for the write
+``xla_gpu``) and a pure-jnp ``reference``; the backend is chosen with one ``backend=`` argument
+(see :mod:`pallas_kernels.backend`). Rules they share live in :mod:`pallas_kernels.common`.
+Kernels know pages and lengths, never sessions or meshes.
 """
 
 from pallas_kernels.backend import BACKEND_NAMES, Backend, resolve_backend

@@ -1,17 +1,38 @@
 """Rules every kernel shares: integer rounding, frame-aligned pages, supported dtypes, input-check
-helpers, the masked-logit value, the online-softmax step of the Pallas attention kernels and the
-base-2 softmax constant of the GPU kernels.
+helpers, the value-check rule, the masked-logit value, the online-softmax step of the Pallas
+attention kernels and the base-2 softmax constant of the GPU kernels.
 
 A frame of ``tokens_per_frame`` tokens takes ``pages_per_frame(tokens_per_frame, block_size)``
 consecutive pages of ``block_size`` slots; its last page ends in padding slots.
+
+Value checks (page ids, lengths, a layer given as an array) follow one rule in both kernels, set by
+their ``validate=`` argument (:data:`VALIDATE_MODES`, :func:`value_check_mode`):
+
+* ``validate=True`` (the default): an array whose values are on the host (:func:`is_concrete`: an
+  eager call's arrays, NumPy arrays, constants closed over by a jitted function) is checked there
+  before anything runs, so a refused call raises ``ValueError`` and changes nothing. A traced array
+  (under ``jit``, ``vmap``, ``shard_map``, ``scan``) is not checked and the compiled program gets
+  nothing added.
+* ``validate=False``: no value is checked (the switch for eager hot loops, where the host check
+  costs a device-to-host copy and a sync per call).
+* ``validate="checkify"``: as ``True``, and traced arrays are checked inside the program with
+  ``jax.experimental.checkify.check``; run the caller under ``checkify.checkify``
+  (``err, out = checkify.checkify(jax.jit(step))(...)``, then ``err.throw()``), which refuses to
+  stage such checks otherwise.
+
+Static arguments (a Python-int ``layer``, ``tokens_per_frame``, ``scale``, tiles, shapes, dtypes)
+are checked on every call whatever ``validate`` says.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.experimental import checkify
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 """Pool and activation dtypes every kernel and backend accepts."""
@@ -52,11 +73,42 @@ def pages_per_frame(tokens_per_frame: int, block_size: int) -> int:
 
 
 def check_rank(name: str, x, rank: int, layout: str = "") -> None:
-    """Raises ``ValueError`` unless ``x`` has a ``shape`` of ``rank`` dimensions."""
-    if not hasattr(x, "shape") or len(x.shape) != rank:
-        got = getattr(x, "shape", type(x).__name__)
+    """Raises ``TypeError`` unless ``x`` is an array (anything with a ``shape`` and a ``dtype``:
+    jax or NumPy arrays, tracers, ``ShapeDtypeStruct`` s) and ``ValueError`` unless it has ``rank``
+    dimensions."""
+    if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+        raise TypeError(f"{name} must be an array (jax or NumPy), got {type(x).__name__}")
+    if len(x.shape) != rank:
         layout = f" {layout}" if layout else ""
-        raise ValueError(f"{name} must have rank {rank}{layout}, got shape {got}")
+        raise ValueError(f"{name} must have rank {rank}{layout}, got shape {x.shape}")
+
+
+def as_index_array(name: str, x):
+    """``x`` itself if it is an array (jax or NumPy, a tracer, a ``ShapeDtypeStruct``); a Python
+    list, tuple or int of integers as an int32 jax array.
+
+    Raises:
+      TypeError: ``x`` is neither an array nor a rectangular nesting of integers (floats, bools,
+        strings, ``None``, ragged lists).
+      ValueError: an entry of the list does not fit in int32.
+    """
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+        return x
+    if not isinstance(x, (list, tuple, int, np.integer)) or isinstance(x, bool):
+        raise TypeError(f"{name} must be an integer array (int32) or a list of ints, got "
+                        f"{type(x).__name__}")
+    try:
+        values = np.asarray(x)
+    except ValueError:  # Ragged nesting.
+        raise TypeError(f"{name} must be a rectangular list of ints, got a ragged "
+                        f"{type(x).__name__}") from None
+    if values.size and not np.issubdtype(values.dtype, np.integer):
+        raise TypeError(f"{name} must be a list of ints, got a {type(x).__name__} of "
+                        f"{values.dtype} values")
+    info = np.iinfo(np.int32)
+    check_entries("host", name, values, lambda v: (v < info.min) | (v > info.max),
+                  "does not fit in int32")
+    return jnp.asarray(values, jnp.int32)
 
 
 def check_supported_dtype(what: str, dtype) -> None:
@@ -64,6 +116,83 @@ def check_supported_dtype(what: str, dtype) -> None:
     if jnp.dtype(dtype) not in SUPPORTED_DTYPES:
         raise ValueError(f"{what} must be one of {[d.name for d in SUPPORTED_DTYPES]}, "
                          f"got {jnp.dtype(dtype).name}")
+
+
+# ------------------------------------------------------------------------------------------------
+# Value checks (see the module docstring): the rule both kernels follow
+# ------------------------------------------------------------------------------------------------
+
+VALIDATE_MODES = (True, False, "checkify")
+"""The values of the kernels' ``validate=`` argument (the module docstring says what each does)."""
+
+
+def check_validate(validate) -> None:
+    """Raises ``ValueError`` unless ``validate`` is one of :data:`VALIDATE_MODES`."""
+    if not (isinstance(validate, (bool, np.bool_))
+            or (isinstance(validate, str) and validate == "checkify")):
+        raise ValueError(f"validate must be True, False or 'checkify', got {validate!r}")
+
+
+def is_concrete(x) -> bool:
+    """Whether the values of array ``x`` can be read on the host now: a NumPy array or scalar, or a
+    jax array that is neither a tracer nor spread over other processes (``ShapeDtypeStruct`` s and
+    tracers are not)."""
+    if isinstance(x, jax.core.Tracer):
+        return False
+    if isinstance(x, (np.ndarray, np.generic)):
+        return True
+    return isinstance(x, jax.Array) and getattr(x, "is_fully_addressable", True)
+
+
+def value_check_mode(validate, x) -> str | None:
+    """How the values of array ``x`` are checked under ``validate``: ``"host"`` (concrete ``x``,
+    ``validate`` not ``False``), ``"checkify"`` (traced ``x``, ``validate="checkify"``) or ``None``
+    (not checked)."""
+    if isinstance(validate, (bool, np.bool_)) and not validate:
+        return None
+    if is_concrete(x):
+        return "host"
+    return "checkify" if isinstance(validate, str) and validate == "checkify" else None
+
+
+def index_text(index) -> str:
+    """``[1, 2]`` for the index ``(1, 2)``; ``""`` for a scalar's ``()``."""
+    return f"[{', '.join(str(int(i)) for i in index)}]" if len(index) else ""
+
+
+def check_entries(mode: str | None, name: str, x, bad: Callable, reason: str) -> None:
+    """Refuses the first entry of array ``x`` that ``bad`` flags.
+
+    Args:
+      mode: from :func:`value_check_mode`: ``"host"`` reads ``x`` on the host and raises
+        ``ValueError`` (``"{name}[i, j]={value} {reason}"``); ``"checkify"`` emits a
+        ``checkify.check`` with the same message; ``None`` does nothing.
+      name: the parameter's name.
+      x: an integer array (for ``"host"`` concrete; a tracer raises
+        ``jax.errors.TracerArrayConversionError``).
+      bad: elementwise predicate built from operators only (``(v < 0) | (v >= n)``), so it runs
+        on NumPy and jax arrays alike.
+      reason: what is wrong and the allowed range, e.g. ``"is not a page id; allowed [0, 10)"``.
+    """
+    if mode is None:
+        return
+    if mode == "host":
+        values = np.asarray(x)
+        mask = np.asarray(bad(values))
+        if mask.any():
+            index = tuple(np.argwhere(mask)[0])
+            raise ValueError(f"{name}{index_text(index)}={values[index]} {reason}")
+        return
+    values = jnp.asarray(x)
+    if values.size == 0:
+        return
+    mask = bad(values)
+    first = jnp.argmax(mask.reshape(-1))
+    index = jnp.unravel_index(first, values.shape) if values.ndim else ()
+    where = f"[{', '.join(['{}'] * values.ndim)}]" if values.ndim else ""
+    reason = reason.replace("{", "{{").replace("}", "}}")
+    checkify.check(~jnp.any(mask), f"{name}{where}={{}} {reason}", *index,
+                   values.reshape(-1)[first])
 
 
 # ------------------------------------------------------------------------------------------------

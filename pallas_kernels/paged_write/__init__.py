@@ -19,12 +19,27 @@ page: it is never written. Every write is a whole-page copy (all layers and head
 once); pages
 not named in ``page_ids`` stay bit-identical.
 
-Skip semantics: an entry equal to 0 or outside ``[1, P)`` writes nothing (padding rows and failed
-allocations use 0), in every backend, eager or under ``jit``.
+Skip semantics: an entry equal to 0 (the null page) writes nothing; padding rows and failed
+allocations use 0, and 0 may repeat. Every other entry names a page in ``[1, P)`` written once per
+call.
 
-Validation: :func:`write_chunk` always runs :func:`static_validate_inputs` (shapes, dtypes; works
-on tracers). Eager callers that want skipped or repeated ids rejected call
-:func:`dynamic_validate_inputs` first.
+Validation (the rule of :mod:`pallas_kernels.common`, one ``validate=`` argument):
+
+* always, traced or not: :func:`static_validate_inputs` (shapes, dtypes, ``tokens_per_frame``);
+* concrete ``page_ids`` (an eager call, a NumPy array, a list, a constant closed over by a jitted
+  function), by default: :func:`check_page_ids` reads them on the host and refuses negative ids,
+  ids ``>= P`` and an id other than 0 named twice, before anything runs: a refused call raises
+  ``ValueError`` and leaves the pools as they were (valid, undonated, unchanged);
+* traced ``page_ids`` (under ``jit``, ``vmap``, ``shard_map``): not checked, nothing is added to the
+  compiled program. Every backend still skips ids outside ``[1, P)`` (never writes out of bounds);
+  a page named twice ends up holding one of its writes, or on TPU/GPU possibly a mix of them. Pass
+  ``validate="checkify"`` and run the jitted caller under ``jax.experimental.checkify``
+  (``err, out = checkify.checkify(jax.jit(step))(...)``, then ``err.throw()``) to have them
+  checked.
+
+``validate=False`` turns the value check off (eager hot loops: the host check costs a
+device-to-host copy and a sync per call); static checks still run. :func:`dynamic_validate_inputs`
+is a stricter host check (the null page refused too).
 
 In place: call it inside a jitted step that donates the pools,
 ``jax.jit(step, donate_argnums=(0, 1))``; the outputs then alias the pools and a write moves only
@@ -51,7 +66,7 @@ import functools
 import jax
 
 from pallas_kernels.backend import resolve_backend
-from pallas_kernels.common import pages_per_frame
+from pallas_kernels.common import as_index_array, check_validate, pages_per_frame
 from pallas_kernels.layout import pool_geometry
 from pallas_kernels.paged_write import gpu, tpu, xla, xla_gpu
 from pallas_kernels.paged_write.reference import (
@@ -59,11 +74,15 @@ from pallas_kernels.paged_write.reference import (
     valid_page_ids,
     write_chunk_reference,
 )
-from pallas_kernels.paged_write.validation import dynamic_validate_inputs, static_validate_inputs
+from pallas_kernels.paged_write.validation import (
+    check_page_ids,
+    dynamic_validate_inputs,
+    static_validate_inputs,
+)
 
 __all__ = [
-    "dynamic_validate_inputs", "pages_per_frame", "static_validate_inputs", "write_chunk",
-    "write_chunk_reference",
+    "check_page_ids", "dynamic_validate_inputs", "pages_per_frame", "static_validate_inputs",
+    "write_chunk", "write_chunk_reference",
 ]
 
 
@@ -76,6 +95,7 @@ def write_chunk(
     *,
     tokens_per_frame: int | None = None,
     backend: str = "auto",
+    validate: bool | str = True,
 ) -> tuple[jax.Array, jax.Array]:
     """Writes one chunk's K/V per row into the pages ``page_ids`` names, for all layers at once.
 
@@ -83,22 +103,32 @@ def write_chunk(
       k_pool, v_pool: ``[L, H, P, S, D]`` pools (:func:`pallas_kernels.layout.pool_shape`; fp32,
         bf16 or fp16), page 0 the null page.
       k_new, v_new: ``[L, R, F * T, H, D]``, the pools' dtype (no implicit cast: a mismatch raises).
-      page_ids: integer ``[R, F * ceil(T / S)]``; entry ``(r, f * ppf + j)`` is the physical page of
-        row ``r``, frame ``f``, page ``j`` of the frame. 0 or out of ``[1, P)`` skips; a page named
-        twice ends up holding one of its writes, or on TPU/GPU possibly a mix of them, and no other
-        page is touched.
+      page_ids: integer ``[R, F * ceil(T / S)]`` (a nested list of ints is taken as int32); entry
+        ``(r, f * ppf + j)`` is the physical page of row ``r``, frame ``f``, page ``j`` of the
+        frame, in ``[1, P)``, or 0 to skip. Unchecked (traced, or ``validate=False``), an id
+        outside ``[1, P)`` also skips and a page named twice ends up holding one of its writes, or
+        on TPU/GPU possibly a mix of them; no other page is touched.
       tokens_per_frame: ``T``; defaults to the block size ``S``.
       backend: a name from :data:`pallas_kernels.backend.BACKEND_NAMES`.
+      validate: the value check of ``page_ids`` (the module docstring): ``True`` checks concrete
+        ids on the host, ``False`` checks none, ``"checkify"`` also checks traced ids with
+        ``checkify.check`` (run under ``checkify.checkify``). Static arguments are checked
+        whatever it says.
 
     Returns:
       ``(k_pool, v_pool)`` with the named pages replaced (aliasing the inputs when donated).
 
     Raises:
-      ValueError: what :func:`static_validate_inputs` rejects. Skipped or repeated page ids are
-        not detected here (see :func:`dynamic_validate_inputs`).
+      ValueError: what :func:`static_validate_inputs` rejects; with ``validate`` not ``False``,
+        concrete page ids that are negative, ``>= P`` or repeated (other than 0). Nothing is
+        written or donated then.
+      TypeError: an input that is not an array (``page_ids`` may be a list of ints).
     """
+    page_ids = as_index_array("page_ids", page_ids)
+    check_validate(validate)
     tokens_per_frame = static_validate_inputs(k_pool, v_pool, k_new, v_new, page_ids,
                                               tokens_per_frame=tokens_per_frame, backend=backend)
+    check_page_ids(page_ids, pool_geometry(k_pool).num_pages, validate=validate)
     return _write_chunk_jit(k_pool, v_pool, k_new, v_new, page_ids,
                             tokens_per_frame=tokens_per_frame,
                             backend_name=resolve_backend(backend).name)

@@ -16,7 +16,7 @@ Semantics (those of :mod:`pallas_kernels.paged_write`, on this layout): entry ``
 names the page that receives tokens ``[j * S, min((j + 1) * S, T))`` of frame ``f`` of row ``r``,
 for every layer and head at once; a frame's last page is zero-padded. An id of 0 (the null page) or
 outside ``[1, P)`` writes nothing. Pages not named stay bit-identical. A page named twice holds one
-of the writes or a mix of them (``dynamic_validate_inputs`` rejects repeated ids). The dispatcher
+of the writes or a mix of them (``write_chunk`` refuses repeated concrete ids). The dispatcher
 (:func:`pallas_kernels.paged_write.write_chunk`) validates and calls :func:`write_chunk`; the
 compiled kernel needs a block size that is a multiple of 8
 (:func:`pallas_kernels.layout.check_tpu_block_size`).

@@ -2,19 +2,30 @@
 
 :func:`static_validate_inputs` checks what is known at trace time (backend name, ranks, shapes,
 dtypes, frame size); ``write_chunk`` always calls it, and it accepts tracers and
-``jax.ShapeDtypeStruct`` s. :func:`dynamic_validate_inputs` also checks the page ids' values; it
-needs concrete ids, so eager callers call it themselves. Every error is a ``ValueError`` that names
-the parameter, the bad value and the allowed range.
+``jax.ShapeDtypeStruct`` s. :func:`check_page_ids` checks the page ids' values under the
+value-check rule of :mod:`pallas_kernels.common` (``validate=``); ``write_chunk`` calls it after
+the static checks. :func:`dynamic_validate_inputs` is the static checks plus a stricter value check
+on the host (no null page either). Every error is a ``ValueError`` (``TypeError`` for a non-array
+argument) that names the parameter, the bad value and the allowed range.
 """
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import checkify
 
 from pallas_kernels.backend import resolve_backend
-from pallas_kernels.common import check_rank, check_supported_dtype, pages_per_frame
-from pallas_kernels.layout import check_tpu_block_size, pool_geometry
+from pallas_kernels.common import (
+    check_entries,
+    check_rank,
+    check_supported_dtype,
+    check_validate,
+    index_text,
+    pages_per_frame,
+    value_check_mode,
+)
+from pallas_kernels.layout import PAGE_AXIS, check_tpu_block_size, pool_geometry
 
 
 def static_validate_inputs(k_pool, v_pool, k_new, v_new, page_ids, *, tokens_per_frame=None,
@@ -30,6 +41,8 @@ def static_validate_inputs(k_pool, v_pool, k_new, v_new, page_ids, *, tokens_per
       ValueError: an unknown backend; bad ranks, shapes or dtypes; a ``tokens_per_frame`` that is
         not a positive int or does not divide the chunk; ``page_ids`` not ``[rows, num_frames *
         pages_per_frame]`` integers.
+      TypeError: an input that is not an array (``write_chunk`` itself takes ``page_ids`` as a list
+        of ints).
     """
     resolved = resolve_backend(backend)
     for name, x in (("k_pool", k_pool), ("v_pool", v_pool), ("k_new", k_new), ("v_new", v_new)):
@@ -67,6 +80,8 @@ def static_validate_inputs(k_pool, v_pool, k_new, v_new, page_ids, *, tokens_per
                          f"tokens_per_frame={tokens_per_frame}")
     ppf = pages_per_frame(int(tokens_per_frame), block_size)
     expected = (rows, tokens // tokens_per_frame * ppf)
+    if not (hasattr(page_ids, "shape") and hasattr(page_ids, "dtype")):
+        raise TypeError(f"page_ids must be an integer array (int32), got {type(page_ids).__name__}")
     if jnp.ndim(page_ids) != 2 or tuple(jnp.shape(page_ids)) != expected:
         raise ValueError(f"page_ids must have shape [rows, num_frames * pages_per_frame] = "
                          f"{list(expected)} (tokens_per_frame={tokens_per_frame}, block_size="
@@ -78,26 +93,63 @@ def static_validate_inputs(k_pool, v_pool, k_new, v_new, page_ids, *, tokens_per
 
 def dynamic_validate_inputs(k_pool, v_pool, k_new, v_new, page_ids, *, tokens_per_frame=None,
                             backend="auto") -> None:
-    """:func:`static_validate_inputs`, then the page ids: each in ``[1, num_pages)`` (not the null
-    page) and none repeated.
+    """:func:`static_validate_inputs`, then the page ids read on the host: each in
+    ``[1, num_pages)`` (not even the null page) and none repeated.
 
-    ``page_ids`` must be concrete (not traced). ``write_chunk`` itself does not check them: it
-    skips 0 and ids outside ``[1, num_pages)``, and a page named twice ends up holding one of its
-    writes (or on TPU/GPU possibly a mix of them).
+    ``page_ids`` must be concrete (a tracer raises ``jax.errors.TracerArrayConversionError``).
+    Stricter than the check ``write_chunk`` runs by default (:func:`check_page_ids`), which lets 0
+    stand for "skip" (padding rows, failed allocations).
 
     Raises:
       ValueError: as :func:`static_validate_inputs`, or a page id out of range or repeated.
     """
     static_validate_inputs(k_pool, v_pool, k_new, v_new, page_ids,
                            tokens_per_frame=tokens_per_frame, backend=backend)
-    num_pages = pool_geometry(k_pool).num_pages
-    flat = np.asarray(page_ids).reshape(-1)
-    bad = flat[(flat < 1) | (flat >= num_pages)]
-    if bad.size:
-        what = "the null page 0" if bad[0] == 0 else f"page id {int(bad[0])}"
-        raise ValueError(f"page_ids contains {what}; allowed page ids are [1, {num_pages}) "
-                         f"(0 is the null page; write_chunk skips ids outside this range)")
-    values, counts = np.unique(flat, return_counts=True)
-    if (counts > 1).any():
-        raise ValueError(f"page_ids repeats page {int(values[counts > 1][0])}; each page may be "
-                         f"written once per call (allowed page ids are [1, {num_pages}))")
+    _check_ids(page_ids, pool_geometry(k_pool).num_pages, "host", allow_null=False)
+
+
+def check_page_ids(page_ids, num_pages: int, *, validate=True) -> None:
+    """The value check of ``write_chunk``'s ``page_ids`` for a pool of ``num_pages`` pages, under
+    the rule of :mod:`pallas_kernels.common`: every id in ``[0, num_pages)`` and no id but the null
+    page 0 (skip) named twice in the call. Checked on the host if ``page_ids`` is concrete (unless
+    ``validate=False``), with ``checkify.check`` if it is traced and ``validate="checkify"``, else
+    not at all.
+
+    Raises:
+      ValueError: ``validate`` is not ``True``, ``False`` or ``"checkify"``; a concrete id out of
+        range or repeated.
+    """
+    check_validate(validate)
+    _check_ids(page_ids, num_pages, value_check_mode(validate, page_ids), allow_null=True)
+
+
+def _check_ids(page_ids, num_pages: int, mode: str | None, *, allow_null: bool) -> None:
+    if mode is None:
+        return
+    low = 0 if allow_null else 1
+    null = " (0, the null page, skips)" if allow_null else " (0 is the null page)"
+    check_entries(mode, "page_ids", page_ids, lambda v: (v < low) | (v >= num_pages),
+                  f"is not a {'' if allow_null else 'writable '}page id; allowed [{low}, {num_pages}){null}; "
+                  f"k_pool.shape[{PAGE_AXIS}]={num_pages}")
+    reason = ("a page may be written at most once per call"
+              + (" (only the null page 0 may repeat)" if allow_null else ""))
+    host = mode == "host"
+    flat = (np.asarray(page_ids) if host else jnp.asarray(page_ids)).reshape(-1)
+    if flat.shape[0] < 2:
+        return
+    shape = tuple(page_ids.shape)
+    # Sorted stably, a repeated id sits next to its earlier occurrence.
+    order = np.argsort(flat, kind="stable") if host else jnp.argsort(flat, stable=True)
+    ranked = flat[order]
+    repeat = (ranked[1:] == ranked[:-1]) & (ranked[1:] != 0)
+    if host:
+        if repeat.any():
+            i = int(np.argmax(repeat))
+            first, again = np.unravel_index(order[i], shape), np.unravel_index(order[i + 1], shape)
+            raise ValueError(f"page_ids{index_text(again)}={flat[order[i + 1]]} repeats "
+                             f"page_ids{index_text(first)}; {reason}")
+        return
+    i = jnp.argmax(repeat)
+    first, again = jnp.unravel_index(order[i], shape), jnp.unravel_index(order[i + 1], shape)
+    checkify.check(~jnp.any(repeat), "page_ids[{}, {}]={} repeats page_ids[{}, {}]; " + reason,
+                   *again, flat[order[i + 1]], *first)

@@ -15,7 +15,7 @@ updates are transposed to the head-major layout, chunk-sized). Why one scatter a
 - Skipped ids (0) are sent out of range (``P``) and dropped by ``mode="drop"``: no ``lax.cond`` with
   an identity branch (which copy insertion may answer with a copy of the pool).
 - ``unique_indices=True`` lets XLA:GPU store without atomics. Valid ids are distinct in a correct
-  call (:func:`~pallas_kernels.paged_write.dynamic_validate_inputs` rejects repeats); a page named
+  call (:func:`~pallas_kernels.paged_write.write_chunk` refuses repeated concrete ids); a page named
   twice under ``jit`` ends up holding one of its writes or a mix, the contract of ``write_chunk``.
   Each update is ``L * H`` runs of ``S * D`` contiguous elements.
 - The frame padding feeds the scatter's updates; XLA:GPU may fuse it into the scatter or

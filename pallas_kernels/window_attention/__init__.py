@@ -38,9 +38,24 @@ mask, so NaN in free or foreign pages, in frame padding or past a row's length c
 output. Page-list entries past the last page holding a valid token are replaced by the layer's null
 page before any read, and the Pallas kernels do not visit pages past it.
 
-Validation: :func:`window_attention` always runs :func:`static_validate_inputs` (shapes, dtypes,
-tiles; works on tracers). Values (page ids, lengths, layer) are not checked by the kernel: eager
-callers that want them checked call :func:`dynamic_validate_inputs` first.
+Validation (the rule of :mod:`pallas_kernels.common`, one ``validate=`` argument):
+
+* always, traced or not: :func:`static_validate_inputs` (shapes, dtypes, tiles, ``scale``,
+  ``tokens_per_frame``, and a Python-int ``layer`` in ``[0, num_layers)``);
+* concrete values (an eager call; NumPy arrays; constants closed over by a jitted function), by
+  default: :func:`check_values` reads ``pages``, ``lengths`` and an array ``layer`` on the host and
+  refuses ids outside ``[0, num_pages)``, lengths outside ``[0, capacity]`` and a layer outside
+  ``[0, num_layers)`` (the same checks as :func:`dynamic_validate_inputs`);
+* traced values (under ``jit``, ``vmap``, ``shard_map``, ``scan``): not checked, nothing is added to
+  the compiled program. The kernel reads only the null page past a row's visible pages and masks
+  every slot at or past a row's length (a length past the capacity counts as the capacity), but a
+  page id or layer out of range reads some other page of the pools (which one depends on the
+  backend; it may hold another session's K/V). Pass ``validate="checkify"`` and run the jitted
+  caller under ``jax.experimental.checkify`` (``err, out = checkify.checkify(jax.jit(step))(...)``,
+  then ``err.throw()``) to have them checked.
+
+``validate=False`` turns the value checks off (eager hot loops: the host check costs a
+device-to-host copy and a sync per call); static checks still run.
 
 Backends (``backend=``, see :mod:`pallas_kernels.backend`, which also gives what ``"auto"``
 picks), one module each: ``xla`` (:mod:`~pallas_kernels.window_attention.xla`, the CPU default),
@@ -60,6 +75,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from pallas_kernels.backend import resolve_backend
+from pallas_kernels.common import as_index_array, check_validate
 from pallas_kernels.window_attention import cudnn_gather, gpu, mosaic_gpu, tpu, tpu_gather, xla
 from pallas_kernels.window_attention.geometry import (
     WindowGeometry,
@@ -70,20 +86,21 @@ from pallas_kernels.window_attention.geometry import (
 )
 from pallas_kernels.window_attention.reference import window_attention_reference
 from pallas_kernels.window_attention.validation import (
+    check_values,
     dynamic_validate_inputs,
     static_validate_inputs,
 )
 
 __all__ = [
-    "WindowGeometry", "dynamic_validate_inputs", "history_capacity", "history_slot_valid",
-    "layer_page_table", "static_validate_inputs", "visible_page_count", "window_attention",
-    "window_attention_reference",
+    "WindowGeometry", "check_values", "dynamic_validate_inputs", "history_capacity",
+    "history_slot_valid", "layer_page_table", "static_validate_inputs", "visible_page_count",
+    "window_attention", "window_attention_reference",
 ]
 
 
 def window_attention(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, layer=0, extra_k=None,
                      extra_v=None, scale=None, tokens_per_frame=None, backend="auto",
-                     block_q=None, block_k=None):
+                     block_q=None, block_k=None, validate=True):
     """Attention of the current chunk over its visible history pages, itself and extra tokens.
 
     Args:
@@ -92,9 +109,12 @@ def window_attention(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, layer=0
       k_pool, v_pool: ``[num_layers, kv_heads, num_pages, block_size, head_dim]`` paged pools
         (:func:`pallas_kernels.layout.pool_shape`; read only; page 0 is the null page).
       pages: int ``[rows, max_pages]`` each row's page list (frame after frame, unused entries 0),
-        ids in ``[0, num_pages)``.
-      lengths: int ``[rows]`` valid history tokens per row, in ``[0, capacity]``.
-      layer: int scalar, possibly traced: the pool layer to read, in ``[0, num_layers)``.
+        ids in ``[0, num_pages)``; a nested list of ints is taken as int32.
+      lengths: int ``[rows]`` valid history tokens per row, in ``[0, capacity]``; a list of ints is
+        taken as int32.
+      layer: int scalar, possibly traced: the pool layer to read, in ``[0, num_layers)``. A Python
+        int is static (its range is checked on every call); an int array is a value (checked as
+        ``pages`` is).
       extra_k, extra_v: optional ``[rows, num_extra, kv_heads, head_dim]`` register tokens (both or
         neither).
       scale: softmax scale; defaults to ``head_dim ** -0.5``.
@@ -106,19 +126,30 @@ def window_attention(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, layer=0
       block_k: key tile in tokens: Triton key block (power of two in [16, 256], default 64), TPU
         history keys per DMA block (a multiple of 8, default tuned; history pages are always whole
         pages on TPU) or Mosaic GPU key tile (a multiple of 64 dividing ``block_size``, default 128
-        where it divides). Unused by ``xla``, ``cudnn_gather*`` and ``pallas_tpu_gather*``.
+        where it divides). Unused by ``xla``, ``cudnn_gather*`` and ``pallas_tpu_gather*`` (there
+        still ``None`` or a positive int).
+      validate: the value checks of ``pages``, ``lengths`` and an array ``layer`` (the module
+        docstring): ``True`` checks concrete values on the host, ``False`` checks none,
+        ``"checkify"`` also checks traced ones with ``checkify.check`` (run under
+        ``checkify.checkify``). Static arguments are checked whatever it says.
 
     Returns:
       ``[rows, q_len, num_q_heads, head_dim]`` in ``q``'s dtype.
 
     Raises:
-      ValueError: what :func:`static_validate_inputs` rejects. Out-of-range values of ``pages``,
-        ``lengths`` or ``layer`` are not detected here (see :func:`dynamic_validate_inputs`).
+      ValueError: what :func:`static_validate_inputs` rejects; with ``validate`` not ``False``, a
+        concrete page id, length or array layer out of its range (nothing is computed).
+      TypeError: an input that is not an array (``pages``/``lengths`` may be lists of ints), a
+        non-integer ``layer``.
     """
+    pages = as_index_array("pages", pages)
+    lengths = as_index_array("lengths", lengths)
+    check_validate(validate)
     geom = static_validate_inputs(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, layer=layer,
                                   extra_k=extra_k, extra_v=extra_v, scale=scale,
                                   tokens_per_frame=tokens_per_frame, backend=backend,
                                   block_q=block_q, block_k=block_k)
+    check_values(geom, pages, lengths, layer, validate=validate)
     resolved = resolve_backend(backend, dtype=q.dtype, head_dim=geom.head_dim)
     scale = geom.head_dim ** -0.5 if scale is None else float(scale)
     layer = jnp.asarray(layer, jnp.int32)

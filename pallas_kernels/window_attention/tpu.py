@@ -228,8 +228,8 @@ def window_attention(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, layer=0
     Raises:
       ValueError: what :func:`~pallas_kernels.window_attention.validation.check_arrays` rejects;
         a bad scale, generation or tile; a block size that is not a multiple of 8 (compiled only);
-        a tiling whose VMEM estimate exceeds the generation's budget. Values (page ids, lengths,
-        layer) are not checked (``dynamic_validate_inputs`` does).
+        a tiling whose VMEM estimate exceeds the generation's budget; an int ``layer`` out of
+        range. Page ids, lengths and array layers are checked by the public ``window_attention``.
     """
     geom = check_arrays(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, layer=layer,
                         extra_k=extra_k, extra_v=extra_v, tokens_per_frame=tokens_per_frame)

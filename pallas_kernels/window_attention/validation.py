@@ -1,21 +1,32 @@
 """Input validation of :func:`pallas_kernels.window_attention.window_attention`.
 
 :func:`static_validate_inputs` checks what is known at trace time (ranks, shapes, dtypes, head
-counts, frame size, scale, backend name and tiles); ``window_attention`` always calls it, and it
-accepts tracers and ``jax.ShapeDtypeStruct`` s. :func:`dynamic_validate_inputs` also checks the
-values (page ids, lengths, layer); it needs concrete arrays, so eager callers call it themselves.
-Every error is a ``ValueError`` that names the parameter, the bad value and the allowed range.
+counts, frame size, a Python-int ``layer``'s range, scale, backend name and tiles);
+``window_attention`` always calls it, and it accepts tracers and ``jax.ShapeDtypeStruct`` s.
+:func:`check_values` checks the values (page ids, lengths, a layer given as an array) under the
+value-check rule of :mod:`pallas_kernels.common` (``validate=``); ``window_attention`` calls it
+after the static checks. :func:`dynamic_validate_inputs` is both, with every value read on the
+host. Every error is a ``ValueError`` (``TypeError`` for a non-array or non-integer argument) that
+names the parameter, the bad value and the allowed range.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.backend import CUDNN_DTYPES, cudnn_supports, resolve_backend
-from pallas_kernels.common import check_rank, check_supported_dtype, is_power_of_two
+from pallas_kernels.common import (
+    check_entries,
+    check_rank,
+    check_supported_dtype,
+    check_validate,
+    is_power_of_two,
+    value_check_mode,
+)
 from pallas_kernels.layout import PAGE_AXIS, POOL_LAYOUT, check_tpu_block_size, pool_geometry, pool_shape
 from pallas_kernels.window_attention import mosaic_gpu
 from pallas_kernels.window_attention.geometry import WindowGeometry
@@ -41,18 +52,26 @@ def static_validate_inputs(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, l
       ``None`` or 64, ``block_k`` (the key tile) a multiple of 64 dividing ``block_size``, and the
       tiling's shared memory within one CTA's.
 
+    On every backend ``block_q`` and ``block_k`` are ``None`` or positive ints (static tile sizes,
+    never traced), also where the backend does not use them.
+
     Returns:
       the call's :class:`WindowGeometry`.
 
     Raises:
-      ValueError: a bad rank, shape, dtype, head count, frame size, layer rank, scale, backend name
-        or tile size.
+      ValueError: a bad rank, shape, dtype, head count, frame size, layer rank, a Python-int
+        ``layer`` out of ``[0, num_layers)``, scale, backend name or tile size.
+      TypeError: a non-array input or a ``layer`` that is not an integer.
     """
     geom = check_arrays(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, layer=layer,
                         extra_k=extra_k, extra_v=extra_v, tokens_per_frame=tokens_per_frame)
     resolved = resolve_backend(backend, dtype=q.dtype, head_dim=geom.head_dim)
     if scale is not None:
         _check_scale(scale)
+    for name, tile in (("block_q", block_q), ("block_k", block_k)):
+        if tile is not None and (isinstance(tile, bool) or not isinstance(tile, (int, np.integer))
+                                 or tile < 1):
+            raise ValueError(f"{name}={tile!r} must be None or a positive int (a static tile size)")
     if resolved.kind == "pallas_gpu":
         _check_gpu_tile("block_q", block_q)
         _check_gpu_head_dim(geom.head_dim)
@@ -104,12 +123,13 @@ def check_mosaic_tiling(geom: WindowGeometry, dtype, block_q, block_kv, stages: 
 def dynamic_validate_inputs(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, layer=0,
                             extra_k=None, extra_v=None, scale=None, tokens_per_frame=None,
                             backend="auto", block_q=None, block_k=None) -> None:
-    """:func:`static_validate_inputs`, then the values: ``layer`` in ``[0, num_layers)``, every
-    ``pages`` entry in ``[0, num_pages)``, every length in ``[0, capacity]``.
+    """:func:`static_validate_inputs`, then the values read on the host: ``layer`` in
+    ``[0, num_layers)``, every ``pages`` entry in ``[0, num_pages)``, every length in
+    ``[0, capacity]``.
 
-    ``layer``, ``pages`` and ``lengths`` must be concrete (not traced). Inside ``jit`` the kernel
-    does not check them: it reads only the null page past a row's visible pages and masks every
-    slot at or past a row's length.
+    ``layer``, ``pages`` and ``lengths`` must be concrete (a tracer raises
+    ``jax.errors.TracerArrayConversionError``). It is the check ``window_attention`` runs by default
+    on concrete values (``validate=True``); for traced ones see :func:`check_values`.
 
     Raises:
       ValueError: as :func:`static_validate_inputs`, or a value out of its range.
@@ -118,24 +138,34 @@ def dynamic_validate_inputs(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, 
                                   extra_k=extra_k, extra_v=extra_v, scale=scale,
                                   tokens_per_frame=tokens_per_frame, backend=backend,
                                   block_q=block_q, block_k=block_k)
-    layer_value = int(np.asarray(layer))
-    if not 0 <= layer_value < geom.num_layers:
-        raise ValueError(f"layer={layer_value} is out of range; allowed [0, {geom.num_layers}) "
-                         "(k_pool.shape[0])")
-    table = np.asarray(pages)
-    bad = np.argwhere((table < 0) | (table >= geom.num_pages))
-    if bad.size:
-        r, s = bad[0]
-        raise ValueError(f"pages[{r}, {s}]={table[r, s]} is not a page id; allowed "
-                         f"[0, {geom.num_pages}) (k_pool.shape[{PAGE_AXIS}])")
-    lens = np.asarray(lengths)
-    bad = np.flatnonzero((lens < 0) | (lens > geom.capacity))
-    if bad.size:
-        r = bad[0]
-        raise ValueError(
-            f"lengths[{r}]={lens[r]} is out of range; allowed [0, {geom.capacity}] (the "
-            f"capacity of {geom.max_pages} pages of {geom.block_size} slots at "
-            f"tokens_per_frame={geom.tokens_per_frame})")
+    _check_values(geom, pages, lengths, layer, lambda _: "host")
+
+
+def check_values(geom: WindowGeometry, pages, lengths, layer, *, validate=True) -> None:
+    """The value checks of a call with geometry ``geom`` (from :func:`static_validate_inputs`),
+    under the rule of :mod:`pallas_kernels.common`: ``layer`` (an array; a Python int was checked
+    statically) in ``[0, num_layers)``, ``pages`` entries in ``[0, num_pages)``, ``lengths`` in
+    ``[0, capacity]``. Each array is checked on the host if concrete (unless ``validate=False``),
+    with ``checkify.check`` if traced and ``validate="checkify"``, else not at all.
+
+    Raises:
+      ValueError: ``validate`` is not ``True``, ``False`` or ``"checkify"``; a concrete value out of
+        its range.
+    """
+    check_validate(validate)
+    _check_values(geom, pages, lengths, layer, functools.partial(value_check_mode, validate))
+
+
+def _check_values(geom: WindowGeometry, pages, lengths, layer, mode_of) -> None:
+    if not isinstance(layer, (int, np.integer)):  # A Python int: checked by check_arrays.
+        check_entries(mode_of(layer), "layer", layer, lambda v: (v < 0) | (v >= geom.num_layers),
+                      f"is out of range; allowed [0, {geom.num_layers}) (k_pool.shape[0])")
+    check_entries(mode_of(pages), "pages", pages, lambda v: (v < 0) | (v >= geom.num_pages),
+                  f"is not a page id; allowed [0, {geom.num_pages}) (k_pool.shape[{PAGE_AXIS}])")
+    check_entries(mode_of(lengths), "lengths", lengths, lambda v: (v < 0) | (v > geom.capacity),
+                  f"is out of range; allowed [0, {geom.capacity}] (the capacity of "
+                  f"{geom.max_pages} pages of {geom.block_size} slots at "
+                  f"tokens_per_frame={geom.tokens_per_frame})")
 
 
 def check_arrays(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, layer=0, extra_k=None,
@@ -143,8 +173,9 @@ def check_arrays(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, layer=0, ex
     """The array part of :func:`static_validate_inputs` (no backend options); returns the geometry.
 
     Raises:
-      ValueError: a bad rank, shape, dtype, head count, frame size or layer rank.
-      TypeError: a ``layer`` that is not an integer (``1.9``, ``True``).
+      ValueError: a bad rank, shape, dtype, head count, frame size or layer rank; a Python-int
+        ``layer`` out of ``[0, num_layers)``.
+      TypeError: a non-array input; a ``layer`` that is not an integer (``1.9``, ``True``).
     """
     geom = _check_shapes(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, extra_k, extra_v,
                          tokens_per_frame)
@@ -155,6 +186,9 @@ def check_arrays(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, layer=0, ex
         raise TypeError(f"layer must be an integer scalar (it may be traced), got {layer!r}")
     if jnp.ndim(layer) != 0:
         raise ValueError(f"layer must be an int scalar, got shape {jnp.shape(layer)}")
+    if isinstance(layer, (int, np.integer)) and not 0 <= layer < geom.num_layers:
+        raise ValueError(f"layer={int(layer)} is out of range; allowed [0, {geom.num_layers}) "
+                         "(k_pool.shape[0])")
     return geom
 
 
@@ -250,7 +284,9 @@ def _check_gpu_head_dim(head_dim: int) -> None:
 
 
 def _same_shape(name, x, ref_name, ref) -> None:
-    if not hasattr(x, "shape") or tuple(x.shape) != tuple(ref.shape):
+    if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+        raise TypeError(f"{name} must be an array (jax or NumPy), got {type(x).__name__}")
+    if tuple(x.shape) != tuple(ref.shape):
         raise ValueError(f"{name}.shape must equal {ref_name}.shape={tuple(ref.shape)}, got "
                          f"{getattr(x, 'shape', type(x).__name__)}")
 

@@ -371,6 +371,8 @@ STATIC_ERRORS = [
     (lambda c: dict(q=c["q"].astype(jnp.int32)), r"q.dtype must be one of"),
     (lambda c: dict(pages=c["pages"].astype(jnp.float32)), r"pages must be an integer array"),
     (lambda c: dict(layer=jnp.zeros((1,), jnp.int32)), r"layer must be an int scalar"),
+    (lambda c: dict(layer=LAYERS), r"layer=2 is out of range; allowed \[0, 2\)"),
+    (lambda c: dict(layer=-1), r"layer=-1 is out of range; allowed \[0, 2\)"),
     (lambda c: dict(tokens_per_frame=0), r"tokens_per_frame must be an int >= 1"),
     (lambda c: dict(extra_k=c["k_cur"][:, :3]), r"extra_k and extra_v must be given together"),
     (lambda c: dict(extra_k=c["k_cur"][:, :3], extra_v=c["v_cur"][:, :2]),
@@ -384,7 +386,7 @@ DYNAMIC_ERRORS = [
     (lambda c: dict(pages=c["pages"].at[0, 0].set(-1)), r"pages\[0, 0\]=-1 .* allowed \[0, 40\)"),
     (lambda c: dict(lengths=c["lengths"].at[1].set(49)), r"lengths\[1\]=49 .* allowed \[0, 48\]"),
     (lambda c: dict(lengths=c["lengths"].at[0].set(-2)), r"lengths\[0\]=-2 .* allowed \[0, 48\]"),
-    (lambda c: dict(layer=LAYERS), r"layer=2 is out of range; allowed \[0, 2\)"),
+    (lambda c: dict(layer=jnp.int32(LAYERS)), r"layer=2 is out of range; allowed \[0, 2\)"),
 ]
 
 
@@ -409,13 +411,17 @@ def test_a_layer_that_is_not_an_integer_is_refused(layer, validate):
 
 @pytest.mark.parametrize("change,message", DYNAMIC_ERRORS)
 def test_dynamic_validation_errors(change, message):
-    """Page ids, lengths and the layer out of range: only ``dynamic_validate_inputs`` checks values
-    (the static validation, and hence the kernel, accepts them)."""
+    """Page ids, lengths and an array layer out of range: refused by ``dynamic_validate_inputs``
+    and by an eager kernel call (its default value check), accepted by the static validation and
+    by the kernel with ``validate=False``."""
     case, _ = make_case(committed=(3, 1))
     bad = dict(case, **change(case))
     with pytest.raises(ValueError, match=message):
         dynamic_validate_inputs(**bad, backend="xla")
+    with pytest.raises(ValueError, match=message):
+        window_attention(**bad, backend="xla")
     static_validate_inputs(**bad, backend="xla")
+    window_attention(**bad, backend="xla", validate=False)
 
 
 def test_validation_of_valid_inputs():
@@ -448,12 +454,12 @@ def test_dynamic_validation_needs_concrete_values():
         jax.jit(lambda pages: dynamic_validate_inputs(**dict(case, pages=pages)))(case["pages"])
 
 
-def test_kernel_does_not_check_values():
-    """Eager and jitted calls behave alike: out-of-range lengths are masked to the capacity,
-    nothing raises (value checks are ``dynamic_validate_inputs``' job)."""
+def test_unchecked_lengths_are_masked_to_the_capacity():
+    """With the value check off (``validate=False``) an eager call behaves as a jitted one: a
+    length past the capacity is masked to the capacity, nothing raises."""
     case, _ = make_case(committed=(6, 6))
     too_long = dict(case, lengths=case["lengths"].at[0].set(10_000))
-    eager = window_attention(**too_long, backend="xla")
+    eager = window_attention(**too_long, backend="xla", validate=False)
     jitted = jax.jit(lambda lengths: window_attention(**dict(too_long, lengths=lengths),
                                                        backend="xla"))(too_long["lengths"])
     np.testing.assert_array_equal(eager, jitted)
