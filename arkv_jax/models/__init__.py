@@ -2,11 +2,13 @@
 umT5 text encoder and the streaming VAE decoder.
 
 ``init_random`` builds a random-weight DiT (tests, the demo); ``umt5.init_random`` and
-``vae.init_random`` do the same for the encoder and the decoder.
+``vae.init_random`` do the same for the encoder and the decoder. Every loader reads and checks its
+files with :mod:`arkv_jax.models.io`.
 """
 
-from arkv_jax.models.convert import CheckpointKeyError, config_from_json, official_key_map
+from arkv_jax.models.convert import config_from_json, official_key_map
 from arkv_jax.models.dit import MODEL_CONFIGS, PRECISIONS, CausalDiT, DiTConfig, init_random, prompt_embedding
+from arkv_jax.models.io import CheckpointKeyError
 from arkv_jax.models.loader import from_state_dict, load_wan, read_checkpoint
 from arkv_jax.models.umt5 import UMT5_CONFIGS, UMT5Encoder, UMT5EncoderConfig, encode_ids, encode_prompts, load_umt5
 from arkv_jax.models.vae import (

@@ -32,7 +32,9 @@ data is read, that every tensor is consumed and every parameter filled with the 
   ``W + (alpha / r) B A`` in float32 (:func:`merge_lora`) before conversion.
 
 Values may be NumPy arrays (memory-mapped safetensors views: nothing is read until a parameter is
-built), torch tensors (converted without a copy, bfloat16 included) or anything ``np.asarray`` takes.
+built), torch tensors (converted without a copy, bfloat16 included: :func:`arkv_jax.models.io.to_numpy`)
+or anything ``np.asarray`` takes. The key and shape check is :func:`arkv_jax.models.io.check_tensors`,
+the one every loader runs.
 """
 
 from __future__ import annotations
@@ -44,11 +46,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
-import ml_dtypes
 import numpy as np
-from flax import nnx
 
 from arkv_jax.models.dit import CausalDiT, DiTConfig
+from arkv_jax.models.io import CheckpointKeyError, abstract, check_tensors, listing, path_names, shape_of, to_numpy
 
 #: Transforms from a checkpoint tensor to (one layer of) a parameter.
 TRANSFORMS = ("linear", "copy", "patch", "modulation")
@@ -56,14 +57,6 @@ TRANSFORMS = ("linear", "copy", "patch", "modulation")
 #: Head dim of every Wan 2.1 model (1.3B: 12 x 128, 14B: 40 x 128), used to count heads when a
 #: checkpoint comes without a config.
 WAN_HEAD_DIM = 128
-
-
-class CheckpointKeyError(KeyError):
-    """A checkpoint's tensors do not match the model: some are missing or left over. A ``KeyError``
-    whose message reads as it is written."""
-
-    def __str__(self) -> str:
-        return str(self.args[0]) if self.args else ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,26 +145,6 @@ def is_diffusers_naming(keys: Iterable[str]) -> bool:
 # ------------------------------------------------------------------------------------------------
 # Host tensors
 # ------------------------------------------------------------------------------------------------
-
-
-def shape_of(value: Any) -> tuple[int, ...]:
-    """The shape of a NumPy array, torch tensor or array-like."""
-    return tuple(int(d) for d in (value.shape if hasattr(value, "shape") else np.shape(value)))
-
-
-def to_numpy(value: Any) -> np.ndarray:
-    """A NumPy view (no copy where possible) of an array, torch tensor (bfloat16 included, via
-    ``ml_dtypes``) or array-like."""
-    if isinstance(value, np.ndarray):
-        return value
-    if type(value).__module__.startswith("torch"):
-        import torch  # only reached with a torch tensor in hand
-
-        value = value.detach().cpu()
-        if value.dtype == torch.bfloat16:
-            return value.contiguous().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-        return value.numpy()
-    return np.asarray(value)
 
 
 def _transform(kind: str, w: np.ndarray) -> np.ndarray:
@@ -477,20 +450,10 @@ def config_from_shapes(shapes: Mapping[str, tuple[int, ...]], *, grid: tuple[int
 # ------------------------------------------------------------------------------------------------
 
 
-def path_names(path) -> tuple[str, ...]:
-    """The ``DictKey`` names of a pytree path into an ``nnx.State`` (``("blocks", "norm3", "scale")``)."""
-    return tuple(str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey))
-
-
-def abstract_model(config: DiTConfig) -> tuple[nnx.GraphDef, nnx.State]:
-    """``(graphdef, abstract state)`` of a :class:`CausalDiT`: shapes and dtypes (the precision
-    policy's), nothing allocated."""
-    return nnx.split(nnx.eval_shape(lambda: CausalDiT(config, rngs=nnx.Rngs(0))))
-
-
 def parameter_shapes(config: DiTConfig) -> dict[tuple[str, ...], jax.ShapeDtypeStruct]:
-    """Every parameter of a :class:`CausalDiT` by path, abstractly (``nnx.eval_shape``)."""
-    _, state = abstract_model(config)
+    """Every parameter of a :class:`CausalDiT` by path, abstractly (``nnx.eval_shape``): shapes
+    and dtypes (the precision policy's)."""
+    _, state = abstract(CausalDiT, config)
     return {path_names(p): jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
             for p, leaf in jax.tree_util.tree_leaves_with_path(state)}
 
@@ -515,12 +478,6 @@ class LeafPlan:
     @property
     def stacked(self) -> bool:
         return self.path[0] == "blocks"
-
-
-def _listing(names: Sequence[str], limit: int = 12) -> str:
-    names = sorted(names)
-    more = f" and {len(names) - limit} more" if len(names) > limit else ""
-    return ", ".join(names[:limit]) + more
 
 
 def _hint(unexpected: Sequence[str]) -> str:
@@ -549,16 +506,6 @@ def plan_conversion(shapes: Mapping[str, tuple[int, ...]], config: DiTConfig, *,
     """
     params = parameter_shapes(config) if params is None else params
     key_map = official_key_map(config.num_layers)
-    missing = [k for k in key_map if k not in shapes]
-    unexpected = [k for k in shapes if k not in key_map]
-    if missing or unexpected:
-        parts = []
-        if missing:
-            parts.append(f"{len(missing)} tensors the model needs are missing: {_listing(missing)}")
-        if unexpected:
-            parts.append(f"{len(unexpected)} tensors are left over (not parameters of a {config.num_layers}-block "
-                         f"Wan 2.1 T2V transformer){_hint(unexpected)}: {_listing(unexpected)}")
-        raise CheckpointKeyError(f"{source}: " + "; ".join(parts))
     by_path: dict[tuple[str, ...], list[tuple[int | None, str, str]]] = {}
     for key, target in key_map.items():
         by_path.setdefault(target.path, []).append((target.layer, key, target.transform))
@@ -566,25 +513,21 @@ def plan_conversion(shapes: Mapping[str, tuple[int, ...]], config: DiTConfig, *,
     unknown = [p for p in by_path if p not in params]
     if unfilled or unknown:
         raise CheckpointKeyError(f"{source}: the key map and the model disagree: parameters no tensor fills: "
-                                 f"{_listing(['/'.join(p) for p in unfilled])}; targets the model lacks: "
-                                 f"{_listing(['/'.join(p) for p in unknown])}")
-    plans, wrong = [], []
+                                 f"{listing(['/'.join(p) for p in unfilled])}; targets the model lacks: "
+                                 f"{listing(['/'.join(p) for p in unknown])}")
+    plans, expected = [], {}
     for path, leaf in params.items():
         entries = sorted(by_path[path], key=lambda e: -1 if e[0] is None else e[0])
         transform = entries[0][2]
         stacked = entries[0][0] is not None
         if stacked and len(entries) != leaf.shape[0]:
-            wrong.append(f"{'/'.join(path)}: {len(entries)} layers for a parameter of {leaf.shape[0]}")
-            continue
-        expected = _source_shape(transform, tuple(leaf.shape[1:] if stacked else leaf.shape), config)
-        for _, key, _ in entries:
-            if tuple(shapes[key]) != expected:
-                wrong.append(f"{key}: {list(shapes[key])}, expected {list(expected)}")
+            raise ValueError(f"{source}: {'/'.join(path)}: {len(entries)} layers for a parameter of {leaf.shape[0]}")
+        shape = _source_shape(transform, tuple(leaf.shape[1:] if stacked else leaf.shape), config)
+        expected.update((key, shape) for _, key, _ in entries)
         plans.append(LeafPlan(path, tuple(leaf.shape), np.dtype(leaf.dtype), tuple(k for _, k, _ in entries),
                               transform))
-    if wrong:
-        raise ValueError(f"{source}: {len(wrong)} tensors do not have the shape the model config needs "
-                         f"(a different model size? pass the matching config): {_listing(wrong, 8)}")
+    check_tensors(shapes, expected, source=source, model=f"a {config.num_layers}-block Wan 2.1 T2V transformer",
+                  hint=_hint)
     return plans
 
 

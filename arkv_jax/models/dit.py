@@ -56,6 +56,7 @@ from jax.sharding import PartitionSpec as P
 
 from arkv_jax import nnx as layers
 from arkv_jax.config import CacheGeometry, CrossAttentionSpec
+from arkv_jax.models import io
 
 Array = jax.Array
 
@@ -381,28 +382,18 @@ def tensor_parallel_specs(params: nnx.State, model_axis_size: int, axis: str = "
 
 
 def init_random(config: DiTConfig, seed: int = 0) -> CausalDiT:
-    """A :class:`CausalDiT` with random weights drawn on the host with NumPy (seeded, identical on
-    every machine): Linear kernels ``N(0, 1 / fan_in)``, biases 0, norm scales 1, modulation
-    offsets ``N(0, 1 / dim)`` as Wan initialises them.
-
-    The constructor's ``nnx.Rngs`` initialisers draw nearly the same (Flax's LeCun normal is a
-    truncated normal of the same variance) but cost seconds on XLA:CPU: compiling JAX's
-    random-number code for a model's parameters takes that long, and eager initialisation compiles
-    it once per parameter shape. The model structure still comes from the constructor (traced
-    abstractly with ``nnx.eval_shape``).
+    """A :class:`CausalDiT` with random weights drawn on the host with NumPy
+    (:func:`arkv_jax.models.io.init_random`: seeded, identical on every machine): Linear kernels
+    ``N(0, 1 / fan_in)``, biases 0, norm scales 1, modulation offsets ``N(0, 1 / dim)`` as Wan
+    initialises them. The constructor's ``nnx.Rngs`` initialisers draw nearly the same (Flax's
+    LeCun normal is a truncated normal of the same variance) but cost seconds on XLA:CPU.
     """
-    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: CausalDiT(config, rngs=nnx.Rngs(0))))
-    rng = np.random.default_rng(seed)
+    def draw(names: tuple[str, ...], shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+        if names[-1] == "bias":
+            return np.zeros(shape, np.float32)
+        if names[-1] == "scale":
+            return np.ones(shape, np.float32)
+        fan_in = shape[-2] if names[-1] == "kernel" else shape[-1]
+        return rng.standard_normal(shape, np.float32) / np.float32(math.sqrt(fan_in))
 
-    def draw(path, leaf: jax.ShapeDtypeStruct) -> Array:
-        name = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)][-1]
-        if name == "bias":
-            value = np.zeros(leaf.shape, np.float32)
-        elif name == "scale":
-            value = np.ones(leaf.shape, np.float32)
-        else:
-            fan_in = leaf.shape[-2] if name == "kernel" else leaf.shape[-1]
-            value = rng.standard_normal(leaf.shape, np.float32) / np.float32(math.sqrt(fan_in))
-        return jnp.asarray(value, leaf.dtype)
-
-    return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(draw, abstract))
+    return io.init_random(CausalDiT, config, draw, seed)

@@ -16,67 +16,51 @@ Formats (:func:`read_checkpoint`):
   any PEFT / kohya LoRA state dict in ``.pt`` or ``.safetensors``; merged as ``W + (alpha / r) B A``
   before conversion.
 
-Safetensors are read without torch or a copy: the header is parsed and every tensor is a read-only
-``np.memmap`` view (bfloat16 through ``ml_dtypes``, which ``safetensors.numpy`` cannot return), so a
-tensor is read from disk only when its parameter is built. Each parameter is then cast on the host to
+Files are read with :mod:`arkv_jax.models.io`, as every loader reads them. Safetensors are read
+without torch or a copy: the header is parsed and every tensor is a read-only ``np.memmap`` view
+(bfloat16 through ``ml_dtypes``, which ``safetensors.numpy`` cannot return), so a tensor is read from
+disk only when its parameter is built. Each parameter is then cast on the host to
 its dtype under the model's precision policy (:attr:`DiTConfig.precision`: bf16 matmul weights, the
 float32 islands in float32) and placed with ``jax.device_put``, on a mesh directly with its
 ``NamedSharding`` from :func:`arkv_jax.models.dit.tensor_parallel_specs` (each device receives only
 its shard; no full-precision or unsharded copy is made on any device), one parameter at a time.
 
 Checks: every tensor of the checkpoint is consumed and every parameter filled with the right shape,
-before any data is read (:func:`arkv_jax.models.convert.plan_conversion`); otherwise a
-``KeyError`` (missing / left over, both listed) or ``ValueError`` (shapes, malformed file) names the
-file. ``FileNotFoundError`` for a path that is not there.
+before any data is read (:func:`arkv_jax.models.convert.plan_conversion`, through
+:func:`arkv_jax.models.io.check_tensors`); otherwise a ``KeyError`` (missing / left over, both listed)
+or ``ValueError`` (shapes, malformed file) names the file and the tensors. ``FileNotFoundError``
+for a path that is not there.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
 import os
-import pickle
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import jax
-import ml_dtypes
-import numpy as np
-from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from arkv_jax.models.convert import (
-    LeafPlan,
-    LoraFactors,
-    abstract_model,
-    config_from_json,
-    convert_leaf,
-    lora_factors,
-    path_names,
-    prepare,
-)
+from arkv_jax.models.convert import LeafPlan, LoraFactors, config_from_json, convert_leaf, lora_factors, prepare
 from arkv_jax.models.dit import CausalDiT, DiTConfig, tensor_parallel_specs
-
-#: safetensors dtype names and their NumPy dtypes.
-SAFETENSORS_DTYPES: dict[str, np.dtype] = {
-    "F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
-    "BF16": np.dtype(ml_dtypes.bfloat16), "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
-    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2), "I64": np.dtype(np.int64), "I32": np.dtype(np.int32),
-    "I16": np.dtype(np.int16), "I8": np.dtype(np.int8), "U8": np.dtype(np.uint8), "BOOL": np.dtype(np.bool_),
-}
-
-#: File suffixes read as torch pickles.
-TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
+from arkv_jax.models.io import (
+    TORCH_SUFFIXES,
+    abstract,
+    build,
+    path_names,
+    read_json,
+    read_safetensors,
+    read_sharded_safetensors,
+    tensor_dict,
+    torch_load,
+    torch_state_dict,
+)
 
 #: Wan's 480x832 video: latent 60x104, patch 2.
 WAN_480P_GRID = (30, 52)
-
-_TORCH_HINT = ("reading a .pt checkpoint (Self-Forcing, CausVid, LongLive) needs PyTorch, which arkv-jax does "
-               "not install by default: pip install 'arkv-jax[torch]' (any CPU build of torch will do); "
-               "safetensors checkpoints (official Wan, diffusers) load without it")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,135 +83,6 @@ class Checkpoint:
 # ------------------------------------------------------------------------------------------------
 # Files
 # ------------------------------------------------------------------------------------------------
-
-
-def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
-    """``{name: read-only np.memmap view}`` of a ``.safetensors`` file (nothing read but its header).
-
-    Raises:
-      FileNotFoundError: no such file.
-      ValueError: not a well-formed safetensors file (names the file and what is wrong).
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"safetensors file {path} does not exist")
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise ValueError(f"{path}: not a safetensors file: {size} bytes, shorter than the 8-byte header length")
-        n = int.from_bytes(head, "little")
-        if n < 2 or 8 + n > size:
-            raise ValueError(f"{path}: not a safetensors file: header length {n} does not fit a {size}-byte file")
-        try:
-            header = json.loads(f.read(n))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ValueError(f"{path}: not a safetensors file: its header is not JSON ({exc})") from None
-    if not isinstance(header, dict):
-        raise ValueError(f"{path}: malformed safetensors header: a JSON {type(header).__name__}, expected an object")
-    header.pop("__metadata__", None)
-    data_size = size - 8 - n
-    data = np.memmap(path, np.uint8, "r", offset=8 + n) if data_size else np.zeros(0, np.uint8)
-    out = {}
-    for name, info in header.items():
-        try:
-            dtype = SAFETENSORS_DTYPES[info["dtype"]]
-            shape = tuple(int(d) for d in info["shape"])
-            begin, end = (int(o) for o in info["data_offsets"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"{path}: malformed safetensors entry {name!r}: {info!r} "
-                             f"({type(exc).__name__}: {exc}); expected dtype in {sorted(SAFETENSORS_DTYPES)}, "
-                             "shape and data_offsets") from None
-        if not 0 <= begin <= end <= data_size or end - begin != math.prod(shape) * dtype.itemsize:
-            raise ValueError(f"{path}: malformed safetensors entry {name!r}: bytes [{begin}, {end}) for "
-                             f"{info['dtype']} {list(shape)} in a {data_size}-byte data section (truncated file?)")
-        out[name] = data[begin:end].view(dtype).reshape(shape)
-    return out
-
-
-def read_sharded_safetensors(index: str | os.PathLike) -> dict[str, np.ndarray]:
-    """All tensors of the shards a ``*.safetensors.index.json`` lists (``weight_map``), lazily.
-
-    Raises:
-      FileNotFoundError: the index or a shard is not there.
-      ValueError: a malformed index, a tensor missing from the shard the index names, or a tensor in
-        two shards.
-    """
-    index = Path(index)
-    if not index.is_file():
-        raise FileNotFoundError(f"safetensors index {index} does not exist")
-    try:
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = sorted(set(weight_map.values()))
-    except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
-        raise ValueError(f"{index}: malformed safetensors index: expected JSON with a 'weight_map' of "
-                         f"tensor name -> shard file ({type(exc).__name__}: {exc})") from None
-    out: dict[str, np.ndarray] = {}
-    for file in files:
-        shard = index.parent / file
-        if not shard.is_file():
-            raise FileNotFoundError(f"{index}: lists shard {file}, which is not in {index.parent}")
-        tensors = read_safetensors(shard)
-        absent = [k for k, f in weight_map.items() if f == file and k not in tensors]
-        if absent:
-            raise ValueError(f"{index}: {len(absent)} tensors it places in {file} are not there: {sorted(absent)[:8]}")
-        twice = sorted(set(tensors) & set(out))
-        if twice:
-            raise ValueError(f"{index}: tensors in more than one shard: {twice[:8]}")
-        out.update(tensors)
-    return out
-
-
-def _import_torch():
-    try:
-        import torch
-    except ImportError as exc:
-        raise ImportError(_TORCH_HINT) from exc
-    return torch
-
-
-def torch_load(path: str | os.PathLike, *, allow_pickle: bool = False) -> Any:
-    """``torch.load`` on the CPU, memory-mapped where the file allows, ``weights_only`` unless
-    ``allow_pickle`` (only for files you trust: a pickle runs code).
-
-    Raises:
-      ImportError: no torch (the message names the extra).
-      FileNotFoundError: no such file.
-      ValueError: the file is not a torch checkpoint, or needs ``allow_pickle=True``.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"checkpoint {path} does not exist")
-    torch = _import_torch()
-    kw = dict(map_location="cpu", weights_only=not allow_pickle)
-    try:
-        try:
-            return torch.load(path, mmap=True, **kw)
-        except RuntimeError as exc:
-            if "mmap" not in str(exc) and "zip" not in str(exc).lower():
-                raise
-            return torch.load(path, **kw)  # the legacy (non-zip) format cannot be memory-mapped
-    except pickle.UnpicklingError as exc:
-        if allow_pickle:
-            raise ValueError(f"{path}: not a torch checkpoint ({exc})") from None
-        raise ValueError(f"{path}: torch.load(weights_only=True) refused it ({str(exc).splitlines()[0]}); "
-                         "if you trust the file, pass allow_pickle=True") from None
-    except (RuntimeError, EOFError, OSError) as exc:
-        raise ValueError(f"{path}: not a readable torch checkpoint ({type(exc).__name__}: {exc})") from None
-
-
-def _is_tensor(value: Any) -> bool:
-    return isinstance(value, np.ndarray) or (type(value).__module__.startswith("torch") and hasattr(value, "shape"))
-
-
-def _tensor_dict(obj: Any, source: str) -> dict[str, Any]:
-    if not isinstance(obj, Mapping):
-        raise ValueError(f"{source}: expected a dict of tensors, found {type(obj).__name__}")
-    other = [k for k, v in obj.items() if not _is_tensor(v)]
-    if other:
-        raise ValueError(f"{source}: expected a state dict (name -> tensor), but {len(other)} entries are not "
-                         f"tensors: {sorted(map(str, other))[:8]}; top-level keys: {sorted(map(str, obj))[:8]}")
-    return dict(obj)
 
 
 def generator_state_dict(obj: Any, *, ema: bool | None = None, source: str = "checkpoint"
@@ -257,13 +112,9 @@ def generator_state_dict(obj: Any, *, ema: bool | None = None, source: str = "ch
                 raise KeyError(f"{source}: has no {key!r} (ema={ema}); it has {sorted(map(str, obj))}")
     elif "generator_lora" in obj:
         raise ValueError(f"{source}: a LoRA file (generator_lora); pass it as lora=... beside the base checkpoint")
-    elif isinstance(obj.get("model"), Mapping):
-        key = "model"
-    elif isinstance(obj.get("state_dict"), Mapping):
-        key = "state_dict"
     else:
-        return _tensor_dict(obj, source), source
-    return _tensor_dict(obj[key], f"{source}[{key!r}]"), f"{source}[{key!r}]"
+        return torch_state_dict(obj, source)
+    return tensor_dict(obj[key], f"{source}[{key!r}]"), f"{source}[{key!r}]"
 
 
 def _resolve(path: Path) -> tuple[str, Path]:
@@ -298,13 +149,6 @@ def _resolve(path: Path) -> tuple[str, Path]:
                      f"*.safetensors.index.json or a torch file ({', '.join(TORCH_SUFFIXES)})")
 
 
-def _read_config(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{path}: not valid JSON ({exc})") from None
-
-
 def read_checkpoint(path: str | os.PathLike, *, ema: bool | None = None, allow_pickle: bool = False,
                     read_config: bool = True) -> Checkpoint:
     """The tensors (lazily) and ``config.json`` of a checkpoint in any of the module's formats.
@@ -312,7 +156,7 @@ def read_checkpoint(path: str | os.PathLike, *, ema: bool | None = None, allow_p
     Args:
       path: a folder, a ``.safetensors`` file, a ``*.safetensors.index.json`` or a torch file.
       ema: for a torch file, see :func:`generator_state_dict`.
-      allow_pickle: for a torch file, see :func:`torch_load`.
+      allow_pickle: for a torch file, see :func:`arkv_jax.models.io.torch_load`.
       read_config: parse the ``config.json`` beside safetensors weights (``False``: ignore it).
     """
     kind, file = _resolve(Path(path))
@@ -323,7 +167,7 @@ def read_checkpoint(path: str | os.PathLike, *, ema: bool | None = None, allow_p
     config_path = file.parent / "config.json"
     if not config_path.is_file():
         return Checkpoint(tensors, None, str(file))
-    return Checkpoint(tensors, _read_config(config_path) if read_config else None, str(file), str(config_path))
+    return Checkpoint(tensors, read_json(config_path) if read_config else None, str(file), str(config_path))
 
 
 def read_lora(lora: str | os.PathLike | Mapping[str, Any], *, allow_pickle: bool = False) -> dict[str, LoraFactors]:
@@ -343,7 +187,7 @@ def read_lora(lora: str | os.PathLike | Mapping[str, Any], *, allow_pickle: bool
     source = str(path)
     if isinstance(obj, Mapping) and "generator_lora" in obj:
         obj, source = obj["generator_lora"], f"{path}['generator_lora']"
-    return lora_factors(_tensor_dict(obj, source), source=source)
+    return lora_factors(tensor_dict(obj, source), source=source)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -361,21 +205,20 @@ def place(plans: list[LeafPlan], tensors: Mapping[str, Any], config: DiTConfig, 
       mesh: place with :func:`tensor_parallel_specs` over ``model_axis`` (replicated over the other
         axes); ``None``: the default device.
     """
-    graphdef, abstract = abstract_model(config)
+    graphdef, state = abstract(CausalDiT, config)
     shardings: dict[tuple[str, ...], Any] = {}
     if mesh is not None:
         size = int(mesh.shape[model_axis]) if model_axis in mesh.axis_names else 1
-        specs = tensor_parallel_specs(abstract, size, model_axis)
+        specs = tensor_parallel_specs(state, size, model_axis)
         shardings = {path_names(p): NamedSharding(mesh, spec) for p, spec in
                      jax.tree_util.tree_leaves_with_path(specs, is_leaf=lambda x: isinstance(x, P))}
     by_path = {plan.path: plan for plan in plans}
 
-    def fill(path, leaf):
-        names = path_names(path)
+    def fill(names, leaf):
         host = convert_leaf(by_path[names], tensors)
         return jax.block_until_ready(jax.device_put(host, shardings.get(names)))
 
-    return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(fill, abstract))
+    return build(graphdef, state, fill)
 
 
 def from_state_dict(tensors: Mapping[str, Any], config: DiTConfig | None = None, *, dtype: str | None = None,
@@ -406,7 +249,7 @@ def _check_against_config_json(config: DiTConfig, path: Path) -> None:
     """An explicit ``config`` must describe the model of the ``config.json`` beside the weights
     where that file is a readable Wan config (the head count, for one, is not in the shapes)."""
     try:
-        derived = config_from_json(_read_config(path), source=str(path))
+        derived = config_from_json(read_json(path), source=str(path))
     except ValueError:
         return  # not a Wan transformer config: the explicit config is all there is
     diff = [f"{f}={getattr(derived, f)} (config: {getattr(config, f)})" for f in ARCHITECTURE_FIELDS

@@ -36,8 +36,10 @@ Checkpoints (:func:`load_umt5`):
 
 The shape is read from the weights (vocabulary, width, layers, heads, FFN); ``config.json`` adds
 the norm epsilon and ``relative_attention_max_distance`` where there is one (defaults: umT5's
-``1e-6`` and ``128``). Reading ``.bin``/``.pth`` files needs ``torch``; safetensors files are
-memory-mapped directly (no package needed), and only the encoder's tensors are read. A directory
+``1e-6`` and ``128``). Files are read and checked with :mod:`arkv_jax.models.io`, as the DiT's
+are: reading ``.bin``/``.pth`` files needs ``torch``, safetensors files are memory-mapped directly
+(no package needed); a whole encoder-decoder checkpoint's decoder and LM head are not read, and every
+other tensor must be one of the encoder's (a missing, left-over or misshapen one is named). A directory
 holding Wan's file is read from it first (the official Wan 2.1 repository keeps it beside the
 DiT's and the VAE's weights). Tokenisation (:func:`encode_prompts`) goes through
 ``transformers.AutoTokenizer`` from a local directory (the ``google/umt5-xxl`` tokenizer Wan ships),
@@ -51,18 +53,18 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import glob
 import html
-import json
 import math
 import os
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
+from arkv_jax.models import io
 
 Array = jax.Array
 
@@ -287,136 +289,28 @@ def encode_ids(encoder: UMT5Encoder, input_ids, attention_mask, text_len: int | 
 
 
 def init_random(config: UMT5EncoderConfig, seed: int = 0) -> UMT5Encoder:
-    """A :class:`UMT5Encoder` with random weights drawn on the host with NumPy (seeded): T5's
-    initialisation scales (embeddings ``N(0, 1)``, ``q`` ``N(0, 1 / (dim * head_dim))``, the other
-    kernels ``N(0, 1 / fan_in)``, bias tables ``N(0, 1 / dim)``, norm scales 1)."""
-    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: UMT5Encoder(config, rngs=nnx.Rngs(0))))
-    rng = np.random.default_rng(seed)
-
-    def draw(path, leaf: jax.ShapeDtypeStruct) -> Array:
-        names = _path_names(path)
+    """A :class:`UMT5Encoder` with random weights drawn on the host with NumPy
+    (:func:`arkv_jax.models.io.init_random`, seeded): T5's initialisation scales (embeddings
+    ``N(0, 1)``, ``q`` ``N(0, 1 / (dim * head_dim))``, the other kernels ``N(0, 1 / fan_in)``, bias
+    tables ``N(0, 1 / dim)``, norm scales 1)."""
+    def draw(names: tuple[str, ...], shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
         if names[-1] == "scale":
-            value = np.ones(leaf.shape, np.float32)
-        elif names[-1] == "embedding":
-            value = rng.standard_normal(leaf.shape, np.float32)
-        else:
-            std = 1.0 / math.sqrt(config.dim)
-            if names[-2:] == ["q", "kernel"]:
-                std = 1.0 / math.sqrt(config.dim * config.head_dim)
-            elif names[-1] == "kernel":
-                std = 1.0 / math.sqrt(leaf.shape[-2])
-            value = rng.standard_normal(leaf.shape, np.float32) * np.float32(std)
-        return jnp.asarray(value, leaf.dtype)
+            return np.ones(shape, np.float32)
+        if names[-1] == "embedding":
+            return rng.standard_normal(shape, np.float32)
+        std = 1.0 / math.sqrt(config.dim)
+        if names[-2:] == ("q", "kernel"):
+            std = 1.0 / math.sqrt(config.dim * config.head_dim)
+        elif names[-1] == "kernel":
+            std = 1.0 / math.sqrt(shape[-2])
+        return rng.standard_normal(shape, np.float32) * np.float32(std)
 
-    return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(draw, abstract))
-
-
-def _path_names(path) -> list[str]:
-    return [str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey)]
+    return io.init_random(UMT5Encoder, config, draw, seed)
 
 
 # ------------------------------------------------------------------------------------------------
 # Checkpoints
 # ------------------------------------------------------------------------------------------------
-
-
-def _torch_to_numpy(tensor) -> np.ndarray:
-    """A torch tensor as NumPy, bfloat16 kept as ``ml_dtypes.bfloat16`` (no float32 copy)."""
-    import torch
-
-    tensor = tensor.detach().cpu()
-    if tensor.dtype == torch.bfloat16:
-        return tensor.contiguous().view(torch.int16).numpy().view(jnp.bfloat16)
-    return tensor.numpy()
-
-
-#: safetensors dtype names -> NumPy dtypes (bfloat16 and float8 through ``ml_dtypes``, as JAX has them).
-_SAFETENSORS_DTYPES = {
-    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": jnp.bfloat16,
-    "F8_E4M3": jnp.float8_e4m3fn, "F8_E5M2": jnp.float8_e5m2, "I64": np.int64, "I32": np.int32,
-    "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
-}
-
-
-def _read_safetensors(path: str, keep: Callable[[str], bool]) -> dict[str, np.ndarray]:
-    """The tensors of a ``.safetensors`` file as read-only NumPy views of a memory map (the format:
-    an 8-byte little-endian header length, a JSON header of name -> dtype, shape and byte
-    offsets, then the raw little-endian data). Needs no ``safetensors`` package and no device."""
-    with open(path, "rb") as f:
-        size = int.from_bytes(f.read(8), "little")
-        try:
-            header = json.loads(f.read(size))
-        except ValueError as e:
-            raise ValueError(f"{path}: not a safetensors file (its header is not JSON)") from e
-    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + size)
-    out = {}
-    for name, info in header.items():
-        if name == "__metadata__" or not keep(name):
-            continue
-        if info["dtype"] not in _SAFETENSORS_DTYPES:
-            raise ValueError(f"{path}: tensor {name!r} has dtype {info['dtype']}, which this reader does not know")
-        start, end = info["data_offsets"]
-        dtype = np.dtype(_SAFETENSORS_DTYPES[info["dtype"]])
-        out[name] = data[start:end].view(dtype).reshape(info["shape"])
-    return out
-
-
-#: The weight files a checkpoint directory is read from, in order of preference (the first pattern
-#: that matches any file wins).
-DEFAULT_WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pth", "*.pt")
-
-
-def read_state_dict(path: str | os.PathLike, *, keep: Callable[[str], bool] | None = None,
-                    patterns: Sequence[str] = DEFAULT_WEIGHT_PATTERNS) -> dict[str, np.ndarray]:
-    """Tensors of one checkpoint file or directory as NumPy arrays by name.
-
-    ``*.safetensors`` files are memory-mapped (any dtype, bfloat16 kept; no ``safetensors``
-    package needed); ``*.bin``/``*.pth``/``*.pt``/``*.ckpt`` torch state dicts are read with
-    ``torch.load(weights_only=True)``, memory-mapped where the file allows (a dict nested under
-    ``"state_dict"`` or ``"model"`` is unwrapped). A directory is read from the files of the first
-    of ``patterns`` that matches any (all of them: sharded checkpoints).
-
-    Args:
-      keep: the names to read (default: all), e.g. only an encoder's from a whole model's file.
-      patterns: glob patterns tried in order for a directory.
-
-    Raises:
-      FileNotFoundError: nothing at ``path``, or a directory without weight files.
-      ValueError: a file of an unknown kind, or one that is not a state dict.
-    """
-    path = os.fspath(path)
-    keep = keep or (lambda name: True)
-    if os.path.isdir(path):
-        for pattern in patterns:
-            files = sorted(glob.glob(os.path.join(path, pattern)))
-            if files:
-                out: dict[str, np.ndarray] = {}
-                for f in files:
-                    out.update(read_state_dict(f, keep=keep))
-                return out
-        raise FileNotFoundError(f"{path}: no weight files ({', '.join(patterns)}) in this directory")
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"{path}: no such checkpoint file")
-    if path.endswith(".safetensors"):
-        return _read_safetensors(path, keep)
-    if path.endswith((".bin", ".pth", ".pt", ".ckpt")):
-        try:
-            import torch
-        except ImportError as e:  # pragma: no cover - depends on the environment
-            raise ImportError(f"reading the torch checkpoint {path} needs 'torch' (or convert it to "
-                              "safetensors)") from e
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except RuntimeError:  # a legacy (non-zip) file cannot be memory-mapped
-            state = torch.load(path, map_location="cpu", weights_only=True)
-        for wrapper in ("state_dict", "model"):
-            if isinstance(state, Mapping) and wrapper in state and isinstance(state[wrapper], Mapping):
-                state = state[wrapper]
-        if not isinstance(state, Mapping):
-            raise ValueError(f"{path}: expected a torch state dict (name -> tensor), got {type(state).__name__}")
-        return {k: _torch_to_numpy(v) for k, v in state.items() if hasattr(v, "detach") and keep(k)}
-    raise ValueError(f"{path}: unknown checkpoint kind (expected .safetensors, .bin, .pth, .pt or .ckpt)")
-
 
 _WAN_BLOCK_KEYS = {
     "norm1.weight": "layer.0.layer_norm.weight",
@@ -431,25 +325,44 @@ _WAN_BLOCK_KEYS = {
     "ffn.fc2.weight": "layer.1.DenseReluDense.wo.weight",
 }
 
+#: ``transformers`` names of a layer's tensors (after ``encoder.block.{i}.``) by parameter path
+#: inside :class:`UMT5Block`.
+_HF_BLOCK_KEYS = {
+    "attn_norm.scale": "layer.0.layer_norm.weight",
+    "q.kernel": "layer.0.SelfAttention.q.weight",
+    "k.kernel": "layer.0.SelfAttention.k.weight",
+    "v.kernel": "layer.0.SelfAttention.v.weight",
+    "o.kernel": "layer.0.SelfAttention.o.weight",
+    "relative_attention_bias": "layer.0.SelfAttention.relative_attention_bias.weight",
+    "ffn_norm.scale": "layer.1.layer_norm.weight",
+    "wi_0.kernel": "layer.1.DenseReluDense.wi_0.weight",
+    "wi_1.kernel": "layer.1.DenseReluDense.wi_1.weight",
+    "wo.kernel": "layer.1.DenseReluDense.wo.weight",
+}
+
+#: The token embedding's ``transformers`` names: ``shared`` and its tied copy ``encoder.embed_tokens``
+#: (``UMT5EncoderModel.state_dict()`` holds both, ``save_pretrained`` the first).
+_EMBEDDING_KEYS = ("shared.weight", "encoder.embed_tokens.weight")
+
+#: Key prefixes of a whole encoder-decoder checkpoint that the encoder does not read (its decoder
+#: and LM head); every other tensor must be one of the encoder's.
+_NOT_ENCODER = ("decoder.", "lm_head.")
+
 
 def convert_wan_t5_state_dict(state: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The official Wan encoder checkpoint (``models_t5_umt5-xxl-enc-bf16.pth``, Wan's
-    ``T5Encoder`` names) renamed to ``transformers``' ``UMT5EncoderModel`` names.
-
-    Raises:
-      ValueError: a key that Wan's encoder does not have.
-    """
+    ``T5Encoder`` names) renamed to ``transformers``' ``UMT5EncoderModel`` names; keys Wan's encoder
+    does not have keep their names (so :func:`from_state_dict` reports them as left over)."""
     out = {}
     for key, value in state.items():
+        m = re.fullmatch(r"blocks\.(\d+)\.(.+)", key)
         if key == "token_embedding.weight":
-            out["shared.weight"] = value
+            key = "shared.weight"
         elif key == "norm.weight":
-            out["encoder.final_layer_norm.weight"] = value
-        else:
-            m = re.fullmatch(r"blocks\.(\d+)\.(.+)", key)
-            if m is None or m.group(2) not in _WAN_BLOCK_KEYS:
-                raise ValueError(f"unexpected key {key!r} in a Wan T5 encoder checkpoint")
-            out[f"encoder.block.{m.group(1)}.{_WAN_BLOCK_KEYS[m.group(2)]}"] = value
+            key = "encoder.final_layer_norm.weight"
+        elif m is not None and m.group(2) in _WAN_BLOCK_KEYS:
+            key = _hf_block_key(int(m.group(1)), _WAN_BLOCK_KEYS[m.group(2)])
+        out[key] = value
     return out
 
 
@@ -464,10 +377,13 @@ def config_from_state_dict(state: Mapping[str, np.ndarray], hf_config: Mapping |
     ``dtype`` from the embedding's unless named.
 
     Raises:
-      ValueError: a weight the encoder needs is missing.
+      ValueError: a weight the shapes are read from is missing.
     """
     hf_config = dict(hf_config or {})
-    embed = _embedding(state)
+    embedding = next((k for k in _EMBEDDING_KEYS if k in state), None)
+    if embedding is None:
+        raise ValueError(f"the state dict has no token embedding ({' or '.join(_EMBEDDING_KEYS)})")
+    embed = state[embedding]
     layers = sorted({int(m.group(1)) for k in state if (m := re.match(r"encoder\.block\.(\d+)\.", k))})
     if not layers or layers != list(range(len(layers))):
         raise ValueError(f"expected encoder.block.0 ... encoder.block.N-1 in the state dict, found layers {layers}")
@@ -484,88 +400,58 @@ def config_from_state_dict(state: Mapping[str, np.ndarray], hf_config: Mapping |
         eps=float(hf_config.get("layer_norm_epsilon", 1e-6)), text_len=text_len, dtype=dtype)
 
 
-def _embedding(state: Mapping[str, np.ndarray]) -> np.ndarray:
-    for key in ("shared.weight", "encoder.embed_tokens.weight"):
-        if key in state:
-            return state[key]
-    raise ValueError("the state dict has no token embedding (shared.weight or encoder.embed_tokens.weight)")
-
-
 def _require(state: Mapping[str, np.ndarray], key: str) -> np.ndarray:
     if key not in state:
         raise ValueError(f"the state dict has no {key!r}")
     return state[key]
 
 
-def from_state_dict(state: Mapping[str, np.ndarray], config: UMT5EncoderConfig) -> UMT5Encoder:
+def _sources(names: tuple[str, ...], config: UMT5EncoderConfig, embedding: str) -> list[str]:
+    """The ``transformers`` keys of parameter ``names``: one per layer for the stacked blocks."""
+    if names[0] == "embed":
+        return [embedding]
+    if names[0] == "final_norm":
+        return ["encoder.final_layer_norm.weight"]
+    return [_hf_block_key(i, _HF_BLOCK_KEYS[".".join(names[1:])]) for i in range(config.num_layers)]
+
+
+def from_state_dict(state: Mapping[str, np.ndarray], config: UMT5EncoderConfig, *,
+                    source: str = "state dict") -> UMT5Encoder:
     """A :class:`UMT5Encoder` of ``config`` holding the ``transformers``-named weights ``state``
-    (torch ``Linear`` weights ``[out, in]`` are transposed; per-layer weights stacked).
+    (torch ``Linear`` weights ``[out, in]`` are transposed; per-layer weights stacked). A whole
+    encoder-decoder state dict is fine: its ``decoder.`` and ``lm_head.`` tensors are not read.
 
     Raises:
-      ValueError: a missing weight or one of the wrong shape, named.
+      CheckpointKeyError: tensors missing or left over (:func:`arkv_jax.models.io.check_tensors`,
+        naming ``source`` and the keys).
+      ValueError: tensors of the wrong shape (each named, with the shape expected).
     """
-    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: UMT5Encoder(config, rngs=nnx.Rngs(0))))
-    torch_names = {
-        "attn_norm.scale": "layer.0.layer_norm.weight",
-        "q.kernel": "layer.0.SelfAttention.q.weight",
-        "k.kernel": "layer.0.SelfAttention.k.weight",
-        "v.kernel": "layer.0.SelfAttention.v.weight",
-        "o.kernel": "layer.0.SelfAttention.o.weight",
-        "relative_attention_bias": "layer.0.SelfAttention.relative_attention_bias.weight",
-        "ffn_norm.scale": "layer.1.layer_norm.weight",
-        "wi_0.kernel": "layer.1.DenseReluDense.wi_0.weight",
-        "wi_1.kernel": "layer.1.DenseReluDense.wi_1.weight",
-        "wo.kernel": "layer.1.DenseReluDense.wo.weight",
-    }
+    state = {k: v for k, v in state.items() if not k.startswith(_NOT_ENCODER)}
+    graphdef, abstract = io.abstract(UMT5Encoder, config)
+    embedding = next((k for k in _EMBEDDING_KEYS if k in state), _EMBEDDING_KEYS[0])
+    expected = {}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(abstract):
+        names = io.path_names(path)
+        shape = tuple(leaf.shape[1:] if names[0] == "blocks" else leaf.shape)
+        expected.update(dict.fromkeys(_sources(names, config, embedding), shape[::-1] if names[-1] == "kernel"
+                                      else shape))
+    for tied in _EMBEDDING_KEYS:
+        if tied in state:
+            expected[tied] = expected[embedding]
+    io.check_tensors({k: io.shape_of(v) for k, v in state.items()}, expected, source=source,
+                     model=f"a {config.num_layers}-layer umT5 encoder")
 
-    def fill(path, leaf: jax.ShapeDtypeStruct) -> Array:
-        names = _path_names(path)
-        if names[0] == "embed":
-            value, source = _embedding(state), "shared.weight"
-        elif names[0] == "final_norm":
-            source = "encoder.final_layer_norm.weight"
-            value = _require(state, source)
-        else:
-            suffix = torch_names[".".join(names[1:])]
-            per_layer = []
-            for i in range(config.num_layers):
-                source = _hf_block_key(i, suffix)
-                w = _require(state, source)
-                w = w.T if names[-1] == "kernel" else w
-                if tuple(w.shape) != tuple(leaf.shape[1:]):
-                    raise ValueError(f"{source}: shape {tuple(w.shape)} (as ours) does not fit the encoder's "
-                                     f"{tuple(leaf.shape[1:])} ({'.'.join(names)})")
-                per_layer.append(w)
-            value = np.stack(per_layer)
-        if tuple(value.shape) != tuple(leaf.shape):
-            raise ValueError(f"{source}: shape {tuple(value.shape)} does not fit the encoder's "
-                             f"{tuple(leaf.shape)} ({'.'.join(names)})")
-        return jnp.asarray(value, leaf.dtype)
+    def fill(names: tuple[str, ...], leaf: jax.ShapeDtypeStruct) -> Array:
+        values = [io.to_numpy(state[key]) for key in _sources(names, config, embedding)]
+        values = [v.T for v in values] if names[-1] == "kernel" else values
+        return jnp.asarray(np.stack(values) if names[0] == "blocks" else values[0], leaf.dtype)
 
-    return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(fill, abstract))
-
-
-def sibling_config(path: str | os.PathLike, accept: Callable[[dict], bool]) -> dict | None:
-    """The ``config.json`` in directory ``path`` (or beside file ``path``) if there is one and
-    ``accept`` takes it (a checkpoint directory can hold another model's config), else ``None``."""
-    path = os.fspath(path)
-    config_path = os.path.join(path if os.path.isdir(path) else os.path.dirname(path), "config.json")
-    if not os.path.exists(config_path):
-        return None
-    with open(config_path) as f:
-        config = json.load(f)
-    return config if isinstance(config, dict) and accept(config) else None
+    return io.build(graphdef, abstract, fill)
 
 
 #: Files a umT5 checkpoint directory is read from, in order: Wan's own encoder file (the official
 #: Wan 2.1 repository keeps it beside the DiT's and the VAE's weights), then ``transformers``' files.
 UMT5_WEIGHT_PATTERNS = ("models_t5_umt5-xxl-enc-*.pth", "model*.safetensors", "pytorch_model*.bin")
-
-
-def _is_encoder_key(name: str) -> bool:
-    """Whether a checkpoint tensor belongs to the encoder (``transformers``' or Wan's names): a
-    whole encoder-decoder checkpoint's decoder and LM head are not read."""
-    return name.startswith(("encoder.", "shared.", "token_embedding.", "blocks.")) or name == "norm.weight"
 
 
 def load_umt5(path: str | os.PathLike, *, dtype: str | None = None, text_len: int = 512) -> UMT5Encoder:
@@ -580,18 +466,20 @@ def load_umt5(path: str | os.PathLike, *, dtype: str | None = None, text_len: in
       text_len: ``config.text_len`` (tokens of the DiT's context).
 
     Raises:
-      FileNotFoundError, ValueError: see :func:`read_state_dict`, :func:`from_state_dict`.
+      FileNotFoundError, ValueError: see :func:`arkv_jax.models.io.read_state_dict`; a file that
+        is no umT5 encoder.
+      CheckpointKeyError, ValueError: see :func:`from_state_dict`; the messages name the file.
     """
-    path = os.fspath(path)
-    state = read_state_dict(path, keep=_is_encoder_key, patterns=UMT5_WEIGHT_PATTERNS)
+    state, source = io.read_state_dict(path, patterns=UMT5_WEIGHT_PATTERNS,
+                                       keep=lambda k: not k.startswith(_NOT_ENCODER))
     if "token_embedding.weight" in state or any(k.startswith("blocks.") for k in state):
         state = convert_wan_t5_state_dict(state)
-    hf_config = sibling_config(path, lambda c: c.get("model_type") in ("umt5", "t5", "mt5") or "d_model" in c)
+    hf_config = io.sibling_config(path, lambda c: c.get("model_type") in ("umt5", "t5", "mt5") or "d_model" in c)
     try:
         config = config_from_state_dict(state, hf_config, dtype=dtype, text_len=text_len)
     except ValueError as e:
-        raise ValueError(f"{path}: not a umT5 encoder checkpoint: {e}") from None
-    return from_state_dict(state, config)
+        raise ValueError(f"{source}: not a umT5 encoder checkpoint: {e}") from None
+    return from_state_dict(state, config, source=source)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -655,5 +543,5 @@ def encode_prompts(texts: Sequence[str] | str, tokenizer_dir, encoder: UMT5Encod
 __all__ = [
     "UMT5_CONFIGS", "UMT5Block", "UMT5Encoder", "UMT5EncoderConfig", "clean_prompt", "config_from_state_dict",
     "convert_wan_t5_state_dict", "encode_ids", "encode_prompts", "from_state_dict", "init_random", "load_umt5",
-    "read_state_dict", "relative_position_buckets", "sibling_config", "tokenize",
+    "relative_position_buckets", "tokenize",
 ]

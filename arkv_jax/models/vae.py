@@ -41,7 +41,9 @@ official ``Wan2.1_VAE.pth`` (Wan's ``WanVAE_`` names: ``decoder.conv1``, ``decod
 ``norm1, conv1, norm2, conv2``, ``shortcut``, ``resample.1``, ``head.{0,2}``, ``conv2`` for the
 post-quant convolution; :func:`official_vae_names` is the map, checked in the tests against
 diffusers' own ``convert_wan_vae_to_diffusers``). Only the decoder is read; the encoder's weights
-are ignored.
+are ignored, and every other tensor must be one of the decoder's. Files are read and checked with
+:mod:`arkv_jax.models.io`, as the DiT's are (a missing, left-over or misshapen tensor is named, with
+the file).
 
 One module for the decoder: the causal convolutions, the stream cache, the blocks and the two
 checkpoint formats' key maps describe one model.
@@ -59,7 +61,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from arkv_jax.models.umt5 import read_state_dict, sibling_config
+from arkv_jax.models import io
 
 Array = jax.Array
 
@@ -507,26 +509,17 @@ def decode_video(decoder: WanVAEDecoder, latents, *, per_frame: bool = True) -> 
 
 
 def init_random(config: WanVAEConfig, seed: int = 0) -> WanVAEDecoder:
-    """A :class:`WanVAEDecoder` with random weights drawn on the host with NumPy (seeded):
-    kernels ``N(0, 1 / fan_in)``, biases ``N(0, 0.01)``, norm gains 1."""
-    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: WanVAEDecoder(config, rngs=nnx.Rngs(0))))
-    rng = np.random.default_rng(seed)
+    """A :class:`WanVAEDecoder` with random weights drawn on the host with NumPy
+    (:func:`arkv_jax.models.io.init_random`, seeded): kernels ``N(0, 1 / fan_in)``, biases
+    ``N(0, 0.01)``, norm gains 1."""
+    def draw(names: tuple[str, ...], shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+        if names[-1] == "gamma":
+            return np.ones(shape, np.float32)
+        if names[-1].endswith("bias"):
+            return 0.1 * rng.standard_normal(shape, np.float32)
+        return rng.standard_normal(shape, np.float32) / np.float32(np.sqrt(np.prod(shape[:-1])))
 
-    def draw(path, leaf: jax.ShapeDtypeStruct) -> Array:
-        name = _path_names(path)[-1]
-        if name == "gamma":
-            value = np.ones(leaf.shape, np.float32)
-        elif name.endswith("bias"):
-            value = 0.1 * rng.standard_normal(leaf.shape, np.float32)
-        else:
-            value = rng.standard_normal(leaf.shape, np.float32) / np.float32(np.sqrt(np.prod(leaf.shape[:-1])))
-        return jnp.asarray(value, leaf.dtype)
-
-    return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(draw, abstract))
-
-
-def _path_names(path) -> list[str]:
-    return [str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey)]
+    return io.init_random(WanVAEDecoder, config, draw, seed)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -534,7 +527,7 @@ def _path_names(path) -> list[str]:
 # ------------------------------------------------------------------------------------------------
 
 
-def _diffusers_name(names: list[str]) -> str:
+def _diffusers_name(names: Sequence[str]) -> str:
     """Our parameter path -> the diffusers ``AutoencoderKLWan`` state-dict key (``.weight`` /
     ``.bias`` / ``.gamma``)."""
     leaf = names[-1]
@@ -552,44 +545,57 @@ def _diffusers_name(names: list[str]) -> str:
     return ".".join(["decoder", *parts, leaf])
 
 
-def _torch_layout(value: np.ndarray, shape: tuple[int, ...], key: str) -> np.ndarray:
-    """A torch tensor (``[out, in, k...]`` conv weights, ``[C, 1, 1(, 1)]`` gains) in our layout
-    ``shape``."""
-    value = np.asarray(value)
+def _torch_shape(key: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape in a diffusers (or official) checkpoint of the parameter ``key`` of our ``shape``:
+    conv weights ``[out, in, k...]`` (the attention's 1x1 convolutions ``[out, in, 1, 1]``), gains
+    ``[C, 1, 1, 1]`` (``[C, 1, 1]`` in the per-frame attention), biases ``[C]``."""
     if len(shape) == 1:
-        value = value.reshape(-1)
-    elif len(shape) == 2:  # a 1x1 conv2d as a matrix [in, out]
-        value = value.reshape(value.shape[0], -1).T
-    else:  # conv kernel: [out, in, *k] -> [*k, in, out]
-        value = np.transpose(value, (*range(2, value.ndim), 1, 0))
-    if tuple(value.shape) != tuple(shape):
-        raise ValueError(f"{key}: shape {tuple(value.shape)} (in our layout) does not fit the decoder's {shape}")
-    return value
+        if key.endswith(".gamma"):
+            return (*shape, 1, 1) if ".attentions." in key else (*shape, 1, 1, 1)
+        return shape
+    if len(shape) == 2:  # a 1x1 conv2d kept as a matrix [in, out]
+        return (shape[1], shape[0], 1, 1)
+    return (shape[-1], shape[-2], *shape[:-2])
 
 
-def from_diffusers_state_dict(state: Mapping[str, np.ndarray], config: WanVAEConfig) -> WanVAEDecoder:
+def _torch_layout(value: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """A tensor of :func:`_torch_shape` in our layout ``shape``."""
+    if len(shape) == 1:
+        return value.reshape(shape)
+    if len(shape) == 2:
+        return value.reshape(value.shape[0], -1).T
+    return np.transpose(value, (*range(2, value.ndim), 1, 0))  # [out, in, *k] -> [*k, in, out]
+
+
+#: Key prefixes of a whole VAE checkpoint that the decoder does not read: the encoder and its quant
+#: convolution (diffusers' ``quant_conv``, the official ``conv1``); every other tensor must be one of
+#: the decoder's.
+_NOT_DECODER = ("encoder.", "quant_conv.", "conv1.")
+
+
+def from_diffusers_state_dict(state: Mapping[str, np.ndarray], config: WanVAEConfig, *,
+                              source: str = "state dict") -> WanVAEDecoder:
     """A :class:`WanVAEDecoder` of ``config`` holding the decoder weights of a diffusers-named
-    ``AutoencoderKLWan`` state dict (encoder weights ignored).
+    ``AutoencoderKLWan`` state dict (the encoder's weights are not read).
 
     Raises:
-      ValueError: a missing weight or one of the wrong shape, named; or decoder weights the config
-        does not have (e.g. a Wan 2.2 VAE).
+      CheckpointKeyError: tensors missing or left over, e.g. decoder weights the config does not
+        have (a Wan 2.2 VAE; :func:`arkv_jax.models.io.check_tensors`, naming ``source`` and the keys).
+      ValueError: tensors of the wrong shape (each named, with the shape expected).
     """
-    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: WanVAEDecoder(config, rngs=nnx.Rngs(0))))
-    used = set()
+    state = {k: v for k, v in state.items() if not k.startswith(_NOT_DECODER)}
+    graphdef, abstract = io.abstract(WanVAEDecoder, config)
+    expected = {}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(abstract):
+        key = _diffusers_name(io.path_names(path))
+        expected[key] = _torch_shape(key, tuple(leaf.shape))
+    io.check_tensors({k: io.shape_of(v) for k, v in state.items()}, expected, source=source,
+                     model=f"a Wan 2.1 VAE decoder of base_dim {config.base_dim}, dim_mult {config.dim_mult}")
 
-    def fill(path, leaf: jax.ShapeDtypeStruct) -> Array:
-        key = _diffusers_name(_path_names(path))
-        if key not in state:
-            raise ValueError(f"the state dict has no {key!r} (is this a Wan 2.1 AutoencoderKLWan of this shape?)")
-        used.add(key)
-        return jnp.asarray(_torch_layout(state[key], tuple(leaf.shape), key), leaf.dtype)
+    def fill(names: tuple[str, ...], leaf: jax.ShapeDtypeStruct) -> Array:
+        return jnp.asarray(_torch_layout(io.to_numpy(state[_diffusers_name(names)]), tuple(leaf.shape)), leaf.dtype)
 
-    params = jax.tree_util.tree_map_with_path(fill, abstract)
-    extra = sorted(k for k in state if (k.startswith("decoder.") or k.startswith("post_quant_conv.")) and k not in used)
-    if extra:
-        raise ValueError(f"decoder weights this config does not have: {extra[:5]}{' ...' if len(extra) > 5 else ''}")
-    return nnx.merge(graphdef, params)
+    return io.build(graphdef, abstract, fill)
 
 
 def official_vae_names(config: WanVAEConfig) -> dict[str, str]:
@@ -602,8 +608,8 @@ def official_vae_names(config: WanVAEConfig) -> dict[str, str]:
     ``residual.{0: norm1, 2: conv1, 3: norm2, 6: conv2}`` and ``shortcut``, resamplers as
     ``resample.1`` (the 2-D convolution) and ``time_conv``, ``decoder.head.{0: norm, 2: conv}``.
     """
-    _, abstract = nnx.split(nnx.eval_shape(lambda: WanVAEDecoder(config, rngs=nnx.Rngs(0))))
-    keys = [_diffusers_name(_path_names(path)) for path, _ in jax.tree_util.tree_leaves_with_path(abstract)]
+    _, abstract = io.abstract(WanVAEDecoder, config)
+    keys = [_diffusers_name(io.path_names(path)) for path, _ in jax.tree_util.tree_leaves_with_path(abstract)]
     residual = {"norm1.gamma": "residual.0.gamma", "conv1.weight": "residual.2.weight",
                 "conv1.bias": "residual.2.bias", "norm2.gamma": "residual.3.gamma",
                 "conv2.weight": "residual.6.weight", "conv2.bias": "residual.6.bias",
@@ -634,20 +640,11 @@ def official_vae_names(config: WanVAEConfig) -> dict[str, str]:
 
 def convert_wan_vae_state_dict(state: Mapping[str, np.ndarray], config: WanVAEConfig) -> dict[str, np.ndarray]:
     """The decoder part of an official ``Wan2.1_VAE.pth`` state dict under diffusers' names
-    (:func:`official_vae_names` inverted); encoder and quant-conv weights are dropped.
-
-    Raises:
-      ValueError: a decoder key the map does not know.
-    """
+    (:func:`official_vae_names` inverted); encoder and quant-conv weights are dropped, keys the
+    map does not know keep their names (so :func:`from_diffusers_state_dict` reports them as left
+    over)."""
     inverse = {v: k for k, v in official_vae_names(config).items()}
-    out = {}
-    for key, value in state.items():
-        if key in inverse:
-            out[inverse[key]] = value
-        elif key.startswith("decoder.") or key.startswith("conv2."):
-            raise ValueError(f"unexpected decoder key {key!r} in an official Wan VAE checkpoint "
-                             f"(expected the layout of {config})")
-    return out
+    return {inverse.get(key, key): value for key, value in state.items() if not key.startswith(_NOT_DECODER)}
 
 
 def config_from_diffusers(config: Mapping, *, dtype: str = "float32") -> WanVAEConfig:
@@ -694,24 +691,20 @@ def load_wan_vae(path: str | os.PathLike, config: WanVAEConfig | None = None, *,
       dtype: parameter dtype name (default ``config.dtype``, float32).
 
     Raises:
-      FileNotFoundError, ValueError: a missing file; a weight missing or of the wrong shape, named.
+      FileNotFoundError, ValueError: see :func:`arkv_jax.models.io.read_state_dict`.
+      CheckpointKeyError, ValueError: see :func:`from_diffusers_state_dict`; the messages name the file.
     """
-    path = os.fspath(path)
-    state = read_state_dict(path, keep=lambda k: k.startswith(("decoder.", "post_quant_conv.", "conv2.")),
-                            patterns=VAE_WEIGHT_PATTERNS)
+    state, source = io.read_state_dict(path, patterns=VAE_WEIGHT_PATTERNS,
+                                       keep=lambda k: not k.startswith(_NOT_DECODER))
     if config is None:
-        diffusers_config = sibling_config(
+        diffusers_config = io.sibling_config(
             path, lambda c: c.get("_class_name") == "AutoencoderKLWan" or ("_class_name" not in c and "z_dim" in c))
         config = VAE_CONFIGS["wan2.1"] if diffusers_config is None else config_from_diffusers(diffusers_config)
     if dtype is not None:
         config = dataclasses.replace(config, dtype=dtype)
-    official = "decoder.conv1.weight" in state or any(re.match(r"decoder\.upsamples\.", k) for k in state)
-    try:
-        if official:
-            state = convert_wan_vae_state_dict(state, config)
-        return from_diffusers_state_dict(state, config)
-    except ValueError as e:
-        raise ValueError(f"{path}: {e}") from None
+    if "decoder.conv1.weight" in state or any(re.match(r"decoder\.upsamples\.", k) for k in state):
+        state = convert_wan_vae_state_dict(state, config)
+    return from_diffusers_state_dict(state, config, source=source)
 
 
 __all__ = [

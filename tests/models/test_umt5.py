@@ -276,17 +276,19 @@ def test_checkpoint_errors(tmp_path):
     (tmp_path / "weights.npz").write_bytes(b"")
     with pytest.raises(ValueError, match="unknown checkpoint kind"):
         umt5.load_umt5(tmp_path / "weights.npz")
-    with pytest.raises(ValueError, match="unexpected key 'blocks.0.attn.x.weight'"):
-        umt5.convert_wan_t5_state_dict({"blocks.0.attn.x.weight": np.zeros(1)})
+    # Wan's names are renamed; a key Wan's encoder does not have keeps its name, for the check to refuse.
+    assert list(umt5.convert_wan_t5_state_dict({"blocks.0.attn.x.weight": np.zeros(1),
+                                                "blocks.1.attn.q.weight": np.zeros(1)})) == [
+        "blocks.0.attn.x.weight", "encoder.block.1.layer.0.SelfAttention.q.weight"]
     with pytest.raises(ValueError, match="no token embedding"):
         umt5.config_from_state_dict({})
     with pytest.raises(ValueError, match="num_buckets"):
         umt5.UMT5EncoderConfig(vocab_size=8, dim=8, num_heads=2, head_dim=4, ffn_dim=8, num_layers=1, num_buckets=6)
 
 
-def test_from_state_dict_names_a_bad_shape():
-    config = umt5.UMT5_CONFIGS["tiny"]
-    rng = np.random.default_rng(0)
+def tiny_hf_state(config, seed=0):
+    """A random ``transformers``-named umT5 encoder state dict of ``config`` (NumPy, torch layout)."""
+    rng = np.random.default_rng(seed)
     state = {"shared.weight": rng.standard_normal((config.vocab_size, config.dim), np.float32),
              "encoder.final_layer_norm.weight": np.ones(config.dim, np.float32)}
     shapes = {"layer.0.layer_norm.weight": (config.dim,), "layer.1.layer_norm.weight": (config.dim,),
@@ -300,11 +302,22 @@ def test_from_state_dict_names_a_bad_shape():
     for i in range(config.num_layers):
         for suffix, shape in shapes.items():
             state[f"encoder.block.{i}.{suffix}"] = rng.standard_normal(shape, np.float32)
+    return state
+
+
+def test_from_state_dict_names_a_bad_shape():
+    config = umt5.UMT5_CONFIGS["tiny"]
+    state = tiny_hf_state(config)
     assert umt5.config_from_state_dict(state, {"relative_attention_max_distance": 16}) == dataclasses_replace(
         config, text_len=512)
     umt5.from_state_dict(state, config)
+    wan = umt5.convert_wan_t5_state_dict({**state, "blocks.0.attn.x.weight": np.zeros(1, np.float32)})
+    with pytest.raises(KeyError, match=r"^state dict: 1 tensors are left over .*: blocks.0.attn.x.weight$"):
+        umt5.from_state_dict(wan, config)
     state["encoder.block.1.layer.1.DenseReluDense.wo.weight"] = np.zeros((config.dim, 3), np.float32)
-    with pytest.raises(ValueError, match=r"encoder.block.1.layer.1.DenseReluDense.wo.weight: shape \(3, 32\)"):
+    with pytest.raises(ValueError, match=r"^state dict: 1 tensors do not have the shape .*: "
+                                         r"encoder.block.1.layer.1.DenseReluDense.wo.weight: \[32, 3\], "
+                                         r"expected \[32, 48\]$"):
         umt5.from_state_dict(state, config)
 
 
