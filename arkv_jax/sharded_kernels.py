@@ -16,6 +16,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -32,7 +33,7 @@ from arkv_jax.sharding import (
     row_spec,
     shard_map,
 )
-from pallas_kernels.layout import KV_HEAD_AXIS, PAGE_AXIS
+from pallas_kernels.layout import KV_HEAD_AXIS, LAYER_AXIS, PAGE_AXIS
 from pallas_kernels.paged_write import write_chunk
 from pallas_kernels.window_attention import window_attention
 
@@ -96,7 +97,8 @@ def sharded_window_attention(mesh: Mesh, q: jax.Array, k_cur: jax.Array, v_cur: 
 
     Rows (``q``, ``k_cur``, ``v_cur``, extras, ``pages``, ``lengths``) and pool pages are split over
     data, query and K/V heads over model; ``pages`` holds *local* page ids of each row's shard and
-    is replicated over model, as are ``lengths``. ``layer`` may be traced (replicated). The other
+    is replicated over model, as are ``lengths``. ``layer`` may be traced (replicated); a Python int
+is range-checked here, page ids and lengths are not (they are per-shard values). The other
     keywords are ``window_attention``'s (``block_q``/``block_k``: Pallas tiles).
 
     Returns:
@@ -119,6 +121,9 @@ def sharded_window_attention(mesh: Mesh, q: jax.Array, k_cur: jax.Array, v_cur: 
     check_divisible(f"pool pages (k_pool.shape[{PAGE_AXIS}])", k_pool.shape[PAGE_AXIS], DATA, data)
     if (extra_k is None) != (extra_v is None):
         raise ValueError("extra_k and extra_v must be given together (both or neither)")
+    num_layers = k_pool.shape[LAYER_AXIS]
+    if isinstance(layer, (int, np.integer)) and not isinstance(layer, bool) and not 0 <= layer < num_layers:
+        raise ValueError(f"layer={int(layer)} is out of range; allowed [0, {num_layers}) (k_pool.shape[{LAYER_AXIS}])")
     if scale is None:
         scale = float(q.shape[-1]) ** -0.5  # the kernel's default, fixed before sharding
     return _sharded_attention_jit(q, k_cur, v_cur, k_pool, v_pool, pages, lengths,

@@ -150,6 +150,16 @@ def test_sharded_attention_matches_single_device(shape):
     chex.assert_trees_all_close(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("layer", [LAYERS, -1, np.int32(LAYERS)])
+def test_sharded_attention_refuses_a_static_layer_out_of_range(layer):
+    mesh = _mesh((2, 4))
+    arrays, local, lengths = _attention_inputs(2, np.random.default_rng(0), extras=False)
+    with pytest.raises(ValueError, match=rf"layer={int(layer)} is out of range; allowed \[0, {LAYERS}\)"):
+        sharded_window_attention(mesh, arrays["q"], arrays["k_cur"], arrays["v_cur"], arrays["k_pool"],
+                                 arrays["v_pool"], jnp.asarray(local), jnp.asarray(lengths), layer=layer,
+                                 tokens_per_frame=TPF, backend="xla")
+
+
 @pytest.mark.parametrize("backend", ["pallas_tpu_interpret", "pallas_gpu_interpret"])
 def test_sharded_pallas_interpret(backend):
     """The Pallas kernels (interpret mode) under shard_map: same results as the XLA path."""
