@@ -25,7 +25,7 @@ def run_blocks(path: pathlib.Path) -> dict:
 def test_readme_starts_with_the_two_commands():
     first_block = re.search(r"```bash\n(.*?)```", README.read_text(), flags=re.S).group(1)
     assert "pip install -e . && arkv-jax demo" in first_block
-    assert 'pip install -e ".[test]" && pytest' in first_block
+    assert 'pip install -e ".[test]" && python -m pytest' in first_block
 
 
 def test_readme_is_short_and_links_every_doc():
@@ -38,7 +38,9 @@ def test_readme_is_short_and_links_every_doc():
 def test_readme_example_runs():
     namespace = run_blocks(README)
     rollout = namespace["rollout"]
-    assert namespace["video"].shape[0] == 13 * 2 and set(rollout.traces_per_batch.values()) == {1}
+    assert namespace["video"].shape == (13 * 2, 8, 12, 16) and set(rollout.traces_per_batch.values()) == {1}
+    pixels = namespace["pixels"]
+    assert pixels.shape == (1 + 4 * 25, 64, 96, 3) and -1.0 <= float(pixels.min()) < float(pixels.max()) <= 1.0
 
 
 # What each document's examples must leave behind, beyond running.
