@@ -87,7 +87,7 @@ def require_int(name: str, value, *, minimum: int | None = None, maximum: int | 
         raise ArgumentTypeError(f"{name} must be an int in [{lo}, {hi}], got {value!r} "
                                 f"({type(value).__name__})")
     if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
-        raise ValueError(f"{name} must be an int in [{lo}, {hi}], got {value!r}")
+        raise ValueError(f"{name} must be an int in [{lo}, {hi}], got {int(value)}")
     return int(value)
 
 

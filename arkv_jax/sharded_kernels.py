@@ -20,7 +20,7 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from arkv_jax.config import check_divisible
+from arkv_jax.config import check_divisible, require_int
 from arkv_jax.sharding import (
     DATA,
     MODEL,
@@ -122,8 +122,9 @@ is range-checked here, page ids and lengths are not (they are per-shard values).
     if (extra_k is None) != (extra_v is None):
         raise ValueError("extra_k and extra_v must be given together (both or neither)")
     num_layers = k_pool.shape[LAYER_AXIS]
-    if isinstance(layer, (int, np.integer)) and not isinstance(layer, bool) and not 0 <= layer < num_layers:
-        raise ValueError(f"layer={int(layer)} is out of range; allowed [0, {num_layers}) (k_pool.shape[{LAYER_AXIS}])")
+    if isinstance(layer, (int, np.integer)):  # static: checked here, as the kernel checks it
+        require_int(f"layer (k_pool.shape[{LAYER_AXIS}] = {num_layers} layers)", layer, minimum=0,
+                    maximum=num_layers - 1)
     if scale is None:
         scale = float(q.shape[-1]) ** -0.5  # the kernel's default, fixed before sharding
     return _sharded_attention_jit(q, k_cur, v_cur, k_pool, v_pool, pages, lengths,

@@ -69,7 +69,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from arkv_jax.config import CacheGeometry, check_axis_sizes, check_divisible, divisors
+from arkv_jax.config import CacheGeometry, check_axis_sizes, check_divisible, divisors, require_int
 from arkv_jax.state import BlockTableState, StateLayout, init_state
 from pallas_kernels.layout import pool_shape, pool_spec_axes
 
@@ -265,10 +265,7 @@ def make_pools(geometry: CacheGeometry, pages_per_shard: int, mesh: Mesh
     """
     data, model = check_mesh(mesh)
     check_heads(model, kv_heads=geometry.num_kv_heads)
-    if isinstance(pages_per_shard, bool) or not isinstance(pages_per_shard, (int, np.integer)) \
-            or pages_per_shard < 2:
-        raise ValueError(f"pages_per_shard must be an int >= 2 (the null page and one more), got "
-                         f"{pages_per_shard!r}")
+    require_int("pages_per_shard (the null page and one more)", pages_per_shard, minimum=2)
     shape = pool_shape(geometry.num_layers, data * int(pages_per_shard), geometry.block_size,
                        geometry.num_kv_heads, geometry.head_dim)
     sharding = NamedSharding(mesh, pool_spec())

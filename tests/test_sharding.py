@@ -154,7 +154,8 @@ def test_sharded_attention_matches_single_device(shape):
 def test_sharded_attention_refuses_a_static_layer_out_of_range(layer):
     mesh = _mesh((2, 4))
     arrays, local, lengths = _attention_inputs(2, np.random.default_rng(0), extras=False)
-    with pytest.raises(ValueError, match=rf"layer={int(layer)} is out of range; allowed \[0, {LAYERS}\)"):
+    with pytest.raises(ValueError, match=rf"layer \(k_pool.shape\[0\] = {LAYERS} layers\) must be an int in "
+                                         rf"\[0, {LAYERS - 1}\], got {int(layer)}"):
         sharded_window_attention(mesh, arrays["q"], arrays["k_cur"], arrays["v_cur"], arrays["k_pool"],
                                  arrays["v_pool"], jnp.asarray(local), jnp.asarray(lengths), layer=layer,
                                  tokens_per_frame=TPF, backend="xla")

@@ -55,7 +55,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from arkv_jax import nnx as layers
-from arkv_jax.config import CacheGeometry, CrossAttentionSpec
+from arkv_jax.config import CacheGeometry, CrossAttentionSpec, require_int
 from arkv_jax.models import io
 
 Array = jax.Array
@@ -360,8 +360,7 @@ def tensor_parallel_specs(params: nnx.State, model_axis_size: int, axis: str = "
     Raises:
       ValueError: ``model_axis_size`` is not a positive int.
     """
-    if isinstance(model_axis_size, bool) or not isinstance(model_axis_size, int) or model_axis_size < 1:
-        raise ValueError(f"model_axis_size must be a positive int, got {model_axis_size!r}")
+    require_int("model_axis_size", model_axis_size, minimum=1)
 
     def spec(path, leaf) -> P:
         names = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]

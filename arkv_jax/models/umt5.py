@@ -64,6 +64,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from arkv_jax.config import require_int
 from arkv_jax.models import io
 
 Array = jax.Array
@@ -104,9 +105,7 @@ class UMT5EncoderConfig:
 
     def __post_init__(self):
         for name in ("vocab_size", "dim", "num_heads", "head_dim", "ffn_dim", "num_layers", "text_len"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            require_int(name, getattr(self, name), minimum=1)
         if self.num_buckets < 4 or self.num_buckets % 4:
             raise ValueError(f"num_buckets must be a positive multiple of 4, got {self.num_buckets}")
         if self.max_distance <= self.num_buckets // 4:

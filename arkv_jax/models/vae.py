@@ -61,6 +61,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
+from arkv_jax.config import require_int
 from arkv_jax.models import io
 
 Array = jax.Array
@@ -108,9 +109,7 @@ class WanVAEConfig:
         object.__setattr__(self, "latents_mean", tuple(float(m) for m in self.latents_mean))
         object.__setattr__(self, "latents_std", tuple(float(s) for s in self.latents_std))
         for name in ("base_dim", "z_dim", "num_res_blocks", "out_channels"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            require_int(name, getattr(self, name), minimum=1)
         if len(self.dim_mult) < 2 or min(self.dim_mult) < 1:
             raise ValueError(f"dim_mult must have at least two positive entries, got {self.dim_mult}")
         if len(self.temporal_upsample) != len(self.dim_mult) - 1:
