@@ -1,6 +1,7 @@
 """The seed's manager API on the functional core: seed-semantics §5.4 traces, §13.1-§13.3 cases, and what
-vLLM-Omni accepts beyond them (issue 13: device strings, commits of unallocated chunks, frame-aligned
-pages, layer-index and chunk K/V refusals)."""
+vLLM-Omni accepts beyond them (issue 13: device strings, commits of unallocated chunks, layer-index and
+chunk K/V refusals), and vLLM-Omni's contiguous token layout when a chunk is not a multiple of a block
+(issue 21; tests/test_compat_readback.py reads every geometry back with vLLM-Omni's formulas)."""
 
 import re
 
@@ -23,6 +24,7 @@ from arkv_jax.compat.vllm_omni import (
 from arkv_jax.state import free_queue
 from pallas_kernels.layout import pool_shape
 from tests.reference_model import RefCache
+from tests.test_compat_readback import SeedModel
 
 POS, NEG = "positive", "negative"
 BRANCHES = (ARDiffusionKVBranchSpec(POS, 0), ARDiffusionKVBranchSpec(NEG, 1))
@@ -588,11 +590,13 @@ def test_native_commit_still_refuses_unallocated_chunks():
 
 @pytest.mark.parametrize("tokens, block, sink, window, reset", [
     (16, 16, 0, 2, False), (16, 16, 1, 3, False), (16, 16, 2, 1, True), (24, 16, 1, 2, False), (8, 16, 0, 1, False),
+    (6, 4, 1, 1, False),
 ])
 def test_random_sequences_with_unallocated_commits_match_the_reference_model(tokens, block, sink, window, reset):
     """Random interleavings of allocate_chunk / allocate_token_slots / commit_chunk (allocated or not) /
-    begin (with or without a prefill) / end on two requests, checked after every step against the
-    pure-Python model of vLLM's rules (tests/reference_model.py): tables, free queue, slots."""
+    begin (with or without a prefill) / end on two requests, checked after every step against pure-Python
+    models of vLLM's rules: tables, free queue, slots. tests/test_compat_readback.SeedModel (vLLM-Omni's
+    contiguous token layout) for every geometry, and tests/reference_model.py where a chunk is a block."""
     rng = np.random.default_rng(tokens * 100 + block + sink * 7 + window)
     ppf, page = -(-tokens // block), 2 * block * 4  # K+V of one fp32 token-slot per block
     # a tight pool: one scratch frame, two full windows, the in-flight frame, the planner's two spare
@@ -603,22 +607,26 @@ def test_random_sequences_with_unallocated_commits_match_the_reference_model(tok
     cache = ARDiffusionKVCache(config, num_layers=1, num_kv_heads=1, head_size=1, dtype="float32", block_size=block,
                                max_model_len=1 << 20, available_bytes=available,
                                kv_branches=(ARDiffusionKVBranchSpec("main", 0),), session_capacity=2)
-    ref = RefCache(num_blocks=cache.managed_num_blocks, tokens_per_frame=tokens, block_size=block,
-                   sink_frames=sink, window_frames=window, reset_at_boundary=reset)
+    seed = SeedModel(num_blocks=cache.managed_num_blocks, chunk_size=tokens, block_size=block, sink_chunks=sink,
+                     window_chunks=window, reset_at_boundary=reset)
+    refs = [RefCache(num_blocks=cache.managed_num_blocks, tokens_per_frame=tokens, block_size=block,
+                     sink_frames=sink, window_frames=window, reset_at_boundary=reset)] if tokens == block else []
     adapters = {}
     for step in range(80):
         rid = int(rng.integers(2))
         op = rng.choice(["alloc", "alloc", "slots", "commit", "commit", "commit", "end"])
         if rid not in adapters:
-            # prefills longer than the window too (evicted at the first allocation); partial frames
-            # only where a frame is a page
-            prefill = int(rng.choice([0, 0, tokens, 3 * tokens] + ([tokens // 2] if tokens == block else [])))
+            # prefills longer than the window too (evicted at the first allocation), and partial chunks
+            prefill = int(rng.choice([0, 0, tokens, 3 * tokens, tokens // 2]))
             adapters[rid] = cache.begin_request(f"r{rid}", prefill_prefix_tokens=prefill)
-            ref.begin(rid, prefill)
+            seed.begin(rid, prefill)
+            for ref in refs:
+                ref.begin(rid, prefill)
         adapter = adapters[rid]
         if op in ("alloc", "slots"):
             num = tokens if op == "alloc" else int(rng.integers(1, 3)) * tokens
-            expected_ok = ref.allocate(rid, num)
+            expected_ok = seed.allocate(rid, num)
+            assert all(ref.allocate(rid, num) == expected_ok for ref in refs), step
             try:
                 cache.allocate_token_slots(adapter, num) if op == "slots" else cache.allocate_chunk(adapter)
                 assert expected_ok, step
@@ -626,15 +634,22 @@ def test_random_sequences_with_unallocated_commits_match_the_reference_model(tok
                 assert not expected_ok, step
         elif op == "commit":
             cache.commit_chunk(adapter)
-            ref.commit(rid, 1)
+            seed.commit(rid)
+            for ref in refs:
+                ref.commit(rid, 1)
         else:
             cache.end_request(adapter)
-            ref.end(rid)
+            seed.end(rid)
+            for ref in refs:
+                ref.end(rid)
             del adapters[rid]
             continue
-        assert cache.block_table(adapter) == ref.table(rid), step
-        assert queue(cache) == list(ref.free), step
-        expected_slots = ref.slots(rid, tokens)
+        assert cache.block_table(adapter) == seed.tables[rid], step
+        assert queue(cache) == list(seed.free), step
+        expected_slots = seed.slots(rid, tokens)
+        for ref in refs:
+            assert (ref.table(rid), list(ref.free), ref.slots(rid, tokens)) == (
+                seed.tables[rid], list(seed.free), expected_slots), step
         if -1 in expected_slots:
             with pytest.raises(IndexError, match="has no allocated block for tokens"):
                 cache.chunk_write_slots(adapter)
@@ -642,11 +657,12 @@ def test_random_sequences_with_unallocated_commits_match_the_reference_model(tok
             assert cache.chunk_write_slots(adapter).tolist() == expected_slots, step
 
 
-# -- chunk_size not a multiple of block_size: frame-aligned pages (issue 13) -------------------------------
+# -- chunk_size not a multiple of block_size: vLLM-Omni's contiguous layout (issue 21) -------------------
 
 def frame_cache(layers=2):
-    """chunk 24, block 16 (ppf = 2: a frame's tokens 0..15 in its first page, 16..23 in the first half
-    of its second), window 1, sink 1, one branch, fp32, a large pool (ids handed out 1, 2, 3, ...)."""
+    """chunk 24, block 16, window 1, sink 1, one branch, fp32, a large pool (ids handed out 1, 2, 3, ...).
+    Token p sits at table[p // 16] * 16 + p % 16: block 2 holds chunk 0's tokens 16..23 and chunk 1's
+    24..31, a chunk spans two or three blocks."""
     import jax
 
     config = ARDiffusionKVConfig(enable=True, chunk_size=24, window_chunks=1, sink_chunks=1, gpu_memory_fraction=1.0)
@@ -661,63 +677,68 @@ def chunk_values(k, layer, dtype=np.float32):
     return (1 + 1000 * k + 100 * layer + np.arange(24 * 2 * 4, dtype=dtype)).reshape(1, 24, 2, 4)
 
 
-def test_frame_aligned_slots_address_the_pages_the_state_allocated():
-    """Frame f owns table indices 2f, 2f + 1: slots table[2f]*16 + 0..15, then table[2f+1]*16 + 0..7.
-    vLLM-Omni's contiguous mapping (token p -> table[p // 16]) would address other frames' blocks and,
-    from chunk 5 on, the null block (chunk 5 = tokens 120..143 -> index 7, nulled by then)."""
+def contiguous(keys, table, start, count=24):
+    """Tokens [start, start + count) as vLLM-Omni reads them: keys[table[p // 16], p % 16]."""
+    return np.stack([keys[table[p // 16], p % 16] for p in range(start, start + count)])
+
+
+def test_contiguous_slots_share_blocks_between_chunks_as_vllm_omni_does():
+    """vLLM-Omni's chunk 24 / block 16 trace: cdiv(computed + 24, 16) - len(table) new blocks per chunk;
+    a commit at n tokens nulls indices [ceil(24 / 16), floor((24 + skipped) / 16)) = [2, ...), skipped
+    = floor((n - 48) / 24) * 24, so block 2 (the sink's tokens 16..23 and chunk 1's 24..31) stays."""
     cache = frame_cache()
     adapter = cache.begin_request("r")
-    # (table after allocate, table after commit); the commit of frame f >= 2 evicts frame f - 1
-    # (skipped frames = f + 1 - window 1 - sink 1), its two blocks freed highest index first
     expected = [
         ([1, 2], [1, 2]),
-        ([1, 2, 3, 4], [1, 2, 3, 4]),
-        ([1, 2, 3, 4, 5, 6], [1, 2, 0, 0, 5, 6]),                      # frees 4, 3
-        ([1, 2, 0, 0, 5, 6, 7, 8], [1, 2, 0, 0, 0, 0, 7, 8]),          # frees 6, 5
-        ([1, 2, 0, 0, 0, 0, 7, 8, 9, 10], [1, 2, 0, 0, 0, 0, 0, 0, 9, 10]),
-        ([1, 2, 0, 0, 0, 0, 0, 0, 9, 10, 11, 12], [1, 2] + [0] * 8 + [11, 12]),
+        ([1, 2, 3], [1, 2, 3]),
+        ([1, 2, 3, 4, 5], [1, 2, 0, 4, 5]),                            # n=72, skipped 24: [2, 3) frees 3
+        ([1, 2, 0, 4, 5, 6], [1, 2, 0, 0, 5, 6]),                      # n=96, skipped 48: [2, 4) frees 4
+        ([1, 2, 0, 0, 5, 6, 7, 8], [1, 2, 0, 0, 0, 0, 7, 8]),          # n=120: [2, 6) frees 6, 5
+        ([1, 2, 0, 0, 0, 0, 7, 8, 9], [1, 2, 0, 0, 0, 0, 0, 8, 9]),    # n=144: [2, 7) frees 7; 8 is shared
     ]
+    first_slots = [16, 40, 64, 88, 112, 136]
     for k, (allocated, committed) in enumerate(expected):
         assert cache.allocate_chunk(adapter) == allocated
-        first, second = allocated[2 * k], allocated[2 * k + 1]
         slots = cache.chunk_write_slots(adapter).tolist()
-        assert slots == list(range(16 * first, 16 * first + 16)) + list(range(16 * second, 16 * second + 8))
+        assert slots == chunk_slot_mapping(allocated, 24 * k, 24, 16).tolist()
+        assert slots[0] == first_slots[k] and len(set(s // 16 for s in slots)) == 2
         assert slots == np.asarray(core.slot_mapping(cache.state, np.array([0]), 24))[0].tolist()
         for layer in range(2):
             cache.write_chunk_kv(layer, chunk_values(k, layer), -chunk_values(k, layer), adapter)
-        for layer in range(2):  # the request's own chunk reads back from its pages, padding untouched
+        for layer in range(2):  # the chunk reads back whole through the table, its neighbours intact
             keys, values = np.asarray(cache.key_cache(layer)), np.asarray(cache.value_cache(layer))
             data = chunk_values(k, layer)[0]
-            np.testing.assert_array_equal(keys[first], data[:16])
-            np.testing.assert_array_equal(keys[second, :8], data[16:])
-            np.testing.assert_array_equal(values[second, :8], -data[16:])
-            assert not keys[second, 8:].any() and not values[second, 8:].any()
+            np.testing.assert_array_equal(contiguous(keys, allocated, 24 * k), data)
+            np.testing.assert_array_equal(contiguous(values, allocated, 24 * k), -data)
+            if k:  # the previous chunk's tail shares the chunk's first block
+                np.testing.assert_array_equal(contiguous(keys, allocated, 24 * k - 8, 8),
+                                              chunk_values(k - 1, layer)[0, 16:])
             # the null page stays exactly zero (no data, no NaN) in every layer
             assert np.all(keys[0] == 0) and np.all(values[0] == 0)
         cache.commit_chunk(adapter)
         assert cache.block_table(adapter) == committed
-    # every resident frame's pages still hold that frame's data: the sink (frame 0) and frame 5
-    keys = np.asarray(cache.key_cache(1))
-    for frame, (first, second) in ((0, (1, 2)), (5, (11, 12))):
-        np.testing.assert_array_equal(np.concatenate([keys[first], keys[second, :8]]), chunk_values(frame, 1)[0])
-    assert cache.window_block_ids(adapter) == [1, 2, 11, 12]
+    # the sink (chunk 0) and the window (chunk 5) still read back; block 8 holds chunk 4's tail too
+    keys, table = np.asarray(cache.key_cache(1)), cache.block_table(adapter)
+    for chunk in (0, 5):
+        np.testing.assert_array_equal(contiguous(keys, table, 24 * chunk), chunk_values(chunk, 1)[0])
+    assert cache.window_block_ids(adapter) == [1, 2, 8, 9]
 
 
-def test_frame_aligned_writes_never_touch_the_null_page_after_unallocated_commits():
+def test_contiguous_writes_never_touch_the_null_page_after_unallocated_commits():
     cache = frame_cache(layers=1)
     adapter = cache.begin_request("r")
-    for _ in range(3):  # frames 0..2 never allocated: nothing to evict
+    for _ in range(3):  # chunks 0..2 never allocated: nothing to evict
         cache.commit_chunk(adapter)
-    # pages for 4 frames (96 tokens) = 8: takes 1..8; frame 3 is indices 6, 7 -> blocks 7, 8
-    assert cache.allocate_chunk(adapter) == [1, 2, 3, 4, 5, 6, 7, 8]
-    assert cache.chunk_write_slots(adapter).tolist() == list(range(112, 128)) + list(range(128, 136))
+    # cdiv(96, 16) = 6 blocks: takes 1..6; chunk 3 (tokens 72..95) is block 5's offsets 8..15 and block 6
+    assert cache.allocate_chunk(adapter) == [1, 2, 3, 4, 5, 6]
+    assert cache.chunk_write_slots(adapter).tolist() == list(range(88, 96)) + list(range(96, 112))
     cache.write_chunk_kv(0, chunk_values(3, 0), chunk_values(3, 0), adapter)
     keys = np.asarray(cache.key_cache(0))
-    np.testing.assert_array_equal(np.concatenate([keys[7], keys[8, :8]]), chunk_values(3, 0)[0])
-    assert np.all(keys[0] == 0) and not np.isnan(keys).any()
-    assert np.count_nonzero(np.abs(keys).sum(axis=(1, 2, 3))) == 2  # exactly the two pages of frame 3
-    cache.commit_chunk(adapter)  # 4 frames: skipped 2 -> frames 1, 2 (blocks 3..6) freed, highest first
-    assert cache.block_table(adapter) == [1, 2, 0, 0, 0, 0, 7, 8] and queue(cache)[-4:] == [6, 5, 4, 3]
+    np.testing.assert_array_equal(contiguous(keys, [1, 2, 3, 4, 5, 6], 72), chunk_values(3, 0)[0])
+    assert np.all(keys[0] == 0) and not np.isnan(keys).any() and not keys[5, :8].any()
+    assert np.count_nonzero(np.abs(keys).sum(axis=(1, 2, 3))) == 2  # exactly blocks 5 and 6
+    cache.commit_chunk(adapter)  # n=96: skipped 48 -> [2, 4): blocks 4, 3 freed, highest index first
+    assert cache.block_table(adapter) == [1, 2, 0, 0, 5, 6] and queue(cache)[-2:] == [4, 3]
 
 
 # -- layer indices and chunk K/V (issue 13): refused with a clear error; a refused call changes nothing -----

@@ -38,17 +38,21 @@ Differences, all deliberate:
 * K/V arrays are JAX arrays; floating K/V are cast to the pool dtype (torch's indexed write
   would refuse a dtype mismatch). An unbatched ``(chunk_size, heads, head_size)`` chunk is written
   as is (vLLM-Omni takes its index 0, one token, and broadcasts it over the chunk).
-* Pages are frame-aligned. When ``chunk_size`` is not a multiple of ``block_size``, vLLM-Omni
-  (S2) lays a request's tokens out contiguously: ``chunk_slot_mapping`` maps token ``p`` to
-  ``table[p // block_size] * block_size + p % block_size``, so a block may hold the end of one
-  frame and the start of the next. Here frame ``f`` owns table entries
-  ``[f * ppf, (f + 1) * ppf)`` with ``ppf = ceil(chunk_size / block_size)`` and its last page is
-  padded, so token ``p`` (frame ``f = p // chunk_size``, offset ``o = p % chunk_size``) sits at
-  ``table[f * ppf + o // block_size] * block_size + o % block_size``; that is what
-  ``chunk_write_slots`` and ``write_chunk_kv`` address. Block ids and table lengths therefore
-  differ from vLLM-Omni's for such geometries; with ``chunk_size == block_size`` (vLLM-Omni S1,
-  where a frame is a block) both layouts are the same and so are the block ids. The module helpers
-  :func:`compute_slot_mapping` and :func:`chunk_slot_mapping` keep vLLM-Omni's contiguous formula.
+
+Layout: a request's tokens are laid out as vLLM-Omni lays them out, for every ``chunk_size`` and
+``block_size``: contiguously, token ``p`` (prefill included) at flat slot
+``table[p // block_size] * block_size + p % block_size``, so a block may hold the end of one
+chunk and the start of the next. ``allocate_chunk`` takes ``cdiv(computed + chunk_size,
+block_size) - len(table)`` blocks, ``chunk_write_slots`` is ``chunk_slot_mapping`` over the
+block table, and a commit nulls the wholly skipped blocks after the sink: table indices
+``[ceil(sink_tokens / block_size), floor((sink_tokens + skipped) / block_size))``, walked
+backwards to the first null entry (vLLM-Omni S2; S1's ``[sink_chunks, sink_chunks + skipped //
+block_size)`` when a chunk is a block), so a block shared with a sink or in-window token stays.
+``block_table``, ``window_block_ids``, ``key_cache``/``value_cache`` and the slot mappings
+therefore describe where the data is exactly as vLLM-Omni's formulas read them. The state
+behind the cache (:attr:`ARDiffusionKVCache.state`) has one-page frames (``tokens_per_frame ==
+block_size``); this module applies vLLM-Omni's token-granular window rule to it
+(the native ``PagedKVCache`` keeps frame-aligned pages).
 
 The module is one file because it mirrors one vLLM-Omni module (the manager and its helpers)
 name for name.
@@ -182,8 +186,24 @@ def _write_slots(pool, layer: int, slots, new):
 
 _begin = jax.jit(core.begin, donate_argnums=0)
 _allocate = jax.jit(core.allocate, donate_argnums=0)
-_advance = jax.jit(core.advance, donate_argnums=0)
 _end = jax.jit(core.end, donate_argnums=0)
+
+#: The core state's own window rule is disabled (its window never ends): this module evicts.
+_CORE_NEVER_EVICTS = 1 << 30
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _place_row(state, row, evicted_pages, computed_tokens):
+    """Row ``row`` evicted up to ``evicted_pages`` pages after the sink (highest table index first,
+    compacted, as :func:`arkv_jax.state.commit` frees) and positioned at ``computed_tokens`` tokens
+    (``computed // block_size`` whole pages plus the rest, so the core's token arithmetic is
+    vLLM's contiguous one)."""
+    rows = row[None]
+    target = evicted_pages[None]
+    state, _ = core._evict(state, rows, jnp.ones((1,), bool), target, target)
+    block_size = state.layout.block_size
+    return state.replace(committed_frames=state.committed_frames.at[row].set(computed_tokens // block_size),
+                         prefill_tokens=state.prefill_tokens.at[row].set(computed_tokens % block_size))
 
 
 def _check_cache_arguments(config: ARDiffusionKVConfig, *, num_layers: int, num_kv_heads: int, head_size: int,
@@ -283,7 +303,15 @@ class ARDiffusionKVCache:
         self.num_kv_heads, self.head_size, self.dtype = num_kv_heads, head_size, self.geometry.dtype
         self.device = resolve_device(device)
         self._branch_index = {b.name: b.local_index for b in self.kv_branches}
-        layout = core.StateLayout.from_config(self.geometry, self.window, self.managed_num_blocks)
+        # vLLM-Omni's contiguous token layout: one-page frames, so the core allocates token-granular
+        # contiguous pages; the window rule (token-granular, chunk-snapped) is applied here.
+        self._sink_tokens = config.sink_chunks * config.chunk_size
+        width = ceil_div((config.sink_chunks + config.window_chunks + frames_per_block) * config.chunk_size,
+                         block_size) + 2
+        layout = core.StateLayout(tokens_per_frame=block_size, block_size=block_size,
+                                  sink_frames=ceil_div(self._sink_tokens, block_size),
+                                  window_frames=_CORE_NEVER_EVICTS, reset_at_boundary=False,
+                                  table_width=width, num_blocks=self.managed_num_blocks)
         self._state = core.init_state(layout, num_rows=max(4, 2 * self.session_capacity * len(self.kv_branches)))
         self._adapters: dict[str, ARDiffusionRequestAdapter] = {}
         self._free_rows: list[int] = list(range(self._state.num_rows))
@@ -351,9 +379,9 @@ class ARDiffusionKVCache:
         the same and the window rule frees what it holds out of the window; the next
         :meth:`allocate_chunk` then allocates every block the computed tokens need.
         """
-        self._state, ok = _advance(self._state, jnp.array([self._row(adapter)]), 1)
-        assert bool(ok[0])
+        row = self._row(adapter)
         adapter.on_chunk_committed()
+        self._remove_skipped_blocks(row, adapter.num_computed_tokens)
 
     def block_table(self, adapter: ARDiffusionRequestAdapter) -> list[int]:
         """The request's table in vLLM-Omni's form: sink blocks, a null placeholder per evicted
@@ -363,8 +391,8 @@ class ARDiffusionKVCache:
     def chunk_write_slots(self, adapter: ARDiffusionRequestAdapter) -> jax.Array:
         """Slot mapping of the in-flight chunk (the K/V write target), ``(chunk_size,)`` int32.
 
-        Pages are frame-aligned (see the module docstring): with ``chunk_size == block_size`` this
-        is vLLM-Omni's ``chunk_slot_mapping``.
+        vLLM-Omni's ``chunk_slot_mapping(block_table, num_computed_tokens, chunk_size,
+        block_size)``: token ``p`` at ``table[p // block_size] * block_size + p % block_size``.
 
         Raises:
           IndexError: some of the chunk's tokens have no allocated block (as vLLM-Omni's table
@@ -555,13 +583,11 @@ class ARDiffusionKVCache:
         return jnp.asarray(x[0] if len(shape) == 4 else x)
 
     def _chunk_slots(self, adapter: ARDiffusionRequestAdapter) -> np.ndarray:
-        """Frame-aligned flat slots of the in-flight chunk's tokens (host-side)."""
+        """Flat slots of the in-flight chunk's tokens: vLLM-Omni's contiguous formula (host-side)."""
         table = np.asarray(self.block_table(adapter), np.int64)
-        layout = self._state.layout
         start = adapter.num_computed_tokens
         tokens = np.arange(start, start + self.config.chunk_size, dtype=np.int64)
-        frame, offset = np.divmod(tokens, layout.tokens_per_frame)
-        index = frame * layout.pages_per_frame + offset // layout.block_size
+        index = tokens // self.block_size
         pages = table[np.minimum(index, len(table) - 1)] if len(table) else np.zeros_like(index)
         missing = (index >= len(table)) | (pages == self.null_block_id)
         if missing.any():
@@ -569,7 +595,7 @@ class ARDiffusionKVCache:
             raise IndexError(f"AR-Diffusion request {adapter.request_id!r} has no allocated block for tokens "
                              f"[{first}, {start + self.config.chunk_size}) of its in-flight chunk (table "
                              f"{table.tolist()}); call allocate_chunk before writing the chunk")
-        return pages * layout.block_size + offset % layout.block_size
+        return pages * self.block_size + tokens % self.block_size
 
     def _cross_length(self, cache_name: str) -> int:
         return lookup(self.cross_attention_lengths, cache_name, "AR-Diffusion cross-attention cache")
@@ -582,42 +608,53 @@ class ARDiffusionKVCache:
     def _kv_branch_index(self, kv_branch: str) -> int:
         return lookup(self._branch_index, kv_branch, "AR-Diffusion KV branch")
 
+    def _skipped_tokens(self, computed: int) -> int:
+        """vLLM-Omni's skip rule (seed-semantics §4.2): tokens after the sink out of the window once
+        ``computed`` tokens are committed, snapped down to a chunk boundary."""
+        chunk = self.config.chunk_size
+        if self.config.reset_at_boundary:
+            return max(0, computed // chunk * chunk - self._sink_tokens)
+        return max(0, computed - self.config.window_chunks * chunk - self._sink_tokens) // chunk * chunk
+
+    def _remove_skipped_blocks(self, row: int, computed: int) -> None:
+        """vLLM-Omni's ``remove_skipped_blocks`` at ``computed`` tokens: table indices
+        ``[ceil(sink / block_size), floor((sink + skipped) / block_size))``, clipped to the table,
+        walked backwards to the first null entry, are freed; then the row is positioned at
+        ``computed`` tokens."""
+        evicted = int(self._state.evicted_pages[row])
+        target = evicted
+        skipped = self._skipped_tokens(computed)
+        if skipped > 0:
+            held = int(self._state.num_pages[row]) + evicted
+            last = min((self._sink_tokens + skipped) // self.block_size, held)
+            target = max(evicted, last - self._state.layout.sink_pages)
+        self._state = _place_row(self._state, jnp.asarray(row, jnp.int32), jnp.asarray(target, jnp.int32),
+                                 jnp.asarray(computed, jnp.int32))
+
     def _allocate(self, adapter: ARDiffusionRequestAdapter, num_tokens: int, what: str) -> list[int]:
         row = self._row(adapter)
-        layout = self._state.layout
-        needed = (ceil_div(adapter.num_computed_tokens + num_tokens, layout.tokens_per_frame) * layout.pages_per_frame
-                  - int(self._state.evicted_pages[row]))
-        if needed > layout.table_width:  # vLLM-Omni's tables are unbounded: widen ours (host-side, rare)
-            self._state = core.resize(self._state, table_width=max(needed, 2 * layout.table_width))
+        computed = adapter.num_computed_tokens
+        # vLLM's allocate_slots runs the window walk first (a no-op unless blocks out of the window
+        # are still held: after commits of unallocated chunks or a long prefill)
+        if self._skipped_tokens(computed) > 0:
+            self._remove_skipped_blocks(row, computed)
+        required = ceil_div(computed + num_tokens, self.block_size)
+        needed = required - int(self._state.evicted_pages[row])
+        width = self._state.layout.table_width
+        if needed > width:  # vLLM-Omni's tables are unbounded: widen ours (host-side, rare)
+            self._state = core.resize(self._state, table_width=max(needed, 2 * width))
         self._state, ok = _allocate(self._state, jnp.array([row]), num_tokens)
         if not bool(ok[0]):
             # vLLM checks max(required - max(skipped, held), 0) blocks against the free count but
             # then takes required - held: after commits of unallocated chunks the check can pass
             # and BlockPool.get_new_blocks raise (the out-of-window eviction already happened).
-            ppf, tpf = layout.pages_per_frame, layout.tokens_per_frame
-            computed = adapter.num_computed_tokens
-            required = _pages_for_tokens(layout, computed + num_tokens)
             held = len(self.block_table(adapter))
-            skipped = _skipped_frames(layout, computed // tpf) * ppf
+            skipped = self._skipped_tokens(computed) // self.block_size
             free = self.num_free_blocks()
             if max(required - max(skipped, held), 0) <= free < required - held:
                 raise ValueError(f"Cannot get {required - held} free blocks from the pool")
             raise RuntimeError(f"AR-Diffusion KV pool exhausted while allocating {what}")
         return self.block_table(adapter)
-
-
-def _pages_for_tokens(layout: core.StateLayout, tokens: int) -> int:
-    """Frame-aligned pages holding the first ``tokens`` tokens of a request (host-side)."""
-    frames, rest = divmod(tokens, layout.tokens_per_frame)
-    return frames * layout.pages_per_frame + ceil_div(rest, layout.block_size)
-
-
-def _skipped_frames(layout: core.StateLayout, frames: int) -> int:
-    """Frames after the sink out of the window once ``frames`` whole frames are computed (the
-    vLLM-Omni's skip rule, host-side)."""
-    if layout.reset_at_boundary:
-        return max(0, frames - layout.sink_frames)
-    return max(0, frames - layout.window_frames - layout.sink_frames)
 
 
 #: Platform strings vLLM-Omni users pass (torch's device types) -> JAX platform names.
