@@ -1,42 +1,63 @@
-"""One dispatcher for every arkv-jax kernel: which implementation runs, and how.
+"""The backend registry of the arkv-jax kernels: each backend name, what it runs, where it runs.
 
-Each kernel (paged chunk write, paged window attention) has a plain-XLA path, a Pallas TPU kernel
-(Mosaic) and GPU paths. Callers pick one with a ``backend=`` string; the same string is valid for
-both kernels:
+Each kernel (paged chunk write, paged window attention) has a plain-XLA path, Pallas TPU kernels
+(Mosaic) and GPU paths. Callers pick one with a ``backend=`` string, the same string for both
+kernels: a backend name names a *platform path*, one choice for a whole run (``--backend`` of
+``arkv-jax demo``/``generate``, ``PagedKVCache(backend=...)``), and each kernel runs its own
+implementation of that path. :data:`BACKENDS` maps every name to a :class:`Backend`, which records
+what the name needs (the JAX platform, :attr:`Backend.platform`) for the path as a whole: the
+stricter of the two kernels' needs. Each kernel keeps one table, name to implementation, for
+exactly these names (``pallas_kernels.window_attention.IMPLEMENTATIONS``,
+``pallas_kernels.paged_write.IMPLEMENTATIONS``). The meaning of every name for each kernel:
 
-============================  ==================================  ==============================
-name                          window attention                    paged write
-============================  ==================================  ==============================
-``"auto"``                    see the table below                 ``"pallas_tpu"`` on TPU, the
-                                                                  scatter write on GPU, ``"xla"``
-                                                                  elsewhere
-``"xla"``                     plain jnp/lax gather + dense        a loop of page updates (the
-                              attention (the CPU default)         CPU default)
-``"pallas_tpu"``              the Mosaic TPU kernel, compiled (TPU only)
-``"pallas_tpu_interpret"``    the TPU kernel lowered to XLA by Pallas' generic interpreter
-``"pallas_tpu_simulate"``     the TPU kernel under the TPU simulator: DMAs and semaphores emulated,
-                              races detected, out-of-bounds reads raise (slow; small shapes only)
-``"pallas_tpu_gather"``       the visible pages gathered by XLA,  the TPU kernel
-                              then jax's splash attention,
-                              compiled (TPU; the TPU kernel's
-                              yardstick)
-``"pallas_tpu_gather_interpret"``  the same, splash interpreted   the TPU kernel, interpreted
-``"pallas_gpu"``              the Triton kernel, compiled         the Triton page copy, compiled
-                              (NVIDIA GPU)                        (NVIDIA GPU)
-``"pallas_gpu_interpret"``    the Triton kernels under Pallas' interpreter
-``"cudnn_gather"``            gather the visible history, then    one XLA scatter of whole pages
-                              cuDNN attention (NVIDIA GPU;        (any platform)
-                              bf16/f16, ``head_dim % 8 == 0``,
-                              ``head_dim <= 256``)
-``"cudnn_gather_xla"``        the same gather and key layout      the same scatter
-                              through jax's XLA attention (any
-                              platform: CPU tests of that path)
-``"pallas_mgpu"``             the Mosaic GPU kernel, compiled     the same scatter
-                              (Hopper and later; bf16/f16,
-                              ``head_dim`` a multiple of 64 up
-                              to 256, pages a multiple of the key
-                              tile)
-============================  ==================================  ==============================
+=================================  ==================================  =============================  ==========
+name                               window attention                    paged write                    platform
+=================================  ==================================  =============================  ==========
+``"auto"``                         see the table below                 ``"pallas_tpu"`` on TPU,       the one it
+                                                                       ``"cudnn_gather"`` (the        resolves
+                                                                       scatter) on GPU, ``"xla"``     for
+                                                                       elsewhere
+``"xla"``                          plain jnp/lax gather + dense        a loop of page updates (the    any
+                                   attention (the CPU default)         CPU default)
+``"pallas_tpu"``                   the Mosaic TPU kernel, compiled     the TPU DMA kernel, compiled   ``"tpu"``
+``"pallas_tpu_interpret"``         the TPU kernel lowered to XLA by    the TPU kernel, interpreted    any
+                                   Pallas' generic interpreter
+``"pallas_tpu_simulate"``          the TPU kernel under the TPU        the TPU kernel, simulated      any
+                                   simulator: DMAs and semaphores
+                                   emulated, races detected,
+                                   out-of-bounds reads raise (slow;
+                                   small shapes only)
+``"pallas_tpu_gather"``            the visible pages gathered by XLA,  the TPU DMA kernel, compiled   ``"tpu"``
+                                   then jax's splash attention,
+                                   compiled (the TPU kernel's
+                                   yardstick)
+``"pallas_tpu_gather_interpret"``  the same, splash interpreted        the TPU kernel, interpreted    any
+``"pallas_gpu"``                   the Triton kernel, compiled         the Triton page copy,          ``"gpu"``
+                                                                       compiled
+``"pallas_gpu_interpret"``         the Triton kernel under Pallas'     the Triton page copy under     any
+                                   interpreter                         Pallas' interpreter
+``"cudnn_gather"``                 gather the visible history, then    one XLA scatter of whole       ``"gpu"``
+                                   cuDNN attention (bf16/f16,          pages per pool
+                                   ``head_dim % 8 == 0``,
+                                   ``head_dim <= 256``)
+``"cudnn_gather_xla"``             the same gather and key layout      the same scatter               any
+                                   through jax's XLA attention (CPU
+                                   tests of that path)
+``"pallas_mgpu"``                  the Mosaic GPU kernel, compiled     the same scatter               ``"gpu"``
+                                   (Hopper and later; bf16/f16,                                       (Hopper)
+                                   ``head_dim`` a multiple of 64 up
+                                   to 256, pages a multiple of the
+                                   key tile)
+=================================  ==================================  =============================  ==========
+
+The platform is the path's: the scatter write of ``"cudnn_gather"`` and ``"pallas_mgpu"`` would
+run anywhere, but their attention needs an NVIDIA GPU, so the name does. A compiled path's
+any-platform variant, where it has one, is its :attr:`Backend.stand_in` (``"cudnn_gather_xla"``
+for ``"cudnn_gather"``, the ``*_interpret`` names for the Pallas kernels; ``"pallas_mgpu"`` has
+none).
+The kernels do not check the platform (a compiled backend on another platform fails where jax
+lowers it); :meth:`Backend.runs_on` is the question to ask before a run, and ``arkv-jax demo`` and
+``generate`` ask it (``arkv_jax.apps.platforms.check_backend``) before they build anything.
 
 ``"auto"`` for window attention on an NVIDIA GPU depends on the call's dtype and head dim (the
 attention dispatcher passes them to :func:`resolve_backend`):
@@ -58,25 +79,12 @@ Kernels take the resolved :class:`Backend`; the Pallas ones pass ``backend.inter
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-
-BACKEND_NAMES = (
-    "auto",
-    "xla",
-    "pallas_tpu",
-    "pallas_tpu_interpret",
-    "pallas_tpu_simulate",
-    "pallas_tpu_gather",
-    "pallas_tpu_gather_interpret",
-    "pallas_gpu",
-    "pallas_gpu_interpret",
-    "cudnn_gather",
-    "cudnn_gather_xla",
-    "pallas_mgpu",
-)
 
 GPU_PLATFORMS = ("gpu", "cuda")
 """Platform names of an NVIDIA GPU as ``jax.default_backend()`` and ``lowering_platforms`` spell
@@ -85,27 +93,87 @@ them."""
 CUDNN_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 """Dtypes cuDNN attention takes."""
 
-_KIND_OF = {"cudnn_gather_xla": "cudnn_gather", "pallas_tpu_interpret": "pallas_tpu",
-            "pallas_tpu_simulate": "pallas_tpu", "pallas_tpu_gather": "pallas_tpu",
-            "pallas_tpu_gather_interpret": "pallas_tpu", "pallas_gpu_interpret": "pallas_gpu"}
+MODES = ("compiled", "interpret", "simulate")
+"""How a backend's Pallas kernels run (:attr:`Backend.mode`)."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Backend:
-    """A resolved backend choice.
+    """One backend of the registry (:data:`BACKENDS`), or a resolved ``backend=`` choice.
 
     Attributes:
-      name: the resolved name (never ``"auto"``), one of ``BACKEND_NAMES``.
-      kind: which implementation runs: ``"xla"``, ``"pallas_tpu"``, ``"pallas_gpu"`` (Triton),
+      name: the name (never ``"auto"``), a key of :data:`BACKENDS`.
+      kind: the family whose argument rules the kernels' static validation applies: ``"xla"``,
+        ``"pallas_tpu"`` (also the ``pallas_tpu_gather*`` names), ``"pallas_gpu"`` (Triton),
         ``"cudnn_gather"`` or ``"pallas_mgpu"`` (Mosaic GPU).
-      interpret: the value for ``pl.pallas_call(interpret=...)``: ``False`` (compiled), ``True``
-        (generic interpreter) or a ``pltpu.InterpretParams`` (TPU simulator); ``False`` for the
-        non-Pallas kinds.
+      platform: the JAX platform the backend needs (``"tpu"`` or ``"gpu"``), or ``None`` where it
+        runs on any platform.
+      device: what :attr:`platform` means in words (``"a TPU"``, ``"an NVIDIA GPU"``), for
+        messages; ``""`` where ``platform`` is ``None``.
+      mode: ``"compiled"`` (also the non-Pallas backends), ``"interpret"`` (Pallas' generic
+        interpreter) or ``"simulate"`` (the TPU simulator), one of :data:`MODES`.
+      stand_in: for a backend with a platform, the backend that runs the same path on any platform
+        and what it changes, ``(name, words)``, for messages; ``None`` where there is none.
     """
 
     name: str
     kind: str
-    interpret: Any
+    platform: str | None = None
+    device: str = ""
+    mode: str = "compiled"
+    stand_in: tuple[str, str] | None = None
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if (self.platform is None) != (self.device == ""):
+            raise ValueError(f"backend {self.name!r}: device words go with a platform and only "
+                             f"with one, got platform={self.platform!r}, device={self.device!r}")
+
+    @property
+    def interpret(self) -> Any:
+        """The value for ``pl.pallas_call(interpret=...)``: ``False`` (compiled; also the
+        non-Pallas backends), ``True`` (generic interpreter) or a ``pltpu.InterpretParams``
+        (:func:`tpu_simulator_params`)."""
+        if self.mode == "simulate":
+            return tpu_simulator_params()
+        return self.mode == "interpret"
+
+    def runs_on(self, platform: str) -> bool:
+        """Whether the backend runs on devices of JAX platform ``platform`` (``"cpu"``,
+        ``"gpu"``/``"cuda"``, ``"tpu"``, as ``jax.Device.platform`` spells it)."""
+        if self.platform is None:
+            return True
+        if self.platform == "gpu":
+            return platform in GPU_PLATFORMS
+        return platform == self.platform
+
+
+_INTERPRETER = "the same kernel under Pallas' interpreter, slow"
+
+BACKENDS: Mapping[str, Backend] = MappingProxyType({backend.name: backend for backend in (
+    Backend("xla", "xla"),
+    Backend("pallas_tpu", "pallas_tpu", "tpu", "a TPU",
+            stand_in=("pallas_tpu_interpret", _INTERPRETER)),
+    Backend("pallas_tpu_interpret", "pallas_tpu", mode="interpret"),
+    Backend("pallas_tpu_simulate", "pallas_tpu", mode="simulate"),
+    Backend("pallas_tpu_gather", "pallas_tpu", "tpu", "a TPU",
+            stand_in=("pallas_tpu_gather_interpret", _INTERPRETER)),
+    Backend("pallas_tpu_gather_interpret", "pallas_tpu", mode="interpret"),
+    Backend("pallas_gpu", "pallas_gpu", "gpu", "an NVIDIA GPU",
+            stand_in=("pallas_gpu_interpret", _INTERPRETER)),
+    Backend("pallas_gpu_interpret", "pallas_gpu", mode="interpret"),
+    Backend("cudnn_gather", "cudnn_gather", "gpu", "an NVIDIA GPU with cuDNN",
+            stand_in=("cudnn_gather_xla", "the same gather with XLA's attention")),
+    Backend("cudnn_gather_xla", "cudnn_gather"),
+    Backend("pallas_mgpu", "pallas_mgpu", "gpu", "an NVIDIA Hopper GPU"),
+)})
+"""The registry (read only): every backend name (``"auto"`` aside) and its :class:`Backend`, in
+the order of :data:`BACKEND_NAMES`. Each kernel's ``IMPLEMENTATIONS`` table has exactly these
+keys."""
+
+BACKEND_NAMES = ("auto", *BACKENDS)
+"""Every value ``backend=`` takes: ``"auto"`` and the names of :data:`BACKENDS`."""
 
 
 def tpu_simulator_params() -> Any:
@@ -124,7 +192,7 @@ def cudnn_supports(dtype, head_dim: int) -> bool:
     return jnp.dtype(dtype) in CUDNN_DTYPES and head_dim % 8 == 0 and 8 <= head_dim <= 256
 
 
-def auto_gpu_attention(dtype, head_dim: int) -> str:
+def _auto_gpu_attention(dtype, head_dim: int) -> str:
     """The window-attention backend ``"auto"`` picks on an NVIDIA GPU (the module docstring's
     table)."""
     if cudnn_supports(dtype, head_dim):
@@ -136,7 +204,7 @@ def auto_gpu_attention(dtype, head_dim: int) -> str:
 
 def resolve_backend(name: str = "auto", platform: str | None = None, *, dtype=None,
                     head_dim: int | None = None) -> Backend:
-    """Turns a ``backend=`` string into a :class:`Backend`.
+    """Turns a ``backend=`` string into its :class:`Backend` of :data:`BACKENDS`.
 
     Args:
       name: one of ``BACKEND_NAMES``.
@@ -157,12 +225,7 @@ def resolve_backend(name: str = "auto", platform: str | None = None, *, dtype=No
             name = "pallas_tpu"
         elif platform in GPU_PLATFORMS:
             name = ("cudnn_gather" if dtype is None or head_dim is None
-                    else auto_gpu_attention(dtype, head_dim))
+                    else _auto_gpu_attention(dtype, head_dim))
         else:
             name = "xla"
-    kind = _KIND_OF.get(name, name)
-    if name == "pallas_tpu_simulate":
-        interpret: Any = tpu_simulator_params()
-    else:
-        interpret = name.endswith("_interpret")
-    return Backend(name, kind, interpret)
+    return BACKENDS[name]

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from arkv_jax import cli, generate
+from pallas_kernels.backend import resolve_backend
 
 imageio = pytest.importorskip("imageio")
 pytest.importorskip("imageio_ffmpeg")
@@ -91,8 +92,9 @@ def test_output_paths(tmp_path):
     ([], "one of the arguments --checkpoint --random-tiny is required"),
 ])
 def test_refusals(tmp_path, capsys, argv, message):
-    if "--backend" in argv and jax.devices()[0].platform != "cpu":
-        pytest.skip("the backend refusals are for a CPU machine")
+    if "--backend" in argv and resolve_backend(argv[argv.index("--backend") + 1]).runs_on(
+            jax.devices()[0].platform):
+        pytest.skip("the backend runs on this machine's devices (the registry's Backend.runs_on)")
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["generate", *argv, "--out", str(tmp_path / "x.mp4")])
     assert exit_info.value.code == 2
@@ -110,7 +112,8 @@ def test_an_out_name_too_long_for_the_file_system_is_refused_in_one_line(tmp_pat
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.skipif(jax.devices()[0].platform != "cpu", reason="the backend refusal is for a CPU machine")
+@pytest.mark.skipif(resolve_backend("pallas_gpu").runs_on(jax.devices()[0].platform),
+                    reason="pallas_gpu runs on this machine's devices (the registry's Backend.runs_on)")
 def test_a_backend_for_another_platform_is_refused_before_the_checkpoint_loads(tmp_path, capsys, monkeypatch):
     root = make_checkpoint(tmp_path / "ckpt")
 

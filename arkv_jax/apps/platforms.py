@@ -2,34 +2,31 @@
 
 ``arkv-jax demo`` and ``arkv-jax generate`` both call :func:`check_backend` before they build or
 load anything, so a compiled backend for another platform is refused in one line, not after a
-checkpoint has loaded.
+checkpoint has loaded. The platform each backend needs is the kernels' registry's
+(:data:`pallas_kernels.backend.BACKENDS`, :meth:`~pallas_kernels.backend.Backend.runs_on`); this
+module only words the refusal.
 """
 
 from __future__ import annotations
 
-from pallas_kernels.backend import BACKEND_NAMES, resolve_backend
-
-#: The compiled kernel backends: the platform each needs, in JAX's name and in words.
-COMPILED_BACKENDS = {
-    "pallas_gpu": ("gpu", "an NVIDIA GPU"), "pallas_mgpu": ("gpu", "an NVIDIA Hopper GPU"),
-    "cudnn_gather": ("gpu", "an NVIDIA GPU with cuDNN"), "pallas_tpu": ("tpu", "a TPU"),
-    "pallas_tpu_gather": ("tpu", "a TPU"),
-}
+from pallas_kernels.backend import resolve_backend
 
 
 def check_backend(backend: str, platform: str) -> None:
-    """Refuses a compiled kernel backend on devices of another platform.
+    """Refuses a kernel backend that does not run on devices of ``platform``.
+
+    Args:
+      backend: a ``--backend`` value (``auto`` resolves for ``platform``, so it always runs).
+      platform: the JAX platform of the run's devices (``jax.Device.platform``).
 
     Raises:
-      ValueError: an unknown backend, or a compiled one (:data:`COMPILED_BACKENDS`, or ``auto``
-        resolving to one) on a platform other than its own, naming the backends that do run there.
+      ValueError: an unknown backend, or one whose registry entry needs another platform, naming
+        the backends that do run here (``xla``, and the entry's any-platform stand-in if it has
+        one).
     """
     resolved = resolve_backend(backend, platform)
-    needs, device = COMPILED_BACKENDS.get(resolved.name, (platform, ""))
-    if platform != needs:
-        stand_ins = [f"--backend {name} ({why})" for name, why in (
-            (f"{resolved.name}_interpret", "the same kernel under Pallas' interpreter, slow"),
-            (f"{resolved.name}_xla", "the same gather with XLA's attention")) if name in BACKEND_NAMES]
-        raise ValueError(f"--backend {backend}: the compiled kernel needs {device}, and this run's devices are "
-                         f"{platform}; use --backend xla (runs everywhere)"
-                         + "".join(f" or {option}" for option in stand_ins))
+    if resolved.runs_on(platform):
+        return
+    options = "" if resolved.stand_in is None else " or --backend {} ({})".format(*resolved.stand_in)
+    raise ValueError(f"--backend {backend}: the compiled kernel needs {resolved.device}, and this run's devices are "
+                     f"{platform}; use --backend xla (runs everywhere){options}")

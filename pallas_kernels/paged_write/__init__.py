@@ -47,25 +47,28 @@ the chunk's bytes (``2 * L * R * F * ceil(T / S) * S * H * D * itemsize``, plus 
 copy of the chunk that XLA usually folds away). Without donation XLA
 copies both pools first.
 
-Backends (``backend=``, see :mod:`pallas_kernels.backend`), one module each: ``xla``
-(:mod:`~pallas_kernels.paged_write.xla`, a loop of page updates, the CPU default), ``pallas_tpu*``
-(:mod:`~pallas_kernels.paged_write.tpu`, HBM-to-HBM DMAs; also ``pallas_tpu_gather*``),
-``pallas_gpu*`` (:mod:`~pallas_kernels.paged_write.gpu`, Triton vector copies) and, under ``"auto"``
-on GPU and the GPU attention names (``cudnn_gather*``, ``pallas_mgpu``),
+Backends (``backend=``, the registry of :mod:`pallas_kernels.backend`, which also gives the
+platform each name needs): :data:`IMPLEMENTATIONS` maps every backend name to this kernel's
+implementation, one module each: ``xla`` (:mod:`~pallas_kernels.paged_write.xla`, a loop of page
+updates, the CPU default), ``pallas_tpu*`` and ``pallas_tpu_gather*``
+(:mod:`~pallas_kernels.paged_write.tpu`, HBM-to-HBM DMAs), ``pallas_gpu*``
+(:mod:`~pallas_kernels.paged_write.gpu`, Triton vector copies) and the other NVIDIA GPU paths,
+``cudnn_gather*`` and ``pallas_mgpu`` (also ``"auto"`` on GPU),
 :mod:`~pallas_kernels.paged_write.xla_gpu` (one XLA scatter of whole pages per pool). The loop and
 the Pallas kernels read the chunk's frames (the Pallas ones head-major) and write a frame's padding
 from zeros; the scatter pads its updates. :func:`write_chunk_reference`
-(:mod:`~pallas_kernels.paged_write.reference`) is the
-pure-jnp reference they are tested against.
+(:mod:`~pallas_kernels.paged_write.reference`) is the pure-jnp reference they are tested against.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 
 import jax
 
-from pallas_kernels.backend import resolve_backend
+from pallas_kernels.backend import Backend, resolve_backend
 from pallas_kernels.common import as_index_array, check_validate, pages_per_frame
 from pallas_kernels.layout import pool_geometry
 from pallas_kernels.paged_write import gpu, tpu, xla, xla_gpu
@@ -81,8 +84,8 @@ from pallas_kernels.paged_write.validation import (
 )
 
 __all__ = [
-    "check_page_ids", "dynamic_validate_inputs", "pages_per_frame", "static_validate_inputs",
-    "write_chunk", "write_chunk_reference",
+    "IMPLEMENTATIONS", "check_page_ids", "dynamic_validate_inputs", "pages_per_frame",
+    "static_validate_inputs", "write_chunk", "write_chunk_reference",
 ]
 
 
@@ -109,7 +112,8 @@ def write_chunk(
         outside ``[1, P)`` also skips and a page named twice ends up holding one of its writes, or
         on TPU/GPU possibly a mix of them; no other page is touched.
       tokens_per_frame: ``T``; defaults to the block size ``S``.
-      backend: a name from :data:`pallas_kernels.backend.BACKEND_NAMES`.
+      backend: a name from :data:`pallas_kernels.backend.BACKEND_NAMES` (the implementation run
+        is ``IMPLEMENTATIONS[resolved name]``).
       validate: the value check of ``page_ids`` (the module docstring): ``True`` checks concrete
         ids on the host, ``False`` checks none, ``"checkify"`` also checks traced ids with
         ``checkify.check`` (run under ``checkify.checkify``). Static arguments are checked
@@ -144,10 +148,43 @@ def _write_chunk_jit(k_pool, v_pool, k_new, v_new, page_ids, *, tokens_per_frame
     k_frames = chunk_frames(k_new, tokens_per_frame)
     v_frames = chunk_frames(v_new, tokens_per_frame)
     ppf = pages_per_frame(tokens_per_frame, block_size)
-    if backend.kind == "xla":
-        return xla.write_chunk(k_pool, v_pool, k_frames, v_frames, ids, ppf)
-    if backend.kind == "pallas_tpu":
-        return tpu.write_chunk(k_pool, v_pool, k_frames, v_frames, ids, ppf, backend.interpret)
-    if backend.kind == "pallas_gpu":
-        return gpu.write_chunk(k_pool, v_pool, k_frames, v_frames, ids, ppf, backend.interpret)
+    return IMPLEMENTATIONS[backend.name](k_pool, v_pool, k_frames, v_frames, ids, ppf, backend)
+
+
+# The implementations of the registry, one signature (:data:`IMPLEMENTATIONS`).
+
+def _xla(k_pool, v_pool, k_frames, v_frames, ids, ppf: int, backend: Backend):
+    return xla.write_chunk(k_pool, v_pool, k_frames, v_frames, ids, ppf)
+
+
+def _pallas_tpu(k_pool, v_pool, k_frames, v_frames, ids, ppf: int, backend: Backend):
+    return tpu.write_chunk(k_pool, v_pool, k_frames, v_frames, ids, ppf, backend.interpret)
+
+
+def _pallas_gpu(k_pool, v_pool, k_frames, v_frames, ids, ppf: int, backend: Backend):
+    return gpu.write_chunk(k_pool, v_pool, k_frames, v_frames, ids, ppf, backend.interpret)
+
+
+def _scatter(k_pool, v_pool, k_frames, v_frames, ids, ppf: int, backend: Backend):
     return xla_gpu.write_chunk(k_pool, v_pool, k_frames, v_frames, ids, ppf)
+
+
+IMPLEMENTATIONS: Mapping[str, Callable[..., tuple[jax.Array, jax.Array]]] = MappingProxyType({
+    "xla": _xla,
+    "pallas_tpu": _pallas_tpu,
+    "pallas_tpu_interpret": _pallas_tpu,
+    "pallas_tpu_simulate": _pallas_tpu,
+    "pallas_tpu_gather": _pallas_tpu,
+    "pallas_tpu_gather_interpret": _pallas_tpu,
+    "pallas_gpu": _pallas_gpu,
+    "pallas_gpu_interpret": _pallas_gpu,
+    "cudnn_gather": _scatter,
+    "cudnn_gather_xla": _scatter,
+    "pallas_mgpu": _scatter,
+})
+"""This kernel's table of the backend registry (:data:`pallas_kernels.backend.BACKENDS`, the same
+names): backend name to implementation, each called inside the jitted write as ``impl(k_pool,
+v_pool, k_frames, v_frames, ids, ppf, backend)`` (``k_frames``/``v_frames`` the unpadded chunk
+as ``[L, R * F, T, H, D]``; ``ids`` flat int32 ``[R * F * ppf]`` with every entry outside
+``[1, P)`` set to 0; ``ppf`` pages per frame; ``backend`` the resolved :class:`~pallas_kernels.backend.Backend`),
+returning ``(k_pool, v_pool)``."""

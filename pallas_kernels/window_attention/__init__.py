@@ -57,11 +57,13 @@ Validation (the rule of :mod:`pallas_kernels.common`, one ``validate=`` argument
 ``validate=False`` turns the value checks off (eager hot loops: the host check costs a
 device-to-host copy and a sync per call); static checks still run.
 
-Backends (``backend=``, see :mod:`pallas_kernels.backend`, which also gives what ``"auto"``
-picks), one module each: ``xla`` (:mod:`~pallas_kernels.window_attention.xla`, the CPU default),
-``pallas_tpu*`` (:mod:`~pallas_kernels.window_attention.tpu`, Mosaic TPU, head-major pages DMA'd
-by hand), ``pallas_tpu_gather*`` (:mod:`~pallas_kernels.window_attention.tpu_gather`: the visible
-pages gathered by XLA, then jax's splash attention; the TPU kernel's yardstick), ``pallas_gpu*``
+Backends (``backend=``, the registry of :mod:`pallas_kernels.backend`, which also gives what
+``"auto"`` picks and the platform each name needs): :data:`IMPLEMENTATIONS` maps every backend name
+to this kernel's implementation, one module each: ``xla``
+(:mod:`~pallas_kernels.window_attention.xla`, the CPU default), ``pallas_tpu*``
+(:mod:`~pallas_kernels.window_attention.tpu`, Mosaic TPU, head-major pages DMA'd by hand),
+``pallas_tpu_gather*`` (:mod:`~pallas_kernels.window_attention.tpu_gather`: the visible pages
+gathered by XLA, then jax's splash attention; the TPU kernel's yardstick), ``pallas_gpu*``
 (:mod:`~pallas_kernels.window_attention.gpu`, Triton), ``cudnn_gather*``
 (:mod:`~pallas_kernels.window_attention.cudnn_gather`, history gather + cuDNN attention, the
 default on NVIDIA GPUs) and ``pallas_mgpu`` (:mod:`~pallas_kernels.window_attention.mosaic_gpu`,
@@ -72,9 +74,13 @@ against.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+
+import jax
 import jax.numpy as jnp
 
-from pallas_kernels.backend import resolve_backend
+from pallas_kernels.backend import Backend, resolve_backend
 from pallas_kernels.common import as_index_array, check_validate
 from pallas_kernels.window_attention import cudnn_gather, gpu, mosaic_gpu, tpu, tpu_gather, xla
 from pallas_kernels.window_attention.geometry import (
@@ -92,9 +98,9 @@ from pallas_kernels.window_attention.validation import (
 )
 
 __all__ = [
-    "WindowGeometry", "check_values", "dynamic_validate_inputs", "history_capacity",
-    "history_slot_valid", "layer_page_table", "static_validate_inputs", "visible_page_count",
-    "window_attention", "window_attention_reference",
+    "IMPLEMENTATIONS", "WindowGeometry", "check_values", "dynamic_validate_inputs",
+    "history_capacity", "history_slot_valid", "layer_page_table", "static_validate_inputs",
+    "visible_page_count", "window_attention", "window_attention_reference",
 ]
 
 
@@ -119,7 +125,8 @@ def window_attention(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, layer=0
         neither).
       scale: softmax scale; defaults to ``head_dim ** -0.5``.
       tokens_per_frame: tokens per frame; defaults to ``block_size``.
-      backend: a name from :data:`pallas_kernels.backend.BACKEND_NAMES`.
+      backend: a name from :data:`pallas_kernels.backend.BACKEND_NAMES` (the implementation run
+        is ``IMPLEMENTATIONS[resolved name]``).
       block_q: query tile (Pallas backends): Triton's over the GQA-folded query axis (default
         128, shrunk for short chunks), TPU's (default tuned per generation,
         :data:`~pallas_kernels.window_attention.tpu.TUNED_BLOCKS`), Mosaic GPU's (64 only).
@@ -153,19 +160,58 @@ def window_attention(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, layer=0
     resolved = resolve_backend(backend, dtype=q.dtype, head_dim=geom.head_dim)
     scale = geom.head_dim ** -0.5 if scale is None else float(scale)
     layer = jnp.asarray(layer, jnp.int32)
-    args = (q, k_cur, v_cur, extra_k, extra_v, k_pool, v_pool, pages, lengths, layer)
-    if resolved.kind == "xla":
-        return xla.window_attention(*args, geom=geom, scale=scale)
-    if resolved.name.startswith("pallas_tpu_gather"):
-        return tpu_gather.attention(*args, geom=geom, scale=scale, backend=resolved.name)
-    if resolved.kind == "cudnn_gather":
-        return cudnn_gather.window_attention(*args, geom=geom, scale=scale, backend=resolved.name)
-    if resolved.kind == "pallas_mgpu":
-        block_kv = mosaic_gpu.default_block_kv(geom.block_size) if block_k is None else block_k
-        return mosaic_gpu.window_attention(*args, geom=geom, scale=scale, block_kv=int(block_kv))
-    if resolved.kind == "pallas_tpu":
-        return tpu.attention(*args, geom=geom, scale=scale, block_q=block_q, block_k=block_k,
-                             backend=resolved.name)
+    return IMPLEMENTATIONS[resolved.name](q, k_cur, v_cur, extra_k, extra_v, k_pool, v_pool, pages,
+                                          lengths, layer, geom=geom, scale=scale, block_q=block_q,
+                                          block_k=block_k, backend=resolved)
+
+
+# The implementations of the registry, one signature (:data:`IMPLEMENTATIONS`).
+
+def _xla(*args, geom: WindowGeometry, scale: float, block_q, block_k, backend: Backend):
+    return xla.window_attention(*args, geom=geom, scale=scale)
+
+
+def _pallas_tpu(*args, geom: WindowGeometry, scale: float, block_q, block_k, backend: Backend):
+    return tpu._attention(*args, geom=geom, scale=scale, block_q=block_q, block_k=block_k,
+                          backend=backend.name)
+
+
+def _pallas_tpu_gather(*args, geom: WindowGeometry, scale: float, block_q, block_k,
+                       backend: Backend):
+    return tpu_gather._attention(*args, geom=geom, scale=scale, backend=backend.name)
+
+
+def _pallas_gpu(*args, geom: WindowGeometry, scale: float, block_q, block_k, backend: Backend):
     block_q, block_k = gpu.tiles(geom, block_q, block_k)
     return gpu.window_attention(*args, geom=geom, scale=scale, block_q=block_q, block_k=block_k,
-                                backend=resolved.name)
+                                backend=backend.name)
+
+
+def _cudnn_gather(*args, geom: WindowGeometry, scale: float, block_q, block_k, backend: Backend):
+    return cudnn_gather.window_attention(*args, geom=geom, scale=scale, backend=backend.name)
+
+
+def _pallas_mgpu(*args, geom: WindowGeometry, scale: float, block_q, block_k, backend: Backend):
+    block_kv = mosaic_gpu.default_block_kv(geom.block_size) if block_k is None else block_k
+    return mosaic_gpu.window_attention(*args, geom=geom, scale=scale, block_kv=int(block_kv))
+
+
+IMPLEMENTATIONS: Mapping[str, Callable[..., jax.Array]] = MappingProxyType({
+    "xla": _xla,
+    "pallas_tpu": _pallas_tpu,
+    "pallas_tpu_interpret": _pallas_tpu,
+    "pallas_tpu_simulate": _pallas_tpu,
+    "pallas_tpu_gather": _pallas_tpu_gather,
+    "pallas_tpu_gather_interpret": _pallas_tpu_gather,
+    "pallas_gpu": _pallas_gpu,
+    "pallas_gpu_interpret": _pallas_gpu,
+    "cudnn_gather": _cudnn_gather,
+    "cudnn_gather_xla": _cudnn_gather,
+    "pallas_mgpu": _pallas_mgpu,
+})
+"""This kernel's table of the backend registry (:data:`pallas_kernels.backend.BACKENDS`, the same
+names): backend name to implementation, each called as ``impl(q, k_cur, v_cur, extra_k, extra_v,
+k_pool, v_pool, pages, lengths, layer, *, geom, scale, block_q, block_k, backend)`` on inputs
+:func:`window_attention` has validated (``layer`` an int32 scalar, ``extra_k``/``extra_v``
+possibly ``None``, ``geom`` the call's :class:`WindowGeometry`, ``scale`` a float, ``backend`` the
+resolved :class:`~pallas_kernels.backend.Backend`), returning the output."""

@@ -245,11 +245,11 @@ def window_attention(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, layer=0
                              vmem_limit=vmem_limit, interpret=interpret)
 
 
-def attention(q, k_cur, v_cur, extra_k, extra_v, k_pool, v_pool, pages, lengths, layer, *,
-              geom: WindowGeometry, scale: float, block_q: int | None, block_k: int | None,
-              backend: str):
-    """The dispatcher's entry (inputs already validated): ``block_k`` is ``keys_per_block``, the
-    history keys of one DMA block; ``backend`` one of the ``pallas_tpu*`` names."""
+def _attention(q, k_cur, v_cur, extra_k, extra_v, k_pool, v_pool, pages, lengths, layer, *,
+               geom: WindowGeometry, scale: float, block_q: int | None, block_k: int | None,
+               backend: str):
+    """The dispatcher's entry, private to the package (inputs already validated): ``block_k`` is
+    ``keys_per_block``, the history keys of one DMA block; ``backend`` a ``pallas_tpu*`` name."""
     geom = Geometry.of(geom, q.dtype)
     plan, vmem_limit = plan_call(geom, None, block_q=block_q, keys_per_block=block_k)
     return _window_attention(q, k_cur, v_cur, extra_k, extra_v, k_pool, v_pool, pages, lengths,

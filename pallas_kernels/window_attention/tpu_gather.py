@@ -96,10 +96,10 @@ def gather_window_attention(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, 
                              blocks=tuple(sorted(blocks.items())), interpret=interpret)
 
 
-def attention(q, k_cur, v_cur, extra_k, extra_v, k_pool, v_pool, pages, lengths, layer, *,
-              geom: WindowGeometry, scale: float, backend: str):
-    """The dispatcher's entry (inputs already validated): the default device's
-    :data:`TUNED_BLOCKS` shrunk to the call's query and key lengths (multiples of 128)."""
+def _attention(q, k_cur, v_cur, extra_k, extra_v, k_pool, v_pool, pages, lengths, layer, *,
+               geom: WindowGeometry, scale: float, backend: str):
+    """The dispatcher's entry, private to the package (inputs already validated): the default
+    device's :data:`TUNED_BLOCKS` shrunk to the call's query and key lengths (multiples of 128)."""
     tuned = TUNED_BLOCKS[default_generation()]
     kv_len = geom.capacity + geom.tail_len
     block_q = min(tuned["block_q"], round_up(geom.q_len, 128))

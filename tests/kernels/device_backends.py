@@ -1,8 +1,9 @@
-"""The compiled Pallas kernels as pytest parameters.
+"""The compiled kernels as pytest parameters.
 
 They run where their device is and are reported as skipped elsewhere (the CPU CI), so a run on an
 NVIDIA GPU or a TPU (``benchmarks/device_check.sh``) puts them through the same tests as the
-interpreters.
+interpreters. Where a backend runs is the registry's answer
+(:meth:`pallas_kernels.backend.Backend.runs_on`), not a list kept here.
 """
 
 from __future__ import annotations
@@ -10,9 +11,7 @@ from __future__ import annotations
 import jax
 import pytest
 
-_DEVICE_OF = {"pallas_gpu": ("gpu", "an NVIDIA GPU"), "pallas_tpu": ("tpu", "a TPU"),
-              "cudnn_gather": ("gpu", "an NVIDIA GPU with cuDNN"),
-              "pallas_mgpu": ("gpu", "an NVIDIA Hopper (or later) GPU")}
+from pallas_kernels.backend import resolve_backend
 
 # jax >= 0.11 warns on every lowering of a Pallas Triton kernel (the pallas_gpu backend uses that
 # lowering until it is ported to Mosaic GPU). The filter names the warning's own message, so every
@@ -21,11 +20,18 @@ IGNORE_TRITON_DEPRECATION = pytest.mark.filterwarnings(
     "ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
 
 
+def skip_unless_here(backend: str) -> pytest.MarkDecorator:
+    """A ``skipif`` mark: skipped unless ``backend`` runs on JAX's default platform (the
+    registry's :meth:`~pallas_kernels.backend.Backend.runs_on`)."""
+    resolved = resolve_backend(backend)
+    return pytest.mark.skipif(not resolved.runs_on(jax.default_backend()),
+                              reason=f"the compiled {backend} kernel needs {resolved.device}")
+
+
 def compiled(backend: str, *values) -> object:
-    """``pytest.param(backend, *values)``, skipped unless JAX's default platform has the device."""
-    platform, device = _DEVICE_OF[backend]
-    marks = [pytest.mark.skipif(jax.default_backend() != platform,
-                                reason=f"the compiled {backend} kernel needs {device}")]
+    """``pytest.param(backend, *values)``, skipped unless ``backend`` runs on JAX's default
+    platform (:func:`skip_unless_here`)."""
+    marks = [skip_unless_here(backend)]
     if backend == "pallas_gpu":
         marks.append(IGNORE_TRITON_DEPRECATION)
     return pytest.param(backend, *values, marks=marks)

@@ -43,6 +43,7 @@ from tests.kernels.device_backends import (
     CUDNN_GATHER,
     IGNORE_TRITON_DEPRECATION,
     MOSAIC_GPU,
+    skip_unless_here,
 )
 from tests.kernels.test_window_attention import (
     HEAD_DIM,
@@ -206,8 +207,7 @@ def test_wide_cases(name, backend):
     assert_matches_reference(window_attention(**inputs, backend=backend), expected)
 
 
-@pytest.mark.skipif(jax.default_backend() != "gpu", reason="the compiled pallas_mgpu kernel needs "
-                    "an NVIDIA Hopper (or later) GPU (plgpu.kernel has no CPU interpreter)")
+@skip_unless_here("pallas_mgpu")  # plgpu.kernel has no CPU interpreter.
 @pytest.mark.parametrize("block_kv,stages", [(64, 2), (64, 4), (128, 3)])
 @pytest.mark.parametrize("name", WIDE_SPECS)
 def test_mosaic_tilings_on_gpu(name, block_kv, stages):
