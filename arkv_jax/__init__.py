@@ -4,8 +4,8 @@ Layers (top to bottom once per chunk): ``config`` (validated shapes and the smal
 ``planner`` (host-side memory arithmetic), ``state`` (the immutable block-table state and its
 jitted steps), ``step`` (the chunk step of one shard), ``pallas_kernels`` (paged chunk write and
 window attention), ``sharding`` and ``sharded_kernels`` (the same over a ``("data", "model")``
-device mesh), ``cache`` (the host facade), ``nnx`` and ``rollout``; ``compat`` has vLLM-Omni's API
-on the same core.
+device mesh), ``cache`` (the host facade and its transactions), ``nnx``, ``samplers``,
+``conditioning`` and ``rollout``; ``compat`` has vLLM-Omni's API on the same core.
 
 :class:`PagedKVCache`, :class:`Rollout` and :class:`Sampler` are exported here and load on first
 use, so ``import arkv_jax.state`` loads neither Flax nor the cache.
@@ -59,6 +59,10 @@ recache
   Recomputing the history K/V a session's next chunk sees (the recent window, and the sink unless
   it is kept) under new conditioning, from the session's latent ring, into fresh pages swapped in
   at once: LongLive's prompt switch (``Rollout.switch_prompt``, ``PagedKVCache.recache``).
+transaction
+  Work in flight on the cache that changes it all at once or not at all: a chunk step
+  (``cache.chunk``) or a recache (``cache.recache``), each owning its write, commit and abort; one
+  is in flight at a time.
 seed
   Only ever an RNG seed.
 """
@@ -74,11 +78,11 @@ logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 __version__ = "0.1.0"
 
-#: Exports loaded on first use: they pull in Flax and the cache stack.
+#: Exports loaded on first use: they pull in JAX, Flax and the cache stack.
 _LAZY = {
     "PagedKVCache": "arkv_jax.cache",
     "Rollout": "arkv_jax.rollout",
-    "Sampler": "arkv_jax.rollout",
+    "Sampler": "arkv_jax.samplers",
 }
 
 __all__ = [

@@ -5,18 +5,16 @@ and the allowed range in these types' own terms; vLLM-Omni's names and messages 
 :mod:`arkv_jax.compat.vllm_omni`, which checks its inputs before building these.
 
 The small shared rules live here once: :func:`ceil_div`, :func:`pages_per_frame`,
-:data:`SUPPORTED_DTYPES` and the frame-level window rule (:meth:`WindowPolicy.visible_history`,
-:meth:`WindowPolicy.frame_visible`).
-
-Units: sizes in tokens, frames or pages as the field name says; bytes are plain ``int``.
-
-One module for every configuration type and the argument checks they share, so each rule has one
-source.
+:data:`SUPPORTED_DTYPES`, the argument checks (``require_*``) and the window rule on
+:class:`WindowPolicy` (what a session keeps and sees: skipped and kept frames, the visible history,
+the most history a chunk sees, the latent ring, the largest chunk), in arithmetic that runs on ints
+and on tracers. Units: sizes in tokens, frames or pages as the field name says; bytes are ``int``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import Iterable, Mapping, Sequence
 
 import numpy as np
@@ -175,6 +173,31 @@ def _require_non_negative(name: str, value: int) -> None:
         raise ValueError(f"{name} must be non-negative, got {value!r}")
 
 
+class _PythonInts:
+    """The array operations of the window rule on Python ints (so ints stay ints)."""
+
+    maximum, minimum = staticmethod(max), staticmethod(min)
+
+    @staticmethod
+    def where(condition, a, b):
+        return a if condition else b
+
+    @staticmethod
+    def asarray(value):
+        return value
+
+
+def _ops(*values):
+    """The array module of the window rule for ``values``: Python ints, NumPy, or ``jax.numpy``
+    when any value is a JAX array or tracer (then JAX is imported already)."""
+    if all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        return _PythonInts
+    jax = sys.modules.get("jax")
+    if jax is not None and any(isinstance(v, jax.Array) for v in values):
+        return jax.numpy
+    return np
+
+
 @dataclasses.dataclass(frozen=True)
 class CacheGeometry:
     """Shape of one model's self-attention K/V cache.
@@ -263,57 +286,100 @@ class WindowPolicy:
 
     @property
     def resident_frames(self) -> int:
-        """Frames a session holds between chunks: sink plus window."""
+        """Frames a session may hold: sink plus window (what the planner sizes a session for)."""
         return self.sink_frames + self.window_frames
 
-    def visible_history(self, chunk_first_frame, chunk_frames) -> tuple[np.ndarray, np.ndarray]:
+    # -- the window rule: what a session keeps and sees. Each method takes Python ints (and returns
+    # -- Python ints), NumPy integer arrays or JAX arrays and tracers (broadcast), so the jitted
+    # -- state, the host-side facade, planner and rollout and the references share one definition.
+    @property
+    def kept_frames_max(self) -> int:
+        """The most frames a session holds between chunks: sink plus window, the sink only in reset
+        mode."""
+        return self.sink_frames + (0 if self.reset_at_boundary else self.window_frames)
+
+    def skipped_frames(self, committed):
+        """Frames after the sink out of the window once ``committed`` frames are committed
+        (vLLM-Omni's skip rule at frame granularity): they are evicted."""
+        ops = _ops(committed)
+        return ops.maximum(0, committed - self.kept_frames_max)
+
+    def kept_frames(self, committed):
+        """Frames a session holds after ``committed`` frames are committed (none skipped by a
+        prefill): the sink, then the most recent ones."""
+        return committed - self.skipped_frames(committed)
+
+    def history_split(self, held, chunk_frames):
+        """``(sink, recent)``: how many of ``held`` resident frames (the sink first, then recent
+        frames in time order) a chunk of ``chunk_frames`` frames sees: the sink frames, and every
+        recent frame while the chunk still fits in ``sink_frames + window_frames``, else the newest
+        ``window_frames - chunk_frames`` of them (at least 0). The state's visible window."""
+        ops = _ops(held, chunk_frames)
+        sink = ops.minimum(held, self.sink_frames)
+        live = held - sink
+        fits = held + chunk_frames <= self.resident_frames
+        return sink, ops.where(fits, live, ops.minimum(live, ops.maximum(0, self.window_frames - chunk_frames)))
+
+    def visible_history(self, chunk_first_frame, chunk_frames):
         """The history a chunk sees, on frame indices: the window rule without pages.
 
         A chunk of ``chunk_frames`` frames whose first frame is ``chunk_first_frame`` (every earlier
         frame committed, none skipped) sees the sink frames ``[0, sink)`` and the recent frames
-        ``[chunk_first_frame - recent, chunk_first_frame)``, where ``sink = min(chunk_first_frame,
-        sink_frames)`` and, with the chunk, at most ``sink_frames + window_frames`` frames are
-        visible: ``recent`` is every earlier non-sink frame while the chunk still fits, else
-        ``window_frames - chunk_frames`` of them (at least 0); in reset mode it is 0.
-
-        Args:
-          chunk_first_frame, chunk_frames: non-negative ints or integer arrays (broadcast).
+        ``[chunk_first_frame - recent, chunk_first_frame)``: :meth:`history_split` of the
+        :meth:`kept_frames` (in reset mode ``recent`` is 0).
 
         Returns:
-          ``(sink, recent)``: int arrays of the broadcast shape.
+          ``(sink, recent)`` of the broadcast shape (ints for ints).
         """
-        first = np.asarray(chunk_first_frame)
-        frames = np.asarray(chunk_frames)
-        sink = np.minimum(first, self.sink_frames)
-        live = first - sink
-        if self.reset_at_boundary:
-            return sink, np.zeros_like(live)
-        fits = first + frames <= self.resident_frames
-        return sink, np.where(fits, live, np.minimum(live, np.maximum(0, self.window_frames - frames)))
+        ops = _ops(chunk_first_frame, chunk_frames)
+        first, frames = ops.asarray(chunk_first_frame), ops.asarray(chunk_frames)
+        return self.history_split(self.kept_frames(first), frames)
 
-    def max_history(self, chunk_frames: int) -> int:
+    def frame_visible(self, frame, chunk_first_frame, chunk_frames):
+        """Whether frame ``frame`` is visible to (every query of) the chunk of ``chunk_frames``
+        frames starting at ``chunk_first_frame``: a sink or recent history frame of
+        :meth:`visible_history`, or a frame of the chunk itself (attention inside a chunk is
+        bidirectional). Returns a bool (array)."""
+        ops = _ops(frame, chunk_first_frame, chunk_frames)
+        frame, first = ops.asarray(frame), ops.asarray(chunk_first_frame)
+        sink, recent = self.visible_history(first, chunk_frames)
+        return (frame < sink) | ((frame >= first - recent) & (frame < first + ops.asarray(chunk_frames)))
+
+    def max_history(self, chunk_frames):
         """The most history frames a chunk of ``chunk_frames`` frames ever sees: the sink plus at
         most ``window_frames - chunk_frames`` recent frames (none in reset mode). A prompt switch
         recomputes this many frames per branch (:meth:`arkv_jax.cache.PagedKVCache.recache`)."""
-        recent = 0 if self.reset_at_boundary else max(0, self.window_frames - chunk_frames)
+        recent = 0 if self.reset_at_boundary else _ops(chunk_frames).maximum(0, self.window_frames - chunk_frames)
         return self.sink_frames + recent
 
     def latent_ring_frames(self, chunk_frames: int) -> int:
         """Latent frames a session keeps so that a prompt switch can recompute its history: every
         whole chunk of ``chunk_frames`` frames holding a sink frame or one of the recent frames of
-        :meth:`max_history` (chunks start at multiples of ``chunk_frames``)."""
+        :meth:`max_history` (chunks start at multiples of ``chunk_frames``); :meth:`ring_keeps` says
+        which."""
         recent = self.max_history(chunk_frames) - self.sink_frames
         return chunk_frames * (ceil_div(self.sink_frames, chunk_frames) + ceil_div(recent, chunk_frames))
 
-    def frame_visible(self, frame, chunk_first_frame, chunk_frames) -> np.ndarray:
-        """Whether frame ``frame`` is visible to (every query of) the chunk of ``chunk_frames``
-        frames starting at ``chunk_first_frame``: a sink or recent history frame of
-        :meth:`visible_history`, or a frame of the chunk itself (attention inside a chunk is
-        bidirectional). Integer arrays broadcast; returns a bool array.
-        """
-        frame, first = np.asarray(frame), np.asarray(chunk_first_frame)
-        sink, recent = self.visible_history(first, chunk_frames)
-        return (frame < sink) | ((frame >= first - recent) & (frame < first + np.asarray(chunk_frames)))
+    def ring_keeps(self, chunk, newest_chunk, chunk_frames):
+        """Whether a session's latent ring still needs chunk ``chunk`` (frames ``[chunk *
+        chunk_frames, (chunk + 1) * chunk_frames)``) once chunk ``newest_chunk`` is generated: it
+        holds a sink frame or one of the :meth:`max_history` recent frames the next chunk sees."""
+        recent = self.max_history(chunk_frames) - self.sink_frames
+        return ((chunk * chunk_frames < self.sink_frames)
+                | ((chunk + 1) * chunk_frames > (newest_chunk + 1) * chunk_frames - recent))
+
+    def max_chunk_frames(self, *, table_width, pool_pages, pages_per_frame, rows_per_shard, chunk_rows):
+        """The largest ``num_frames`` a chunk of ``chunk_rows`` rows of one data shard can always
+        take: with every one of the shard's ``rows_per_shard`` rows holding :attr:`kept_frames_max`,
+        a row's page table of ``table_width`` pages still has room for the chunk, and the shard's
+        ``pool_pages`` allocatable pages still hold it for every chunk row. Never above
+        ``window_frames``, never below 0; a value at or below it is valid for the sessions' whole
+        life."""
+        ops, held = _ops(table_width, pool_pages, rows_per_shard, chunk_rows), self.kept_frames_max
+        table_room = table_width // pages_per_frame - held
+        spare = pool_pages // pages_per_frame - rows_per_shard * held
+        return ops.maximum(0, ops.minimum(ops.minimum(self.window_frames, table_room),
+                                          spare // ops.maximum(1, chunk_rows)))
 
 
 @dataclasses.dataclass(frozen=True)

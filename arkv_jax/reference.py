@@ -1,20 +1,13 @@
 """The exactness reference: the paged rollout's videos generated without any KV cache.
 
-:class:`FullRecompute` runs the same model with the same sampler and noise as
-:class:`arkv_jax.rollout.Rollout`, but every forward runs over *all* frames of each session's video
-so far (clean generated frames at timestep 0, the noisy chunk at its timestep, frames not generated
-yet masked out), recomputing every layer's history K/V from the clean latents every time. Attention
-sees exactly what the cache would show because the window rule is applied as a frame mask
-(:func:`window_frame_mask`) through :class:`MaskedHistory`. Its cost grows with the video; the paged
-rollout must match it to float rounding (tests and ``arkv-jax demo --check``).
-
-History frames are what the cache's commit forward saw: the clean latents at ``t = 0``, or with the
-sampler's ``context_noise`` the clean latents noised with the session's commit draw, at that
-timestep (:func:`arkv_jax.samplers.commit_input`). Conditioning is the rollout's: text-encoder
-contexts or the hash stand-in (:func:`arkv_jax.rollout.branch_contexts`).
-
-Shapes: ``S`` sessions, ``B = S * branches`` rows, ``F`` frames (of a chunk or of the whole video),
-``H, W, C`` a latent frame, ``L`` layers, ``T`` text tokens.
+:class:`FullRecompute` runs the model with the rollout's sampler, noise and conditioning
+(:mod:`arkv_jax.samplers`, :mod:`arkv_jax.conditioning`; never :mod:`arkv_jax.rollout`, the code it
+checks), but every forward runs over *all* frames of each session's video so far, recomputing every
+layer's history K/V each time; the window rule is a frame mask (:func:`window_frame_mask` through
+:class:`MaskedHistory`). History frames are what the cache's commit forward saw
+(:func:`arkv_jax.samplers.commit_input`). The paged rollout must match it to float rounding (tests,
+``arkv-jax demo --check``; ``docs/rollout.md``). Shapes: ``S`` sessions, ``B = S * branches`` rows,
+``F`` frames, ``H, W, C`` a latent frame, ``L`` layers, ``T`` text tokens.
 """
 
 from __future__ import annotations
@@ -27,10 +20,11 @@ import numpy as np
 from flax import nnx, struct
 
 from arkv_jax import samplers
+from arkv_jax.conditioning import branch_contexts, context_kv
 from arkv_jax.config import WindowPolicy
 from arkv_jax.models.dit import CausalDiT
 from arkv_jax.nnx import masked_attention
-from arkv_jax.rollout import Sampler, branch_contexts, combine_branches, context_kv
+from arkv_jax.samplers import Sampler, combine_branches
 
 Array = jax.Array
 

@@ -1,59 +1,25 @@
-"""The few-step samplers of the Wan 2.1 family: schedules, updates, per-step noise, commit input.
+"""The few-step samplers of the Wan 2.1 family: :class:`Sampler`, its presets and its math.
 
-:class:`arkv_jax.rollout.Sampler` holds a sampler's settings; this module is the math both the
-paged rollout (:func:`arkv_jax.rollout.generate_chunk`) and the exactness reference
-(:class:`arkv_jax.reference.FullRecompute`) run, so the two cannot drift apart.
-
-Schedule. Noise levels ``sigma`` in ``[0, 1]`` (model timestep ``t = 1000 sigma``) under Wan's shift
-warp :func:`warp` ``sigma' = shift s / (1 + (shift - 1) s)``, of either ``s`` evenly spaced from 1
-to 0 (``num_steps + 1`` points) or an explicit timestep list ``s = t / 1000`` followed by 0.
-
-Updates (``Sampler.update``), from the chunk's starting noise ``x = eps_0`` at ``sigma_0``:
-
-* ``"euler"``: deterministic flow-matching Euler steps ``x <- x + (sigma' - sigma) v(x, sigma)``.
-* ``"x0"``: what the distilled causal checkpoints were trained for (DMD): each step predicts the
-  clean latents ``x0 = x - sigma v(x, sigma)`` and re-noises them to the next level with *fresh*
-  noise, ``x <- (1 - sigma') x0 + sigma' eps_{i+1}``; the last step returns ``x0`` (its
-  ``sigma' = 0``).
-
-Commit input. The commit forward that writes the chunk's K/V normally runs on the clean latents at
-``t = 0``; with ``context_noise = t_c > 0`` it runs at timestep ``t_c`` on
-``(1 - t_c / 1000) x0 + (t_c / 1000) eps_c`` (Self-Forcing's ``context_noise``; no warp: the
-reference looks the level up on its shifted grid by timestep, so ``sigma = t / 1000``).
-
-Noise draws. A session's chunk needs ``Sampler.noise_draws`` standard-normal arrays of the chunk's
-shape, drawn on the host by :func:`session_noise` from ``(seed, chunk_index, draw)`` alone, so they
-are reproducible and independent of which sessions share a batch: draw 0 is the starting noise
-(:func:`arkv_jax.rollout.chunk_noise`, unchanged from the Euler-only rollout), draws
-``1 .. num_steps - 1`` the ``"x0"`` update's fresh noise before steps ``1 ..``, and the last the
-commit noise when ``context_noise > 0``.
-
-Which checkpoint uses which (the presets on :class:`arkv_jax.rollout.Sampler`, also in
-:data:`arkv_jax.rollout.SAMPLERS`):
-
-=================  ================================  =====  ======  =============  =====================
-preset             timesteps (before the warp)       shift  update  context_noise  checkpoints
-=================  ================================  =====  ======  =============  =====================
-``euler``          ``num_steps`` evenly from 1000    5      euler   0              random weights, demo,
-                                                                                   tests (the default)
-``self_forcing``   1000, 750, 500, 250               5      x0      0              Self-Forcing (DMD)
-                   (= 1000, 937.5, 833.3, 625)
-``longlive``       1000, 750, 500, 250               5      x0      0              LongLive (Self-Forcing
-                                                                                   based, + its LoRA)
-``causvid``        1000, 757, 522 (used as is)       1      x0      0              CausVid (DMD, Wan)
-=================  ================================  =====  ======  =============  =====================
-
-The distilled checkpoints run without classifier-free guidance (DMD distils the guided teacher):
-their presets have ``guidance_scale=None``; a scale can still be given.
+:class:`Sampler` holds a sampler's settings (presets :meth:`Sampler.euler`, :meth:`Sampler.self_forcing`,
+:meth:`Sampler.longlive`, :meth:`Sampler.causvid`; by name in :data:`SAMPLERS`). The functions here are
+the math that both the paged rollout (:func:`arkv_jax.rollout.generate_chunk`) and the exactness
+reference (:class:`arkv_jax.reference.FullRecompute`) run, so the two cannot drift apart: the shifted
+schedule (:func:`schedule`), the Euler and x0 updates (:func:`sample`), the commit forward's input
+(:func:`commit_input`), the per-session noise draws (:func:`session_noise`) and the CFG combination
+of a session's branch outputs (:func:`combine_branches`). The formulas and the table of which
+checkpoint uses which preset: ``docs/rollout.md``, "Samplers".
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from arkv_jax.config import require_positive, require_real
 
 Array = jax.Array
 
@@ -90,7 +56,7 @@ def euler(velocity: Callable[[Array, Array], Array], noise: Array, sigmas: np.nd
 
 
 def x0_steps(velocity: Callable[[Array, Array], Array], draws: Array, sigmas: np.ndarray) -> Array:
-    """The x0-prediction update with fresh noise (see the module docstring).
+    """The x0-prediction update with fresh noise (``docs/rollout.md``, "Samplers").
 
     Args:
       velocity: ``(x [S, ...], sigma) -> v [S, ...]``.
@@ -114,7 +80,7 @@ def x0_steps(velocity: Callable[[Array, Array], Array], draws: Array, sigmas: np
 
 
 def sample(velocity: Callable[[Array, Array], Array], draws: Array, sampler) -> Array:
-    """The chunk's clean latents ``[S, ...]`` under ``sampler`` (a :class:`arkv_jax.rollout.Sampler`)
+    """The chunk's clean latents ``[S, ...]`` under ``sampler`` (a :class:`Sampler`)
     from its noise ``draws`` ``[S, sampler.noise_draws, ...]`` (dtype of the result)."""
     sigmas = sampler.sigmas()
     if sampler.update == "euler":
@@ -134,8 +100,8 @@ def commit_input(latents: Array, draws: Array, sampler) -> tuple[Array, float]:
 
 
 def session_noise(seed: int, chunk_index: int, shape: tuple[int, ...], draws: int) -> np.ndarray:
-    """float32 ``[draws, *shape]``: a session's noise draws for one chunk (module docstring).
-    Draw 0 is NumPy's PCG64 seeded ``(seed, chunk_index)`` (:func:`arkv_jax.rollout.chunk_noise`),
+    """float32 ``[draws, *shape]``: a session's noise draws for one chunk (``docs/rollout.md``, "Samplers").
+    Draw 0 is NumPy's PCG64 seeded ``(seed, chunk_index)`` (:func:`chunk_noise`),
     draw ``j >= 1`` PCG64 seeded ``(seed, chunk_index, j)``: the same on every machine."""
     out = np.empty((draws, *shape), np.float32)
     for j in range(draws):
@@ -150,5 +116,116 @@ def as_draws(noise: Array) -> Array:
     return noise if noise.ndim == 6 else noise[:, None]
 
 
-__all__ = ["UPDATES", "as_draws", "commit_input", "euler", "sample", "schedule", "session_noise", "warp",
-           "x0_steps"]
+@dataclasses.dataclass(frozen=True)
+class Sampler:
+    """Few-step flow-matching sampler (the math: this module; which checkpoint uses which preset:
+    ``docs/rollout.md``, "Samplers").
+
+    Presets: :meth:`euler` (the default ``Sampler()``: deterministic Euler, random weights and the
+    demo), :meth:`self_forcing`, :meth:`longlive`, :meth:`causvid`; by name in :data:`SAMPLERS`.
+
+    Attributes:
+      num_steps: denoise forwards per chunk (then one commit forward).
+      shift: Wan's timestep shift warp ``sigma' = shift s / (1 + (shift - 1) s)``, applied to ``s``
+        evenly spaced from 1 to 0, or to ``timesteps / 1000`` (1: the list is used as is).
+      guidance_scale: classifier-free guidance scale, or ``None`` for no CFG (one KV branch).
+      timesteps: explicit denoising timesteps in ``(0, 1000]``, strictly decreasing, one per step
+        (``len == num_steps``), warped with ``shift``; ``None``: evenly spaced.
+      update: ``"euler"`` (deterministic Euler steps) or ``"x0"`` (x0 prediction ``x - sigma v``,
+        re-noised to the next level with fresh per-session, per-step noise).
+      context_noise: timestep in ``[0, 1000)`` of the commit forward; above 0 it runs on the clean
+        latents noised to ``context_noise / 1000`` with a fresh draw (Self-Forcing's
+        ``context_noise``); 0: clean latents at ``t = 0``.
+    """
+
+    num_steps: int = 3
+    shift: float = 5.0
+    guidance_scale: float | None = None
+    timesteps: tuple[float, ...] | None = None
+    update: str = "euler"
+    context_noise: float = 0.0
+
+    def __post_init__(self):
+        require_positive("num_steps", self.num_steps)
+        require_real("shift", self.shift, low=0.0, low_open=True)
+        if self.guidance_scale is not None:
+            require_real("guidance_scale", self.guidance_scale)
+        if self.timesteps is not None:
+            ts = tuple(require_real("timesteps", t) for t in self.timesteps)
+            if len(ts) != self.num_steps:
+                raise ValueError(f"timesteps has {len(ts)} entries for num_steps={self.num_steps}: {ts}")
+            if not all(0 < t <= 1000 for t in ts) or any(a <= b for a, b in zip(ts, ts[1:])):
+                raise ValueError(f"timesteps must be strictly decreasing in (0, 1000], got {ts}")
+            object.__setattr__(self, "timesteps", ts)
+        if self.update not in UPDATES:
+            raise ValueError(f"update must be one of {UPDATES}, got {self.update!r}")
+        require_real("context_noise", self.context_noise, low=0.0)
+        if not self.context_noise < 1000.0:
+            raise ValueError(f"context_noise must be a timestep in [0, 1000), got {self.context_noise!r}")
+
+    @property
+    def num_branches(self) -> int:
+        """KV branches per session: 2 with CFG, else 1."""
+        return 1 if self.guidance_scale is None else 2
+
+    @property
+    def noise_draws(self) -> int:
+        """Standard-normal draws of the chunk's shape each session needs per chunk: the starting
+        noise, ``num_steps - 1`` fresh ones for ``"x0"``, one for ``context_noise``."""
+        return 1 + (self.num_steps - 1 if self.update == "x0" else 0) + (self.context_noise > 0)
+
+    def sigmas(self) -> np.ndarray:
+        """float32 ``[num_steps + 1]`` noise levels, decreasing to 0 (model timestep = 1000 sigma)."""
+        return schedule(self.num_steps, self.shift, self.timesteps)
+
+    # -- presets (see the table in :mod:`arkv_jax.samplers`) ----------------------------------------
+    @classmethod
+    def euler(cls, num_steps: int = 3, shift: float = 5.0, guidance_scale: float | None = None) -> "Sampler":
+        """Deterministic Euler on Wan's shifted even schedule: ``Sampler()`` (random weights, demo)."""
+        return cls(num_steps, shift, guidance_scale)
+
+    @classmethod
+    def self_forcing(cls, guidance_scale: float | None = None, context_noise: float = 0.0) -> "Sampler":
+        """Self-Forcing's DMD checkpoints: timesteps ``[1000, 750, 500, 250]`` warped with shift 5
+        (1000, 937.5, 833.3, 625), x0 update with fresh noise, no CFG."""
+        return cls(4, 5.0, guidance_scale, (1000.0, 750.0, 500.0, 250.0), "x0", context_noise)
+
+    @classmethod
+    def longlive(cls, guidance_scale: float | None = None, context_noise: float = 0.0) -> "Sampler":
+        """LongLive (built on Self-Forcing): the same 4-step warped schedule and x0 update."""
+        return cls.self_forcing(guidance_scale, context_noise)
+
+    @classmethod
+    def causvid(cls, guidance_scale: float | None = None, context_noise: float = 0.0) -> "Sampler":
+        """CausVid's DMD Wan checkpoint: timesteps ``[1000, 757, 522]`` used as is (shift 1), x0
+        update with fresh noise, no CFG."""
+        return cls(3, 1.0, guidance_scale, (1000.0, 757.0, 522.0), "x0", context_noise)
+
+
+#: Sampler presets by name (factories: ``SAMPLERS["self_forcing"]()``).
+SAMPLERS: dict[str, Callable[..., Sampler]] = {
+    "euler": Sampler.euler, "self_forcing": Sampler.self_forcing, "longlive": Sampler.longlive,
+    "causvid": Sampler.causvid,
+}
+
+
+def chunk_noise(seed: int, chunk_index: int, shape: tuple[int, ...]) -> np.ndarray:
+    """float32 ``shape`` standard normal starting noise of chunk ``chunk_index`` of the session
+    seeded ``seed``: NumPy's PCG64 seeded with ``(seed, chunk_index)``, so it is the same on every
+    machine and whichever sessions share a batch. Drawn on the host: a few hundred KB per session
+    and chunk at Wan's shape, and no random-number program to compile (threefry costs seconds of
+    XLA:CPU compile time)."""
+    return np.random.default_rng((seed, chunk_index)).standard_normal(shape, np.float32)
+
+
+def combine_branches(out: Array, num_branches: int, guidance: float | None) -> Array:
+    """Per-session velocity from the rows' outputs ``[S * num_branches, ...]`` (session-major):
+    the only branch, or ``neg + guidance (pos - neg)``."""
+    out = out.reshape(-1, num_branches, *out.shape[1:])
+    if num_branches == 1:
+        return out[:, 0]
+    return out[:, 1] + guidance * (out[:, 0] - out[:, 1])
+
+
+__all__ = ["SAMPLERS", "UPDATES", "Sampler", "as_draws", "chunk_noise", "combine_branches", "commit_input", "euler",
+           "sample", "schedule", "session_noise", "warp", "x0_steps"]

@@ -32,8 +32,8 @@ it was and does not affect the others.
 
 The state is a pytree registered with :func:`jax.tree_util.register_dataclass` (its
 :class:`StateLayout` is static metadata), so it passes through ``jit``, ``shard_map`` and donation
-as it is; this module needs nothing but JAX. It is one module of some 590 lines because every step
-shares the same private helpers over row batches, page arithmetic and the free ring.
+as it is; this module needs nothing but JAX. The window rule (what a row keeps and sees) is
+:class:`~arkv_jax.config.WindowPolicy`'s (:attr:`StateLayout.window`); ``docs/functional-core.md``.
 """
 
 from __future__ import annotations
@@ -84,6 +84,11 @@ class StateLayout:
     def visible_frames(self) -> int:
         """Frames a forward can attend to: sink plus window (the current frames included)."""
         return self.sink_frames + self.window_frames
+
+    @property
+    def window(self) -> WindowPolicy:
+        """The window policy whose rule the steps apply (:class:`~arkv_jax.config.WindowPolicy`)."""
+        return WindowPolicy(self.window_frames, self.sink_frames, self.reset_at_boundary)
 
     @classmethod
     def from_config(cls, geometry: CacheGeometry, window: WindowPolicy, num_blocks: int,
@@ -224,14 +229,6 @@ def _stored_index(state: BlockTableState, rows: Array, absolute_page: Array) -> 
     return jnp.where(absolute_page >= state.layout.sink_pages, absolute_page - evicted, absolute_page)
 
 
-def _skipped_frames(layout: StateLayout, frames: Array) -> Array:
-    """Frames after the sink that are out of the window once ``frames`` whole frames are committed
-    (vLLM-Omni's skip rule at frame granularity)."""
-    if layout.reset_at_boundary:
-        return jnp.maximum(0, frames - layout.sink_frames)
-    return jnp.maximum(0, frames - layout.window_frames - layout.sink_frames)
-
-
 def _push_free(state: BlockTableState, counts: Array, order: Array, values: Array) -> BlockTableState:
     """Appends pages to the free ring's tail, rows in batch order.
 
@@ -337,7 +334,7 @@ def _catch_up_eviction(state: BlockTableState, rows: Array, ok: Array) -> tuple[
     ppf = layout.pages_per_frame
     before = state.evicted_pages[rows] // ppf
     allocated_after_sink = (state.num_pages[rows] + state.evicted_pages[rows]) // ppf - layout.sink_frames
-    skipped = _skipped_frames(layout, computed_frames(state, rows))
+    skipped = layout.window.skipped_frames(computed_frames(state, rows))
     target = jnp.maximum(before, jnp.minimum(skipped, allocated_after_sink))
     return _evict(state, rows, ok, target, target)
 
@@ -428,8 +425,8 @@ def commit(state: BlockTableState, rows: Array, num_frames: Array) -> tuple[Bloc
     before = state.evicted_pages[rows] // layout.pages_per_frame
     # Eviction is monotone: the first frame may catch up several frames (after a long prefill),
     # later frames evict at most one frame each.
-    first = jnp.maximum(before, _skipped_frames(layout, frames + 1))
-    last = jnp.maximum(before, _skipped_frames(layout, frames + num_frames))
+    first = jnp.maximum(before, layout.window.skipped_frames(frames + 1))
+    last = jnp.maximum(before, layout.window.skipped_frames(frames + num_frames))
     state, _ = _evict(state, rows, ok & (num_frames > 0), first, last)
     return state.replace(
         committed_frames=_scatter_rows(state.committed_frames, rows, ok,
@@ -576,10 +573,11 @@ def write_pages(state: BlockTableState, rows: Array, num_frames: int) -> Array:
 def visible_window(state: BlockTableState, rows: Array, num_current_frames: Array) -> VisibleWindow:
     """The history a forward of ``num_current_frames`` new frames attends to (vLLM-Omni's
     ``video_block_table``, history part): the sink frames plus the most recent frames such that,
-    with the current frames, at most ``sink + window`` frames are visible. The current frames'
-    K/V are not in the pool; the attention kernel takes them directly. For a row whose every
-    earlier frame is resident this is :meth:`arkv_jax.config.WindowPolicy.visible_history` on the
-    row's next frame.
+    with the current frames, at most ``sink + window`` frames are visible
+    (:meth:`arkv_jax.config.WindowPolicy.history_split` of the frames the row holds). The current
+    frames' K/V are not in the pool; the attention kernel takes them directly. For a row whose
+    every earlier frame is resident this is :meth:`~arkv_jax.config.WindowPolicy.visible_history`
+    on the row's next frame.
 
     Rows must be frame-aligned (no partial prefill frame).
 
@@ -594,10 +592,8 @@ def visible_window(state: BlockTableState, rows: Array, num_current_frames: Arra
     evicted_frames = state.evicted_pages[rows] // ppf
     allocated_frames = (state.num_pages[rows] + state.evicted_pages[rows]) // ppf
     history = jnp.where(valid, jnp.minimum(frames, allocated_frames) - evicted_frames, 0)
-    sink = jnp.minimum(history, layout.sink_frames)
+    sink, recent = layout.window.history_split(history, current)
     live = history - sink
-    fits = history + current <= layout.visible_frames
-    recent = jnp.where(fits, live, jnp.minimum(live, jnp.maximum(0, layout.window_frames - current)))
     j = jnp.arange(layout.visible_frames * ppf)[None, :]
     sink_end = (sink * ppf)[:, None]
     source = jnp.where(j < sink_end, j, ((sink + live - recent) * ppf)[:, None] + j - sink_end)
@@ -672,7 +668,7 @@ def advance(state: BlockTableState, rows: Array, num_frames: Array) -> tuple[Blo
     allocated = (state.num_pages[rows] + state.evicted_pages[rows]) // ppf - layout.sink_frames
 
     def evicted_after(chunks):
-        return jnp.maximum(before, jnp.minimum(_skipped_frames(layout, frames + chunks), allocated))
+        return jnp.maximum(before, jnp.minimum(layout.window.skipped_frames(frames + chunks), allocated))
 
     state, _ = _evict(state, rows, ok & (num_frames > 0), evicted_after(1), evicted_after(num_frames))
     return state.replace(

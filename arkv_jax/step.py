@@ -55,18 +55,9 @@ class ChunkInputs(NamedTuple):
     write_pages: Array
 
 
-#: The field values of a padding batch row (row -1, no history, frame 0, nothing to write).
+#: The field values of a padding batch row (row -1, no history, frame 0, nothing to write); the
+#: cache's batches place rows with it (:mod:`arkv_jax.cache.batch`).
 PADDING = ChunkInputs(rows=-1, pages=0, lengths=0, history_frames=-1, first_frame=0, write_pages=0)
-
-
-def place_rows(inputs: ChunkInputs, positions, num_rows: int) -> ChunkInputs:
-    """A batch of ``num_rows`` batch rows holding ``inputs``' rows at ``positions`` (host ints, one
-    per row of ``inputs``) and padding rows (:data:`PADDING`) everywhere else."""
-    def place(values, fill):
-        values = jnp.asarray(values)
-        return jnp.full((num_rows, *values.shape[1:]), fill, values.dtype).at[jnp.asarray(positions)].set(values)
-
-    return ChunkInputs(*(place(values, fill) for values, fill in zip(inputs, PADDING)))
 
 
 def prepare_chunk(state: core.BlockTableState, rows: Array, num_frames: int

@@ -19,17 +19,21 @@ sink 3 + window 9 frames of history, rows 1):
   ``cuda`` as far as jax goes without a device (see that module's docstring for what is and is not
   checked).
 
-Nothing runs on a GPU; no figure here is a measured time. Without the ``triton`` wheel the Triton
-compile is reported as skipped. The last line of output is JSON.
+Nothing runs on a GPU; no figure here is a measured time. Without the ``triton`` wheel the sm_90
+compile of the Triton kernels is skipped (said once; the JSON's ``triton_wheel`` is ``null`` and
+``triton_skipped`` says why) and everything else still runs: the Triton kernels are still lowered
+(their launch parameters are reported), and so are the scatter write and the Mosaic GPU kernel.
+``--quick`` compiles the Triton attention on one page size, leaves out the tiling sweep and lowers
+one Mosaic GPU tiling. The last line of output is JSON.
 
-Usage: ``python -m benchmarks.gpu_compile [--out DIR]`` (DIR keeps the TTIR/TTGIR/PTX/cubin files).
+Usage: ``python -m benchmarks.gpu_compile [--quick] [--out DIR]`` (DIR keeps the TTIR/TTGIR/PTX/cubin
+files).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import re
 import subprocess
@@ -40,6 +44,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 
+from benchmarks import harness
 from pallas_kernels.layout import pool_shape
 
 H200 = dict(device_kind="NVIDIA H200", num_cores=132)
@@ -195,13 +200,16 @@ def attention_at_tiling(module, validate_as: str, **tiling):
     return jax.jit(fn)
 
 
-def triton_attention_reports(out_dir: str | None) -> dict:
+TRITON_MISSING = "the triton wheel is not installed (pip install triton)"
+
+
+def triton_attention_reports(out_dir: str | None, quick: bool = False) -> dict:
     """Compile reports of the Triton window attention at its default tiling, at the Wan shape on
-    1,560-token (one page per frame) and 128-token pages."""
+    1,560-token (one page per frame) and, unless ``quick``, 128-token pages."""
     from pallas_kernels.window_attention import window_attention
 
     reports = {}
-    for block_size in (1560, 128):
+    for block_size in (1560,) if quick else (1560, 128):
         fn = jax.jit(lambda *a: window_attention(*a, tokens_per_frame=WAN["tokens_per_frame"],
                                                  backend="pallas_gpu"))
         key = f"triton_attention_pages{block_size}"
@@ -209,17 +217,26 @@ def triton_attention_reports(out_dir: str | None) -> dict:
     return reports
 
 
-def triton_write_report(out_dir: str | None) -> dict:
+def wan_write_specs(rows: int, num_pages: int, block_size: int = 128, layers: int = 30,
+                    dtype=jnp.bfloat16):
+    """Argument specs of one paged write at the Wan-1.3B shape: ``(k_pool, v_pool, k_new, v_new,
+    page_ids)``, ``rows`` rows' 3-frame chunks into a pool of ``num_pages`` pages of ``block_size``."""
+    heads, head_dim, tpf = WAN["heads"], WAN["head_dim"], WAN["tokens_per_frame"]
+    frames, ppf = WAN["chunk_frames"], -(-tpf // block_size)
+    pool = pool_shape(layers, num_pages, block_size, heads, head_dim)
+    chunk = (layers, rows, frames * tpf, heads, head_dim)
+    return (_sds(pool, dtype), _sds(pool, dtype), _sds(chunk, dtype), _sds(chunk, dtype),
+            _sds((rows, frames * ppf), jnp.int32))
+
+
+def triton_write_report(out_dir: str | None, quick: bool = False) -> dict:
     """Compile report of the Triton paged write at Wan's shape (30 layers, 128-token pages, one
     row's 3-frame chunk)."""
     from pallas_kernels.paged_write import write_chunk
 
-    heads, head_dim, tpf = WAN["heads"], WAN["head_dim"], WAN["tokens_per_frame"]
-    pool, chunk = (30, 64, 128, heads, head_dim), (30, 1, 3 * tpf, heads, head_dim)
-    fn = jax.jit(lambda *a: write_chunk(*a, tokens_per_frame=tpf, backend="pallas_gpu"),
+    fn = jax.jit(lambda *a: write_chunk(*a, tokens_per_frame=WAN["tokens_per_frame"], backend="pallas_gpu"),
                  donate_argnums=(0, 1))
-    specs = (_sds(pool, jnp.bfloat16), _sds(pool, jnp.bfloat16), _sds(chunk, jnp.bfloat16),
-             _sds(chunk, jnp.bfloat16), _sds((1, 39), jnp.int32))
+    specs = wan_write_specs(rows=1, num_pages=64)
     return {"triton_paged_write": compile_lowered(fn, specs, out_dir, "triton_paged_write")}
 
 
@@ -232,7 +249,7 @@ def compile_lowered(fn, specs, out_dir, name) -> dict:
     [launch] = triton_launch_params(text)
     [ttir] = modules
     if triton_wheel_bin() is None:
-        return dict(launch, skipped="the triton wheel (pip install triton) is not installed")
+        return dict(launch, skipped=TRITON_MISSING)
     return dict(compile_triton(ttir, launch["num_warps"], launch["num_stages"], out_dir, name),
                 kernel=launch["name"])
 
@@ -242,13 +259,9 @@ def scatter_write_report() -> dict:
     rows' 3-frame chunks, donated pools)."""
     from pallas_kernels.paged_write import write_chunk
 
-    heads, head_dim, tpf = WAN["heads"], WAN["head_dim"], WAN["tokens_per_frame"]
-    pool, chunk = (30, 256, 128, heads, head_dim), (30, 4, 3 * tpf, heads, head_dim)
-    fn = jax.jit(lambda *a: write_chunk(*a, tokens_per_frame=tpf, backend="cudnn_gather"),
+    fn = jax.jit(lambda *a: write_chunk(*a, tokens_per_frame=WAN["tokens_per_frame"], backend="cudnn_gather"),
                  donate_argnums=(0, 1))
-    text = lower_for_cuda(fn, _sds(pool, jnp.bfloat16), _sds(pool, jnp.bfloat16),
-                          _sds(chunk, jnp.bfloat16), _sds(chunk, jnp.bfloat16),
-                          _sds((4, 39), jnp.int32)).as_text()
+    text = lower_for_cuda(fn, *wan_write_specs(rows=4, num_pages=256)).as_text()
     return {"scatter_paged_write": dict(
         scatters=text.count("\"stablehlo.scatter\"("),
         unique_indices=text.count("unique_indices = true"),
@@ -259,16 +272,21 @@ def scatter_write_report() -> dict:
     )}
 
 
-def mosaic_report(out_dir: str | None) -> dict:
+MOSAIC_TILINGS = ((128, 2), (128, 3), (64, 4))
+"""``(block_kv, stages)`` of the Mosaic GPU kernel lowered by :func:`mosaic_report`."""
+
+
+def mosaic_report(out_dir: str | None, quick: bool = False) -> dict:
     """Lowering report of the Mosaic GPU kernel at the Wan shape on 1,664-token pages (13 x 128),
     rows 1, for each tiling: whether jax lowered it (Pallas' Mosaic GPU lowering, layout inference,
     MLIR verification of the module) and the shared memory the tiling takes. Past that point the
     Mosaic GPU pipeline to PTX runs inside XLA's CUDA plugin, absent here (jaxlib for the CPU
-    registers none of the GPU-to-NVVM passes), so no PTX, registers or spills are reported."""
+    registers none of the GPU-to-NVVM passes), so no PTX, registers or spills are reported.
+    ``quick``: the first tiling only."""
     from pallas_kernels.window_attention import mosaic_gpu
 
     reports = {}
-    for block_kv, stages in ((128, 2), (128, 3), (64, 4)):
+    for block_kv, stages in MOSAIC_TILINGS[:1] if quick else MOSAIC_TILINGS:
         key = f"mosaic_attention_pages1664_kv{block_kv}_stages{stages}"
         fn = attention_at_tiling(mosaic_gpu, "pallas_mgpu", block_kv=block_kv, stages=stages)
         text = lower_for_cuda(fn, *wan_attention_specs(1, 1664)).as_text()
@@ -283,12 +301,15 @@ def mosaic_report(out_dir: str | None) -> dict:
     return reports
 
 
-def tiling_sweep_reports(out_dir: str | None) -> dict:
+def tiling_sweep_reports(out_dir: str | None, quick: bool = False) -> dict:
     """Compile reports of the Triton window attention at a few tilings (1,560-token pages), with
-    the CTAs per SM they allow on paper (65,536 registers and 228 KiB shared memory per SM)."""
+    the CTAs per SM they allow on paper (65,536 registers and 228 KiB shared memory per SM); none
+    with ``quick``."""
     from pallas_kernels.window_attention import gpu
 
     reports = {}
+    if quick:
+        return reports
     for block_q, block_k, num_warps, num_stages in ((128, 64, 8, 3), (64, 64, 4, 3),
                                                      (128, 128, 8, 2), (64, 32, 4, 4)):
         key = f"triton_attention_q{block_q}_k{block_k}_w{num_warps}_s{num_stages}"
@@ -305,19 +326,33 @@ def tiling_sweep_reports(out_dir: str | None) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="one page size for the Triton attention, no tiling sweep, one Mosaic GPU tiling")
     parser.add_argument("--out", default=None, help="keep TTIR/TTGIR/PTX/cubin files here")
     args = parser.parse_args(argv)
+    wheel = triton_wheel_bin() is not None
+    if not wheel:
+        print(f"{TRITON_MISSING}: the Triton kernels are lowered (launch parameters below) but not compiled "
+              "for sm_90; the rest runs", file=sys.stderr)
     report: dict = dict(jax=jax.__version__, target=f"sm_{SM90} (abstract {H200['device_kind']})",
-                        measured_on_gpu=False)
-    for part in (triton_attention_reports, tiling_sweep_reports, triton_write_report,
-                 mosaic_report):
-        report.update(part(args.out))
+                        measured_on_gpu=False, quick=args.quick,
+                        triton_wheel=_triton_version() if wheel else None,
+                        triton_skipped=None if wheel else TRITON_MISSING)
+    for part in (triton_attention_reports, tiling_sweep_reports, triton_write_report, mosaic_report):
+        report.update(part(args.out, quick=args.quick))
     report.update(scatter_write_report())
     for name, entry in report.items():
         if isinstance(entry, dict):
+            entry.pop("skipped", None)  # said once above and in ``triton_skipped``
             print(f"{name}: " + ", ".join(f"{k}={v}" for k, v in entry.items()))
-    print(json.dumps(report))
+    print(harness.json_line(report))
     return 0
+
+
+def _triton_version() -> str:
+    import triton
+
+    return triton.__version__
 
 
 if __name__ == "__main__":

@@ -18,19 +18,23 @@ Mosaic GPU kernel requires). TFLOP/s count the QK^T and PV matmuls over the vali
 compared with the card's bf16 peak measured in the same run (a chain of 8192^3 bf16 matmuls).
 Each backend's output is compared with the dense result (max |diff|). The last line is JSON.
 
-Usage: ``python -m benchmarks.gpu_window_attention --gpu [--reps N] [--rows 1 4]``
+``--quick`` runs rows 1 only, 5 repetitions and the first tiling of each kernel. Without an NVIDIA
+GPU it says so in one line on stderr and exits with status 1 (``--gpu`` is accepted and changes
+nothing: this benchmark always needs the GPU).
+
+Usage: ``python -m benchmarks.gpu_window_attention [--quick] [--reps N] [--rows 1 4]``
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 
 import jax
 import jax.numpy as jnp
 
+from benchmarks import harness
 from benchmarks.gpu_compile import attention_at_tiling
 from benchmarks.window_attention import (
     Shape,
@@ -41,6 +45,8 @@ from benchmarks.window_attention import (
 )
 
 ARGS = ("q", "k_cur", "v_cur", "k_pool", "v_pool", "pages", "lengths")
+MOSAIC_TILINGS = ("128x2", "128x3", "64x4")
+TRITON_TILINGS = ("128x64x8x3", "64x64x4x3", "128x128x8x2")
 
 
 def wan_shape(rows: int, recent_frames: int) -> Shape:
@@ -79,21 +85,28 @@ def parse_tiling(text: str, keys: tuple[str, ...]) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--gpu", action="store_true", required=True,
-                        help="required: this benchmark runs on an NVIDIA GPU only")
-    parser.add_argument("--reps", type=int, default=20)
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--gpu", action="store_true",
+                        help="accepted for older command lines; the benchmark always needs an NVIDIA GPU")
+    parser.add_argument("--quick", action="store_true",
+                        help="rows 1, 5 reps, the first tiling of each kernel")
+    parser.add_argument("--reps", type=int, default=None, help="timed repetitions (default 20, 5 with --quick)")
+    parser.add_argument("--rows", type=int, nargs="+", default=None, help="default: 1 4 (1 with --quick)")
     parser.add_argument("--recent-frames", type=int, default=9)
     parser.add_argument("--block-size", type=int, default=1664)
-    parser.add_argument("--mosaic-tilings", nargs="*", default=["128x2", "128x3", "64x4"],
-                        help="block_kv x stages")
-    parser.add_argument("--triton-tilings", nargs="*",
-                        default=["128x64x8x3", "64x64x4x3", "128x128x8x2"],
-                        help="block_q x block_k x num_warps x num_stages")
+    parser.add_argument("--mosaic-tilings", nargs="*", default=None,
+                        help=f"block_kv x stages (default {' '.join(MOSAIC_TILINGS)}; the first with --quick)")
+    parser.add_argument("--triton-tilings", nargs="*", default=None,
+                        help=f"block_q x block_k x num_warps x num_stages (default {' '.join(TRITON_TILINGS)}; "
+                             "the first with --quick)")
     args = parser.parse_args(argv)
-    if not any(d.platform == "gpu" for d in jax.devices()):
-        sys.exit(f"--gpu needs an NVIDIA GPU visible to JAX; found {jax.devices()[0].platform!r} "
-                 "devices only.")
+    harness.require_gpu("benchmarks.gpu_window_attention")
+    defaults = slice(1) if args.quick else slice(None)
+    args.reps = args.reps or (5 if args.quick else 20)
+    args.rows = args.rows or ([1] if args.quick else [1, 4])
+    if args.mosaic_tilings is None:
+        args.mosaic_tilings = list(MOSAIC_TILINGS[defaults])
+    if args.triton_tilings is None:
+        args.triton_tilings = list(TRITON_TILINGS[defaults])
     from pallas_kernels.window_attention import gpu, mosaic_gpu
 
     peak = measured_bf16_peak_tflops()
@@ -137,9 +150,9 @@ def main(argv=None) -> int:
                             speed_vs_cudnn_dense={n: times["cudnn_dense"] / t
                                                   for n, t in times.items()},
                             max_abs_diff=diffs, errors=errors))
-    print(json.dumps(dict(mode="gpu", device=jax.devices()[0].device_kind, jax=jax.__version__,
-                          block_size=args.block_size, reps=args.reps,
-                          measured_peak_tflops=peak, results=results)))
+    print(harness.json_line(dict(mode="gpu", device=jax.devices()[0].device_kind, jax=jax.__version__,
+                                 block_size=args.block_size, reps=args.reps, quick=args.quick,
+                                 measured_peak_tflops=peak, results=results)))
     return 0
 
 

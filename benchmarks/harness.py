@@ -1,20 +1,27 @@
 """Common harness for arkv-jax benchmarks.
 
 Every benchmark is a script that prints a readable table and, as its very last line, one JSON object
-with its figures. ``--quick`` keeps a run under a minute on 2 CPU cores. Times are medians over
-several repetitions, and comparisons are ratios measured in the same run.
+with its figures (strict JSON: a figure that could not be measured is ``null``, never ``NaN``).
+``--quick`` keeps a run short on 2 CPU cores. Times are medians over several repetitions, and
+comparisons are ratios measured in the same run. A benchmark that cannot run on this machine (no
+GPU, no libtpu) says why in one line on stderr and exits with :data:`UNAVAILABLE` (:func:`refuse`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import statistics
+import sys
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NoReturn, Sequence
 
 import jax
+
+#: Exit status of a benchmark that cannot run on this machine (:func:`refuse`).
+UNAVAILABLE = 1
 
 
 def parse_args(description: str, argv: Sequence[str] | None = None,
@@ -89,7 +96,46 @@ def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
 
 def emit(figures: dict[str, Any]) -> None:
     """Prints the closing JSON line (figures plus the machine)."""
-    print(json.dumps({**figures, "machine": machine()}, sort_keys=True))
+    print(json_line({**figures, "machine": machine()}))
+
+
+def finite(value: Any) -> Any:
+    """``value`` with every NaN or infinite float (in dicts, lists and tuples) replaced by ``None``."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite(v) for v in value]
+    return value
+
+
+def json_line(figures: dict[str, Any]) -> str:
+    """``figures`` as one line of strict JSON (keys sorted, non-finite floats as ``null``)."""
+    return json.dumps(finite(figures), sort_keys=True, allow_nan=False)
+
+
+def refuse(message: str) -> NoReturn:
+    """Ends a benchmark that cannot run here: ``message`` as one line on stderr, exit status
+    :data:`UNAVAILABLE`, no traceback (also under ``arkv-jax bench``, which passes the status on)."""
+    print(" ".join(message.split()), file=sys.stderr)
+    raise SystemExit(UNAVAILABLE)
+
+
+def require_gpu(what: str, hint: str = "", nvidia: bool = True) -> None:
+    """Refuses (:func:`refuse`) unless JAX sees a GPU (an NVIDIA one unless ``nvidia=False``);
+    ``what`` names the benchmark mode in the message, ``hint`` (if any) ends it."""
+    try:
+        devices = jax.devices()
+    except Exception as error:  # e.g. JAX_PLATFORMS=cuda where jax has no CUDA plugin
+        first = (str(error).strip().splitlines() or [""])[0] or type(error).__name__
+        found = f"JAX could not start its backend ({first})"
+    else:
+        gpus = [d for d in devices if d.platform == "gpu" and (not nvidia or "nvidia" in d.device_kind.lower())]
+        if gpus:
+            return
+        found = f"this machine has {sorted({f'{d.platform}:{d.device_kind}' for d in devices})} only"
+    refuse(f"{what} needs an NVIDIA GPU visible to JAX (jax with CUDA); {found}" + (f"; {hint}" if hint else ""))
 
 
 def _fmt(value: Any) -> str:

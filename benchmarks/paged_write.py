@@ -20,6 +20,7 @@ on 2 cores (2026-11-30): fp32 30 layers 0.42-0.66, bf16 30 layers 0.89-1.17; pin
 dim 128, bf16, 3 frames of 1,560 tokens per row, ``--block-size`` 16 by default, i.e. 98 pages per
 frame with 8 padding tokens), the Pallas GPU kernel's bandwidth against a device-to-device copy of
 the same bytes, an XLA scatter (``unique_indices``, ``mode="drop"``) and the library's XLA path.
+Without a GPU it says so in one line on stderr and exits with status 1.
 
 Bandwidth counts the K/V bytes written to the pools (padding included), once; a copy also reads
 them, so memory traffic is twice that. The last line is the JSON of the figures.
@@ -28,7 +29,6 @@ them, so memory traffic is twice that. The last line is the JSON of the figures.
 from __future__ import annotations
 
 import functools
-import sys
 from typing import Any, Callable
 
 import jax
@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from benchmarks.harness import emit, median_seconds, parse_args, print_table
+from benchmarks.harness import emit, median_seconds, parse_args, print_table, require_gpu
 from pallas_kernels.layout import PAGE_AXIS, pool_geometry, pool_shape, set_pages
 from pallas_kernels.paged_write import pages_per_frame, write_chunk
 
@@ -203,15 +203,8 @@ def bench_cpu(quick: bool, reps: int, rounds: int) -> dict[str, Any]:
 WAN_1_3B = dict(layers=30, kv_heads=12, head_dim=128, frames=3, tokens_per_frame=1560)
 
 
-def require_nvidia_gpu() -> None:
-    """Exits with a clear message unless JAX sees an NVIDIA GPU."""
-    if not any(d.platform == "gpu" and "nvidia" in d.device_kind.lower() for d in jax.devices()):
-        sys.exit(f"benchmarks/paged_write.py --gpu needs an NVIDIA GPU; this machine has "
-                 f"{[d.device_kind for d in jax.devices()]} (platform {jax.default_backend()}).")
-
-
 def bench_gpu(block_size: int, rows: int, reps: int, rounds: int) -> dict[str, Any]:
-    require_nvidia_gpu()
+    require_gpu("benchmarks.paged_write --gpu", "without --gpu it runs the CPU benchmark")
     shape = dict(WAN_1_3B)
     tokens_per_frame = shape.pop("tokens_per_frame")
     ppf = pages_per_frame(tokens_per_frame, block_size)

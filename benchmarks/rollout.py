@@ -21,11 +21,14 @@ CFG: both branches batched) and window, for S sessions in lock-step, and are tim
     cache at all; its cost grows with the video.
 
 Timing: paged and contiguous are interleaved (``harness.interleaved_medians``, ``--reps``, default
-20 with ``--quick``, 10 otherwise); the recompute cases are interleaved with paged again (3 or 2
+10); the recompute cases (at each ``--lengths`` video length) are interleaved with paged again (2
 reps: they are slow) and reported as their ratio to that run's paged time, times the first run's
-paged time. Defaults: ``--quick`` runs the ``tiny`` shape with 4 sessions (about 30 s on 2 cores),
-otherwise the ``small`` shape with 2 sessions (a few minutes: recompute at 16 chunks is ~40 s a
-chunk).
+paged time. Defaults: ``--quick`` runs the ``tiny`` shape with 2 sessions and recompute at 4 and 8
+chunks; otherwise the ``small`` shape with 2 sessions and recompute at 4, 8 and 16 chunks (a few
+minutes: recompute at 16 chunks is ~40 s a chunk). The 2026-11-30 figures in ``RESULTS.md`` came from
+an older, much longer ``--quick`` (tiny, 4 sessions, 20 and 3 reps, recompute at 4, 8 and 16, idle
+slots at tiny and small, the converted model): ``--quick --sessions 4 --reps 20 --lengths 4,8,16
+--scaling-shapes tiny,small --converted`` is that run but for 2 recompute reps instead of 3.
 
 Memory, per method: *persistent* bytes (the cache between chunks: pools + text K/V, buffers +
 text K/V, or the clean latents + text K/V) and the *peak* of the per-chunk programs as XLA's
@@ -33,7 +36,8 @@ text K/V, or the clean latents + text K/V) and the *peak* of the per-chunk progr
 aliased (donated) + temporaries (model weights included, the same in all three; for paged, the
 denoise + commit-forward program, which reads the pools).
 
-Idle slots (:func:`slot_scaling`, at every ``--scaling-shapes`` shape, default ``tiny,small``): the
+Idle slots (:func:`slot_scaling`, at every ``--scaling-shapes`` shape, default ``tiny,small``;
+``tiny`` with ``--quick``): the
 rollout runs live rows only, padded to a bucket; per-chunk time of one live session in a 16-slot
 cache against one session in a 1-slot cache (goal: at most 1.2x; the full-batch run, every slot, is
 shown too), and of 16 live sessions against 16 separate single-session runs (16 x the 1-slot time;
@@ -41,14 +45,18 @@ goal: well under 1x). The last JSON line reports the first shape's two ratios.
 
 Converted model (:func:`converted_rollout_diff`): a tiny random diffusers ``WanTransformer3DModel``
 loaded with ``load_wan``, paged rollout vs full recompute, max abs difference (skipped with a note
-without torch / diffusers).
+without torch / diffusers, and with ``--quick`` unless ``--converted`` is given:
+``tests/models/test_parity.py`` checks the same equality).
 
-Run: ``python -m benchmarks.rollout [--quick]``.
+The ``--quick`` run takes about a minute of CPU time on 2 cores (compilation is most of it).
+
+Run: ``python -m benchmarks.rollout [--quick] [--converted]``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -61,7 +69,9 @@ from arkv_jax.models.dit import MODEL_CONFIGS, DiTConfig, init_random
 from arkv_jax.nnx import masked_attention
 from arkv_jax.planner import rollout_plan
 from arkv_jax.reference import FullRecompute
-from arkv_jax.rollout import Rollout, Sampler, chunk_noise, combine_branches, denoise
+from arkv_jax.rollout import Rollout
+from arkv_jax.samplers import Sampler, chunk_noise, combine_branches
+from arkv_jax.samplers import euler as denoise
 from arkv_jax.step import ChunkInputs
 from benchmarks import harness
 
@@ -219,6 +229,15 @@ def paged_peak_bytes(rollout: Rollout) -> int:
                                              cache.cross_attention_kv(rollout.text_cache), noise))
 
 
+def recompute_peak_bytes(reference: FullRecompute, history, noise, first_frame: int, text_kv) -> int:
+    """Peak of :meth:`FullRecompute.chunk`'s program on these arguments: its :attr:`chunk_fn`
+    lowered on exactly what ``chunk`` passes it without a prompt switch (every frame visible, no
+    pinned sink)."""
+    visible = jnp.ones(history.shape[1], bool)
+    return peak_bytes(reference.chunk_fn.lower(reference.params, history, jnp.int32(first_frame), noise, text_kv,
+                                               visible, None))
+
+
 def run(shape: Shape, sessions: int, lengths: tuple[int, ...], reps: int, recompute_reps: int) -> dict:
     """Builds the three methods, checks that paged and contiguous agree while the caches fill, then
     times paged vs contiguous (``reps``, interleaved) and paged vs recompute at each video length
@@ -271,9 +290,7 @@ def run(shape: Shape, sessions: int, lengths: tuple[int, ...], reps: int, recomp
     peak = {
         "paged": paged_peak_bytes(paged),
         "contiguous": contiguous.peak_bytes(),
-        **{f"recompute@{n}": peak_bytes(reference.chunk_fn.lower(reference.params, recompute_args[n][0],
-                                                                  jnp.int32(n * shape.chunk_frames),
-                                                                  recompute_args[n][1], text_kv))
+        **{f"recompute@{n}": recompute_peak_bytes(reference, *recompute_args[n], n * shape.chunk_frames, text_kv)
            for n in lengths},
     }
     return {"medians": medians, "persistent": persistent, "peak": peak, "agreement": agreement,
@@ -394,14 +411,26 @@ def main(argv=None) -> None:
         p.add_argument("--shape", choices=sorted(SHAPES), default=None,
                        help="model shape (default: tiny with --quick, small otherwise)"),
         p.add_argument("--sessions", type=int, default=None,
-                       help="concurrent sessions (default: 4 with --quick, 2 otherwise)"),
-        p.add_argument("--scaling-shapes", default="tiny,small",
-                       help="shapes of the idle-slot comparison (comma-separated; default: tiny,small)")))
+                       help="concurrent sessions (default 2)"),
+        p.add_argument("--lengths", default=None,
+                       help="video lengths (chunks) of the recompute cases, comma-separated (default: 4,8 with "
+                            "--quick, 4,8,16 otherwise)"),
+        p.add_argument("--scaling-shapes", default=None,
+                       help="shapes of the idle-slot comparison (comma-separated; default: tiny with --quick, "
+                            "tiny,small otherwise)"),
+        p.add_argument("--converted", action="store_true",
+                       help="also run the converted-model check with --quick (it always runs without --quick)")))
     shape = SHAPES[args.shape or ("tiny" if args.quick else "small")]
-    sessions = args.sessions or (4 if args.quick else 2)
-    lengths = (4, 8, 16)
-    reps = args.reps or (20 if args.quick else 10)
-    recompute_reps = 3 if args.quick else 2
+    sessions = args.sessions or 2
+    lengths = tuple(int(n) for n in (args.lengths or ("4,8" if args.quick else "4,8,16")).split(","))
+    reps = args.reps or 10
+    recompute_reps = 2
+    scaling_shapes = (args.scaling_shapes or ("tiny" if args.quick else "tiny,small")).split(",")
+    unknown = [name for name in scaling_shapes if name not in SHAPES]
+    if unknown:
+        print(f"benchmarks.rollout: --scaling-shapes: unknown shape(s) {unknown}; choose from {sorted(SHAPES)}",
+              file=sys.stderr)
+        raise SystemExit(2)
     result = run(shape, sessions, lengths, reps, recompute_reps)
     medians, persistent, peak = result["medians"], result["persistent"], result["peak"]
     m = shape.model
@@ -422,7 +451,7 @@ def main(argv=None) -> None:
     print(f"paged and contiguous latents agree to {result['agreement']:.1e} over the first "
           f"{result['fill_chunks']} chunks")
     scaling = {}
-    for name in args.scaling_shapes.split(","):
+    for name in scaling_shapes:
         scaling[name] = slot_scaling(SHAPES[name], reps=max(5, reps // 2))
         sc = scaling[name]
         print(f"\nidle slots, shape {name} (CFG, 3 steps + commit), ms/chunk: "
@@ -430,7 +459,11 @@ def main(argv=None) -> None:
         print(f"  1 live in 16 slots / 1 slot: {sc['one_live_in_16_slots_vs_one_slot']:.3f} (goal <= 1.2; "
               f"full batch {sc['one_live_full_batch_vs_one_slot']:.2f}); 16 live / 16 single runs: "
               f"{sc['sixteen_live_vs_sixteen_single']:.3f} (goal well under 1); traces by batch size: {sc['traces']}")
-    converted = converted_rollout_diff()
+    if args.quick and not args.converted:
+        converted = {"max_abs_diff": None, "note": "not run with --quick (--converted runs it; "
+                                                   "tests/models/test_parity.py checks the same)"}
+    else:
+        converted = converted_rollout_diff()
     print(f"converted (diffusers) model, paged rollout vs full recompute: max abs diff {converted['max_abs_diff']} "
           f"({converted.get('by_sampler', '')}; {converted['note']})")
     first = scaling[next(iter(scaling))]

@@ -16,7 +16,9 @@ final VLIW bundles of each loop (``--xla_jf_dump_llo_text``) times its trip coun
 clock, plus 0.35 us per grid step. That estimate assumes one bundle per cycle and omits stalls
 (MXU result latency beyond the schedule, VMEM bank conflicts), DMA waits, HBM contention and the
 XLA fusions around the kernels except the baseline's gather (counted as its HBM bytes over the
-bandwidth). ``--quick`` compiles rows 1 only. The last line is JSON.
+bandwidth). ``--quick`` compiles rows 1 only. The last line is JSON (a figure of a kernel that did
+not compile is ``null``); the exit status is 1 if any kernel did not compile. Without libtpu it says
+so in one line on stderr and exits with status 1, compiling nothing.
 """
 
 from __future__ import annotations
@@ -177,7 +179,7 @@ def splash_cycles(bundles, tree) -> tuple[float, float, str]:
 
 def worker(gen: str, kind: str, rows: int, dump: str) -> dict:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    sys.path.insert(0, ROOT)
+    _importable_checkout()
     import functools
 
     import jax.numpy as jnp
@@ -283,13 +285,32 @@ def run_job(gen: str, kind: str, rows: int) -> dict:
     with tempfile.TemporaryDirectory() as dump:
         env = dict(os.environ, JAX_PLATFORMS="cpu",
                    LIBTPU_INIT_ARGS=f"--xla_jf_dump_to={dump} --xla_jf_dump_llo_text=true")
-        proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", gen, kind,
-                               str(rows), dump], env=env, capture_output=True, text=True)
+        # Compile-only devices touch no chip, so libtpu's one-process lock (/tmp/libtpu_lockfile)
+        # need not stop a compile while another process (a test run, say) has libtpu loaded.
+        env.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+        proc = subprocess.run([sys.executable, "-m", "benchmarks.tpu_compile", "--worker", gen, kind,
+                               str(rows), dump], env=env, cwd=ROOT, capture_output=True, text=True)
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
         if proc.returncode or not lines:
             return dict(gen=gen, kind=kind, rows=rows, compiles=False,
                         error=(proc.stderr.strip().splitlines() or ["no output"])[-1][:300])
         return json.loads(lines[-1])
+
+
+LIBTPU_MISSING = ("libtpu is not installed: pip install 'arkv-jax[tpu]' (in a checkout: pip install -e '.[tpu]'); "
+                  "benchmarks.tpu_compile compiles the TPU kernels with it and compiled nothing")
+
+
+def _importable_checkout() -> None:
+    """Puts the checkout on ``sys.path`` (for ``python benchmarks/tpu_compile.py``, run as a file)."""
+    if ROOT not in sys.path:
+        sys.path.insert(0, ROOT)
+
+
+def _figure(result: dict, key: str, kind=float):
+    """``result[key]`` as ``kind``, or ``None`` when the kernel did not compile (or lacks it)."""
+    value = result.get(key) if result.get("compiles") else None
+    return None if value is None else kind(value)
 
 
 def main(argv=None) -> int:
@@ -305,18 +326,28 @@ def main(argv=None) -> int:
         gen, kind, rows, dump = args.worker
         print(json.dumps(worker(gen, kind, int(rows), dump)))
         return 0
+    _importable_checkout()
+    from benchmarks import harness
+    from pallas_kernels import tpu_aot
+
+    if not tpu_aot.libtpu_available():
+        harness.refuse(LIBTPU_MISSING)
+    generations = args.generations.split(",")
+    for gen in generations:
+        if gen not in tpu_aot.CHIPS:
+            parser.error(f"--generations: {gen!r} is not one of {', '.join(tpu_aot.GENERATIONS)}")
     if args.baseline_blocks:
         bq, bkv, bkvc = (int(x) for x in args.baseline_blocks.split(","))
         os.environ[BLOCKS_ENV] = json.dumps(dict(block_q=bq, block_kv=bkv, block_kv_compute=bkvc))
-        for gen in args.generations.split(","):
-            r = run_job(gen, "baseline", 1)
-            print(json.dumps(r))
-        return 0
+        results = [run_job(gen, "baseline", 1) for gen in generations]
+        for r in results:
+            print(harness.json_line(r))
+        return 0 if all(r.get("compiles") for r in results) else 1
     rows_list = (1,) if args.quick else (1, 4)
-    summary = {}
+    summary, failed = {}, []
     print("compiler-derived estimates: final bundles x trip counts at the chip clock + 0.35 us per "
           "grid step; they omit stalls, DMA waits and HBM contention (see the module docstring)")
-    for gen in args.generations.split(","):
+    for gen in generations:
         results = {}
         for kind in ("attention", "baseline"):
             for rows in rows_list:
@@ -332,6 +363,7 @@ def main(argv=None) -> int:
                           f"and layer, {r['fraction_of_peak']:.1%} of bf16 peak;{extra}; "
                           f"{r['note']}")
                 else:
+                    failed.append(f"{gen} {kind} rows={rows}")
                     print(f"{gen} {kind:9s} rows={rows}: DOES NOT COMPILE: {r.get('error')}")
         w = run_job(gen, "write", 1)
         if w.get("compiles"):
@@ -341,28 +373,30 @@ def main(argv=None) -> int:
                   f"{w['hbm_ms']:.3f} ms, DMA issue {w['issue_ms']:.4f} ms -> "
                   f"{w['fraction_of_hbm']:.1%} of HBM bandwidth")
         else:
+            failed.append(f"{gen} write rows=1")
             print(f"{gen} write: DOES NOT COMPILE: {w.get('error')}")
         att, base = results[("attention", 1)], results[("baseline", 1)]
         ok = att.get("compiles") and base.get("compiles")
         summary[gen] = dict(
             attention_compiles=bool(att.get("compiles")),
-            attention_pool_copies=int(att.get("pool_copies", -1)),
-            attention_est_ms=float(att.get("est_ms", float("nan"))),
-            baseline_est_ms=float(base.get("est_ms", float("nan"))),
-            attention_vs_baseline=float(base["est_ms"] / att["est_ms"]) if ok else float("nan"),
-            attention_fraction_of_peak=float(att.get("fraction_of_peak", float("nan"))),
-            baseline_fraction_of_peak=float(base.get("fraction_of_peak", float("nan"))),
-            write_pool_copies=int(w.get("pool_copies", -1)),
-            write_temp_fraction=float(w.get("temp_fraction", float("nan"))),
-            write_alias_fraction=float(w.get("alias_fraction", float("nan"))),
-            write_fraction_of_hbm=float(w.get("fraction_of_hbm", float("nan"))),
+            attention_pool_copies=_figure(att, "pool_copies", int),
+            attention_est_ms=_figure(att, "est_ms"),
+            baseline_est_ms=_figure(base, "est_ms"),
+            attention_vs_baseline=float(base["est_ms"] / att["est_ms"]) if ok else None,
+            attention_fraction_of_peak=_figure(att, "fraction_of_peak"),
+            baseline_fraction_of_peak=_figure(base, "fraction_of_peak"),
+            write_pool_copies=_figure(w, "pool_copies", int),
+            write_temp_fraction=_figure(w, "temp_fraction"),
+            write_alias_fraction=_figure(w, "alias_fraction"),
+            write_fraction_of_hbm=_figure(w, "fraction_of_hbm"),
         )
         if not args.quick:
             for kind in ("attention", "baseline"):
-                r4 = results[(kind, 4)]
-                summary[gen][f"{kind}_rows4_est_ms"] = float(r4.get("est_ms", float("nan")))
-    print(json.dumps(summary))
-    return 0
+                summary[gen][f"{kind}_rows4_est_ms"] = _figure(results[(kind, 4)], "est_ms")
+    if failed:
+        print(f"{len(failed)} compile(s) failed: {', '.join(failed)}", file=sys.stderr)
+    print(harness.json_line(summary))
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -9,7 +9,8 @@ jitted, timed in the same run (alternating runs, medians). The figure of merit i
 ``--gpu`` (NVIDIA GPU only; refuses otherwise): the Pallas GPU kernel (``backend="pallas_gpu"``)
 vs ``jax.nn.dot_product_attention(..., implementation="cudnn")`` at the Wan-1.3B shape (12 heads,
 head_dim 128, chunk 3 frames x 1,560 tokens, 12 visible frames incl. 3 sink and the chunk, bf16):
-both times and TFLOP/s against a ~790 TFLOP/s dense bf16 peak.
+both times and TFLOP/s against a ~790 TFLOP/s dense bf16 peak (``--quick``: 10 reps instead of
+30). Without a GPU it says so in one line on stderr and exits with status 1.
 
 Shapes: frames of ``tokens_per_frame`` tokens on pages of ``--block-size`` slots (frame aligned, last
 page padded); ``sink`` + ``recent`` history frames are visible; queries = the current chunk.
@@ -22,13 +23,12 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.harness import emit, median_seconds, parse_args, print_table
+from benchmarks.harness import emit, median_seconds, parse_args, print_table, require_gpu
 from pallas_kernels.common import pages_per_frame
 from pallas_kernels.layout import from_token_major
 from pallas_kernels.window_attention import window_attention
@@ -174,11 +174,9 @@ def cpu_benchmark(args) -> dict:
 
 
 def gpu_benchmark(args) -> dict:
-    if not any(d.platform == "gpu" for d in jax.devices()):
-        sys.exit(f"--gpu needs an NVIDIA GPU visible to JAX; found {jax.devices()[0].platform!r} "
-                 "devices only. Run without --gpu for the CPU benchmark.")
+    require_gpu("benchmarks.window_attention --gpu", "without --gpu it runs the CPU benchmark")
     shape = WAN_1_3B
-    reps = args.reps or 30
+    reps = args.reps or (10 if args.quick else 30)
     inputs = make_inputs(shape, args.block_size)
     tiles = dict(block_q=args.block_q, block_k=args.block_k)
     fns = {"pallas_gpu": paged_fn(inputs, "pallas_gpu", **tiles),

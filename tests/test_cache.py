@@ -213,6 +213,54 @@ def test_num_frames_beyond_what_a_rows_table_holds_is_refused_at_the_first_call(
     assert cache.num_free_pages() + len(cache.pages_held(["s"])["s"]) == cache.total_pages
 
 
+def test_a_bucketed_chunk_owns_its_padding_positions_and_padded_commit():
+    """``buckets`` pads a compact batch: the step places per-session values at their positions,
+    takes them back, and commits the padded K/V exactly as the unpadded chunk does."""
+    padded, plain = make_cache(), make_cache()
+    for cache in (padded, plain):
+        for sid in ("a", "b"):
+            cache.open(sid)
+    for chunk in range(4):
+        with padded.chunk(["b", "a"], 2, buckets=(1, 4)) as step, plain.chunk(["b", "a"], 2) as twin:
+            assert (step.positions, step.num_positions, step.batch_size) == ((0, 1), 4, 8)
+            assert step.session_ids == ("b", "b", "a", "a", None, None, None, None)
+            inputs = jax.tree.map(np.asarray, step.inputs)
+            assert inputs.rows[4:].tolist() == [-1] * 4 and not inputs.lengths[4:].any()
+            for got, want in zip(inputs, jax.tree.map(np.asarray, twin.inputs)):
+                np.testing.assert_array_equal(got[:4], want)
+            per_session = np.asarray([[1.0, 2.0], [3.0, 4.0]], np.float32)
+            placed = step.place(per_session)
+            assert placed.tolist() == [[1, 2], [3, 4], [0, 0], [0, 0]]
+            np.testing.assert_array_equal(step.take(placed), per_session)
+            assert step.place_rows(np.arange(4)).tolist() == [0, 1, 2, 3, 0, 0, 0, 0]
+            with pytest.raises(ValueError, match=r"k_new must have shape \(2, 8, 12, 2, 8\)"):
+                step.commit(*chunk_kv(twin, chunk))  # the unpadded K/V of the live rows only
+            k, v = chunk_kv(twin, chunk)
+            pad = jnp.full((2, 4, 12, 2, 8), jnp.nan)  # padding rows are never written
+            step.commit(jnp.concatenate([k, pad], axis=1), jnp.concatenate([v, pad], axis=1))
+            twin.commit(k, v)
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, padded.state),
+                 jax.tree.map(np.asarray, plain.state))
+    for a, b in zip(padded.pools, plain.pools):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(ValueError, match="buckets"):
+        with padded.chunk(["a", "b"], 2, buckets=(1,)):
+            pass
+
+
+def test_a_full_batch_places_sessions_at_their_slots():
+    cache = make_cache()
+    for sid in ("a", "b", "c"):
+        cache.open(sid)
+    cache.close("a")
+    with cache.chunk(["c", "b"], 1, full_batch=True) as step:
+        assert step.positions == (cache.slot("c"), cache.slot("b")) and step.num_positions == 3
+        assert step.session_ids == (None, None, "b", "b", "c", "c")
+        assert step.take(step.place(np.asarray([7, 9]))).tolist() == [7, 9]
+        assert step.place(np.asarray([7, 9]), fill=-1).tolist() == [-1, 9, 7]
+        step.commit(*chunk_kv(step, 0))
+
+
 def test_free_and_foreign_pages_never_reach_an_attention_output():
     cache = make_cache()
     for sid in ("a", "b"):
@@ -356,7 +404,7 @@ def test_soak_churn_leaves_every_page_free_and_memory_flat():
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from arkv_jax.cache.facade import CallbackError  # noqa: E402
+from arkv_jax.cache import CallbackError  # noqa: E402
 
 
 def _page_totals_hold(cache):
@@ -474,7 +522,7 @@ def test_bad_types_and_values_at_the_boundary():
     for call, error, word in cases:
         with pytest.raises(error, match=word):
             call()
-    assert cache.sessions == ("a",) and cache._in_flight is None
+    assert cache.sessions == ("a",) and cache._core.in_flight is None
     with cache.chunk(["a"], 1) as step:
         for dtype in (jnp.int32, jnp.bool_, jnp.complex64):
             with pytest.raises(TypeError, match="k_new must have a floating dtype"):
@@ -483,17 +531,17 @@ def test_bad_types_and_values_at_the_boundary():
 
 
 def test_eager_cross_attention_rows_does_not_retrace():
-    from arkv_jax.cache import facade
+    from arkv_jax.cache import programs
 
     cache = make_cache()
     cache.open("a")
     with cache.chunk(["a"], 1) as step:
         kv = cache.cross_attention_kv("text")
         cache.cross_attention_rows(kv, step.inputs)
-        before = facade._cross_attention_rows._cache_size()
+        before = programs.cross_attention_rows._cache_size()
         for _ in range(3):
             k, v = cache.cross_attention_rows(kv, step.inputs)
-        assert facade._cross_attention_rows._cache_size() == before
+        assert programs.cross_attention_rows._cache_size() == before
         assert k.shape == (GEOMETRY.num_layers, 2, 5, GEOMETRY.num_kv_heads, GEOMETRY.head_dim)
 
 

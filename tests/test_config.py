@@ -137,3 +137,66 @@ def test_window_rule_matches_a_simulation_of_the_resident_frames(sink, window, r
         resident += range(first - frames, first)
         live = resident[sink:]
         resident = resident[:sink] + ([] if reset else live[len(live) - min(len(live), window):])
+
+
+_RULE_CASES = dict(sink=st.integers(0, 4), window=st.integers(1, 6), reset=st.booleans(),
+                   first=st.integers(0, 30), frames=st.integers(1, 6))
+
+
+@settings(max_examples=100, deadline=None)
+@given(**_RULE_CASES)
+def test_window_rule_gives_the_same_answer_on_ints_numpy_and_tracers(sink, window, reset, first, frames):
+    """One definition for every caller: Python ints (facade, planner, rollout) stay ints, NumPy
+    arrays (references) and traced values (the jitted state) give the same numbers."""
+    import jax
+    import jax.numpy as jnp
+
+    policy = WindowPolicy(window, sink, reset)
+
+    def rule(first, frames):
+        return (*policy.visible_history(first, frames), policy.skipped_frames(first), policy.kept_frames(first),
+                policy.max_history(frames), policy.frame_visible(first - 1, first, frames),
+                policy.ring_keeps(first // 3, first, frames),
+                policy.max_chunk_frames(table_width=4 * first + 8, pool_pages=9 * first + 20, pages_per_frame=2,
+                                        rows_per_shard=3, chunk_rows=frames))
+
+    ints = rule(first, frames)
+    assert all(type(x) in (int, bool) for x in ints), ints
+    host = rule(np.int32(first), np.int32(frames))
+    traced = jax.jit(rule)(jnp.int32(first), jnp.int32(frames))
+    assert [int(x) for x in host] == [int(x) for x in traced] == [int(x) for x in ints]
+
+
+@settings(max_examples=100, deadline=None)
+@given(sink=st.integers(0, 5), window=st.integers(1, 8), reset=st.booleans(), chunk=st.integers(1, 4),
+       chunks=st.integers(1, 20))
+def test_the_latent_ring_holds_what_a_recache_needs_within_latent_ring_frames(sink, window, reset, chunk, chunks):
+    """Chunk after chunk, the ring ``ring_keeps`` leaves holds every frame the next chunk sees
+    (``visible_history``) and never more than ``latent_ring_frames`` frames."""
+    policy = WindowPolicy(window, sink, reset)
+    ring: set[int] = set()
+    for newest in range(chunks):
+        ring = {c for c in ring | {newest} if policy.ring_keeps(c, newest, chunk)}
+        first = (newest + 1) * chunk
+        s, recent = policy.visible_history(first, chunk)
+        needed = {f // chunk for f in [*range(s), *range(first - recent, first)]}
+        assert needed <= ring, (newest, needed, ring)
+        assert len(ring) * chunk <= policy.latent_ring_frames(chunk)
+        assert policy.max_history(chunk) >= s + recent
+
+
+@settings(max_examples=100, deadline=None)
+@given(sink=st.integers(0, 3), window=st.integers(1, 6), reset=st.booleans(), extra=st.integers(0, 4),
+       rows=st.integers(1, 4), spare=st.integers(0, 30), ppf=st.integers(1, 3))
+def test_max_chunk_frames_fits_the_table_and_the_pool_when_every_row_is_full(sink, window, reset, extra, rows,
+                                                                             spare, ppf):
+    policy = WindowPolicy(window, sink, reset)
+    held = policy.kept_frames_max
+    table_width, pool_pages = (held + extra) * ppf, (rows * held + spare) * ppf
+    for chunk_rows in range(1, rows + 1):
+        n = policy.max_chunk_frames(table_width=table_width, pool_pages=pool_pages, pages_per_frame=ppf,
+                                    rows_per_shard=rows, chunk_rows=chunk_rows)
+        assert 0 <= n <= window and held + n <= table_width // ppf
+        assert (rows * held + chunk_rows * n) * ppf <= pool_pages
+        if n < window:  # one more frame would not fit the table or the pool
+            assert held + n + 1 > table_width // ppf or (rows * held + chunk_rows * (n + 1)) * ppf > pool_pages

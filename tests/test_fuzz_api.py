@@ -41,7 +41,7 @@ def cache():
 
 def snapshot(c):
     held = {k: v.tolist() for k, v in c.pages_held(list(c.sessions)).items()}
-    return c.num_free_pages(), held, c.sessions, sum(p.nbytes for p in c.pools), c._in_flight
+    return c.num_free_pages(), held, c.sessions, sum(p.nbytes for p in c.pools), c._core.in_flight
 
 
 def check(call, *words):

@@ -4,7 +4,15 @@
 - ``state`` and ``step`` never import ``sharding``, ``cache`` or ``nnx``;
 - ``nnx`` and ``models`` never import ``cache``;
 - ``compat`` never imports the cache facade (it uses the cross-attention store's validator);
-- the planner imports no jax except inside the device-memory probe (``device_free_bytes``).
+- the planner imports no jax except inside the device-memory probe (``device_free_bytes``);
+- the exactness reference (``reference``) never imports the rollout it checks, nor the cache: it
+  shares only the samplers and the text conditioning with it;
+- ``samplers`` and ``conditioning`` import neither the rollout nor the cache;
+- the rollout does no row arithmetic: it imports no row helpers (padding rows, row placement,
+  row gathers) and pads, scatters and indexes no batch rows itself; the cache's steps do;
+- the cache's modules are one job each: the transactions own their work (no ``on_write``,
+  ``on_stage``, ``on_commit`` callback fields), only ``core`` holds the lock and the transaction
+  in flight, only ``callbacks`` runs ``on_release``, and only ``batch`` places batch rows.
 """
 
 from __future__ import annotations
@@ -56,7 +64,16 @@ RULES = {
     "compat imports no cache facade": (files("arkv_jax", "compat"),
                                        ("arkv_jax.cache.facade", "arkv_jax.cache.programs",
                                         "arkv_jax.cache.PagedKVCache")),
+    "reference imports no rollout and no cache": (files("arkv_jax", "reference"),
+                                                  ("arkv_jax.rollout", "arkv_jax.cache", "arkv_jax.step")),
+    "samplers and conditioning import no rollout and no cache": (
+        files("arkv_jax", "samplers") + files("arkv_jax", "conditioning"), ("arkv_jax.rollout", "arkv_jax.cache")),
 }
+
+
+ROW_HELPERS = ("arkv_jax.sharded_kernels", "arkv_jax.step.PADDING", "arkv_jax.step.place_rows",
+               "arkv_jax.cache.batch.BatchRows", "arkv_jax.cache.batch._place_inputs")
+RULES["rollout imports no row helpers"] = (files("arkv_jax", "rollout"), ROW_HELPERS)
 
 
 @pytest.mark.parametrize("rule", sorted(RULES))
@@ -76,3 +93,51 @@ def test_the_rules_catch_a_violation(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("from arkv_jax.cache import PagedKVCache\nimport arkv_jax.nnx\n")
     assert len(violations([bad], ("arkv_jax.cache", "arkv_jax.nnx"))) == 3
+
+
+def test_the_rollout_does_no_row_arithmetic():
+    """No padding, scattering or batch-row indexing in the rollout's source: ``jnp.pad``, ``.at[``
+    updates, ``PADDING`` and ``positions`` subscripts belong to the cache's steps."""
+    source = (ROOT / "arkv_jax" / "rollout.py").read_text()
+    for pattern in ("jnp.pad(", ".at[", "PADDING", "positions]", "[positions", "full_batch is None"):
+        assert pattern not in source, pattern
+
+
+def _source(module: str) -> str:
+    return (ROOT / "arkv_jax" / "cache" / f"{module}.py").read_text()
+
+
+def test_each_cache_module_has_one_job():
+    cache = sorted(p.stem for p in (ROOT / "arkv_jax" / "cache").glob("*.py"))
+    assert {"batch", "callbacks", "chunk", "core", "facade", "layout", "recache", "recache_plan"} <= set(cache)
+    for module in cache:
+        source = _source(module)
+        for field in ("on_write", "on_stage", "on_commit"):  # the transactions own their work
+            assert field not in source, (module, field)
+        if module != "core":
+            assert "threading" not in source and "in_flight =" not in source, module
+        if module != "callbacks":
+            assert "except Exception" not in source, module  # only callbacks swallows callback errors
+        if module not in ("batch", "cross_attention"):  # the store updates its tables' global rows
+            assert ".at[" not in source and "jnp.pad(" not in source and "PADDING" not in source.replace(
+                "step.PADDING", ""), module
+
+
+def test_the_transactions_live_in_their_own_modules():
+    from arkv_jax.cache.chunk import ChunkStep
+    from arkv_jax.cache.core import Transaction
+    from arkv_jax.cache.recache import Recache
+
+    for transaction, module in ((ChunkStep, "arkv_jax.cache.chunk"), (Recache, "arkv_jax.cache.recache")):
+        assert issubclass(transaction, Transaction) and transaction.__module__ == module
+        assert callable(transaction.commit) and transaction._abort is not None
+
+
+def test_no_library_class_is_over_300_lines():
+    long = []
+    for path in files("arkv_jax", "cache") + files("arkv_jax", "rollout") + files("arkv_jax", "samplers") + \
+            files("arkv_jax", "conditioning") + files("arkv_jax", "reference"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > 300:
+                long.append(f"{path.name}:{node.name} ({node.end_lineno - node.lineno + 1} lines)")
+    assert long == []

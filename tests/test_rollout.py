@@ -23,13 +23,15 @@ import pytest
 from flax import nnx
 
 from arkv_jax.cache import PagedKVCache
+from arkv_jax.conditioning import context_kv, text_branches
 from arkv_jax.config import KVBranch
 from arkv_jax.models import MODEL_CONFIGS, CausalDiT, init_random, prompt_embedding
 from arkv_jax.nnx import PagedHistory
 from arkv_jax.planner import rollout_plan
 from arkv_jax.presets import get_preset
 from arkv_jax.reference import FullRecompute
-from arkv_jax.rollout import ChunkConfig, Rollout, Sampler, chunk_noise, context_kv, generate_chunk, text_branches
+from arkv_jax.rollout import ChunkConfig, Rollout, generate_chunk
+from arkv_jax.samplers import Sampler, chunk_noise
 from arkv_jax.step import ChunkInputs
 from pallas_kernels.layout import pool_shape
 
@@ -144,7 +146,7 @@ def test_live_rows_only_equal_the_full_batch(run, full_run):
 
 
 def test_default_buckets_are_powers_of_two_up_to_max_sessions(model):
-    from arkv_jax.rollout import default_buckets
+    from arkv_jax.cache.batch import default_buckets
     assert default_buckets(16) == (1, 2, 4, 8, 16) and default_buckets(6) == (1, 2, 4, 6)
     assert default_buckets(1) == (1,)
     rollout = make_rollout(model, None, sessions=3, buckets=(2, 3))

@@ -254,7 +254,7 @@ def test_free_and_foreign_pages_never_reach_a_sharded_output():
         held = np.concatenate(list(cache.pages_held(["a", "c"]).values()))
         poison = ~np.isin(np.arange(pool_geometry(cache.pools[0]).num_pages), held)
         k_pool, v_pool = (jnp.where(page_mask(poison), jnp.nan, p) for p in cache.pools)
-        cache._k_pool, cache._v_pool = sh.place(mesh, (k_pool, v_pool), (sh.pool_spec(), sh.pool_spec()))
+        cache._core.k_pool, cache._core.v_pool = sh.place(mesh, (k_pool, v_pool), (sh.pool_spec(), sh.pool_spec()))
         poisoned = attention(cache, step, chunks)
         rows = [i for i, s in enumerate(step.session_ids) if s is not None]
         assert np.all(np.isfinite(poisoned))

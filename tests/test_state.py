@@ -180,7 +180,8 @@ TestStateMachine.settings = settings(max_examples=80, stateful_step_count=25, de
 def test_visible_window_follows_the_window_policy_rule(config, chunks):
     """Chunk after chunk of any sizes, ``visible_window`` shows exactly the frames that
     ``WindowPolicy.visible_history`` names for the chunk's first frame: the sink, then the recent
-    frames, in time order, with their pages and lengths."""
+    frames, in time order, with their pages and lengths; and each commit keeps exactly
+    ``WindowPolicy.kept_frames`` (the state and the policy share one window rule)."""
     geometry, layout = config_layout(config)
     policy = WindowPolicy(layout.window_frames, layout.sink_frames, layout.reset_at_boundary)
     ppf, tpf = layout.pages_per_frame, geometry.tokens_per_frame
@@ -200,6 +201,9 @@ def test_visible_window_follows_the_window_policy_rule(config, chunks):
         state, ok = commit(state, padded([0]), per_row([frames]))
         assert bool(ok[0])
         first += frames
+        # The commit evicted exactly the policy's skipped frames: the row holds its kept frames.
+        assert int(state.num_pages[0]) == int(policy.kept_frames(first)) * ppf
+        assert int(state.evicted_pages[0]) == int(policy.skipped_frames(first)) * ppf
 
 
 def tiny_layout(sink=1, window=2, tokens=4, block=4, blocks=32, reset=False):

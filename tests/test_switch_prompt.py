@@ -194,10 +194,10 @@ def test_cache_recache_protocol_and_refusals(model):
     held = cache.pages_held(["a"])["a"]
     with cache.recache("a") as job:
         assert job.frames == (2, 3, 4, 5) and [u.first_frame for u in job.units] == [2, 4]
-        with pytest.raises(RuntimeError, match="in flight"):
+        with pytest.raises(RuntimeError, match="cannot start a chunk while a recache is in flight"):
             with cache.chunk(["a"], F):
                 pass
-        with pytest.raises(RuntimeError, match="in flight"):
+        with pytest.raises(RuntimeError, match="cannot close a session while a recache is in flight"):
             cache.close("a")
         with pytest.raises(RuntimeError, match="units are written"):
             job.commit()
@@ -205,7 +205,7 @@ def test_cache_recache_protocol_and_refusals(model):
             job.write(np.zeros((1,)), np.zeros((1,)))
     # Left without a commit: nothing changed, and the job is dead.
     np.testing.assert_array_equal(cache.pages_held(["a"])["a"], held)
-    with pytest.raises(RuntimeError, match="not in flight"):
+    with pytest.raises(RuntimeError, match="this recache is not in flight"):
         job.commit()
     rollout.step()
 

@@ -1,9 +1,9 @@
-"""The facade's jitted programs: each runs one step on every data shard of the sharded state at once.
+"""The cache's jitted programs: each runs one step on every data shard of the sharded state at once.
 
 Inputs are *shard-local* (:mod:`arkv_jax.cache.sessions`): ``rows`` is ``[data, B]`` with -1 for
 padding, the state is a sharded state (leading ``[data]`` axis, :mod:`arkv_jax.sharding`), the pools
-are ``[layers, data * pages_per_shard, ...]``. The state (and, in :func:`commit`, the pools) is
-donated. None of them communicates between devices.
+are ``[layers, data * pages_per_shard, ...]``. The state (and, in :func:`commit` and :func:`write`,
+the pools) is donated. None of them communicates between devices.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from jax.sharding import Mesh
 from arkv_jax import sharding
 from arkv_jax import state as core
 from arkv_jax import step as step_lib
+from arkv_jax.cache import batch
 from arkv_jax.sharded_kernels import sharded_write_chunk
 from arkv_jax.step import ChunkInputs
 
@@ -84,3 +85,13 @@ def swap_pages(state, rows, replace, *, mesh: Mesh):
     """Every shard's :func:`arkv_jax.state.swap_pages` (``rows`` ``[data, B]``, ``replace``
     ``[data, B, table_width]``). Returns ``(state, ok [data])``."""
     return sharding.per_shard(core.swap_pages, mesh)(state, rows, replace)
+
+
+@jax.jit
+def shard_state(state, shard):
+    """Shard ``shard``'s state of a sharded state (no leading axis)."""
+    return jax.tree_util.tree_map(lambda x: x[shard], state)
+
+
+#: :func:`arkv_jax.cache.batch.cross_attention_rows`, compiled once per shape and mesh.
+cross_attention_rows = jax.jit(batch.cross_attention_rows, static_argnames="mesh")

@@ -1,192 +1,83 @@
-"""A session's history K/V recomputed into fresh pages (a prompt switch's KV recache, as LongLive does).
+"""The recache: a session's history K/V recomputed into fresh pages (``with cache.recache(...) as job``).
 
-When a session's conditioning changes (a new prompt), the K/V its next chunks will attend to were
-computed under the old one. A *recache* recomputes them: the frames the session's next chunk sees
-(:meth:`arkv_jax.config.WindowPolicy.max_history`: the sink, unless it is kept, and the recent
-window), from latents the caller kept, at the frames' absolute positions. :func:`plan_recache`
-splits those frames into *units* (runs of consecutive frames of one original chunk, chunks starting
-at multiples of ``chunk_frames``); the caller runs one forward per unit, in order, on
-``unit.inputs``, and writes its K/V. Each unit attends bidirectionally to itself and to the earlier
-history frames its original chunk saw (the window rule of
-:meth:`~arkv_jax.config.WindowPolicy.frame_visible`) that are still held: the already recomputed
-frames' fresh pages, and, with ``sink="keep"``, the sink's own pages. Frames that left the window
-are forgotten, as if never generated.
-
-Everything is written into fresh pages (free now, untouched by anyone else while the recache is in
-flight) and swapped in at the end (:func:`arkv_jax.state.swap_pages`): until then the session's
-pages are as they were, so a failure at any point leaves the old history.
+A prompt switch (LongLive's KV recache) recomputes the frames a session's next chunk sees under the
+new conditioning, from latents the caller kept, at their absolute positions.
+:meth:`Recache.start` plans it (:func:`~arkv_jax.cache.recache_plan.plan_recache`: the frames, the
+forwards, the fresh pages) and lays out its batch like a chunk's; the caller runs one forward per
+unit, in order, and :meth:`Recache.write`\\ s its K/V into fresh pages (free now, untouched by anyone
+else while the recache is in flight), stages the new cross-attention K/V, and :meth:`Recache.commit`
+swaps the pages in (:func:`arkv_jax.state.swap_pages`) and publishes the K/V at once. Until then the
+session's pages are as they were, so a failure at any point leaves the old history.
+``docs/protocol.md``, ``docs/rollout.md``.
 """
 
 from __future__ import annotations
-
-import dataclasses
-import functools
-from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from arkv_jax import state as core
-from arkv_jax.config import WindowPolicy
-from arkv_jax.step import ChunkInputs
+from arkv_jax.cache import programs
+from arkv_jax.cache.batch import BatchRows
+from arkv_jax.cache.core import CacheCore, Transaction, cross_label
+from arkv_jax.cache.recache_plan import RecacheUnit, plan_recache
+from arkv_jax.config import require_int
 
 Array = jax.Array
 
+#: Values of ``sink``: keep the sink's K/V as they are, or recompute them too.
 SINK_MODES = ("keep", "recompute")
 
 
-class RecacheUnit(NamedTuple):
-    """One forward of a recache: frames ``first_frame .. first_frame + num_frames - 1``.
-
-    Attributes:
-      first_frame: absolute index of the unit's first frame.
-      num_frames: frames of the unit (at most ``chunk_frames``).
-      inputs: the forward's :class:`~arkv_jax.step.ChunkInputs` for the session's rows (one per
-        branch; shard-local rows): the unit's history and the fresh pages it is written into.
-    """
-
-    first_frame: int
-    num_frames: int
-    inputs: ChunkInputs
-
-
-@dataclasses.dataclass(frozen=True)
-class RecachePlan:
-    """What :func:`plan_recache` decided (host arrays).
-
-    Attributes:
-      frames: absolute frames recomputed, in time order.
-      units: the forwards, in the order they must run.
-      replace: bool ``[branches, table_width]``: table positions given fresh pages.
-      fresh: int32 ``[branches, table_width]``: those fresh pages (0 elsewhere).
-    """
-
-    frames: tuple[int, ...]
-    units: tuple[RecacheUnit, ...]
-    replace: np.ndarray
-    fresh: np.ndarray
-
-
-@functools.partial(jax.jit, static_argnums=2)
-def _row_views(state: core.BlockTableState, rows: Array, chunk_frames: int):
-    """Everything :func:`plan_recache` reads of ``rows``, in one program."""
-    return (core.computed_frames(state, rows), state.prefill_tokens[rows],
-            core.visible_window(state, rows, chunk_frames), core.resident_pages(state, rows),
-            core.num_free_pages(state))
-
-
-_fresh_pages = jax.jit(core.fresh_pages)
-
-
-def _frame_runs(frames: list[int], chunk_frames: int) -> list[tuple[int, int]]:
-    """``(first, count)`` of the maximal runs of consecutive frames within one chunk."""
-    runs: list[list[int]] = []
-    for f in frames:
-        if runs and f == runs[-1][0] + runs[-1][1] and f // chunk_frames == runs[-1][0] // chunk_frames:
-            runs[-1][1] += 1
-        else:
-            runs.append([f, 1])
-    return [(a, n) for a, n in runs]
-
-
-def plan_recache(state: core.BlockTableState, rows: np.ndarray, window: WindowPolicy, chunk_frames: int,
-                 sink: str) -> RecachePlan:
-    """Plans the recache of one session's ``rows`` (its branches) in one shard's ``state``.
-
-    Args:
-      state: the shard's committed state (host or device leaves).
-      rows: int ``[branches]`` the session's shard-local rows.
-      window: the cache's window policy.
-      chunk_frames: frames per chunk of the session's stream (its chunks start at multiples of it).
-      sink: ``"keep"`` (the sink's K/V stay as they are) or ``"recompute"`` (recomputed too).
-
-    Raises:
-      ValueError: the session's rows are not at one frame, or it is not at a chunk boundary (a
-        prefill, or chunks of another size).
-      RuntimeError: the pool has fewer free pages than the fresh pages the recache needs.
-    """
-    layout = state.layout
-    ppf, tpf = layout.pages_per_frame, layout.tokens_per_frame
-    rows = jnp.asarray(rows, jnp.int32)
-    computed, prefill, view, (tables, counts), free = jax.device_get(_row_views(state, rows, chunk_frames))
-    lengths, ids, pages = view.lengths, view.frame_ids, view.pages
-    if len(set(computed.tolist())) != 1 or len(set(lengths.tolist())) != 1:
-        raise ValueError(f"the session's branches stand at different frames {computed.tolist()}; a recache "
-                         "needs them in lockstep")
-    if int(computed[0]) % chunk_frames or int(prefill.max()):
-        raise ValueError(f"the session stands at frame {int(computed[0])}, not at a boundary of "
-                         f"chunk_frames={chunk_frames}-frame chunks from frame 0 (no prefill)")
-    visible = ids[0, :int(lengths[0]) // tpf].tolist()
-    redo = [f for f in visible if sink == "recompute" or f >= window.sink_frames]
-    position = [{int(p): i for i, p in enumerate(t[:c])} for t, c in zip(tables, counts)]
-    frame_slot = {f: i for i, f in enumerate(visible)}
-    replace = np.zeros(tables.shape, bool)
-    for b in range(len(rows)):
-        for f in redo:
-            for p in pages[b, frame_slot[f] * ppf:(frame_slot[f] + 1) * ppf]:
-                replace[b, position[b][int(p)]] = True
-    need, free = int(replace.sum()), int(free)
-    if need > free:
-        raise RuntimeError(f"a recache of frames {redo} needs {need} free pages, the pool has {free} (plan the "
-                           "pool for prompt switches: arkv_jax.planner.rollout_plan(..., latent_frame_bytes=))")
-    fresh = np.asarray(_fresh_pages(state, rows, replace))
-
-    def frame_pages(f: int) -> np.ndarray:  # [branches, ppf]: the pages frame f is read from
-        old = pages[:, frame_slot[f] * ppf:(frame_slot[f] + 1) * ppf]
-        if f not in redo:
-            return old
-        return np.stack([fresh[b, [position[b][int(p)] for p in old[b]]] for b in range(len(rows))])
-
-    width = layout.visible_frames
-    units = []
-    for first, n in _frame_runs(redo, chunk_frames):
-        chunk_first = first // chunk_frames * chunk_frames
-        seen = [f for f in visible if f < first and window.frame_visible(f, chunk_first, chunk_frames)]
-        history = np.zeros((len(rows), width * ppf), np.int32)
-        frame_ids = np.full((len(rows), width), -1, np.int32)
-        if seen:
-            history[:, :len(seen) * ppf] = np.concatenate([frame_pages(f) for f in seen], axis=1)
-            frame_ids[:, :len(seen)] = seen
-        write = np.concatenate([frame_pages(f) for f in range(first, first + n)], axis=1)
-        inputs = ChunkInputs(rows, jnp.asarray(history), jnp.full(len(rows), len(seen) * tpf, jnp.int32),
-                             jnp.asarray(frame_ids), jnp.full(len(rows), first, jnp.int32),
-                             jnp.asarray(write, jnp.int32))
-        units.append(RecacheUnit(first, n, inputs))
-    return RecachePlan(tuple(redo), tuple(units), replace, fresh)
-
-
-@dataclasses.dataclass(eq=False)
-class Recache:
+class Recache(Transaction):
     """One session's recache in flight; see :meth:`arkv_jax.cache.PagedKVCache.recache`.
 
     Attributes:
       session_id: the session.
-      branches: its KV branches, in the order of the units' rows.
+      branches: its KV branches, in the order of each unit's rows.
       sink: ``"keep"`` or ``"recompute"``.
       frames: absolute frames recomputed, in time order (empty: nothing to recompute).
-      units: the forwards to run, in order (:class:`RecacheUnit`).
-      positions: int ``[branches]``: the batch rows of the session's branches (in ``branches``
-        order) in every unit's inputs, K/V and text.
-      batch_size: batch rows of every unit (the session's rows, or the cache's full batch).
+      units: the forwards to run, in order (:class:`~arkv_jax.cache.recache_plan.RecacheUnit`), each
+        with ``batch_size``-row inputs (the session's rows at its position, padding elsewhere).
+      positions, num_positions, batch_size: where the session sits in the batch; :meth:`place_rows`
+        puts its per-branch values (e.g. the new text K/V) at its batch rows.
       written: units written so far.
       committed: whether :meth:`commit` ran.
-      staged: the staged cross-attention K/V, ``(name, row) -> (k, v)``.
     """
 
-    session_id: str
-    branches: tuple[str, ...]
-    sink: str
-    frames: tuple[int, ...]
-    units: tuple[RecacheUnit, ...]
-    positions: np.ndarray
-    batch_size: int
-    on_write: Callable[["Recache", Array, Array], None] = dataclasses.field(repr=False)
-    on_stage: Callable[["Recache", str, str, object], None] = dataclasses.field(repr=False)
-    on_commit: Callable[["Recache"], None] = dataclasses.field(repr=False)
-    written: int = 0
-    committed: bool = False
-    staged: dict = dataclasses.field(default_factory=dict, repr=False)
+    kind = "recache"
+
+    def __init__(self, core: CacheCore, batch: BatchRows, sink: str, frames: tuple[int, ...],
+                 units: tuple[RecacheUnit, ...], rows: np.ndarray, replace: np.ndarray) -> None:
+        super().__init__(core, batch)
+        self.session_id, self.branches, self.sink = batch.session_ids[0], batch.branches, sink
+        self.frames, self.units, self.written = frames, units, 0
+        self._rows, self._replace, self._staged = rows, replace, {}
+
+    @classmethod
+    def start(cls, core: CacheCore, session_id: str, branches: tuple[str, ...], chunk_frames: int | None,
+              sink: str, *, full_batch: bool) -> "Recache":
+        """Checks ``sink`` and ``chunk_frames`` (default ``geometry.frames_per_forward``), plans the
+        recache of a session at a chunk boundary, lays out its batch and puts it in flight (see
+        :meth:`arkv_jax.cache.PagedKVCache.recache` for the errors); a refusal changes nothing."""
+        if not isinstance(sink, str) or sink not in SINK_MODES:
+            raise ValueError(f"sink must be one of {SINK_MODES}, got {sink!r}")
+        chunk_frames = require_int("chunk_frames", core.geometry.frames_per_forward if chunk_frames is None
+                                   else chunk_frames, minimum=1, maximum=core.window.window_frames)
+        with core.lock:
+            slot = core.sessions.slot(session_id)
+            shard = core.sessions.shard(slot)
+            local = core.sessions.rows([session_id], branches) % core.layout.rows_per_shard
+            core.require_idle("recompute a session's K/V")
+            plan = plan_recache(programs.shard_state(core.state, shard), local, core.window, chunk_frames, sink)
+            batch = BatchRows.of(core.sessions, (session_id,), branches, full_batch=full_batch)
+            units = tuple(u._replace(inputs=batch.place_inputs(u.inputs)) for u in plan.units)
+            rows = np.full((core.layout.num_shards, len(branches)), -1, np.int32)
+            replace = np.zeros((core.layout.num_shards, *plan.replace.shape), bool)
+            rows[shard], replace[shard] = local, plan.replace
+            job = cls(core, batch, sink, plan.frames, units, rows, replace)
+            core.start(job)
+        return job
 
     @property
     def next_unit(self) -> RecacheUnit | None:
@@ -199,18 +90,29 @@ class Recache:
 
         Args:
           k_new, v_new: ``[layers, batch_size, num_frames * tokens_per_frame, kv_heads, head_dim]``
-            (the session's rows at :attr:`positions`).
+            (padding rows are not written).
 
         Raises:
-          RuntimeError: not in flight, or every unit is written. ValueError: wrong shapes.
+          RuntimeError: not in flight, or every unit is written. TypeError/ValueError: as for a
+            chunk's commit.
         """
-        self.on_write(self, k_new, v_new)
+        with self._core.lock:
+            self._require_in_flight()
+            unit = self.next_unit
+            if unit is None:
+                raise RuntimeError(f"all {len(self.units)} units of this recache are written; commit it")
+            self._core.write(k_new, v_new, unit.inputs, unit.num_frames, self.batch_size)
+            self.written += 1
 
     def populate_cross_attention(self, name: str, branch: str, layer_kv) -> None:
         """Stages the session's new cross-attention K/V of ``name`` and ``branch`` (as
         :meth:`arkv_jax.cache.PagedKVCache.populate_cross_attention` takes them, validated now),
         published by :meth:`commit` together with the pages."""
-        self.on_stage(self, name, branch, layer_kv)
+        with self._core.lock:
+            self._require_in_flight()
+            row = int(self._core.sessions.rows([self.session_id], [branch])[0])
+            self._staged[name, row] = self._core.cross.collect(name, layer_kv,
+                                                               label=cross_label(self.session_id, branch))
 
     def commit(self) -> None:
         """Swaps the fresh pages in (the replaced pages are freed) and publishes the staged
@@ -219,4 +121,20 @@ class Recache:
         Raises:
           RuntimeError: not in flight, or a unit is not written yet.
         """
-        self.on_commit(self)
+        core = self._core
+        with core.lock:
+            self._require_in_flight()
+            if self.next_unit is not None:
+                raise RuntimeError(f"{self.written} of {len(self.units)} recache units are written; write them all "
+                                   "before committing")
+            state, ok = programs.swap_pages(core.state, jnp.asarray(self._rows), jnp.asarray(self._replace),
+                                            mesh=core.mesh)
+            core.state = state  # unchanged unless ok (all or nothing)
+            if not bool(jnp.all(ok)):  # plan_recache checked every condition under the lock
+                raise RuntimeError("the page swap of a recache was refused; nothing changed")
+            for (name, row), (k, v) in self._staged.items():
+                core.cross.publish(name, row, k, v)
+            self.committed = True
+
+
+__all__ = ["SINK_MODES", "Recache", "RecacheUnit", "plan_recache"]

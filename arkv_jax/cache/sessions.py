@@ -200,26 +200,15 @@ class SessionTable:
           ``(local_rows, owners)``: ``[num_shards, B / num_shards]`` int32 shard-local rows (-1:
           padding) and the session of each of the ``B`` batch rows (``None`` for padding). A
           compact batch (``full_batch=False``) holds just the sessions' rows, session-major; a full
-          batch holds every slot (see the module docstring).
+          batch holds every slot (see the module docstring): :class:`arkv_jax.cache.batch.BatchRows`.
 
         Raises:
           ValueError: a compact batch over several shards. KeyError: an unknown session or branch.
         """
-        if not full_batch and self.num_shards > 1:
-            raise ValueError(f"a compact batch needs one shard, this table has {self.num_shards}: use "
-                             "full_batch=True")
-        names = tuple(branches)
-        rows = self.rows(session_ids, names)
-        if not full_batch:
-            return rows[None], tuple(sid for sid in session_ids for _ in names)
-        owners: list[str | None] = [None] * self.capacity
-        batch_rows = np.full(self.capacity * len(names), -1, np.int32)
-        for i, sid in enumerate(session_ids):
-            slot = self.slot(sid)
-            owners[slot] = sid
-            batch_rows[slot * len(names):(slot + 1) * len(names)] = rows[i * len(names):(i + 1) * len(names)]
-        local = np.where(batch_rows >= 0, batch_rows % self.rows_per_shard, -1).reshape(self.num_shards, -1)
-        return local, tuple(sid for sid in owners for _ in names)
+        from arkv_jax.cache.batch import BatchRows  # the one row placement (it needs JAX; this module does not)
+
+        batch = BatchRows.of(self, session_ids, branches, full_batch=full_batch)
+        return batch.local_rows(self), batch.owners
 
     @staticmethod
     def pool_pages(shard: int, local_pages: np.ndarray, pages_per_shard: int) -> np.ndarray:

@@ -1,0 +1,162 @@
+"""The benchmarks keep running: every CPU benchmark's ``--quick`` form ends with one strict-JSON line,
+and the device-only ones refuse cleanly where the device (or libtpu) is missing.
+
+Each benchmark runs as its own process, ``python -m benchmarks.NAME --quick`` from the repository
+root, as ``README.md`` says to run them. The ``--quick`` runs are in the slow tier (each takes tens of
+seconds of compilation on 2 cores); the refusals are fast.
+"""
+
+import importlib.util
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from arkv_jax import cli
+from benchmarks import harness
+from pallas_kernels import tpu_aot
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+#: Benchmarks that run on the CPU: the keys their last JSON line must have.
+CPU_QUICK = {
+    "orchestration": ("us_per_session_chunk", "us_per_chunk_by_video_length", "length_ratio_100k_vs_100",
+                      "facade_us_per_session_chunk", "machine"),
+    "paged_write": ("benchmark", "mode", "xla_vs_copy_ratio", "temp_bytes_fraction", "aliased_pool_fraction",
+                    "cases", "machine"),
+    "window_attention": ("mode", "xla_paged_ms", "dense_ms", "xla_paged_vs_dense_ratio", "max_abs_diff",
+                         "machine"),
+    "rollout": ("benchmark", "ms_per_chunk", "paged_over_contiguous", "recompute_over_paged", "persistent_bytes",
+                "peak_bytes", "paged_contiguous_max_abs_diff", "one_live_in_16_slots_vs_one_slot",
+                "sixteen_live_vs_sixteen_single", "idle_slots", "converted_rollout_max_abs_diff", "machine"),
+    "sharding": ("cases", "sessions", "config", "devices_share_cores", "machine"),
+    "generate": ("benchmark", "reps", "shapes", "machine"),
+    "gpu_compile": ("jax", "target", "measured_on_gpu", "quick", "triton_wheel", "triton_skipped",
+                    "triton_attention_pages1560", "triton_paged_write", "scatter_paged_write"),
+}
+
+#: Device-only command lines (benchmark and flags) that must refuse on a machine without the device.
+DEVICE_ONLY = {
+    "gpu_window_attention": ([], ["--gpu", "--quick"]),  # --quick alone: test_bench_subcommand_passes_a_refusal_on
+    "window_attention": (["--gpu", "--quick"],),
+    "paged_write": (["--gpu", "--quick"],),
+}
+
+
+def run_benchmark(name: str, *flags: str, env: dict | None = None, timeout: float = 900):
+    """``python -m benchmarks.NAME FLAGS`` from the repository root."""
+    return subprocess.run([sys.executable, "-m", f"benchmarks.{name}", *flags], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout, env=dict(os.environ, **(env or {})))
+
+
+def reject_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def last_json_line(proc) -> dict:
+    """The last stdout line of a benchmark, parsed as strict JSON (NaN and Infinity rejected)."""
+    lines = proc.stdout.strip().splitlines()
+    assert lines, f"no output; stderr:\n{proc.stderr[-3000:]}"
+    figures = json.loads(lines[-1], parse_constant=reject_constant)
+    assert isinstance(figures, dict), lines[-1]
+    return figures
+
+
+def assert_refused(proc, *words: str) -> str:
+    """A clean refusal: non-zero exit, one line on stderr (naming ``words``), no traceback, no JSON."""
+    assert proc.returncode == harness.UNAVAILABLE, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+    assert not proc.stdout.strip().startswith("{"), proc.stdout
+    for word in words:
+        assert word in lines[0], lines[0]
+    return lines[0]
+
+
+def test_every_benchmark_is_covered_here():
+    """A new benchmark gets a test: each one is a CPU ``--quick`` run, device-only, or tpu_compile."""
+    names = {p.stem for p in (ROOT / "benchmarks").glob("*.py")} - {"__init__", "harness"}
+    assert names == set(CPU_QUICK) | {"gpu_window_attention", "tpu_compile"}, names
+    assert set(DEVICE_ONLY) <= names
+
+
+def test_json_line_is_strict_json():
+    line = harness.json_line({"b": float("nan"), "a": [float("inf"), 1.5, (2, -float("inf"))], "c": {"d": None}})
+    assert line == '{"a": [null, 1.5, [2, null]], "b": null, "c": {"d": null}}'
+    json.loads(line, parse_constant=reject_constant)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(CPU_QUICK))
+def test_quick_form_runs_and_ends_with_json(name):
+    proc = run_benchmark(name, "--quick")
+    assert proc.returncode == 0, f"exit {proc.returncode}; stderr:\n{proc.stderr[-4000:]}"
+    assert "Traceback" not in proc.stderr, proc.stderr[-4000:]
+    figures = last_json_line(proc)
+    missing = [key for key in CPU_QUICK[name] if key not in figures]
+    assert not missing, (missing, sorted(figures))
+    if name == "rollout":  # every method was timed and measured, recompute included
+        assert set(figures["ms_per_chunk"]) == {"paged", "contiguous", "recompute@4", "recompute@8"}
+        assert set(figures["peak_bytes"]) == set(figures["ms_per_chunk"])
+        assert all(v > 0 for v in figures["peak_bytes"].values())
+        assert figures["paged_contiguous_max_abs_diff"] < 1e-4
+    if name == "gpu_compile":
+        mosaic = [entry for key, entry in figures.items() if key.startswith("mosaic_attention")]
+        assert len(mosaic) == 1 and mosaic[0]["lowered_and_verified"], figures
+        assert figures["scatter_paged_write"]["scatters"] == 2
+        if figures["triton_wheel"] is None:  # said once, on stderr; every Triton kernel still lowered
+            assert proc.stderr.count("triton wheel is not installed") == 1, proc.stderr
+            assert figures["triton_paged_write"]["num_warps"] > 0
+        else:
+            assert figures["triton_paged_write"]["local_bytes"] == 0
+
+
+@pytest.mark.parametrize("name,flags", [(name, flags) for name, cases in DEVICE_ONLY.items() for flags in cases],
+                         ids=lambda value: value if isinstance(value, str) else " ".join(value) or "no-flags")
+def test_gpu_modes_refuse_cleanly_without_a_gpu(name, flags):
+    line = assert_refused(run_benchmark(name, *flags, env={"JAX_PLATFORMS": "cpu"}, timeout=300), "NVIDIA GPU")
+    assert f"benchmarks.{name}" in line
+
+
+def test_gpu_benchmark_refuses_cleanly_where_jax_cannot_start_cuda():
+    if any(importlib.util.find_spec(plugin) for plugin in ("jax_cuda12_plugin", "jax_cuda13_plugin")):
+        pytest.skip("jax here has a CUDA plugin: it may start a CUDA backend")
+    assert_refused(run_benchmark("gpu_window_attention", "--quick", env={"JAX_PLATFORMS": "cuda"}, timeout=300),
+                   "NVIDIA GPU", "could not start")
+
+
+def test_bench_subcommand_passes_a_refusal_on(monkeypatch, capsys):
+    """``arkv-jax bench gpu_window_attention --quick`` without a GPU: the benchmark's one line and its
+    exit status, through the command line."""
+    if any(d.platform == "gpu" for d in jax.devices()):
+        pytest.skip("JAX sees a GPU here: the benchmark would run")
+    monkeypatch.chdir(ROOT)
+    assert cli.main(["bench", "gpu_window_attention", "--quick"]) == harness.UNAVAILABLE
+    err = capsys.readouterr().err
+    assert "needs an NVIDIA GPU" in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.skipif(tpu_aot.libtpu_available(), reason="libtpu is installed: the quick compile runs instead")
+def test_tpu_compile_refuses_without_libtpu():
+    proc = run_benchmark("tpu_compile", "--quick", timeout=300)
+    assert_refused(proc, "libtpu is not installed", "pip install 'arkv-jax[tpu]'")
+    assert "DOES NOT COMPILE" not in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not tpu_aot.libtpu_available(), reason="libtpu is not installed (pip install -e '.[tpu]')")
+def test_tpu_compile_quick_compiles_every_kernel():
+    proc = run_benchmark("tpu_compile", "--quick", env={"JAX_PLATFORMS": "cpu"}, timeout=1800)
+    assert proc.returncode == 0, f"exit {proc.returncode}; stdout:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    figures = last_json_line(proc)
+    assert set(figures) == {"v5e", "v6e"}, figures
+    for gen, summary in figures.items():
+        assert summary["attention_compiles"], (gen, summary)
+        for key in ("attention_est_ms", "baseline_est_ms", "attention_vs_baseline", "write_pool_copies",
+                    "write_alias_fraction"):
+            assert summary[key] is not None, (gen, key, summary)
