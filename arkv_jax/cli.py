@@ -425,6 +425,8 @@ def _run_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     try:
         runpy.run_module(f"benchmarks.{args.name}", run_name="__main__")
     except SystemExit as done:
+        if isinstance(done.code, str):  # sys.exit("message"): print it, as the interpreter would
+            print(done.code, file=sys.stderr)
         return done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
     finally:
         sys.argv, sys.path[:] = saved_argv, saved_path

@@ -175,3 +175,15 @@ def test_an_environment_override_that_is_not_an_integer_is_named(capsys, monkeyp
     err = capsys.readouterr().err
     assert info.value.code == 2
     assert "AR_DIFFUSION_KV_SCRATCH_BLOCKS_PER_BRANCH='abc' is not an integer" in err
+
+
+def test_bench_prints_the_message_of_a_benchmark_that_exits_with_one(capsys, monkeypatch, tmp_path):
+    (tmp_path / "benchmarks").mkdir()
+    (tmp_path / "benchmarks" / "__init__.py").write_text("")
+    (tmp_path / "benchmarks" / "harness.py").write_text("")
+    script = '"""Exits with a message."""\nimport sys\nsys.exit("no device here")\n'
+    (tmp_path / "benchmarks" / "quits.py").write_text(script)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delitem(__import__("sys").modules, "benchmarks", raising=False)
+    assert cli.main(["bench", "quits"]) == 1
+    assert capsys.readouterr().err.strip() == "no device here"
