@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from arkv_jax.cache import PagedKVCache
+from arkv_jax.conditioning import context_kv
 from arkv_jax.config import CrossAttentionSpec, KVBranch, WindowPolicy
 from arkv_jax.generate import to_uint8
 from arkv_jax.models import umt5
@@ -43,7 +44,8 @@ from arkv_jax.models import vae as vae_lib
 from arkv_jax.models.dit import MODEL_CONFIGS, DiTConfig, init_random
 from arkv_jax.planner import rollout_plan
 from arkv_jax.presets import get_preset
-from arkv_jax.rollout import Rollout, Sampler, context_kv
+from arkv_jax.rollout import Rollout
+from arkv_jax.samplers import Sampler
 from benchmarks import harness
 from benchmarks import rollout as rollout_benchmark
 
