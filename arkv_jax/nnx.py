@@ -1,32 +1,16 @@
 """Flax NNX attention layers over the paged KV cache, and the functional core under them.
 
-The functional core is plain functions on arrays, usable from NNX, linen or bare JAX:
-
-* **Rotary positions** (:func:`rope_tables`, :func:`apply_rope`): Wan's 3-D RoPE. A token's position
-  is ``(frame, row, column)``: the *absolute* frame index (``ChunkInputs.first_frame + f``) and its
-  place in the frame's ``grid = (rows, columns)`` patch grid. ``head_dim / 2`` rotary pairs are split
-  as Wan splits them, ``head_dim // 6`` pairs each to row and column and the rest to the frame
-  (Wan-1.3B, ``head_dim`` 128: 22 frame + 21 row + 21 column pairs); each axis has its own
-  frequencies ``theta ** (-2 i / axis_dims)``. Angles are computed from the positions on the fly
-  (no table, so no 1,024-frame cap). Keys are rotated *before* they are stored: the pool holds
-  post-RoPE keys at their absolute positions, exactly what every chunk-wise AR video model
-  (Self-Forcing's ``causal_rope_apply``) keeps, so history keys are read as they are and only the
-  current chunk's queries and keys are rotated per forward. ``ChunkInputs.history_frames`` is
-  therefore not needed here (it is there for models that store pre-RoPE keys).
-* **Where the keys come from** (a :class:`History`: any object with ``attend(q, k, v, layer)``):
-  :class:`PagedHistory` reads the visible pages plus the current chunk through
-  :func:`pallas_kernels.window_attention` (read-only: denoise steps never write the pool). The
-  exactness reference's history, a frame-masked one, is :class:`arkv_jax.reference.MaskedHistory`.
-* **Dense attention** (:func:`masked_attention`) with GQA, for cross-attention over a session's
-  cached text K/V (and the reference's masked self-attention).
-
-The NNX modules wrap them: :class:`PagedSelfAttention` (projections, QK-norm, RoPE, attention over a
-history; returns the output *and* the chunk's post-RoPE K/V, which the commit forward hands to
-``ChunkStep.commit``) and :class:`CachedCrossAttention` (``kv(context)`` computes the K/V stored in
-the cache's cross-attention store once per session and branch; the call reads them).
-
-Shapes: ``B`` rows (sessions x KV branches), ``N`` tokens of the forward (frames x tokens per
-frame), ``T`` text tokens, ``Hq``/``Hkv`` query/KV heads, ``D`` head dim, ``L`` layers.
+The functional core is plain functions on arrays, usable from NNX, linen or bare JAX: Wan's 3-D
+rotary positions (:func:`token_positions`, :func:`rope_tables`, :func:`apply_rope`: absolute frame,
+patch-grid row and column; keys are rotated *before* they are stored, so history keys are read as
+they are), a :class:`History` (``attend(q, k, v, layer)``; :class:`PagedHistory` reads the visible
+pages and the current chunk through :func:`pallas_kernels.window_attention` and never writes the
+pool; the reference's is :class:`arkv_jax.reference.MaskedHistory`) and dense GQA attention
+(:func:`masked_attention`). The NNX modules wrap them: :class:`PagedSelfAttention` returns the output
+*and* the chunk's post-RoPE K/V, which the commit forward hands to ``ChunkStep.commit``;
+:class:`CachedCrossAttention` computes a session's text K/V once (``kv``) and reads them. Shapes:
+``B`` rows (sessions x KV branches), ``N`` tokens of the forward (frames x tokens per frame), ``T``
+text tokens, ``Hq``/``Hkv`` query/KV heads, ``D`` head dim, ``L`` layers. See ``docs/rollout.md``.
 """
 
 from __future__ import annotations
@@ -52,7 +36,8 @@ Array = jax.Array
 
 
 def rope_axis_pairs(head_dim: int) -> tuple[int, int, int]:
-    """Rotary pairs given to the (frame, row, column) axes: Wan's split of ``head_dim / 2`` pairs.
+    """Rotary pairs given to the (frame, row, column) axes: Wan's split of ``head_dim / 2`` pairs,
+    ``head_dim // 6`` each to row and column and the rest to the frame (``head_dim`` 128: 22, 21, 21).
 
     Raises:
       ValueError: ``head_dim`` is odd or below 6 (each axis needs a pair).
@@ -84,7 +69,11 @@ def token_positions(first_frame: Array, num_frames: int, grid: tuple[int, int]) 
 
 
 def rope_tables(positions: Array, head_dim: int, theta: float = 10000.0) -> tuple[Array, Array]:
-    """``(cos, sin)``, each float32 ``[B, N, head_dim // 2]``, for ``positions`` int ``[B, N, 3]``."""
+    """``(cos, sin)``, each float32 ``[B, N, head_dim // 2]``, for ``positions`` int ``[B, N, 3]``.
+
+    Each axis has its own frequencies ``theta ** (-2 i / axis_dims)``; the angles are computed from
+    the positions, so there is no table and no cap on the frame index.
+    """
     axis, freq = _rope_pair_table(head_dim, theta)
     angles = positions[..., axis].astype(jnp.float32) * freq
     return jnp.cos(angles), jnp.sin(angles)

@@ -4,18 +4,12 @@
 cross-attention and model-owned reservations, the soft floor that admits one session, the capacity,
 leftover budget to managed pages), generalised to frame-aligned pages: a frame takes
 :func:`~arkv_jax.config.pages_per_frame` pages (identical to vLLM-Omni when a frame is one page). The
-capacity is computed in closed form: ``required(c)`` is affine in ``c``, so the largest
-``c <= requested`` with ``required(c) <= budget`` is one division, not a search.
-
-:class:`DevicePlan` and :func:`plan_per_device` plan one device of a ``(data, model)`` mesh;
-:func:`resolve_plan` turns the cache facade's plan arguments into one device's plan;
-:func:`rollout_plan` is the smallest plan a batched rollout runs in.
-
-All arithmetic is on Python ints (bytes, pages); nothing here touches a device except
-:func:`device_free_bytes`.
-
-One module of some 600 lines, much of it docstrings: the single-device plan, its mesh view and the
-facade's plan resolution take the same inputs and are one concern, so callers import one planner.
+capacity is in closed form: ``required(c)`` is affine in ``c``, so the largest ``c <= requested``
+with ``required(c) <= budget`` is one division, not a search. :class:`DevicePlan` and
+:func:`plan_per_device` plan one device of a ``(data, model)`` mesh; :func:`resolve_plan` turns the
+cache facade's plan arguments into one device's plan; :func:`rollout_plan` is the smallest plan a
+batched rollout runs in. All arithmetic is on Python ints (bytes, pages); nothing here touches a
+device except :func:`device_free_bytes`. See ``docs/planning.md``.
 """
 
 from __future__ import annotations

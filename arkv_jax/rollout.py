@@ -26,21 +26,19 @@ from jax.sharding import PartitionSpec as P
 from arkv_jax import samplers
 from arkv_jax.cache import PagedKVCache
 from arkv_jax.cache.batch import bucket_size, cross_attention_rows, resolve_buckets
-from arkv_jax.conditioning import branch_contexts, context_kv, pad_context
+from arkv_jax.conditioning import branch_contexts, context_kv
 from arkv_jax.config import ArgumentTypeError
 from arkv_jax.models.dit import CausalDiT, tensor_parallel_specs
 from arkv_jax.nnx import PagedHistory
-from arkv_jax.samplers import SAMPLERS, Sampler, chunk_noise, combine_branches
+from arkv_jax.samplers import Sampler, combine_branches
 from arkv_jax.sharding import DATA, MODEL
 from arkv_jax.step import ChunkInputs
 
 Array = jax.Array
 
-#: Names of this module, and the sampler and conditioning names it re-exports for ``from
-#: arkv_jax.rollout import Rollout, Sampler`` (their homes: :mod:`arkv_jax.samplers`,
-#: :mod:`arkv_jax.conditioning`).
-__all__ = ["SAMPLERS", "ChunkConfig", "ChunkResult", "Rollout", "Sampler", "chunk_noise", "generate_chunk",
-           "pad_context", "recache_kv"]
+#: Names of this module, and ``Sampler`` (home: :mod:`arkv_jax.samplers`), the rollout's argument,
+#: for ``from arkv_jax.rollout import Rollout, Sampler``.
+__all__ = ["ChunkConfig", "ChunkResult", "Rollout", "Sampler", "generate_chunk", "recache_kv"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,7 +179,7 @@ class Rollout:
       model: the video model.
       cache: its cache; geometry and text cache must fit the model, chunks have
         ``geometry.frames_per_forward`` frames.
-      sampler: schedule, update, guidance (:class:`Sampler`; presets in :data:`SAMPLERS`). With
+      sampler: schedule, update, guidance (:class:`Sampler`; presets in :data:`arkv_jax.samplers.SAMPLERS`). With
         guidance the cache's first two KV branches are the (prompt, negative prompt) rows; without,
         its first branch.
       text_cache: name of the cross-attention cache holding the text K/V.
@@ -261,8 +259,9 @@ class Rollout:
 
         Conditioning: ``context`` is the text encoder's output for the prompt, ``[tokens, text_dim]``
         (e.g. :func:`arkv_jax.models.encode_prompts`'s row, umT5's ``[512, 4096]`` for Wan), zero-padded
-        here to the model's ``text_tokens`` (:func:`pad_context`); with guidance ``negative_context``
-        is the encoded negative prompt (required: Wan's negative is an encoded prompt, not zeros).
+        here to the model's ``text_tokens`` (:func:`arkv_jax.conditioning.pad_context`); with guidance
+        ``negative_context`` is the encoded negative prompt (required: Wan's negative is an encoded
+        prompt, not zeros).
         Without ``context``, ``prompt`` goes through the hash stand-in
         :func:`arkv_jax.models.dit.prompt_embedding` (prompt, then ``""`` as the negative), for the demo
         and tests that have no text encoder. See :func:`branch_contexts`.

@@ -1,9 +1,9 @@
 """The kernels on a ``("data", "model")`` mesh: each device runs the unsharded kernel on its part.
 
 Rows and pool pages are split over ``"data"``, K/V and query heads over ``"model"``
-(:mod:`arkv_jax.sharding` has the layouts). The wrappers add no math: a sharded write is
-bit-identical to the single-device write with global page ids, and attention matches it to float
-rounding. They check only mesh concerns (axes, divisibility); shapes are the kernels' to check.
+(:mod:`arkv_jax.sharding` has the specs; ``docs/sharding.md``). The wrappers add no math: a sharded
+write is bit-identical to the single-device write with global page ids, and attention matches it to
+float rounding. They check only mesh concerns (axes, divisibility); shapes are the kernels' to check.
 
 Donation: the wrappers do not donate by themselves; call them inside a step jitted with
 ``donate_argnums`` on the pools and the outputs alias the pools on every device.

@@ -1,60 +1,14 @@
 """Multi-device layout: sessions split over a ``"data"`` mesh axis, K/V heads over ``"model"``.
 
-Mesh and what each axis splits:
-
-==============  ======================================================================================
-``"data"``      session rows and pool pages. Each data shard owns an independent slice of the pools
-                (``pages_per_shard`` pages, its own null page 0), an independent block-table state
-                (its own rows, its own free ring, page ids local to its slice) and its rows of every
-                per-row input. No page, row or free list is shared between data shards, so the
-                per-chunk step needs no communication at all.
-``"model"``     K/V heads and query heads (tensor parallel attention). Block tables, lengths and the
-                state are replicated over it; every model shard reads the same pages, for its heads.
-==============  ======================================================================================
-
-Layouts (``D`` = size of the data axis, ``M`` = size of the model axis):
-
-======================  ==========================================  ===================================
-pools                   ``[L, Hkv, D * pages_per_shard, S, hd]``    ``P(None, "model", "data", None, None)``
-                        (:func:`pallas_kernels.layout.pool_shape`)  (:func:`pool_spec`)
-chunk K/V to write      ``[L, D * rows_per_shard, F * T, Hkv, hd]`` ``P(None, "data", None, "model", None)``
-                        (token-major)                               (:func:`chunk_spec`)
-``q``, ``k_cur`` ...    ``[D * rows_per_shard, len, heads, hd]``    ``P("data", None, "model", None)``
-page ids / tables       ``[D * rows_per_shard, n]``                 ``P("data", None)``
-lengths                 ``[D * rows_per_shard]``                    ``P("data")``
-sharded state leaves    ``[D, ...one shard's leaf...]``             ``P("data")`` (replicated on model)
-cross-attention caches  ``[D * rows_per_shard, tokens, heads, hd]`` ``P("data", None, "model", None)``
-======================  ==========================================  ===================================
-
-A *sharded state* is a :class:`~arkv_jax.state.BlockTableState` whose every leaf has a new leading
-axis of size ``D``: leaf ``[s]`` is shard ``s``'s ordinary state. :func:`per_shard` runs any state
-function (``begin``, ``allocate``, ``commit``, ``visible_window`` ...) on every data shard at once
-under ``shard_map``; inside, each shard sees one ordinary state. Row indices, page ids and lengths
-are therefore *local*: row ``r`` of shard ``s`` is global row ``s * rows_per_shard + r`` of the
-kernels' row axis, and page ``p`` of shard ``s`` is global page ``s * pages_per_shard + p`` of the
-pools. Outputs of :func:`per_shard` keep the leading ``D`` axis; ``x.reshape(D * B, ...)`` turns a
-``[D, B, ...]`` output into the kernels' row axis without moving data (both are split over ``"data"``).
-
-The kernels on this layout (:func:`~arkv_jax.sharded_kernels.sharded_write_chunk`,
-:func:`~arkv_jax.sharded_kernels.sharded_window_attention`, :func:`~arkv_jax.sharded_kernels.gather_rows`)
-live in :mod:`arkv_jax.sharded_kernels`. GQA survives head sharding because heads are split in
-contiguous groups: model shard ``i`` holds query heads ``[i * Hq / M, (i + 1) * Hq / M)`` and exactly
-the K/V heads they read.
-
-Meshes: :func:`make_mesh` builds a ``("data", "model")`` mesh with *Auto* axis types, so inputs that
-are not yet placed are resharded by ``jit`` as needed. With a mesh of *Explicit* axes (the default of
-``jax.make_mesh`` in newer JAX) ``shard_map`` requires every input to already carry the sharding of
-its spec: place them with :func:`place` first. A mesh may have further axes; everything here is
-replicated over them.
-
-Communication: none. A jitted chunk step built from :func:`per_shard` and the sharded kernels
-compiles without any collective (no all-gather, all-reduce, all-to-all, collective-permute or
-reduce-scatter), as long as the inputs arrive with the specs above; what the model does around
-attention (projections, the output all-reduce of tensor parallelism) is the model's business.
-
-Limits: K/V heads must be divisible by the model axis (no KV-head replication when
-``kv_heads < model``, as tpu-inference does; refused with a clear error instead); rows and pool pages
-must be divisible by the data axis.
+Each data shard owns an independent slice of the pools (``pages_per_shard`` pages, its own null page
+0), its own block-table state and free ring, and its rows of every per-row input; ``"model"`` splits
+K/V and query heads, the state replicated over it. A *sharded state* is a
+:class:`~arkv_jax.state.BlockTableState` with a leading ``[D]`` axis on every leaf, and
+:func:`per_shard` runs any state function on every data shard at once under ``shard_map`` (rows and
+page ids shard-local). The partition specs (:func:`pool_spec`, :func:`chunk_spec`, :func:`head_spec`,
+:func:`row_spec`, :func:`state_spec`, :func:`cross_attention_spec`) are the contract: a chunk step built
+from :func:`per_shard` and :mod:`arkv_jax.sharded_kernels` on inputs with these specs compiles without
+any collective. The layout table, index maps and limits: ``docs/sharding.md``.
 """
 
 from __future__ import annotations

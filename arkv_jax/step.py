@@ -1,20 +1,14 @@
 """The chunk step of one shard: what a forward needs from the cache, and the commit after it.
 
-A chunk of ``F`` frames for a batch of rows runs in two pure, jittable halves around the model's
-forward:
-
-1. :func:`prepare_chunk` reads the rows' visible window and allocates the chunk's pages in a
-   *pending* state, returning the forward's :class:`ChunkInputs`.
-2. :func:`commit_chunk` copies the clean K/V into the chunk's pages (donate the pools for an
-   in-place write) and commits the frames (advance + evict).
-
-A failed forward simply drops the pending state: the state before :func:`prepare_chunk` is still
-valid and nothing leaked. Batch rows with a negative row index are *padding*: they get empty inputs
-(no history, frame 0, nothing to write) and count as ok, so a batch of fixed shape can carry any
-subset of the rows.
-
-Everything here is one shard's: row indices and page ids are local to the state and pools passed
-in. Multi-device callers run these functions per shard (:mod:`arkv_jax.sharding`).
+A chunk of ``F`` frames for a batch of rows runs in two pure, jittable halves around the forward:
+:func:`prepare_chunk` reads the rows' visible window and allocates the chunk's pages in a *pending*
+state, returning the forward's :class:`ChunkInputs`; :func:`commit_chunk` copies the clean K/V into
+the chunk's pages (donate the pools for an in-place write) and commits the frames (advance + evict).
+A failed forward drops the pending state: the state before :func:`prepare_chunk` is still valid and
+nothing leaked. Batch rows with a negative row index are *padding* (:data:`PADDING`: no history,
+frame 0, nothing written; ok), so a batch of fixed shape carries any subset of rows. Row indices
+and page ids are local to the state and pools passed in; several devices run these per shard
+(:mod:`arkv_jax.sharding`). See ``docs/functional-core.md``.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ import sys
 import jax
 import pytest
 
-from arkv_jax import cli
+from arkv_jax.apps import cli
 from benchmarks import harness
 from pallas_kernels import tpu_aot
 

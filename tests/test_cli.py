@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from arkv_jax import cli
+from arkv_jax.apps import cli
 
 
 def run_cli(capsys, *argv):

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from matplotlib.image import imread
 
-from arkv_jax import cli, demo
+from arkv_jax.apps import cli, demo
 from arkv_jax.models import MODEL_CONFIGS
 from pallas_kernels.backend import resolve_backend
 
@@ -186,7 +186,7 @@ def test_check_exits_1_when_the_devices_disagree_beyond_the_bound(tmp_path, caps
 
 
 def run_demo_cli(*args, tmp_path):
-    return subprocess.run([sys.executable, "-m", "arkv_jax.cli", "demo", "--sessions", "2", "--out", str(tmp_path),
+    return subprocess.run([sys.executable, "-m", "arkv_jax.apps.cli", "demo", "--sessions", "2", "--out", str(tmp_path),
                            *args], capture_output=True, text=True, timeout=600)
 
 

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from arkv_jax import cli, generate
+from arkv_jax.apps import cli, generate
 from pallas_kernels.backend import resolve_backend
 
 imageio = pytest.importorskip("imageio")
@@ -29,7 +29,7 @@ def read_video(path) -> np.ndarray:
 def test_random_tiny_writes_a_playable_mp4(tmp_path):
     """As CI runs it: a subprocess, the console entry point's module."""
     out = tmp_path / "x.mp4"
-    proc = subprocess.run([sys.executable, "-m", "arkv_jax.cli", "generate", "--random-tiny", "--out", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "arkv_jax.apps.cli", "generate", "--random-tiny", "--out", str(out)],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     video = read_video(out)

@@ -12,13 +12,19 @@
   row gathers) and pads, scatters and indexes no batch rows itself; the cache's steps do;
 - the cache's modules are one job each: the transactions own their work (no ``on_write``,
   ``on_stage``, ``on_commit`` callback fields), only ``core`` holds the lock and the transaction
-  in flight, only ``callbacks`` runs ``on_release``, and only ``batch`` places batch rows.
+  in flight, only ``callbacks`` runs ``on_release``, and only ``batch`` places batch rows;
+- the applications (``arkv_jax.apps``: the command line, the demo, ``generate``) sit above the
+  library: nothing else in ``arkv_jax`` imports them, and importing the library loads no plotting,
+  video or progress-bar package (checked on the source and in a fresh interpreter);
+- the core's tests do not import ``compat``: only the compat tests do.
 """
 
 from __future__ import annotations
 
 import ast
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -70,6 +76,12 @@ RULES = {
         files("arkv_jax", "samplers") + files("arkv_jax", "conditioning"), ("arkv_jax.rollout", "arkv_jax.cache")),
 }
 
+
+APPLICATION_PACKAGES = ("arkv_jax.apps", "matplotlib", "imageio", "imageio_ffmpeg", "tqdm")
+RULES["the library imports no applications"] = (
+    [p for p in files("arkv_jax") if "apps" not in p.relative_to(ROOT).parts], APPLICATION_PACKAGES)
+RULES["only the compat tests import compat"] = (
+    [p for p in files("tests") if not p.name.startswith("test_compat")], ("arkv_jax.compat",))
 
 ROW_HELPERS = ("arkv_jax.sharded_kernels", "arkv_jax.step.PADDING", "arkv_jax.step.place_rows",
                "arkv_jax.cache.batch.BatchRows", "arkv_jax.cache.batch._place_inputs")
@@ -133,10 +145,21 @@ def test_the_transactions_live_in_their_own_modules():
         assert callable(transaction.commit) and transaction._abort is not None
 
 
+def test_importing_the_library_loads_no_application_package():
+    modules = ("arkv_jax", "arkv_jax.cache", "arkv_jax.rollout", "arkv_jax.reference", "arkv_jax.nnx",
+               "arkv_jax.sharding", "arkv_jax.compat.vllm_omni", "arkv_jax.models.dit", "arkv_jax.models.umt5",
+               "arkv_jax.models.vae", "arkv_jax.models.loader", "pallas_kernels")
+    code = (f"import importlib, sys; [importlib.import_module(m) for m in {modules!r}]; "
+            f"loaded = sorted(m for m in sys.modules if m.split('.')[0] in {APPLICATION_PACKAGES[1:]!r} "
+            "or m.startswith('arkv_jax.apps')); print(loaded)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "[]"
+
+
 def test_no_library_class_is_over_300_lines():
     long = []
-    for path in files("arkv_jax", "cache") + files("arkv_jax", "rollout") + files("arkv_jax", "samplers") + \
-            files("arkv_jax", "conditioning") + files("arkv_jax", "reference"):
+    for path in files("arkv_jax") + files("pallas_kernels"):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > 300:
                 long.append(f"{path.name}:{node.name} ({node.end_lineno - node.lineno + 1} lines)")

@@ -1,4 +1,4 @@
-"""The checkpoints' samplers (:mod:`arkv_jax.samplers`, :class:`arkv_jax.rollout.Sampler` presets):
+"""The checkpoints' samplers (:mod:`arkv_jax.samplers`, :class:`arkv_jax.samplers.Sampler` presets):
 the warped timesteps, the x0 update against a NumPy loop, the per-session noise draws, and the
 paged rollout against full recompute under the distilled samplers (with eviction, CFG and
 ``context_noise``). CPU, tiny shape."""
@@ -15,7 +15,8 @@ from arkv_jax.models import MODEL_CONFIGS, init_random, prompt_embedding
 from arkv_jax.planner import rollout_plan
 from arkv_jax.presets import get_preset
 from arkv_jax.reference import FullRecompute
-from arkv_jax.rollout import SAMPLERS, Rollout, Sampler, chunk_noise
+from arkv_jax.rollout import Rollout
+from arkv_jax.samplers import SAMPLERS, Sampler, chunk_noise
 
 PRESET = get_preset("tiny")
 CONFIG = MODEL_CONFIGS["tiny"]
@@ -119,5 +120,5 @@ def test_paged_rollout_equals_full_recompute_with_the_checkpoint_samplers(model,
 def test_prompt_embedding_context_is_the_stand_in():
     """The hash stand-in is one context among others: padding a prompt's word vectors gives it."""
     full = prompt_embedding("a red fox", CONFIG.text_tokens, CONFIG.text_dim)
-    from arkv_jax.rollout import pad_context
+    from arkv_jax.conditioning import pad_context
     np.testing.assert_array_equal(pad_context(full[:3], CONFIG.text_tokens, CONFIG.text_dim), full)

@@ -502,7 +502,8 @@ def test_plan_per_device_divides_heads_and_scales_sessions():
 
 
 def test_cli_plans_one_device_of_a_mesh(capsys):
-    from arkv_jax import cli, get_preset
+    from arkv_jax import get_preset
+    from arkv_jax.apps import cli
 
     def run(*argv):
         code = cli.main(["plan", "--preset", "wan-1.3b", "--memory", "tpu-v5e", "--fraction", "0.9", *argv])

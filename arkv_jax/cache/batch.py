@@ -6,7 +6,7 @@ len(branches) + i`` is branch ``branches[i]`` of the session at ``position``, ot
 padded up to a bucket (:func:`bucket_size`); a full batch (:func:`resolve_full_batch`: always on a
 mesh) holds every slot at position ``slot``, so its shapes never change. :class:`BatchRows` places
 per-session values at their positions and takes them back, so nothing above the cache does row
-arithmetic. Index spaces: :mod:`arkv_jax.cache.sessions`; ``docs/protocol.md``.
+arithmetic. Index spaces: ``docs/protocol.md``, "Index spaces".
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 :class:`CacheLayout` is fixed when a :class:`~arkv_jax.cache.PagedKVCache` is built (from its
 memory plan, geometry, window and mesh) and never changes; the facade's size views
 (``num_shards``, ``rows_per_shard``, ``pages_per_shard``, ``total_pages``, ``max_chunk_frames``, ...)
-read it. The index spaces it counts: :mod:`arkv_jax.cache.sessions`; ``docs/protocol.md``.
+read it. The index spaces it counts: ``docs/protocol.md``, "Index spaces".
 """
 
 from __future__ import annotations

@@ -1,36 +1,13 @@
 """The session table: which session holds which slot, in which order, and every map from slots to rows.
 
 Plain Python and NumPy (no JAX): the facade asks it where a session's rows are and hands the
-answers to the jitted steps.
-
-Index spaces (``n`` = KV branches, ``D`` = data shards, ``S`` = slots per shard):
-
-====================  ===============================  ===================================================
-index                 range                            meaning and map
-====================  ===============================  ===================================================
-session slot          ``[0, D * S)``                   a resident session's place; slot ``s`` lives on
-                                                       data shard ``s // S``
-branch index          ``[0, n)``                       a KV branch's position in :attr:`branches`
-global row            ``[0, D * S * n)``               a block-table row of the whole cache:
-                                                       ``slot * n + branch``; the row axis of the
-                                                       cross-attention tables and of :meth:`rows`
-shard-local row       ``[0, S * n)``                   the row of shard ``global // (S * n)``'s own
-                                                       block-table state: ``global % (S * n)``; what
-                                                       ``ChunkInputs.rows`` and the state steps take
-                                                       (-1: padding)
-batch row             ``[0, B)``                       a row of one chunk's inputs for sessions x
-                                                       branches ``names``: compact batch
-                                                       ``i * len(names) + j`` for the ``i``-th session;
-                                                       full batch ``slot * len(names) + j``, idle slots
-                                                       padding
-shard-local page      ``[0, pages_per_shard)``         a page id in a shard's state and in
-                                                       ``ChunkInputs.pages``; 0 is the shard's null page
-pool page             ``[0, D * pages_per_shard)``     a page of the pools' page axis:
-                                                       ``shard * pages_per_shard + local page``
-====================  ===============================  ===================================================
-
-A full batch is ``[D, B / D]`` local rows: data shard ``d`` gets batch rows
-``[d * B / D, (d + 1) * B / D)``, exactly the slots it holds, so no row crosses a device.
+answers to the jitted steps. With ``n`` KV branches, ``D`` data shards and ``S`` slots per shard,
+slot ``s`` lives on data shard ``s // S``; its branch ``b`` is global row ``s * n + b`` (the row
+axis of the cross-attention tables and of :meth:`SessionTable.rows`), which is shard-local row
+``global % (S * n)`` of shard ``global // (S * n)``, what ``ChunkInputs.rows`` and the state steps
+take (-1: padding). A full batch gives data shard ``d`` batch rows ``[d * B / D, (d + 1) * B / D)``,
+exactly the slots it holds, so no row crosses a device. Every index space (slots, rows, batch rows,
+pages) in one table: ``docs/protocol.md``, "Index spaces".
 """
 
 from __future__ import annotations

@@ -1,40 +1,17 @@
 """Wan 2.1 T2V checkpoints to :class:`arkv_jax.models.dit.CausalDiT` parameters: the key map and the
 host-side (NumPy) tensor conversion.
 
-Three key namings reach the same 825 tensors of Wan2.1-T2V-1.3B (``15 + 27 x num_layers``):
-
-* **official** (Wan's ``WanModel``, also inside Self-Forcing / CausVid / LongLive ``.pt`` files under a
-  ``model.`` prefix): ``patch_embedding``, ``text_embedding.{0,2}``, ``time_embedding.{0,2}``,
-  ``time_projection.1``, ``blocks.{i}.{self_attn,cross_attn}.{q,k,v,o,norm_q,norm_k}``,
-  ``blocks.{i}.norm3`` (the affine cross-attention norm), ``blocks.{i}.ffn.{0,2}``,
-  ``blocks.{i}.modulation``, ``head.head``, ``head.modulation``;
-* **diffusers** (``WanTransformer3DModel``): ``condition_embedder.{text_embedder,time_embedder}.linear_{1,2}``,
-  ``condition_embedder.time_proj``, ``blocks.{i}.attn{1,2}.{to_q,to_k,to_v,to_out.0,norm_q,norm_k}``,
-  ``blocks.{i}.norm2`` (diffusers' name for Wan's ``norm3``), ``blocks.{i}.ffn.net.{0.proj,2}``,
-  ``blocks.{i}.scale_shift_table``, ``proj_out``, ``scale_shift_table``;
-* **NNX** (this model): ``text_in``, ``text_out``, ``time_in``, ``time_out``, ``time_projection``,
-  ``blocks/{self_attn,cross_attn}/{q,k,v,o}/{kernel,bias}``, ``.../norm_{q,k}/scale``,
-  ``blocks/norm3/{scale,bias}``, ``blocks/ffn_{in,out}``, ``blocks/modulation``, ``head``,
-  ``head_modulation``; the blocks' leaves are stacked on a leading layer axis.
-
-Every key is first brought to the official naming (:func:`canonicalize`: wrapper prefixes such as
-``model.``, ``_fsdp_wrapped_module.`` or ``base_model.model.`` dropped, diffusers names renamed, PEFT
-``base_layer`` folded and LoRA factors set aside), then :func:`plan_conversion` checks, before any
-data is read, that every tensor is consumed and every parameter filled with the right shape, and
-:func:`convert_leaf` builds one parameter on the host in its target dtype. The tensor facts:
-
-* ``Linear.weight [out, in]`` -> ``kernel [in, out]`` (transpose); biases and norm scales as they are;
-* the patch-embedding ``Conv3d`` weight ``[dim, C, 1, p, p]`` -> ``W[:, :, 0].transpose(2, 3, 1, 0)
-  .reshape(p * p * C, dim)`` (:func:`arkv_jax.models.dit.patchify` orders a patch's features
-  row, column, channel);
-* modulation tables ``[1, 6, dim]`` / ``[1, 2, dim]`` -> ``[6, dim]`` / ``[2, dim]``;
-* a LoRA pair (``lora_A [r, in]``, ``lora_B [out, r]``) merges into its base weight as
-  ``W + (alpha / r) B A`` in float32 (:func:`merge_lora`) before conversion.
-
-Values may be NumPy arrays (memory-mapped safetensors views: nothing is read until a parameter is
-built), torch tensors (converted without a copy, bfloat16 included: :func:`arkv_jax.models.io.to_numpy`)
-or anything ``np.asarray`` takes. The key and shape check is :func:`arkv_jax.models.io.check_tensors`,
-the one every loader runs.
+Three key namings reach the same ``15 + 27 x num_layers`` tensors (:func:`official_key_map`):
+**official** (Wan's ``WanModel``, also inside Self-Forcing / CausVid / LongLive ``.pt`` files under a
+``model.`` prefix), **diffusers** (``WanTransformer3DModel``) and this model's **NNX** paths, the
+blocks' leaves stacked on a leading layer axis. :func:`canonicalize` brings every key to the official
+naming (wrappers stripped, diffusers names renamed, PEFT ``base_layer`` folded, LoRA factors set aside
+for :func:`merge_lora`); :func:`plan_conversion` checks, before any data is read, that every tensor is
+consumed and every parameter filled with the right shape (:func:`arkv_jax.models.io.check_tensors`,
+the check every loader runs); :func:`convert_leaf` builds one parameter on the host in its dtype
+(:data:`TRANSFORMS`). Values may be NumPy arrays (memory-mapped views, read only when a parameter is
+built), torch tensors (:func:`arkv_jax.models.io.to_numpy`, no copy, bfloat16 included) or anything
+``np.asarray`` takes. See ``docs/models.md``.
 """
 
 from __future__ import annotations
@@ -51,7 +28,11 @@ import numpy as np
 from arkv_jax.models.dit import CausalDiT, DiTConfig
 from arkv_jax.models.io import CheckpointKeyError, abstract, check_tensors, listing, path_names, shape_of, to_numpy
 
-#: Transforms from a checkpoint tensor to (one layer of) a parameter.
+#: Transforms from a checkpoint tensor to (one layer of) a parameter: ``linear``, a ``Linear.weight``
+#: ``[out, in]`` to a ``kernel`` ``[in, out]``; ``copy``, biases and norm scales as they are; ``patch``, the
+#: patch-embedding ``Conv3d`` weight ``[dim, C, 1, p, p]`` to ``W[:, :, 0].transpose(2, 3, 1, 0).reshape(p * p
+#: * C, dim)`` (:func:`arkv_jax.models.dit.patchify` orders a patch's features row, column, channel);
+#: ``modulation``, a table ``[1, n, dim]`` to ``[n, dim]``.
 TRANSFORMS = ("linear", "copy", "patch", "modulation")
 
 #: Head dim of every Wan 2.1 model (1.3B: 12 x 128, 14B: 40 x 128), used to count heads when a

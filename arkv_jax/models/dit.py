@@ -1,45 +1,15 @@
 """A small but real causal video DiT (Wan-2.1 layout) that generates through the paged KV cache.
 
-Latent frames ``[B, F, H, W, C]`` are cut into ``patch_size x patch_size`` patches (one token per
-patch, ``grid = (H / p, W / p)`` tokens per frame) and embedded; ``num_layers`` blocks follow, each
-
-* adaLN modulation from the frame's timestep: ``shift, scale, gate`` for self-attention and MLP
-  (Wan: a shared projection of the timestep embedding plus a learned per-block offset),
-* self-attention over the history (:class:`arkv_jax.nnx.PagedSelfAttention`, 3-D RoPE at absolute
-  positions, QK RMSNorm),
-* cross-attention over the session's cached text K/V (:class:`arkv_jax.nnx.CachedCrossAttention`),
-* a GELU MLP,
-
-then a modulated head projects back to patches. The blocks are stacked (``nnx.vmap`` at creation)
-and applied with ``jax.lax.scan`` over their split state (``nnx.split``/``nnx.merge`` per step, which
-works at any trace depth, e.g. inside a sampler's ``fori_loop``), the layer index riding along as a
-traced value, so a 30-layer model compiles one block. Timesteps are per frame (``[B, F]``, in
-``[0, 1000]``), which lets the full-recompute reference run clean history frames at ``t = 0`` beside
-a noisy chunk.
-
-Weights are random (the cache does not care what they are; :func:`init_random` draws them on the
-host, fast) or loaded from a real checkpoint (:func:`arkv_jax.models.loader.load_wan`, below);
-:data:`MODEL_CONFIGS` has the ``tiny``
-shape (CPU tests and the demo: runs in milliseconds) and Wan-2.1-T2V-1.3B's shape (30 layers, dim
-1536, 12 heads, FFN 8960, 1560 tokens per 480x832 frame: 1.4 B parameters, for accelerators).
-Text conditioning stands in for umT5: :func:`prompt_embedding` hashes each word of a prompt to a
-vector (zeros past the prompt, so the empty prompt, the CFG negative, is all zeros); the model's
-``text_embedding`` MLP and each block's cross-attention ``kv`` turn it into the per-layer text K/V
-that go into the cache's cross-attention store.
-
-Precision (:attr:`DiTConfig.precision`). Under the default ``"mixed"`` policy a bfloat16 model keeps
-what the reference implementations keep in float32: the timestep MLP and projection (Wan's
-``autocast(float32)`` region; diffusers' ``time_embedder``), the modulation tables (``modulation``,
-diffusers' ``scale_shift_table``), the layer norms with the cross-attention norm's affine parameters
-(diffusers' ``FP32LayerNorm`` ``norm1/2/3``) and the residual stream between blocks (Wan adds the
-gated branches in float32); the linear layers, attention and FFN run in ``dtype``, each casting its
-input. ``"uniform"`` puts everything in ``dtype``. Real weights come from
-:func:`arkv_jax.models.loader.load_wan` (official Wan 2.1, diffusers and Self-Forcing / CausVid /
-LongLive checkpoints; the key map is :mod:`arkv_jax.models.convert`).
-
-On a mesh, :func:`tensor_parallel_specs` lays the blocks' weights out over the ``"model"`` axis
-(Megatron style, whole heads per device, matching the cache's head sharding); ``Rollout`` places
-the parameters with it.
+:class:`CausalDiT` is the Wan 2.1 T2V transformer: latent frames ``[B, F, H, W, C]`` are patchified,
+run through ``num_layers`` blocks (adaLN-modulated self-attention over the history with 3-D RoPE at
+absolute positions, cross-attention over the session's cached text K/V, a GELU MLP) and projected
+back; timesteps are per frame (``[B, F]``), and the commit forward also returns every layer's K/V
+for ``ChunkStep.commit``. Weights are random (:func:`init_random`, drawn on the host) or a real
+checkpoint's (:func:`arkv_jax.models.loader.load_wan`; the key map is :mod:`arkv_jax.models.convert`);
+:data:`MODEL_CONFIGS` has the ``tiny`` shape and Wan-2.1-T2V-1.3B's. :func:`prompt_embedding` is a
+hash stand-in for the text encoder, :attr:`DiTConfig.precision` keeps a bfloat16 model's float32
+islands, and :func:`tensor_parallel_specs` lays the weights out over a ``"model"`` mesh axis. See
+``docs/models.md``.
 """
 
 from __future__ import annotations
@@ -151,7 +121,8 @@ class DiTConfig:
                              f"{self.text_tokens} x {self.num_kv_heads}")
 
 
-#: Model shapes by preset name (the cache shapes are in :data:`arkv_jax.presets.PRESETS`).
+#: Model shapes by preset name (the cache shapes are in :data:`arkv_jax.presets.PRESETS`): ``tiny`` for CPU
+#: tests and the demo, ``wan-1.3b`` Wan-2.1-T2V-1.3B (1560 tokens per 480x832 frame, 1.4 B parameters).
 MODEL_CONFIGS: dict[str, DiTConfig] = {
     "tiny": DiTConfig(num_layers=2, dim=64, num_heads=4, num_kv_heads=2, ffn_dim=128, in_channels=4,
                       patch_size=2, grid=(4, 6), text_dim=32, text_tokens=7, freq_dim=64),
@@ -260,7 +231,21 @@ class DiTBlock(nnx.Module):
 
 
 class CausalDiT(nnx.Module):
-    """Chunk-wise causal video DiT; see the module docstring.
+    """Chunk-wise causal video DiT (Wan 2.1 T2V) whose self-attention reads the paged KV cache.
+
+    Latent frames ``[B, F, H, W, C]`` are cut into ``patch_size x patch_size`` patches (one token per
+    patch, ``grid = (H / p, W / p)`` tokens per frame) and embedded; ``num_layers`` :class:`DiTBlock`
+    follow, each with adaLN modulation from the frame's timestep (``shift, scale, gate`` for
+    self-attention and MLP: a shared projection of the timestep embedding plus a learned per-block
+    offset), self-attention over the history (:class:`arkv_jax.nnx.PagedSelfAttention`, 3-D RoPE at
+    absolute positions, QK RMSNorm), cross-attention over the session's cached text K/V
+    (:class:`arkv_jax.nnx.CachedCrossAttention`) and a GELU MLP; a modulated head projects back to
+    patches. The blocks are stacked (``nnx.vmap`` at creation) and applied with ``jax.lax.scan`` over
+    their split state (``nnx.split``/``nnx.merge`` per step, which works at any trace depth, e.g.
+    inside a sampler's ``fori_loop``), the layer index riding along as a traced value, so a model
+    compiles one block whatever its depth. Timesteps are per frame (``[B, F]``, in ``[0, 1000]``),
+    which lets the full-recompute reference run clean history frames at ``t = 0`` beside a noisy
+    chunk.
 
     Args:
       config: the model shape.
@@ -385,7 +370,7 @@ def init_random(config: DiTConfig, seed: int = 0) -> CausalDiT:
     (:func:`arkv_jax.models.io.init_random`: seeded, identical on every machine): Linear kernels
     ``N(0, 1 / fan_in)``, biases 0, norm scales 1, modulation offsets ``N(0, 1 / dim)`` as Wan
     initialises them. The constructor's ``nnx.Rngs`` initialisers draw nearly the same (Flax's
-    LeCun normal is a truncated normal of the same variance) but cost seconds on XLA:CPU.
+    LeCun normal is a truncated normal of the same variance) but are slow on XLA:CPU.
     """
     def draw(names: tuple[str, ...], shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
         if names[-1] == "bias":

@@ -383,7 +383,7 @@ def init_random(module_type: Callable[..., M], config: Any,
     """``module_type(config)`` with random weights drawn on the host with NumPy (seeded, identical
     on every machine): each parameter is ``draw(path names, shape, rng)``, cast to its dtype.
 
-    The constructors' ``nnx.Rngs`` initialisers cost seconds on XLA:CPU (JAX's random-number code
+    The constructors' ``nnx.Rngs`` initialisers are slow on XLA:CPU (JAX's random-number code
     compiles once per parameter shape); only the structure comes from the constructor, traced
     abstractly (:func:`abstract`).
     """

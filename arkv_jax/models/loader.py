@@ -1,35 +1,17 @@
 """Real Wan 2.1 T2V weights in the causal DiT: :func:`load_wan`.
 
-Formats (:func:`read_checkpoint`):
-
-* **official Wan 2.1** (``Wan-AI/Wan2.1-T2V-1.3B``): a folder with ``config.json`` (``WanModel``) and
-  ``diffusion_pytorch_model.safetensors``, or shards listed in ``*.safetensors.index.json`` (14B);
-* **diffusers** (``Wan-AI/Wan2.1-T2V-1.3B-Diffusers``): the pipeline folder (its ``transformer/``
-  subfolder is used) or the ``transformer/`` folder itself: ``config.json``
-  (``WanTransformer3DModel``) and (sharded) safetensors;
-* **Self-Forcing, CausVid, LongLive** ``.pt`` / ``.pth`` files: a torch pickle holding the generator's
-  state dict under ``generator`` or ``generator_ema`` (or ``model``, ``state_dict``, or flat), keys
-  prefixed ``model.`` (and ``_fsdp_wrapped_module.`` etc., all dropped). Only this format needs torch,
-  imported when such a file is read (``pip install 'arkv-jax[torch]'``).
-* **LoRA** (``lora=``): LongLive's ``lora.pt`` (PEFT ``lora_A``/``lora_B`` factors of every linear
-  layer of the blocks, rank 256, under ``generator_lora`` or flat; ``base_model.model.`` prefix), or
-  any PEFT / kohya LoRA state dict in ``.pt`` or ``.safetensors``; merged as ``W + (alpha / r) B A``
-  before conversion.
-
-Files are read with :mod:`arkv_jax.models.io`, as every loader reads them. Safetensors are read
-without torch or a copy: the header is parsed and every tensor is a read-only ``np.memmap`` view
-(bfloat16 through ``ml_dtypes``, which ``safetensors.numpy`` cannot return), so a tensor is read from
-disk only when its parameter is built. Each parameter is then cast on the host to
-its dtype under the model's precision policy (:attr:`DiTConfig.precision`: bf16 matmul weights, the
-float32 islands in float32) and placed with ``jax.device_put``, on a mesh directly with its
-``NamedSharding`` from :func:`arkv_jax.models.dit.tensor_parallel_specs` (each device receives only
-its shard; no full-precision or unsharded copy is made on any device), one parameter at a time.
-
-Checks: every tensor of the checkpoint is consumed and every parameter filled with the right shape,
-before any data is read (:func:`arkv_jax.models.convert.plan_conversion`, through
-:func:`arkv_jax.models.io.check_tensors`); otherwise a ``KeyError`` (missing / left over, both listed)
-or ``ValueError`` (shapes, malformed file) names the file and the tensors. ``FileNotFoundError``
-for a path that is not there.
+Formats (:func:`read_checkpoint`): an **official Wan 2.1** folder (``config.json`` and
+``diffusion_pytorch_model.safetensors``, or shards listed in ``*.safetensors.index.json``); a
+**diffusers** pipeline folder (its ``transformer/``) or the ``transformer/`` folder itself; a
+**Self-Forcing / CausVid / LongLive** ``.pt`` / ``.pth`` torch pickle (:func:`generator_state_dict`;
+only this format needs torch, ``pip install 'arkv-jax[torch]'``); and a **LoRA** to merge
+(:func:`read_lora`: LongLive's ``lora.pt`` or any PEFT / kohya LoRA). Safetensors are read without
+torch or a copy (read-only ``np.memmap`` views, bfloat16 through ``ml_dtypes``); each parameter is
+then cast on the host under the model's precision policy and placed with ``jax.device_put``, on a
+mesh straight into its :func:`arkv_jax.models.dit.tensor_parallel_specs` sharding (no unsharded copy
+on any device), one parameter at a time (:func:`place`). Every tensor must be consumed and every
+parameter filled with the right shape before any data is read, or a ``KeyError`` / ``ValueError``
+names the file and the tensors. See ``docs/models.md``.
 """
 
 from __future__ import annotations

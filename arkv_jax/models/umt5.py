@@ -1,52 +1,14 @@
 """The umT5 text encoder Wan 2.1 conditions on, in Flax NNX, with loaders for the released weights.
 
-Wan 2.1 encodes a prompt with the encoder half of umT5-XXL (d_model 4,096, 64 heads of 64, gated-GELU
-FFN of 10,240, 24 layers, a 256,384-token vocabulary) and keeps, per prompt, only the real tokens'
-embeddings, zero-padded to ``text_len = 512`` tokens: that ``[B, 512, 4096]`` array is the
-``context`` the DiT's cross-attention reads (``Rollout.join(..., context=...)``).
-
-umT5 is T5 (v1.1) with one difference that matters here: **every layer has its own relative
-position bias** (T5 computes it in the first layer and shares it). A layer is
-
-* ``x + o(attention(q(n), k(n), v(n)) + bias)`` with ``n = rms_norm(x)``, the bias looked up from the
-  layer's ``[num_buckets, heads]`` table by the bucket of ``key - query`` (bidirectional: half the
-  buckets per sign, exact up to ``num_buckets / 4``, then logarithmic up to ``max_distance``),
-  **unscaled** logits (no ``1 / sqrt(head_dim)``: T5 folds it into the initialisation), padded keys
-  masked;
-* ``x + wo(gelu_tanh(wi_0(n)) * wi_1(n))`` with ``n = rms_norm(x)``;
-
-and a final RMSNorm. The norms are T5's: ``w * x / sqrt(mean(x^2) + eps)``, no mean subtraction,
-no bias; no linear layer has a bias. Norms and the softmax run in float32 whatever the parameter
-dtype (as ``transformers`` and Wan do).
-
-The blocks are stacked (``nnx.vmap`` at creation) and applied with ``jax.lax.scan``, as
-:class:`arkv_jax.models.dit.CausalDiT` does, so 24 layers compile one block.
-
-Checkpoints (:func:`load_umt5`):
-
-* the ``transformers`` layout (``UMT5EncoderModel`` or the whole ``UMT5ForConditionalGeneration``,
-  e.g. ``google/umt5-xxl`` or a Wan diffusers repository's ``text_encoder/``): a directory with
-  ``config.json`` and ``model.safetensors`` / sharded ``model-*.safetensors`` /
-  ``pytorch_model*.bin``, or one such file; decoder and LM-head weights are ignored;
-* the official Wan layout, ``models_t5_umt5-xxl-enc-bf16.pth`` (a torch state dict of Wan's own
-  ``T5Encoder``, ``wan/modules/t5.py``): ``token_embedding``, ``blocks.{i}.{norm1, attn.{q,k,v,o},
-  norm2, ffn.gate.0, ffn.fc1, ffn.fc2, pos_embedding.embedding}``, ``norm``; its names are mapped
-  onto the ``transformers`` ones by :func:`convert_wan_t5_state_dict` (``ffn.gate.0`` is the GELU
-  branch ``wi_0``, ``ffn.fc1`` the linear branch ``wi_1``, ``ffn.fc2`` is ``wo``).
-
-The shape is read from the weights (vocabulary, width, layers, heads, FFN); ``config.json`` adds
-the norm epsilon and ``relative_attention_max_distance`` where there is one (defaults: umT5's
-``1e-6`` and ``128``). Files are read and checked with :mod:`arkv_jax.models.io`, as the DiT's
-are: reading ``.bin``/``.pth`` files needs ``torch``, safetensors files are memory-mapped directly
-(no package needed); a whole encoder-decoder checkpoint's decoder and LM head are not read, and every
-other tensor must be one of the encoder's (a missing, left-over or misshapen one is named). A directory
-holding Wan's file is read from it first (the official Wan 2.1 repository keeps it beside the
-DiT's and the VAE's weights). Tokenisation (:func:`encode_prompts`) goes through
-``transformers.AutoTokenizer`` from a local directory (the ``google/umt5-xxl`` tokenizer Wan ships),
-with Wan's prompt cleaning (``ftfy`` if installed, HTML unescaping, whitespace collapsing).
-
-One module for the encoder: the layers, the encoder stack, tokenisation and the two checkpoint
-formats' key maps describe one model.
+Wan 2.1 encodes a prompt with the encoder half of umT5-XXL (:data:`UMT5_CONFIGS`) and keeps, per
+prompt, only the real tokens' embeddings, zero-padded to ``text_len = 512`` tokens: that
+``[B, 512, 4096]`` array is the ``context`` the DiT's cross-attention reads
+(``Rollout.join(..., context=...)``). :class:`UMT5Encoder` is the stack (T5 v1.1 with a relative
+position bias in every layer); :func:`load_umt5` reads the ``transformers`` layout or Wan's
+``models_t5_umt5-xxl-enc-bf16.pth`` (renamed by :func:`convert_wan_t5_state_dict`), checked with
+:mod:`arkv_jax.models.io` as every loader is; :func:`encode_prompts` tokenises as Wan does
+(:func:`tokenize`, :func:`clean_prompt`, the ``transformers`` tokenizer Wan ships) and encodes. See
+``docs/models.md``.
 """
 
 from __future__ import annotations
@@ -214,7 +176,18 @@ class UMT5Block(nnx.Module):
 
 
 class UMT5Encoder(nnx.Module):
-    """The umT5 encoder stack; see the module docstring.
+    """The umT5 encoder stack: a token embedding, ``num_layers`` :class:`UMT5Block` and a final
+    :class:`RMSNorm`.
+
+    umT5 is T5 (v1.1) with one difference that matters here: **every layer has its own relative
+    position bias** (T5 computes it in the first layer and shares it). A layer is
+    ``x + o(attention(q(n), k(n), v(n)) + bias)`` then ``x + wo(gelu_tanh(wi_0(n)) * wi_1(n))``, each
+    with ``n = rms_norm(x)``; the bias is looked up from the layer's ``[num_buckets, heads]`` table by
+    the bucket of ``key - query`` (:func:`relative_position_buckets`), the logits are **unscaled** (no
+    ``1 / sqrt(head_dim)``: T5 folds it into the initialisation) and padded keys are masked. No
+    linear layer has a bias; norms and the softmax run in float32 whatever the parameter dtype (as
+    ``transformers`` and Wan do). The blocks are stacked (``nnx.vmap`` at creation) and applied with
+    ``jax.lax.scan``, as :class:`arkv_jax.models.dit.CausalDiT` does, so the stack compiles one block.
 
     Args:
       config: the encoder shape.
@@ -351,7 +324,9 @@ _NOT_ENCODER = ("decoder.", "lm_head.")
 def convert_wan_t5_state_dict(state: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The official Wan encoder checkpoint (``models_t5_umt5-xxl-enc-bf16.pth``, Wan's
     ``T5Encoder`` names) renamed to ``transformers``' ``UMT5EncoderModel`` names; keys Wan's encoder
-    does not have keep their names (so :func:`from_state_dict` reports them as left over)."""
+    does not have keep their names (so :func:`from_state_dict` reports them as left over). Wan's
+    ``ffn.gate.0`` is the GELU branch ``wi_0``, ``ffn.fc1`` the linear branch ``wi_1``, ``ffn.fc2``
+    is ``wo``."""
     out = {}
     for key, value in state.items():
         m = re.fullmatch(r"blocks\.(\d+)\.(.+)", key)
@@ -463,6 +438,12 @@ def load_umt5(path: str | os.PathLike, *, dtype: str | None = None, text_len: in
         ``models_t5_umt5-xxl-enc-bf16.pth``); the layout is told from the key names.
       dtype: parameter dtype name (default: the checkpoint's, float32 or bfloat16).
       text_len: ``config.text_len`` (tokens of the DiT's context).
+
+    The shape is read from the weights; ``config.json``, where there is one, adds the norm epsilon
+    and ``relative_attention_max_distance`` (defaults: umT5's ``1e-6`` and ``128``). A directory
+    holding Wan's ``.pth`` is read from it first (the official Wan 2.1 repository keeps it beside the
+    DiT's and the VAE's weights). ``.bin``/``.pth`` files need ``torch``; safetensors are
+    memory-mapped, no package needed.
 
     Raises:
       FileNotFoundError, ValueError: see :func:`arkv_jax.models.io.read_state_dict`; a file that

@@ -1,52 +1,15 @@
 """The Wan 2.1 VAE decoder in Flax NNX, decoding a latent stream chunk by chunk as chunks commit.
 
-Wan 2.1's VAE compresses video 8x in space and 4x in time with *causal* 3-D convolutions: a pixel
-frame depends on its own and earlier latent frames only, so a stream can be decoded as it is
-generated. The reference (``WanVAE_.decode`` in Wan's ``wan/modules/vae.py``, diffusers'
-``AutoencoderKLWan._decode``) decodes one latent frame at a time and keeps, per causal convolution,
-the last two frames of that convolution's input (its *feature cache*); the first latent frame
-decodes to 1 pixel frame, every later one to 4 (each temporal upsampling doubles the frames except
-for the stream's very first frame, which it passes through). This module does the same with the
-cache as an explicit value:
-
-* :func:`decoder_init_cache` gives a :class:`DecoderCache` (one ``[2, H_l, W_l, C_l]`` array per
-  causal convolution, zeros: the reference's zero padding before the first frame) and
-  :func:`decode_chunk` maps ``(decoder, cache, latents [F, h, w, z_dim]) -> (frames, cache)`` with
-  ``frames`` ``[F', 8h, 8w, 3]`` in ``[-1, 1]``: ``F' = 1 + 4 (F - 1)`` for the stream's first
-  chunk, ``4 F`` after it. Shapes are static; whether the stream has started is the one static
-  field of the cache (pytree metadata), so a stream compiles its first chunk and its later chunks
-  once each. A chunk is decoded one latent frame at a time (``lax.scan``, as the reference does,
-  bounding activation memory to one frame's) or all its frames at once (``per_frame=False``); both
-  equal the whole-video decode to float rounding, since every operation is either per frame or a
-  causal convolution whose history the cache carries.
-* Latents come as the DiT produces them, **normalised** per channel; decoding first maps them back
-  with Wan's ``latents_mean`` / ``latents_std`` (``z = latents * std + mean``, what the Wan and
-  diffusers pipelines do before calling the VAE).
-* Channels-last throughout: latents ``[frames, h, w, 16]`` (what the rollout produces), pixels
-  ``[frames, 8h, 8w, 3]``. A leading batch axis (``[B, F, h, w, z]``, cache made with
-  ``batch_size=B``) is decoded with ``jax.vmap``.
-
-The decoder (Wan 2.1, ``base_dim`` 96, ``dim_mult`` (1, 2, 4, 4), 2 residual blocks): a 1x1x1
-``post_quant_conv``, ``conv_in`` to 384 channels, a middle block (residual, single-head spatial
-attention per frame, residual), four up blocks of three residual blocks each (the first three end
-in an upsampler: nearest 2x in space then a 3x3 convolution halving the channels, the first two
-also doubling the frames with a ``(3, 1, 1)`` causal ``time_conv`` to twice the channels), then
-RMS norm, SiLU and ``conv_out`` to RGB, clamped to ``[-1, 1]``. Norms are Wan's
-``F.normalize(x) * sqrt(C) * gamma`` over channels.
-
-Checkpoints (:func:`load_wan_vae`): the diffusers layout (``AutoencoderKLWan``: ``config.json`` and
-``diffusion_pytorch_model.safetensors``, e.g. a Wan2.1 diffusers repository's ``vae/``) and the
-official ``Wan2.1_VAE.pth`` (Wan's ``WanVAE_`` names: ``decoder.conv1``, ``decoder.middle.{0,1,2}``,
-``decoder.upsamples.{k}`` a flat list of residual blocks and resamplers, ``residual.{0,2,3,6}`` for
-``norm1, conv1, norm2, conv2``, ``shortcut``, ``resample.1``, ``head.{0,2}``, ``conv2`` for the
-post-quant convolution; :func:`official_vae_names` is the map, checked in the tests against
-diffusers' own ``convert_wan_vae_to_diffusers``). Only the decoder is read; the encoder's weights
-are ignored, and every other tensor must be one of the decoder's. Files are read and checked with
-:mod:`arkv_jax.models.io`, as the DiT's are (a missing, left-over or misshapen tensor is named, with
-the file).
-
-One module for the decoder: the causal convolutions, the stream cache, the blocks and the two
-checkpoint formats' key maps describe one model.
+Wan 2.1's VAE decodes with *causal* 3-D convolutions, so a stream can be decoded as it is generated:
+:func:`decoder_init_cache` gives a :class:`DecoderCache` (per causal convolution, the last two frames
+of its input; zeros before the stream starts) and :func:`decode_chunk` maps
+``(decoder, cache, latents [F, h, w, z_dim]) -> (frames, cache)`` with ``frames`` ``[F', 8h, 8w, 3]``
+in ``[-1, 1]`` (``F' = 1 + 4 (F - 1)`` for the stream's first chunk, ``4 F`` after it), equal to the
+whole-video decode to float rounding. Latents come **normalised**, as the DiT produces them, and are
+mapped back with Wan's ``latents_mean`` / ``latents_std`` first; a leading batch axis is decoded
+with ``jax.vmap``. :func:`load_wan_vae` reads the diffusers layout or the official ``Wan2.1_VAE.pth``
+(:func:`official_vae_names` is the key map), the decoder only, checked with :mod:`arkv_jax.models.io`.
+See ``docs/models.md``.
 """
 
 from __future__ import annotations
@@ -353,7 +316,22 @@ class UpBlock(nnx.Module):
 
 
 class WanVAEDecoder(nnx.Module):
-    """The Wan 2.1 VAE decoder (with the post-quant convolution); see the module docstring.
+    """The Wan 2.1 VAE decoder (with the post-quant convolution), decoding a stream chunk by chunk.
+
+    Wan 2.1's VAE compresses video 8x in space and 4x in time with *causal* 3-D convolutions: a pixel
+    frame depends on its own and earlier latent frames only. The reference (``WanVAE_.decode`` in
+    Wan's ``wan/modules/vae.py``, diffusers' ``AutoencoderKLWan._decode``) decodes one latent frame at
+    a time and keeps, per causal convolution, the last two frames of that convolution's input (its
+    *feature cache*); here that cache is an explicit value (:class:`DecoderCache`). The first latent
+    frame decodes to 1 pixel frame, every later one to 4 (each temporal upsampling doubles the
+    frames except the stream's very first, which it passes through).
+
+    Layers (Wan 2.1: ``base_dim`` 96, ``dim_mult`` (1, 2, 4, 4), 2 residual blocks): a 1x1x1
+    ``post_quant_conv``, ``conv_in`` to 384 channels, a middle block (residual, single-head spatial
+    attention per frame, residual), four :class:`UpBlock` of three residual blocks each (the first
+    three end in an :class:`Upsampler`, the first two of them also doubling the frames), then
+    :class:`ChannelRMSNorm`, SiLU and ``conv_out`` to RGB, clamped to ``[-1, 1]``. Channels-last
+    throughout: latents ``[frames, h, w, 16]``, pixels ``[frames, 8h, 8w, 3]``.
 
     Args:
       config: the decoder shape.

@@ -1,45 +1,15 @@
-"""``arkv-jax demo``: several video sessions share one paged KV cache, on the CPU in seconds.
+"""``arkv-jax demo``: several video sessions share one paged KV cache, on the CPU.
 
 A random-weight causal video DiT (:mod:`arkv_jax.models.dit`, the ``tiny`` shape by default)
 generates ``chunks`` chunks for each of ``sessions`` sessions through one
-:class:`arkv_jax.cache.PagedKVCache`. Session ``i`` joins at step ``i`` and leaves after its last
-chunk, so sessions run at different frame indices in one batch and freed pages are reused.
-
-Output, on stdout: a header (model, sampler, window, and the pool counted in *usable* pages, i.e.
-without the null page of each data shard, as everywhere else in the output), one table row per step
-(latency, latent frames per second, pages in use out of the usable pages), a summary, and as the
-very last line ``checksum: <float>``: the float64 sum of every generated latent, printed to 7
-significant digits. While it runs, a tqdm progress bar goes to stderr when stdout and stderr are
-both terminals (never into a log or a pipe).
-
-Figures (matplotlib, Agg backend), written to ``out`` (created if needed):
-
-* ``pages.png``: the physical page ids each session holds after every step (x = step, y = page id,
-  colour = session, white = free, grey = a data shard's null page);
-* ``memory.png``: memory over time: the pages each session holds against the frames it has
-  generated (flat at the sink + window bound once the window is full), and the pool's pages in use
-  after every step against its usable pages;
-* ``latency.png``: each step's latency; the steps that built programs (the first use of each batch
-  bucket: a new batch size compiles the chunk program) are marked, and the steady-state median
-  (:meth:`Timeline.steady_steps`, the same rule as the printed summary) is drawn across.
-
-Devices. With a ``mesh`` the cache and the model are sharded over it; each device then runs a
-smaller batch than one device does, and XLA:CPU rounds some sums differently for different batch
-shapes, so the latents equal the one-device run's to float rounding, not bit for bit, and the
-checksum's last printed digits can differ. The stated bound is :data:`DEVICE_TOLERANCE` per latent
-(float32 models: 1e-5).
-
-``check``: also runs the full-recompute reference (:class:`arkv_jax.reference.FullRecompute`) and
-prints ``max_abs_diff`` (paged vs reference). With a mesh it also runs the same sessions on one
-device and prints ``one-device checksum: <float>`` and ``devices_max_abs_diff`` (the largest
-difference of any latent, against :data:`DEVICE_TOLERANCE`).
-
-Refused before anything runs (``ValueError``): bad counts or preset, an ``out`` folder that cannot be
-created or written, and a compiled kernel backend (``pallas_gpu``, ``pallas_tpu``) on devices of
-another platform.
-
-The command is one module (about 500 lines: what a run records, its figures, the checks, the report)
-because none of these pieces serves anything but this command and its notebook.
+:class:`arkv_jax.cache.PagedKVCache`; session ``i`` joins at step ``i`` and leaves after its last
+chunk, so one batch holds sessions at different frame indices and freed pages are reused. Stdout
+gets a header, one row per step (latency, latent frames per second, pages in use out of the usable
+pages, i.e. without each data shard's null page), a summary and, as the very last line,
+``checksum: <float>`` (the float64 sum of every latent, 7 significant digits); :func:`write_figures`
+writes ``pages.png``, ``memory.png`` and ``latency.png`` into ``out``. ``check`` adds the
+full-recompute reference's ``max_abs_diff`` and, with a ``mesh``, the one-device run's checksum and
+``devices_max_abs_diff``, judged against :data:`DEVICE_TOLERANCE`. See ``docs/demo.md``.
 """
 
 from __future__ import annotations
@@ -472,7 +442,7 @@ def run_demo(*, sessions: int = 4, chunks: int = 12, preset: str = "tiny", backe
              out: str | pathlib.Path = "arkv_demo_out", check: bool = False, seed: int = 0,
              mesh: Mesh | None = None, stdout: TextIO | None = None, stderr: TextIO | None = None,
              progress: bool | None = None) -> DemoResult:
-    """Runs the demo (see the module docstring) and prints its report to ``stdout`` (default
+    """Runs the demo (the module docstring, ``docs/demo.md``) and prints its report to ``stdout`` (default
     ``sys.stdout``); returns what it measured. With a ``mesh`` (e.g. :func:`demo_mesh`) the cache and
     the rollout are sharded over it: the sessions are spread over its ``"data"`` axis, heads over
     ``"model"``. ``progress``: whether to show the progress bar on ``stderr`` (default

@@ -1,8 +1,7 @@
 """The ``arkv-jax`` command line: ``plan`` (memory planning), ``demo`` (sessions sharing a cache),
-``generate`` (prompts to mp4) and ``bench`` (a checkout's benchmarks).
-
-One module for the whole command line: each subcommand's parser and runner sit together, and the
-flag helpers they share are defined once.
+``generate`` (prompts to mp4) and ``bench`` (a checkout's benchmarks). Each subcommand has a parser
+and a runner; a bad flag or a refused run exits with code 2, the reason on stderr. See ``docs/planning.md``,
+``docs/demo.md`` and ``docs/models.md``.
 """
 
 from __future__ import annotations
@@ -261,7 +260,7 @@ def _add_demo_parser(sub) -> None:
 
 
 def _run_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from arkv_jax import demo
+    from arkv_jax.apps import demo
 
     if args.seed < 0:
         parser.error(f"--seed must be non-negative, got {args.seed}")
@@ -283,7 +282,7 @@ def _run_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 def _prompt_at(text: str) -> tuple[int, str]:
-    from arkv_jax.generate import parse_prompt_at
+    from arkv_jax.apps.generate import parse_prompt_at
 
     try:
         return parse_prompt_at(text)
@@ -344,7 +343,7 @@ def _add_generate_parser(sub) -> None:
 
 
 def _run_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from arkv_jax import generate
+    from arkv_jax.apps import generate
 
     if args.seed < 0:
         parser.error(f"--seed must be non-negative, got {args.seed}")

@@ -1,42 +1,15 @@
 """``arkv-jax generate``: prompts to mp4 files, chunk by chunk, through one paged KV cache.
 
-The whole path of a streaming video model, in JAX:
-
-1. **Text.** With a checkpoint, every prompt (sessions' prompts and their ``--prompt-at`` switches,
-   and the empty prompt as the CFG negative) is tokenised by ``transformers``' tokenizer from the
-   checkpoint's local ``google/umt5-xxl`` folder and encoded by the JAX umT5 encoder
-   (:mod:`arkv_jax.models.umt5`) once, up front: ``[512, 4096]`` contexts, zero-padded, which go to
-   ``Rollout.join(..., context=...)``. With ``random_tiny`` the DiT's hash stand-in
-   (:func:`arkv_jax.models.dit.prompt_embedding`) plays the encoder.
-2. **Latents.** ``sessions`` sessions join one :class:`arkv_jax.rollout.Rollout` over one
-   :class:`arkv_jax.cache.PagedKVCache` sized by :func:`arkv_jax.planner.rollout_plan` (the plan is
-   printed first) and generate ``frames`` latent frames, one chunk per step, all sessions in one
-   batched forward.
-3. **Pixels.** As each chunk commits, each session's latents are decoded by the streaming Wan VAE
-   decoder (:func:`arkv_jax.models.vae.decode_chunk`, one :class:`~arkv_jax.models.vae.DecoderCache`
-   per session carried between chunks), mapped from ``[-1, 1]`` to uint8 and appended to that
-   session's mp4 (imageio with imageio-ffmpeg's pip-installed ffmpeg; nothing is fetched at run
-   time). ``F`` latent frames give ``1 + 4 (F - 1)`` video frames.
-
-Prompt switches (``prompt_at``: chunk -> prompt, for every session) are LongLive's, with KV recache:
-:meth:`arkv_jax.rollout.Rollout.switch_prompt` recomputes the frames the next chunk attends to under
-the new prompt from the session's latent ring and swaps them in with the new text K/V (``switch_sink``:
-the sink's K/V kept, LongLive's default, or recomputed). The plan then holds the rings and the fresh
-pages of one recache (:func:`arkv_jax.planner.rollout_plan`'s ``latent_frame_bytes``).
-
-Checks before anything is loaded or run (:class:`GenerateError`, a ``ValueError``): counts, the
-frames against the chunk size, switch chunks, the checkpoint folder's files
-(:func:`find_checkpoint`: each missing file named with what was expected there), the output paths
-(created and written to, then removed) and the ffmpeg binary. A checkpoint whose files are there but
-do not load (malformed, wrong model) raises :class:`GenerateError` naming the file.
-
-Output, on stdout: a header, the memory plan, one row per chunk (DiT denoise + commit, VAE decode and
-text time, video frames per second), a summary with the VAE's share of the time, and the written
-files. A tqdm bar with each chunk's latency and frames per second goes to stderr when both streams
-are terminals.
-
-One module for the ``generate`` job: the checkpoint layout checks, the pipeline, the per-chunk
-loop, video writing and the report are one command's parts.
+The whole path of a streaming video model, in JAX: the prompts (and the empty CFG negative) are
+encoded once, up front, by the umT5 encoder (:mod:`arkv_jax.models.umt5`; with ``random_tiny`` the
+DiT's hash stand-in); ``sessions`` sessions join one :class:`arkv_jax.rollout.Rollout` over one
+:class:`arkv_jax.cache.PagedKVCache` sized by :func:`arkv_jax.planner.rollout_plan` and generate
+``frames`` latent frames, one batched chunk per step; as each chunk commits, every session's latents
+are decoded by the streaming Wan VAE (:func:`arkv_jax.models.vae.decode_chunk`) and appended to its
+mp4. ``prompt_at`` switches prompts with LongLive's KV recache
+(:meth:`arkv_jax.rollout.Rollout.switch_prompt`). Bad requests and missing checkpoint files are
+refused before anything loads, and a file that does not load is named, both as
+:class:`GenerateError`. See ``docs/models.md``, "Prompts to mp4".
 """
 
 from __future__ import annotations
@@ -198,7 +171,7 @@ class Pipeline:
 
 
 def tiny_pipeline(seed: int = 0) -> Pipeline:
-    """Random weights, all on the CPU in seconds: the DiT ``tiny`` shape with Wan's 16 latent
+    """Random weights, small enough for the CPU: the DiT ``tiny`` shape with Wan's 16 latent
     channels (so the VAE ``tiny`` config, 16 channels, decodes it), the ``tiny`` cache preset, hash
     stand-in text."""
     config = dataclasses.replace(MODEL_CONFIGS["tiny"], in_channels=vae_lib.VAE_CONFIGS["tiny"].z_dim)
@@ -582,7 +555,7 @@ def run_generate(*, prompts: Sequence[str], checkpoint: str | pathlib.Path | Non
                  guidance: float | None = None, fps: int = DEFAULT_FPS, backend: str = "auto",
                  allow_pickle: bool = False, switch_sink: str = "keep", stdout: TextIO | None = None,
                  stderr: TextIO | None = None, progress: bool | None = None) -> GenerateResult:
-    """Runs the command (see the module docstring): :func:`validate_request`, :func:`build_run`,
+    """Runs the command (the module docstring, ``docs/models.md``): :func:`validate_request`, :func:`build_run`,
     the chunk loop, the report. Session ``i`` gets ``prompts[i % len(prompts)]`` and noise seed
     ``seed + i``; ``prompt_at`` switches every session's prompt before the given chunks (1 and
     later), with KV recache (``switch_sink``: ``"keep"`` or ``"recompute"`` the sink).
