@@ -2,10 +2,11 @@
 
 These are host-side values (hashable, usable as static jit arguments). Every check names the bad field
 and the allowed range in these types' own terms; vLLM-Omni's names and messages live in
-:mod:`arkv_jax.compat.vllm_omni`, which checks its inputs before building these.
+:mod:`arkv_jax.compat.vllm_omni_config`, which checks its inputs before building these.
 
 The small shared rules live here once: :func:`ceil_div`, :func:`pages_per_frame`,
-:data:`SUPPORTED_DTYPES`, the argument checks (``require_*``) and the window rule on
+:data:`SUPPORTED_DTYPES`, the argument checks (``require_*``, re-exported from
+:mod:`pallas_kernels.checks`, the one rule the kernels share) and the window rule on
 :class:`WindowPolicy` (what a session keeps and sees: skipped and kept frames, the visible history,
 the most history a chunk sees, the latent ring, the largest chunk), in arithmetic that runs on ints
 and on tracers. Units: sizes in tokens, frames or pages as the field name says; bytes are ``int``.
@@ -18,6 +19,17 @@ import sys
 from typing import Iterable, Mapping, Sequence
 
 import numpy as np
+
+from pallas_kernels.checks import (  # The one rule for int, real and bool arguments, re-exported.
+    ArgumentTypeError,
+    is_int,  # noqa: F401 (re-exported)
+    is_real,  # noqa: F401 (re-exported)
+    require_bool,
+    require_int,
+    require_non_negative,
+    require_positive,
+    require_real,  # noqa: F401 (re-exported)
+)
 
 #: Storage dtypes the pools and kernels support.
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
@@ -59,66 +71,6 @@ def pages_per_frame(tokens_per_frame: int, block_size: int) -> int:
     return ceil_div(tokens_per_frame, block_size)
 
 
-class ArgumentTypeError(TypeError, ValueError):
-    """A public argument of the wrong type. A :class:`TypeError`; also a :class:`ValueError`, so
-    callers written when wrong types were reported as bad values keep working."""
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
-
-
-def _is_real(value) -> bool:
-    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
-
-
-def require_int(name: str, value, *, minimum: int | None = None, maximum: int | None = None) -> int:
-    """``value`` as an ``int`` in ``[minimum, maximum]`` (either bound may be open).
-
-    Raises:
-      ArgumentTypeError: not an integer (a ``bool`` is not one). ValueError: out of range. Both
-        messages name ``name``, the value and the allowed range.
-    """
-    lo = "-inf" if minimum is None else minimum
-    hi = "inf" if maximum is None else maximum
-    if not _is_int(value):
-        raise ArgumentTypeError(f"{name} must be an int in [{lo}, {hi}], got {value!r} "
-                                f"({type(value).__name__})")
-    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
-        raise ValueError(f"{name} must be an int in [{lo}, {hi}], got {int(value)}")
-    return int(value)
-
-
-def require_real(name: str, value, *, low: float | None = None, high: float | None = None,
-                 low_open: bool = False) -> float:
-    """``value`` as a finite ``float`` in ``[low, high]`` (``(low, high]`` with ``low_open``).
-
-    Raises:
-      ArgumentTypeError: not a real number (a ``bool`` or a string is not one). ValueError: NaN,
-        infinite or out of range.
-    """
-    rng = f"{'(' if low_open else '['}{'-inf' if low is None else low}, {'inf' if high is None else high}]"
-    if not _is_real(value):
-        raise ArgumentTypeError(f"{name} must be a finite real number in {rng}, got {value!r} "
-                                f"({type(value).__name__})")
-    x = float(value)
-    if not np.isfinite(x) or (low is not None and (x <= low if low_open else x < low)) or (
-            high is not None and x > high):
-        raise ValueError(f"{name} must be a finite real number in {rng}, got {value!r}")
-    return x
-
-
-def require_bool(name: str, value) -> bool:
-    """``value`` as a ``bool``; only ``True``/``False`` (or NumPy bools) are accepted.
-
-    Raises:
-      ArgumentTypeError: anything else (``"False"`` or ``0`` are refused, not coerced).
-    """
-    if not isinstance(value, (bool, np.bool_)):
-        raise ArgumentTypeError(f"{name} must be a bool (True or False), got {value!r} ({type(value).__name__})")
-    return bool(value)
-
-
 def require_str_sequence(name: str, value, *, allow_empty: bool = False) -> tuple[str, ...]:
     """``value`` as a tuple of strings: a list or tuple (or other non-string iterable) of ``str``.
 
@@ -137,40 +89,6 @@ def require_str_sequence(name: str, value, *, allow_empty: bool = False) -> tupl
     if len(set(items)) != len(items):
         raise ValueError(f"{name} must be distinct, got {list(items)}")
     return items
-
-
-def require_positive(name: str, value) -> None:
-    """Checks that ``value`` is a positive int (a ``bool`` is not one).
-
-    Raises:
-      ArgumentTypeError: not an int. ValueError: not positive.
-    """
-    _require_positive(name, value)
-
-
-def require_non_negative(name: str, value) -> None:
-    """Checks that ``value`` is a non-negative int (a ``bool`` is not one).
-
-    Raises:
-      ArgumentTypeError: not an int. ValueError: negative.
-    """
-    _require_non_negative(name, value)
-
-
-def _require_positive(name: str, value: int) -> None:
-    if not _is_int(value):
-        raise ArgumentTypeError(f"{name} must be positive, got {value!r} ({type(value).__name__}, "
-                                "expected an int)")
-    if value <= 0:
-        raise ValueError(f"{name} must be positive, got {value!r}")
-
-
-def _require_non_negative(name: str, value: int) -> None:
-    if not _is_int(value):
-        raise ArgumentTypeError(f"{name} must be non-negative, got {value!r} ({type(value).__name__}, "
-                                "expected an int)")
-    if value < 0:
-        raise ValueError(f"{name} must be non-negative, got {value!r}")
 
 
 class _PythonInts:
@@ -224,11 +142,11 @@ class CacheGeometry:
 
     def __post_init__(self):
         for name in ("num_layers", "num_kv_heads", "head_dim", "tokens_per_frame"):
-            _require_positive(name, getattr(self, name))
+            object.__setattr__(self, name, require_positive(name, getattr(self, name)))
         if self.block_size is None:
-            object.__setattr__(self, "block_size", int(self.tokens_per_frame))
-        _require_positive("block_size", self.block_size)
-        _require_positive("frames_per_forward", self.frames_per_forward)
+            object.__setattr__(self, "block_size", self.tokens_per_frame)
+        object.__setattr__(self, "block_size", require_positive("block_size", self.block_size))
+        object.__setattr__(self, "frames_per_forward", require_positive("frames_per_forward", self.frames_per_forward))
         object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
 
     @property
@@ -280,8 +198,8 @@ class WindowPolicy:
     reset_at_boundary: bool = False
 
     def __post_init__(self):
-        _require_positive("window_frames", self.window_frames)
-        _require_non_negative("sink_frames", self.sink_frames)
+        object.__setattr__(self, "window_frames", require_positive("window_frames", self.window_frames))
+        object.__setattr__(self, "sink_frames", require_non_negative("sink_frames", self.sink_frames))
         object.__setattr__(self, "reset_at_boundary", require_bool("reset_at_boundary", self.reset_at_boundary))
 
     @property
@@ -398,7 +316,7 @@ class KVBranch:
             raise ArgumentTypeError(f"KV branch name must be a non-empty string, got {self.name!r}")
         if not self.name:
             raise ValueError(f"KV branch name must be a non-empty string, got {self.name!r}")
-        _require_non_negative("KV branch local_index", self.local_index)
+        object.__setattr__(self, "local_index", require_non_negative("KV branch local_index", self.local_index))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -420,9 +338,10 @@ class CrossAttentionSpec:
             raise ArgumentTypeError(f"cross-attention name must be a non-empty string, got {self.name!r}")
         if not self.name:
             raise ValueError(f"cross-attention name must be a non-empty string, got {self.name!r}")
-        _require_positive("cross-attention num_tokens", self.num_tokens)
+        object.__setattr__(self, "num_tokens", require_positive("cross-attention num_tokens", self.num_tokens))
         if self.num_kv_heads is not None:
-            _require_positive("cross-attention num_kv_heads", self.num_kv_heads)
+            object.__setattr__(self, "num_kv_heads",
+                               require_positive("cross-attention num_kv_heads", self.num_kv_heads))
 
 
 def validate_branches(branches: Iterable[KVBranch]) -> tuple[KVBranch, ...]:
@@ -485,8 +404,7 @@ def check_axis_sizes(data: int, model: int) -> None:
       ValueError: a size that is not a positive int.
     """
     for name, value in (("data", data), ("model", model)):
-        if not _is_int(value) or value < 1:
-            raise ValueError(f"mesh axis {name!r} must be a positive int, got {value!r}")
+        require_int(f"mesh axis {name!r}", value, minimum=1, must="a positive int")
 
 
 def check_divisible(what: str, value: int, axis: str, size: int) -> None:

@@ -31,6 +31,7 @@ from arkv_jax.config import (
     ceil_div,
     check_axis_sizes,
     check_divisible,
+    is_real,
     num_local_branches,
     require_bool,
     require_non_negative,
@@ -309,7 +310,7 @@ def _check_plan_inputs(session_capacity: int, kv_branches: Sequence[KVBranch],
     kv_branches = validate_branches(kv_branches)
     cross_attention = validate_cross_attention(cross_attention)
     require_non_negative("available_bytes", available_bytes)
-    if isinstance(memory_fraction, (str, bytes, bool)) or not isinstance(memory_fraction, (int, float)):
+    if not is_real(memory_fraction):
         raise ArgumentTypeError(f"memory_fraction must be a real number in (0, 1], got {memory_fraction!r} "
                                 f"({type(memory_fraction).__name__})")
     if not 0.0 < memory_fraction <= 1.0:  # NaN fails this too

@@ -27,7 +27,7 @@ from arkv_jax import samplers
 from arkv_jax.cache import PagedKVCache
 from arkv_jax.cache.batch import bucket_size, cross_attention_rows, resolve_buckets
 from arkv_jax.conditioning import branch_contexts, context_kv
-from arkv_jax.config import ArgumentTypeError
+from arkv_jax.config import ArgumentTypeError, require_int
 from arkv_jax.models.dit import CausalDiT, tensor_parallel_specs
 from arkv_jax.nnx import PagedHistory
 from arkv_jax.samplers import Sampler, combine_branches
@@ -273,8 +273,7 @@ class Rollout:
         """
         if session_id in self._sessions or session_id in self.cache.sessions:
             raise ValueError(f"session {session_id!r} is already open")
-        if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool) or seed < 0:
-            raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+        seed = require_int("seed", seed, minimum=0, must="a non-negative int")
         if prompt is not None and not isinstance(prompt, str):
             raise ArgumentTypeError(f"prompt must be a string or None, got {type(prompt).__name__}")
         if len(self._sessions) >= self.max_sessions:

@@ -1,39 +1,16 @@
 """The block-table state: an immutable pytree and pure, jittable steps on it.
 
-One *row* (a state row, a row of the block table) is one (session, logical KV branch):
-vLLM-Omni's request adapter. A :class:`BlockTableState` holds every row's page table and the pool's
-free list; the functions here
-(:func:`begin`, :func:`allocate`, :func:`commit`, :func:`end`, and the read-only
-:func:`slot_mapping`, :func:`write_pages`, :func:`resident_pages`, :func:`visible_window`) take a
-batch of row indices, run as one jitted computation for all of them, and return a new state. Nothing
-here syncs with the host or depends on a value for its shape, so a window filling up, sessions
-joining or leaving, and a video growing to any length never recompile.
-
-Layout of a row (vLLM-Omni's block table after S3 compaction): ``tables[row, :num_pages]`` holds
-the sink pages, then the live history pages in time order, then pages allocated for frames in
-flight; evicted pages are removed (compacted) instead of left as null entries, so the width stays
-``sink + window + in flight`` forever while positions stay absolute. ``evicted_pages`` remembers how
-many pages were removed from just after the sink, which is all that is needed to rebuild vLLM-Omni's
-table with its null placeholders.
-
-Pages are frame-aligned: frame ``f`` owns absolute pages ``[f * ppf, (f + 1) * ppf)`` with
-``ppf`` = :func:`~arkv_jax.config.pages_per_frame`; token ``t`` of the row (counting a prefill
-prefix) sits in frame ``t // tokens_per_frame`` at offset ``t % tokens_per_frame``. With
-``tokens_per_frame == block_size`` this is exactly vLLM-Omni's token-to-block layout.
-
-Free pages live in a FIFO ring (``free_ids``, ``free_head``, ``free_count``) holding page ids
-``1 .. num_blocks - 1``; page 0 is the null page and is never handed out. Allocation pops from the
-head; frees append at the tail: evicted pages highest table index first, a finished row's table in
-reverse, rows of one call in the order given. This is vLLM's ``BlockPool`` order, so physical page
-ids match vLLM-Omni's for any sequence of operations.
-
-Failures are values: every mutating step returns ``ok`` per row; a row that fails is left exactly as
-it was and does not affect the others.
-
-The state is a pytree registered with :func:`jax.tree_util.register_dataclass` (its
-:class:`StateLayout` is static metadata), so it passes through ``jit``, ``shard_map`` and donation
-as it is; this module needs nothing but JAX. The window rule (what a row keeps and sees) is
-:class:`~arkv_jax.config.WindowPolicy`'s (:attr:`StateLayout.window`); ``docs/functional-core.md``.
+A :class:`BlockTableState` holds the compacted page table of every state row (one session x KV
+branch) and the pool's FIFO free ring. The steps (:func:`begin`, :func:`allocate`, :func:`commit`,
+:func:`end`, :func:`swap_pages`, :func:`evict`; read-only :func:`slot_mapping`, :func:`write_pages`,
+:func:`resident_pages`, :func:`visible_window`, :func:`fresh_pages`) take a batch of row indices
+(negative = padding), run as one jitted computation and return a new state and ``ok``: a row that
+fails is left exactly as it was (:func:`swap_pages` is all or nothing). Nothing syncs with the host
+or takes its shape from a value, so a window filling, sessions coming and going and a video of any
+length never recompile; page ids and the free order are vLLM's ``BlockPool``'s. The state is a
+registered dataclass pytree (:class:`StateLayout` static) that passes through ``jit``, ``shard_map``
+and donation; this module needs nothing but JAX and applies :class:`~arkv_jax.config.WindowPolicy`'s
+window rule (:attr:`StateLayout.window`). A row's layout and the free ring: ``docs/functional-core.md``.
 """
 
 from __future__ import annotations
@@ -634,44 +611,32 @@ def resize(state: BlockTableState, *, num_rows: int | None = None,
     )
 
 
-# ----------------------------------------------------------------------------------------------
-# vLLM-Omni's permissive commit (used by arkv_jax.compat.vllm_omni).
+def evict(state: BlockTableState, rows: Array, evicted_frames: Array) -> tuple[BlockTableState, Array]:
+    """Evicts frames just after the sink until ``evicted_frames[b]`` frames of row ``b`` are evicted.
 
-
-def advance(state: BlockTableState, rows: Array, num_frames: Array) -> tuple[BlockTableState, Array]:
-    """Commits ``num_frames`` frames per row whether or not their pages were allocated, as
-    vLLM-Omni's ``ARDiffusionKVCache.commit_chunk`` does (:func:`commit` refuses that).
-
-    After each chunk, the frames after the sink that left the window are evicted (highest table
-    index first, chunk after chunk, as in :func:`commit`), but only frames whose pages are all
-    allocated: vLLM clips the skipped range to the length of the request's table, so frames that
-    were never allocated are simply skipped over. A later :func:`allocate` then allocates every
-    page the computed tokens need (out-of-window ones included, in free-ring order), and the next
-    commit evicts those that are out of the window. With every committed frame allocated this is
-    exactly :func:`commit`.
+    The eviction :func:`commit` applies, without its window rule, for a caller that applies its own
+    (:mod:`arkv_jax.compat.vllm_omni` applies vLLM-Omni's token-granular one): row ``b``'s frames
+    after the sink ``[already evicted, evicted_frames[b])`` are freed, highest table index first,
+    rows in batch order, to the free ring's tail, and its table is compacted (``num_pages`` drops,
+    ``evicted_pages`` grows by as many pages). The target is clipped to the frames after the sink
+    whose pages are all in the table, as vLLM clips its skipped range to the table; a row asked
+    for no more frames than it has already evicted is untouched (eviction is monotone). Committed
+    frames and prefill tokens are left as they are. Jittable: nothing depends on a value for its
+    shape.
 
     Args:
       rows: ``[B]`` int32 row indices (negative = padding).
-      num_frames: ``[B]`` or scalar, >= 0.
+      evicted_frames: ``[B]`` or scalar int32: frames after the sink evicted once the call returns.
 
     Returns:
-      ``(state, ok)``: ``ok[b]`` is False (and the row untouched) for padding, an inactive row or a
-      negative count.
+      ``(state, ok)``: ``ok[b]`` is False (and the row untouched) for padding or an inactive row.
     """
     layout = state.layout
     ppf = layout.pages_per_frame
-    rows, valid, num_frames = _batch(state, rows, num_frames)
-    ok = valid & state.active[rows] & (num_frames >= 0)
-    frames = computed_frames(state, rows)
+    rows, valid, evicted_frames = _batch(state, rows, evicted_frames)
+    ok = valid & state.active[rows]
     before = state.evicted_pages[rows] // ppf
-    # Whole frames after the sink whose pages are in the table (evicted ones included).
     allocated = (state.num_pages[rows] + state.evicted_pages[rows]) // ppf - layout.sink_frames
-
-    def evicted_after(chunks):
-        return jnp.maximum(before, jnp.minimum(layout.window.skipped_frames(frames + chunks), allocated))
-
-    state, _ = _evict(state, rows, ok & (num_frames > 0), evicted_after(1), evicted_after(num_frames))
-    return state.replace(
-        committed_frames=_scatter_rows(state.committed_frames, rows, ok,
-                                       state.committed_frames[rows] + num_frames),
-    ), ok
+    target = jnp.maximum(before, jnp.minimum(evicted_frames, allocated))
+    state, _ = _evict(state, rows, ok, target, target)
+    return state, ok

@@ -1,14 +1,13 @@
-"""Pallas kernels for arkv-jax: paged chunk writes and paged window attention.
+"""Pallas kernels for arkv-jax: paged chunk writes and paged window attention (``docs/kernels.md``).
 
 One package per kernel (:mod:`pallas_kernels.paged_write`, :mod:`pallas_kernels.window_attention`),
-each with its public function, explicit ``static_validate_inputs`` / ``dynamic_validate_inputs``
-and a value check (page ids, lengths) that runs by default on concrete values (``validate=``, one
-rule for both kernels, :mod:`pallas_kernels.common`), one module per backend (``xla``, ``tpu``,
-``gpu`` (Triton); for attention also ``cudnn_gather`` and ``mosaic_gpu``, for the write
-``xla_gpu``) and a pure-jnp ``reference``; the backend is chosen with one ``backend=`` argument
-(the registry of :mod:`pallas_kernels.backend`: one name per platform path and the platform it
-needs, and each kernel's ``IMPLEMENTATIONS`` table over the same names). Rules they share live in
-:mod:`pallas_kernels.common`. Kernels know pages and lengths, never sessions or meshes.
+each with its public function, explicit ``static_validate_inputs`` / ``dynamic_validate_inputs``,
+a value check of page ids and lengths (``validate=``, one rule for both, :mod:`pallas_kernels.common`),
+one module per backend and a pure-jnp ``reference``. The backend is chosen with one ``backend=``
+argument, a name of the registry (:mod:`pallas_kernels.backend`). The pool layout lives in
+:mod:`pallas_kernels.layout`, the argument-type rule in :mod:`pallas_kernels.checks`, the other
+shared rules in :mod:`pallas_kernels.common`. Kernels know pages and lengths, never sessions or
+meshes.
 """
 
 from pallas_kernels.backend import BACKEND_NAMES, BACKENDS, Backend, resolve_backend

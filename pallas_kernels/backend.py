@@ -1,79 +1,12 @@
-"""The backend registry of the arkv-jax kernels: each backend name, what it runs, where it runs.
+"""The backend registry of the kernels: each ``backend=`` name, the platform it needs, how it runs.
 
-Each kernel (paged chunk write, paged window attention) has a plain-XLA path, Pallas TPU kernels
-(Mosaic) and GPU paths. Callers pick one with a ``backend=`` string, the same string for both
-kernels: a backend name names a *platform path*, one choice for a whole run (``--backend`` of
-``arkv-jax demo``/``generate``, ``PagedKVCache(backend=...)``), and each kernel runs its own
-implementation of that path. :data:`BACKENDS` maps every name to a :class:`Backend`, which records
-what the name needs (the JAX platform, :attr:`Backend.platform`) for the path as a whole: the
-stricter of the two kernels' needs. Each kernel keeps one table, name to implementation, for
-exactly these names (``pallas_kernels.window_attention.IMPLEMENTATIONS``,
-``pallas_kernels.paged_write.IMPLEMENTATIONS``). The meaning of every name for each kernel:
-
-=================================  ==================================  =============================  ==========
-name                               window attention                    paged write                    platform
-=================================  ==================================  =============================  ==========
-``"auto"``                         see the table below                 ``"pallas_tpu"`` on TPU,       the one it
-                                                                       ``"cudnn_gather"`` (the        resolves
-                                                                       scatter) on GPU, ``"xla"``     for
-                                                                       elsewhere
-``"xla"``                          plain jnp/lax gather + dense        a loop of page updates (the    any
-                                   attention (the CPU default)         CPU default)
-``"pallas_tpu"``                   the Mosaic TPU kernel, compiled     the TPU DMA kernel, compiled   ``"tpu"``
-``"pallas_tpu_interpret"``         the TPU kernel lowered to XLA by    the TPU kernel, interpreted    any
-                                   Pallas' generic interpreter
-``"pallas_tpu_simulate"``          the TPU kernel under the TPU        the TPU kernel, simulated      any
-                                   simulator: DMAs and semaphores
-                                   emulated, races detected,
-                                   out-of-bounds reads raise (slow;
-                                   small shapes only)
-``"pallas_tpu_gather"``            the visible pages gathered by XLA,  the TPU DMA kernel, compiled   ``"tpu"``
-                                   then jax's splash attention,
-                                   compiled (the TPU kernel's
-                                   yardstick)
-``"pallas_tpu_gather_interpret"``  the same, splash interpreted        the TPU kernel, interpreted    any
-``"pallas_gpu"``                   the Triton kernel, compiled         the Triton page copy,          ``"gpu"``
-                                                                       compiled
-``"pallas_gpu_interpret"``         the Triton kernel under Pallas'     the Triton page copy under     any
-                                   interpreter                         Pallas' interpreter
-``"cudnn_gather"``                 gather the visible history, then    one XLA scatter of whole       ``"gpu"``
-                                   cuDNN attention (bf16/f16,          pages per pool
-                                   ``head_dim % 8 == 0``,
-                                   ``head_dim <= 256``)
-``"cudnn_gather_xla"``             the same gather and key layout      the same scatter               any
-                                   through jax's XLA attention (CPU
-                                   tests of that path)
-``"pallas_mgpu"``                  the Mosaic GPU kernel, compiled     the same scatter               ``"gpu"``
-                                   (Hopper and later; bf16/f16,                                       (Hopper)
-                                   ``head_dim`` a multiple of 64 up
-                                   to 256, pages a multiple of the
-                                   key tile)
-=================================  ==================================  =============================  ==========
-
-The platform is the path's: the scatter write of ``"cudnn_gather"`` and ``"pallas_mgpu"`` would
-run anywhere, but their attention needs an NVIDIA GPU, so the name does. A compiled path's
-any-platform variant, where it has one, is its :attr:`Backend.stand_in` (``"cudnn_gather_xla"``
-for ``"cudnn_gather"``, the ``*_interpret`` names for the Pallas kernels; ``"pallas_mgpu"`` has
-none).
-The kernels do not check the platform (a compiled backend on another platform fails where jax
-lowers it); :meth:`Backend.runs_on` is the question to ask before a run, and ``arkv-jax demo`` and
-``generate`` ask it (``arkv_jax.apps.platforms.check_backend``) before they build anything.
-
-``"auto"`` for window attention on an NVIDIA GPU depends on the call's dtype and head dim (the
-attention dispatcher passes them to :func:`resolve_backend`):
-
-=====================================================  =====================
-dtype and ``head_dim``                                 ``"auto"`` resolves to
-=====================================================  =====================
-bf16 or f16, ``head_dim % 8 == 0`` and ``<= 256``      ``"cudnn_gather"``
-otherwise, ``head_dim`` a power of two ``>= 16``       ``"pallas_gpu"``
-otherwise                                              ``"xla"``
-=====================================================  =====================
-
-On TPU ``"auto"`` is ``"pallas_tpu"``, elsewhere ``"xla"``.
-
-Kernels take the resolved :class:`Backend`; the Pallas ones pass ``backend.interpret`` straight to
-``pl.pallas_call(..., interpret=...)``.
+A backend name names a *platform path*, one choice for a whole run (``--backend`` of ``arkv-jax
+demo``/``generate``, ``PagedKVCache(backend=...)``), the same string for both kernels; each kernel
+runs its own implementation of that path from its ``IMPLEMENTATIONS`` table, which has exactly the
+names of :data:`BACKENDS`. A :class:`Backend` records what the path as a whole needs (the stricter
+of the two kernels' needs). The kernels do not check the platform: :meth:`Backend.runs_on` is the
+question to ask before a run (``arkv_jax.apps.platforms.check_backend`` asks it). What every name
+runs for each kernel, and what ``"auto"`` resolves to, is tabled in ``docs/kernels.md`` (Backends).
 """
 
 from __future__ import annotations
@@ -193,8 +126,8 @@ def cudnn_supports(dtype, head_dim: int) -> bool:
 
 
 def _auto_gpu_attention(dtype, head_dim: int) -> str:
-    """The window-attention backend ``"auto"`` picks on an NVIDIA GPU (the module docstring's
-    table)."""
+    """The window-attention backend ``"auto"`` picks on an NVIDIA GPU (the ``"auto"`` table of
+    ``docs/kernels.md``)."""
     if cudnn_supports(dtype, head_dim):
         return "cudnn_gather"
     if head_dim >= 16 and not head_dim & (head_dim - 1):
@@ -211,7 +144,7 @@ def resolve_backend(name: str = "auto", platform: str | None = None, *, dtype=No
       platform: the JAX platform to resolve ``"auto"`` for (``"cpu"``, ``"gpu"``, ``"tpu"``);
         defaults to ``jax.default_backend()``.
       dtype, head_dim: the window-attention call's dtype and head dim; with both given, ``"auto"``
-        on a GPU follows the attention table of the module docstring. Without them it is
+        on a GPU follows the ``"auto"`` table of ``docs/kernels.md``. Without them it is
         ``"cudnn_gather"`` (the paged write runs its scatter under that name).
 
     Raises:

@@ -1,27 +1,13 @@
-"""Rules every kernel shares: integer rounding, frame-aligned pages, supported dtypes, input-check
-helpers, the value-check rule, the masked-logit value, the online-softmax step of the Pallas
+"""Rules every kernel shares: integer rounding, frame-aligned pages, supported dtypes, the static
+input checks, the value-check rule, the masked-logit value, the online-softmax step of the Pallas
 attention kernels and the base-2 softmax constant of the GPU kernels.
 
-A frame of ``tokens_per_frame`` tokens takes ``pages_per_frame(tokens_per_frame, block_size)``
-consecutive pages of ``block_size`` slots; its last page ends in padding slots.
-
-Value checks (page ids, lengths, a layer given as an array) follow one rule in both kernels, set by
-their ``validate=`` argument (:data:`VALIDATE_MODES`, :func:`value_check_mode`):
-
-* ``validate=True`` (the default): an array whose values are on the host (:func:`is_concrete`: an
-  eager call's arrays, NumPy arrays, constants closed over by a jitted function) is checked there
-  before anything runs, so a refused call raises ``ValueError`` and changes nothing. A traced array
-  (under ``jit``, ``vmap``, ``shard_map``, ``scan``) is not checked and the compiled program gets
-  nothing added.
-* ``validate=False``: no value is checked (the switch for eager hot loops, where the host check
-  costs a device-to-host copy and a sync per call).
-* ``validate="checkify"``: as ``True``, and traced arrays are checked inside the program with
-  ``jax.experimental.checkify.check``; run the caller under ``checkify.checkify``
-  (``err, out = checkify.checkify(jax.jit(step))(...)``, then ``err.throw()``), which refuses to
-  stage such checks otherwise.
-
-Static arguments (a Python-int ``layer``, ``tokens_per_frame``, ``scale``, tiles, shapes, dtypes)
-are checked on every call whatever ``validate`` says.
+A frame of ``tokens_per_frame`` tokens takes :func:`pages_per_frame` consecutive pages of
+``block_size`` slots; its last page ends in padding slots. The value-check rule (page ids, lengths,
+a layer given as an array, set by both kernels' ``validate=``: :data:`VALIDATE_MODES`,
+:func:`value_check_mode`, :func:`check_entries`) is described in ``docs/kernels.md`` (Validation);
+static arguments are checked on every call whatever ``validate`` says, by the rule of
+:mod:`pallas_kernels.checks`.
 """
 
 from __future__ import annotations
@@ -33,6 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental import checkify
+
+from pallas_kernels.checks import is_bool, is_int
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 """Pool and activation dtypes every kernel and backend accepts."""
@@ -58,8 +46,7 @@ def round_up(a: int, b: int) -> int:
 
 def is_power_of_two(value) -> bool:
     """Whether ``value`` is an int (not a bool) that is a positive power of two."""
-    return (isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value > 0
-            and not value & (value - 1))
+    return is_int(value) and value > 0 and not value & (value - 1)
 
 
 def pages_per_frame(tokens_per_frame: int, block_size: int) -> int:
@@ -94,7 +81,7 @@ def as_index_array(name: str, x):
     """
     if hasattr(x, "shape") and hasattr(x, "dtype"):
         return x
-    if not isinstance(x, (list, tuple, int, np.integer)) or isinstance(x, bool):
+    if not (isinstance(x, (list, tuple)) or is_int(x)):
         raise TypeError(f"{name} must be an integer array (int32) or a list of ints, got "
                         f"{type(x).__name__}")
     try:
@@ -119,17 +106,22 @@ def check_supported_dtype(what: str, dtype) -> None:
 
 
 # ------------------------------------------------------------------------------------------------
-# Value checks (see the module docstring): the rule both kernels follow
+# Value checks (:data:`VALIDATE_MODES`): the rule both kernels follow
 # ------------------------------------------------------------------------------------------------
 
 VALIDATE_MODES = (True, False, "checkify")
-"""The values of the kernels' ``validate=`` argument (the module docstring says what each does)."""
+"""The values of the kernels' ``validate=`` argument. ``True`` (the default): an array whose values
+are on the host (:func:`is_concrete`) is checked there before anything runs, so a refused call
+raises ``ValueError`` and changes nothing; a traced array is not checked and the compiled program
+gets nothing added. ``False``: nothing is checked (eager hot loops, where the host check costs a
+device-to-host copy and a sync per call). ``"checkify"``: as ``True``, and traced arrays are checked
+with ``checkify.check`` (run the caller under ``checkify.checkify``, which refuses to stage such
+checks otherwise)."""
 
 
 def check_validate(validate) -> None:
     """Raises ``ValueError`` unless ``validate`` is one of :data:`VALIDATE_MODES`."""
-    if not (isinstance(validate, (bool, np.bool_))
-            or (isinstance(validate, str) and validate == "checkify")):
+    if not (is_bool(validate) or (isinstance(validate, str) and validate == "checkify")):
         raise ValueError(f"validate must be True, False or 'checkify', got {validate!r}")
 
 
@@ -148,7 +140,7 @@ def value_check_mode(validate, x) -> str | None:
     """How the values of array ``x`` are checked under ``validate``: ``"host"`` (concrete ``x``,
     ``validate`` not ``False``), ``"checkify"`` (traced ``x``, ``validate="checkify"``) or ``None``
     (not checked)."""
-    if isinstance(validate, (bool, np.bool_)) and not validate:
+    if is_bool(validate) and not validate:
         return None
     if is_concrete(x):
         return "host"

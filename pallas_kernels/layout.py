@@ -1,40 +1,13 @@
 """The K/V pool layout: head-major pages, the one place every module takes it from.
 
-A pool holds, for every layer, KV head and page, one ``[block_size, head_dim]`` tile column:
-
-=================  ============================================================================
-pool               ``[num_layers, kv_heads, num_pages, block_size, head_dim]`` (:func:`pool_shape`)
-page ``p`` of      ``pool[layer, head, p]``: ``[block_size, head_dim]``, contiguous in HBM
-(layer, head)
-null page          ``p = 0`` in every (layer, head): never written, zero-filled
-=================  ============================================================================
-
-Every module (both kernels' XLA, Pallas TPU and Pallas GPU paths, their references, the sharding
-specs, the cache, the Flax layers, compat, tests and benchmarks) builds, reads and indexes pools only
-through this module: :func:`pool_shape`, the axis constants, :func:`read_tokens` /
-:func:`write_tokens` (token-major access to slots), :func:`page_mask` / :func:`slot_mask`
-(broadcasting masks over pages or slots) and the conversions :func:`to_token_major` /
-:func:`from_token_major`. A change of layout touches this module only.
-
-Why this layout (measured with libtpu's compile-only v5e/v6e devices, see
-``tests/kernels/test_tpu_compile.py`` and ``benchmarks/tpu_compile.py``):
-
-* The two minor dimensions are ``(block_size, head_dim)``: XLA:TPU tiles them exactly as Mosaic does
-  (``(8|16, 128)`` tiles on the slot and lane axes), whatever the head count, so no pool is relaid
-  out around a kernel. A row-major ``[L, P, S, H, D]`` pool puts the head axis second-minor; 12 or 40
-  heads are not a multiple of the 16-row bf16 tile, XLA chooses a head-major physical layout for
-  it, and every Mosaic call (which demands row-major) copies both whole pools.
-* One DMA of ``pool.at[layer, head, p]`` brings a page of one KV head into VMEM as a dense
-  ``[block_size, head_dim]`` matrix that the MXU consumes directly: no per-head sublane shuffles.
-* XLA:TPU keeps this layout only while ``block_size`` is a multiple of 8: for a slot axis of, say,
-  220 it moves the page axis second-minor (it minimises tile padding) and the kernels copy the pools
-  again. :func:`tpu_block_size` rounds a frame up to such a page (220 -> 224 slots, 4 of them frame
-  padding, which ``tokens_per_frame`` already expresses); the TPU kernels reject other sizes.
-* Pages stay frame-aligned (a frame takes ``ceil(tokens_per_frame / block_size)`` page ids); the
-  block-table state is unchanged: page ids do not depend on the layout.
-
-Token-major tensors (``[..., tokens, kv_heads, head_dim]``: queries, the current chunk, extras,
-the chunk to commit) keep their shapes at every API; kernels transpose them (O(chunk) bytes).
+A pool is ``[num_layers, kv_heads, num_pages, block_size, head_dim]`` (:func:`pool_shape`); page
+``p`` of a (layer, KV head) is ``pool[layer, head, p]``, a dense ``[block_size, head_dim]`` tile
+(:func:`page_index`), and page 0 is the null page, never written and zero-filled. Modules build,
+read and index pools only through this module (:func:`pool_shape`, the axis constants,
+:func:`read_tokens` / :func:`write_tokens`, :func:`page_mask` / :func:`slot_mask`,
+:func:`to_token_major` / :func:`from_token_major`), so a change of layout touches it alone. On TPU
+``block_size`` must be a multiple of :data:`SLOT_MULTIPLE` (:func:`tpu_block_size`). Why this layout:
+``docs/kernels.md`` (Pool layout).
 """
 
 from __future__ import annotations
@@ -43,6 +16,8 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+
+from pallas_kernels.checks import require_int
 
 LAYER_AXIS = 0
 """Axis of the layer in a pool."""
@@ -91,15 +66,15 @@ def pool_shape(num_layers: int, num_pages: int, block_size: int, kv_heads: int,
     ``check=False`` skips the range checks (validators that report sizes their own way).
 
     Raises:
+      ArgumentTypeError: a size that is not an int (:mod:`pallas_kernels.checks`).
       ValueError: any size below 1, or ``num_pages < 2`` (the null page and one more).
     """
     if not check:
         return (num_layers, kv_heads, num_pages, block_size, head_dim)
     sizes = dict(num_layers=num_layers, num_pages=num_pages, block_size=block_size,
                  kv_heads=kv_heads, head_dim=head_dim)
-    for name, value in sizes.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    sizes = {name: require_int(name, value, minimum=1, must="an int >= 1") for name, value in sizes.items()}
+    num_layers, num_pages, block_size, kv_heads, head_dim = sizes.values()
     if num_pages < 2:
         raise ValueError(f"num_pages={num_pages} is too small; allowed >= 2 (the null page 0 and "
                          "at least one more)")
@@ -111,11 +86,9 @@ def tpu_block_size(tokens_per_frame: int) -> int:
     to a multiple of :data:`SLOT_MULTIPLE` (the extra slots are frame padding).
 
     Raises:
-      ValueError: ``tokens_per_frame`` below 1.
+      ArgumentTypeError: not an int. ValueError: ``tokens_per_frame`` below 1.
     """
-    if isinstance(tokens_per_frame, bool) or not isinstance(tokens_per_frame, int) or \
-            tokens_per_frame < 1:
-        raise ValueError(f"tokens_per_frame must be an int >= 1, got {tokens_per_frame!r}")
+    tokens_per_frame = require_int("tokens_per_frame", tokens_per_frame, minimum=1, must="an int >= 1")
     return -(-tokens_per_frame // SLOT_MULTIPLE) * SLOT_MULTIPLE
 
 

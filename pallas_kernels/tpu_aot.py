@@ -7,7 +7,8 @@ final VLIW schedule); nothing executes. The helpers read what the compiler decid
 the optimized HLO, temporaries and aliased bytes, and (with :func:`bundle_dump_args`) the final
 bundles of each Mosaic kernel.
 
-The host backend must stay the default: set ``JAX_PLATFORMS=cpu`` before importing jax.
+The host backend must stay the default: set ``JAX_PLATFORMS=cpu`` before importing jax. See
+``docs/kernels.md`` (Compiling for TPU without one).
 """
 
 from __future__ import annotations

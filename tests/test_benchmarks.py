@@ -116,6 +116,7 @@ def test_quick_form_runs_and_ends_with_json(name):
             assert figures["triton_paged_write"]["local_bytes"] == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,flags", [(name, flags) for name, cases in DEVICE_ONLY.items() for flags in cases],
                          ids=lambda value: value if isinstance(value, str) else " ".join(value) or "no-flags")
 def test_gpu_modes_refuse_cleanly_without_a_gpu(name, flags):

@@ -78,6 +78,7 @@ def expected_visible(frames, current):
     return frames[:sink] + frames[len(frames) - recent:]
 
 
+@pytest.mark.slow
 def test_chunks_write_pages_and_windows_show_exactly_the_right_history():
     cache = make_cache()
     recorder = Recorder()
@@ -121,6 +122,7 @@ def test_a_failed_forward_commits_nothing_and_leaks_nothing():
         step.commit(*chunk_kv(step, 1))
 
 
+@pytest.mark.slow
 def test_fail_closed_releases_the_sessions_of_the_failed_chunk():
     released = []
     cache = make_cache(fail_closed=True, on_release=lambda sid, why: released.append((sid, why)))
@@ -196,6 +198,7 @@ def test_num_frames_beyond_what_the_pool_always_holds_is_refused_at_the_first_ca
     assert cache.num_free_pages() + len(cache.pages_held(["a"])["a"]) == cache.total_pages
 
 
+@pytest.mark.slow
 def test_num_frames_beyond_what_a_rows_table_holds_is_refused_at_the_first_call():
     geometry = CacheGeometry(2, 2, 8, "float32", tokens_per_frame=6, block_size=4, frames_per_forward=2)
     window = WindowPolicy(4, 1)
@@ -213,6 +216,7 @@ def test_num_frames_beyond_what_a_rows_table_holds_is_refused_at_the_first_call(
     assert cache.num_free_pages() + len(cache.pages_held(["s"])["s"]) == cache.total_pages
 
 
+@pytest.mark.slow
 def test_a_bucketed_chunk_owns_its_padding_positions_and_padded_commit():
     """``buckets`` pads a compact batch: the step places per-session values at their positions,
     takes them back, and commits the padded K/V exactly as the unpadded chunk does."""
@@ -248,6 +252,7 @@ def test_a_bucketed_chunk_owns_its_padding_positions_and_padded_commit():
             pass
 
 
+@pytest.mark.slow
 def test_a_full_batch_places_sessions_at_their_slots():
     cache = make_cache()
     for sid in ("a", "b", "c"):
@@ -545,6 +550,7 @@ def test_eager_cross_attention_rows_does_not_retrace():
         assert k.shape == (GEOMETRY.num_layers, 2, 5, GEOMETRY.num_kv_heads, GEOMETRY.head_dim)
 
 
+@pytest.mark.slow
 def test_without_a_plan_or_budget_the_pool_holds_exactly_the_sessions_asked_for(caplog):
     from arkv_jax.planner import rollout_plan
 

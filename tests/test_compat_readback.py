@@ -21,6 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from arkv_jax import state as core
 from arkv_jax.compat.vllm_omni import (
     ARDiffusionKVBranchSpec,
     ARDiffusionKVCache,
@@ -28,9 +29,10 @@ from arkv_jax.compat.vllm_omni import (
     chunk_slot_mapping,
     compute_slot_mapping,
 )
-from arkv_jax.state import free_queue
+from tests.tiers import slow_except
 
 HEADS, DIM, LAYERS = 2, 2, 2
+free_queue = jax.jit(core.free_queue)  # one compilation per state layout, not one per array operation
 
 
 def cdiv(a: int, b: int) -> int:
@@ -222,18 +224,22 @@ GEOMETRIES = [
 ]
 
 
-@pytest.mark.parametrize("chunk, block", GEOMETRIES)
+@pytest.mark.parametrize("chunk, block", slow_except(GEOMETRIES, fast=[(6, 4)]))
 def test_tokens_written_through_compat_read_back_with_vllm_formulas(chunk, block):
     """Sink 1, window 1: the sink's last block and the window's first are shared with evicted chunks."""
     run_rollout(chunk, block, sink=1, window=1)
 
 
+# fast tier: the window above, and tests/test_compat_vllm_omni.py's traces for these windows
+@pytest.mark.slow
 @pytest.mark.parametrize("chunk, block", [(6, 4), (5, 4), (3, 4), (24, 16), (16, 16)])
 @pytest.mark.parametrize("sink, window, reset", [(0, 2, False), (2, 3, False), (1, 2, True)])
 def test_other_windows_read_back_with_vllm_formulas(chunk, block, sink, window, reset):
     run_rollout(chunk, block, sink=sink, window=window, reset=reset)
 
 
+# fast tier: multi-chunk spans and prefills in tests/test_compat_vllm_omni.py's traces and random sequences
+@pytest.mark.slow
 @pytest.mark.parametrize("chunk, block", [(6, 4), (7, 8), (24, 16), (16, 16)])
 def test_multi_chunk_spans_and_prefill_read_back(chunk, block):
     """``allocate_token_slots`` over several chunks (frames_per_block > 1), after a prefill that ends
@@ -241,6 +247,7 @@ def test_multi_chunk_spans_and_prefill_read_back(chunk, block):
     run_rollout(chunk, block, sink=1, window=2, prefill=3, spans=(2, 1, 3, 2))
 
 
+@pytest.mark.slow  # fast tier: the fixed geometries above
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(chunk=st.integers(1, 12), block=st.sampled_from([1, 2, 3, 4, 8, 16]), sink=st.integers(0, 2),
        window=st.integers(1, 3), reset=st.booleans(), prefill=st.integers(0, 20),

@@ -19,12 +19,11 @@ from arkv_jax.compat.vllm_omni import (
     compute_slot_mapping,
     resident_block_ids,
     resolve_device,
-    seed_block_table,
 )
-from arkv_jax.state import free_queue
 from pallas_kernels.layout import pool_shape
 from tests.reference_model import RefCache
-from tests.test_compat_readback import SeedModel
+from tests.test_compat_readback import SeedModel, free_queue
+from tests.tiers import slow_except
 
 POS, NEG = "positive", "negative"
 BRANCHES = (ARDiffusionKVBranchSpec(POS, 0), ARDiffusionKVBranchSpec(NEG, 1))
@@ -112,6 +111,9 @@ def test_seed_trace_sink_and_three_frame_blocks():
         assert cache.block_table(adapter) == expected_after[block]
 
 
+# the sink's traces stay fast in test_seed_trace_sink_and_three_frame_blocks and
+# test_commit_without_allocation_follows_vllm_with_a_sink
+@pytest.mark.slow
 def test_seed_trace_sink_one_frame_per_commit():
     """§5.4 sink example: window 5, sink 1, one frame committed per forward."""
     cache = make_cache(window=5, sink=1, fpb=3, branches=(ARDiffusionKVBranchSpec("main", 0),), capacity=1)
@@ -128,6 +130,7 @@ def test_seed_trace_sink_one_frame_per_commit():
     assert cache.window_block_ids(adapter) == [1, 5, 6, 7, 8, 9]
 
 
+@pytest.mark.slow  # test_seed_trace_sink_and_three_frame_blocks keeps multi-chunk commits
 def test_multi_chunk_commit_window_three():
     cache = make_cache(window=3, branches=(ARDiffusionKVBranchSpec("main", 0),), capacity=1)
     adapter = cache.begin_request("r")
@@ -218,6 +221,8 @@ def test_num_computed_advances_per_chunk_and_two_branches_free_everything():
     assert cache.num_free_blocks() == 48
 
 
+# fast tier: §13.1's plan in tests/test_planner.py, two requests' windows in the traces above
+@pytest.mark.slow
 def test_capacity_two_retains_both_windows_and_allocates_next_block():
     """§13.1 tiny: chunk=block=1, window 3, sink 3, fpb 3, 1x1x1 fp32, text 2, requested 2, avail 192."""
     config = ARDiffusionKVConfig(enable=True, chunk_size=1, window_chunks=3, sink_chunks=3, gpu_memory_fraction=1.0)
@@ -311,6 +316,7 @@ def test_allocate_num_tokens_must_be_positive_and_bad_adapters_are_refused():
         cache.allocate_chunk(adapter)
 
 
+@pytest.mark.slow
 def test_many_requests_grow_the_state_and_long_tables_widen():
     cache = make_cache(available=1 << 26)
     adapters = [cache.begin_request(f"r{i}") for i in range(20)]
@@ -328,8 +334,8 @@ def test_pools_are_allocated_on_the_device_zero_filled():
     import jax
 
     cache = make_cache(device=jax.devices()[0])
-    assert cache._k_pool.shape == pool_shape(2, cache.num_blocks_total, 16, 4, 64)
-    assert float(abs(cache._k_pool).max()) == 0.0
+    assert cache._kv.k.shape == pool_shape(2, cache.num_blocks_total, 16, 4, 64)
+    assert float(abs(cache._kv.k).max()) == 0.0
 
 
 # -- cross-attention caches and pools (seed-semantics §8.5, §8.6, §13.4) ---------------------------------
@@ -382,7 +388,7 @@ def test_cross_attention_population_is_transactional():
 
     with pytest.raises(RuntimeError, match="projection failed"):
         cache.populate_cross_attention("s1", "text", POS, failing())
-    assert not cache.is_cross_attention_populated("s1", "text", POS) and "s1" not in cache._cross_sessions
+    assert not cache.is_cross_attention_populated("s1", "text", POS) and "s1" not in cache._cross.sessions
     cache.populate_cross_attention("s1", "text", POS, layer_kv(1.0, 2.0))
     for bad, message in ((failing(), "projection failed"), (layer_kv(5.0, 5.0, layers=1), "expected 2 layers, got 1"),
                          (layer_kv(5.0, 5.0, layers=3), "expected 2 layers, got more than 2"),
@@ -405,7 +411,7 @@ def test_cross_attention_errors_retain_and_release():
     cache.retain_cross_attention("s1", ("text",))
     assert cache.is_cross_attention_populated("s1", "text", POS)
     cache.retain_cross_attention("s1", ())
-    assert "s1" not in cache._cross_sessions
+    assert "s1" not in cache._cross.sessions
     cache.populate_cross_attention("s2", "text", POS, layer_kv(1.0, 2.0))
     cache.release_cross_attention("s2")
     assert not cache.is_cross_attention_populated("s2", "text", POS)
@@ -448,7 +454,7 @@ def test_device_strings_map_to_jax_devices():
     assert resolve_device(types.SimpleNamespace(type="cpu", index=None)) == cpus[0]
     cache = make_cache(device=f"cpu:{len(cpus) - 1}", layers=1)
     assert cache.device == cpus[-1]
-    assert cache._k_pool.devices() == {cpus[-1]} and cache.key_cache(0).devices() == {cpus[-1]}
+    assert cache._kv.k.devices() == {cpus[-1]} and cache.key_cache(0).devices() == {cpus[-1]}
     assert make_cache(device=None).device is None  # bookkeeping only, as in the seed
 
 
@@ -579,19 +585,37 @@ def test_allocation_after_unallocated_commits_fails_as_vllm_does():
     assert cache.block_table(a) == [0, 0, 4, 1] and queue(cache) == [3, 2]
 
 
+def test_the_skip_rule_is_the_window_policy_on_whole_chunks():
+    """compat's skip rule is WindowPolicy.skipped_frames on the computed whole chunks, in tokens: the seed's
+    token formula (SeedModel.skipped_tokens) for every prefill offset, window, sink and mode."""
+    from arkv_jax.compat.vllm_omni_blocks import ContiguousBlocks
+    from arkv_jax.config import WindowPolicy
+
+    for chunk, block in ((16, 16), (6, 4), (5, 8), (1, 4)):
+        for sink, window, reset in ((0, 1, False), (0, 2, False), (1, 1, False), (2, 3, False), (1, 2, True),
+                                    (0, 3, True), (3, 1, True)):
+            blocks = ContiguousBlocks(WindowPolicy(window, sink, reset), chunk_size=chunk, block_size=block,
+                                      frames_per_block=1, num_blocks=4, num_rows=1)
+            seed = SeedModel(num_blocks=4, chunk_size=chunk, block_size=block, sink_chunks=sink,
+                             window_chunks=window, reset_at_boundary=reset)
+            assert blocks.sink_tokens == seed.sink_tokens
+            for computed in range(0, 12 * chunk + 3):
+                assert blocks.skipped_tokens(computed) == seed.skipped_tokens(computed), (chunk, sink, computed)
+
+
 def test_native_commit_still_refuses_unallocated_chunks():
+    import jax
+
     cache = make_cache()
     cache.begin_request("r")
-    state, ok = core.commit(cache.state, np.array([0]), 1)
+    state, ok = jax.jit(core.commit)(cache.state, np.array([0]), 1)
     assert not bool(ok[0]) and int(state.committed_frames[0]) == 0
-    state, ok = core.advance(cache.state, np.array([0]), 1)
-    assert bool(ok[0]) and int(state.committed_frames[0]) == 1
 
 
-@pytest.mark.parametrize("tokens, block, sink, window, reset", [
+@pytest.mark.parametrize("tokens, block, sink, window, reset", slow_except([
     (16, 16, 0, 2, False), (16, 16, 1, 3, False), (16, 16, 2, 1, True), (24, 16, 1, 2, False), (8, 16, 0, 1, False),
     (6, 4, 1, 1, False),
-])
+], fast=[(16, 16, 1, 3, False)]))
 def test_random_sequences_with_unallocated_commits_match_the_reference_model(tokens, block, sink, window, reset):
     """Random interleavings of allocate_chunk / allocate_token_slots / commit_chunk (allocated or not) /
     begin (with or without a prefill) / end on two requests, checked after every step against pure-Python
@@ -662,12 +686,13 @@ def test_random_sequences_with_unallocated_commits_match_the_reference_model(tok
 def frame_cache(layers=2):
     """chunk 24, block 16, window 1, sink 1, one branch, fp32, a large pool (ids handed out 1, 2, 3, ...).
     Token p sits at table[p // 16] * 16 + p % 16: block 2 holds chunk 0's tokens 16..23 and chunk 1's
-    24..31, a chunk spans two or three blocks."""
+    24..31, a chunk spans two or three blocks. The pool has as many blocks (512 pages) for any layer count, so
+    the state's steps compile once for every test here."""
     import jax
 
     config = ARDiffusionKVConfig(enable=True, chunk_size=24, window_chunks=1, sink_chunks=1, gpu_memory_fraction=1.0)
     return ARDiffusionKVCache(config, num_layers=layers, num_kv_heads=2, head_size=4, dtype="float32",
-                              block_size=16, max_model_len=4096, available_bytes=1 << 20,
+                              block_size=16, max_model_len=4096, available_bytes=(1 << 19) * layers,
                               kv_branches=(ARDiffusionKVBranchSpec("main", 0),), session_capacity=1,
                               device=jax.devices()[0])
 
@@ -682,6 +707,7 @@ def contiguous(keys, table, start, count=24):
     return np.stack([keys[table[p // 16], p % 16] for p in range(start, start + count)])
 
 
+@pytest.mark.slow
 def test_contiguous_slots_share_blocks_between_chunks_as_vllm_omni_does():
     """vLLM-Omni's chunk 24 / block 16 trace: cdiv(computed + 24, 16) - len(table) new blocks per chunk;
     a commit at n tokens nulls indices [ceil(24 / 16), floor((24 + skipped) / 16)) = [2, ...), skipped
@@ -744,7 +770,7 @@ def test_contiguous_writes_never_touch_the_null_page_after_unallocated_commits()
 # -- layer indices and chunk K/V (issue 13): refused with a clear error; a refused call changes nothing -----
 
 def snapshot(cache, adapters):
-    return (np.asarray(cache._k_pool).copy(), np.asarray(cache._v_pool).copy(), cache.num_free_blocks(),
+    return (np.asarray(cache._kv.k).copy(), np.asarray(cache._kv.v).copy(), cache.num_free_blocks(),
             queue(cache), [cache.block_table(a) for a in adapters])
 
 
@@ -844,32 +870,3 @@ def test_writes_of_an_unallocated_chunk_are_refused_and_change_nothing():
     with pytest.raises(IndexError, match=r"for tokens \[16, 24\) of its in-flight chunk \(table \[1\]\)"):
         partial.write_chunk_kv(0, chunk_values(0, 0), chunk_values(0, 0), adapter)
     assert_unchanged(partial, [adapter], before)
-
-
-def test_state_advance_is_commit_when_allocated_and_clips_eviction_otherwise():
-    """state.advance (added for this layer): with every committed frame allocated it is state.commit,
-    batched and multi-chunk included; otherwise it evicts only allocated frames, as the reference model."""
-    import jax
-
-    from arkv_jax.config import CacheGeometry, WindowPolicy
-
-    layout = core.StateLayout.from_config(CacheGeometry(1, 1, 1, "float32", 16), WindowPolicy(2, 1), 40,
-                                          table_width=16)
-    state, _ = core.begin(core.init_state(layout, 3), np.array([0, 1]))
-    state, ok = core.allocate(state, np.array([0, 1]), np.array([16 * 6, 16 * 4]))
-    assert ok.tolist() == [True, True]
-    rows, chunks = np.array([1, -1, 0]), np.array([4, 2, 6])  # padding row in the middle
-    committed, ok_commit = jax.jit(core.commit)(state, rows, chunks)
-    advanced, ok_advance = jax.jit(core.advance)(state, rows, chunks)
-    assert ok_commit.tolist() == ok_advance.tolist() == [True, False, True]
-    jax.tree_util.tree_map(np.testing.assert_array_equal, committed, advanced)
-    # row 0 holds 6 frames' blocks; 9 more chunks: frames 1..5 can be evicted, 6..9 were never allocated
-    ref = RefCache(num_blocks=40, tokens_per_frame=16, block_size=16, sink_frames=1, window_frames=2)
-    for row, frames in ((0, 6), (1, 4)):
-        ref.begin(row)
-        ref.allocate(row, 16 * frames)
-    ref.commit(0, 9)
-    advanced, ok = jax.jit(core.advance)(state, np.array([0]), 9)
-    assert bool(ok[0]) and seed_block_table(advanced, 0) == ref.table(0) == [1, 0, 0, 0, 0, 0]
-    assert np.asarray(core.free_queue(advanced))[: int(advanced.free_count)].tolist() == list(ref.free)
-    assert int(advanced.committed_frames[0]) == 9

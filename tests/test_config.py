@@ -143,6 +143,7 @@ _RULE_CASES = dict(sink=st.integers(0, 4), window=st.integers(1, 6), reset=st.bo
                    first=st.integers(0, 30), frames=st.integers(1, 6))
 
 
+@pytest.mark.slow
 @settings(max_examples=100, deadline=None)
 @given(**_RULE_CASES)
 def test_window_rule_gives_the_same_answer_on_ints_numpy_and_tracers(sink, window, reset, first, frames):

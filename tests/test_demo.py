@@ -130,6 +130,7 @@ def test_a_run_where_every_step_compiles_says_there_is_no_steady_state():
     assert not any(label.startswith("steady-state median") for label in labels)
 
 
+@pytest.mark.slow
 def test_the_compile_clock_sees_the_first_use_of_each_batch_bucket_only(tmp_path):
     result = demo.run_demo(sessions=3, chunks=3, out=tmp_path, stdout=io.StringIO())
     batch_sizes = [len(step.sessions) for step in result.timeline.steps]
@@ -143,6 +144,7 @@ class Terminal(io.StringIO):
         return True
 
 
+@pytest.mark.slow
 def test_the_progress_bar_shows_on_terminals_only(tmp_path):
     out, err = Terminal(), Terminal()
     demo.run_demo(sessions=1, chunks=1, out=tmp_path, stdout=out, stderr=err)
@@ -174,6 +176,7 @@ def test_demo_refuses_before_the_run(flags, message, tmp_path, capsys):
     assert captured.out == ""  # nothing ran
 
 
+@pytest.mark.slow
 def test_check_exits_1_when_the_devices_disagree_beyond_the_bound(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(demo.DEVICE_TOLERANCE, "float32", -1.0)  # any difference, even 0, exceeds it
     assert cli.main(["demo", "--devices", "2", "--sessions", "1", "--chunks", "1", "--check",
@@ -220,6 +223,7 @@ def test_sharded_demo_equals_the_one_device_demo_within_the_stated_bound(chunks,
     assert abs(checksum - expected) <= latents * tolerance + 10 ** (math.floor(math.log10(abs(expected))) - 6)
 
 
+@pytest.mark.slow
 def test_demo_cli_refuses_a_mesh_the_model_cannot_use(tmp_path):
     result = run_demo_cli("--devices", "8", "--model-axis", "8", tmp_path=tmp_path)
     assert result.returncode == 2 and "kv_heads=2 must be divisible" in result.stderr

@@ -26,6 +26,7 @@ def read_video(path) -> np.ndarray:
         return np.stack([frame for frame in reader.iter_data()])  # list(reader) trusts len(): inf
 
 
+@pytest.mark.slow
 def test_random_tiny_writes_a_playable_mp4(tmp_path):
     """As CI runs it: a subprocess, the console entry point's module."""
     out = tmp_path / "x.mp4"
@@ -49,6 +50,7 @@ def test_random_tiny_writes_a_playable_mp4(tmp_path):
     assert "os.fork" not in proc.stderr and "generate:" not in proc.stderr  # no warning, no bar off a terminal
 
 
+@pytest.mark.slow
 def test_sessions_and_prompt_switch_in_process(tmp_path, capsys):
     assert cli.main(["generate", "--random-tiny", "--sessions", "2", "--frames", "4", "--prompt", "a red fox",
                      "--prompt", "waves on a shore", "--prompt-at", "1:a city at night", "--out",
@@ -62,6 +64,7 @@ def test_sessions_and_prompt_switch_in_process(tmp_path, capsys):
     assert not np.array_equal(videos[0], videos[1])  # different prompts and seeds
 
 
+@pytest.mark.slow
 def test_prompt_switch_changes_only_later_chunks(tmp_path):
     common = dict(prompts=["a red fox"], random_tiny=True, frames=6, seed=1, stdout=open("/dev/null", "w"))
     plain = generate.run_generate(out=tmp_path / "a.mp4", **common)
@@ -174,6 +177,7 @@ def test_malformed_checkpoint_names_the_file(tmp_path, capsys):
     assert "diffusion_pytorch_model.safetensors: not a safetensors file" in err and "cannot load the DiT" in err
 
 
+@pytest.mark.slow
 def test_encoder_context_path_equals_the_prompt_path(tmp_path, monkeypatch):
     """The checkpoint path (contexts encoded up front, ``join(..., context=)``, and
     switches from the encoded contexts), run with an 'encoder' that returns the hash stand-in: the

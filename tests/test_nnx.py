@@ -42,6 +42,7 @@ def test_rope_scores_depend_only_on_relative_position():
     np.testing.assert_allclose(np.linalg.norm(rotate(q, (123, 4, 5))), np.linalg.norm(q), rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_masked_attention_is_gqa_softmax_over_visible_keys():
     rng = np.random.default_rng(1)
     q = jnp.asarray(rng.standard_normal((2, 5, 4, 8)), jnp.float32)

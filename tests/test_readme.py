@@ -35,6 +35,7 @@ def test_readme_is_short_and_links_every_doc():
         assert f"docs/{doc.name}" in text, doc.name
 
 
+@pytest.mark.slow
 def test_readme_example_runs():
     namespace = run_blocks(README)
     rollout = namespace["rollout"]
@@ -54,6 +55,7 @@ CHECKS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("doc", [d for d in DOCS if python_blocks(d)], ids=lambda d: d.name)
 def test_doc_examples_run(doc):
     namespace = run_blocks(doc)

@@ -12,6 +12,7 @@ from arkv_jax.nnx import masked_attention
 from arkv_jax.reference import MaskedHistory, window_frame_mask
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("window,chunk", [
     (WindowPolicy(window_frames=6, sink_frames=2), 2),
     (WindowPolicy(window_frames=4, sink_frames=1), 3),

@@ -95,6 +95,7 @@ def full_run(run, model):
     return scripted_run(make_rollout(model, run.rollout.sampler.guidance_scale, max_traces=1, full_batch=True))
 
 
+@pytest.mark.slow
 def test_paged_rollout_equals_full_recompute(run, model):
     reference = FullRecompute(model, PRESET.window, run.rollout.sampler,
                               chunk_frames=PRESET.geometry.frames_per_forward)
@@ -106,6 +107,7 @@ def test_paged_rollout_equals_full_recompute(run, model):
     assert np.abs(expected).max() > 1.0  # the comparison is not between near-zero tensors
 
 
+@pytest.mark.slow
 def test_schedule_exercises_window_eviction_and_ragged_batches(run):
     chunk = PRESET.geometry.frames_per_forward
     assert len(run.latents["a"]) == CHUNKS * chunk > 3 * PRESET.window.resident_frames
@@ -131,6 +133,7 @@ def test_memory_is_bounded_and_pages_are_reused(run):
     assert run.free_after == run.rollout.cache.plan.managed_num_blocks - 1  # everything returned
 
 
+@pytest.mark.slow
 def test_the_chunk_function_compiles_once_per_bucket_used(run, full_run):
     # Live sessions per step: 2 (a, b), 3 from step 3, 2 after b leaves at step 8, 3 from step 9.
     assert run.rollout.buckets == (1, 2, 3)
@@ -138,6 +141,7 @@ def test_the_chunk_function_compiles_once_per_bucket_used(run, full_run):
     assert full_run.rollout.traces_per_batch == {3: 1} and full_run.rollout.num_traces == 1
 
 
+@pytest.mark.slow
 def test_live_rows_only_equal_the_full_batch(run, full_run):
     assert run.latents.keys() == full_run.latents.keys()
     for sid, expected in full_run.latents.items():
@@ -230,6 +234,7 @@ def test_join_and_step_refuse_bad_requests(model):
         Rollout(init_random(dataclasses.replace(CONFIG, grid=(5, 5)), 0), single)
 
 
+@pytest.mark.slow
 def test_join_with_text_encoder_contexts_equals_join_with_the_prompt_of_that_embedding(model):
     """``context=`` / ``negative_context=`` are what the hash stand-in feeds: a prompt's word
     vectors (shorter than the text cache: zero-padded) and an encoded negative (here one zero

@@ -82,6 +82,7 @@ def model():
     return init_random(CONFIG, seed=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sampler", [Sampler.self_forcing(), Sampler.causvid(guidance_scale=3.0, context_noise=100)],
                          ids=["self_forcing", "causvid_cfg_context_noise"])
 def test_paged_rollout_equals_full_recompute_with_the_checkpoint_samplers(model, sampler):

@@ -140,6 +140,7 @@ def single_device_run():
     return run_script(make_cache(None, sessions_per_shard=4))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", [(1, 8), (2, 4), (4, 2), (8, 1)], ids=lambda s: f"data{s[0]}_model{s[1]}")
 def test_sharded_cache_matches_one_device(shape, single_device_run):
     mesh = mesh_of(*shape)
@@ -157,6 +158,7 @@ def test_sharded_cache_matches_one_device(shape, single_device_run):
         len(p) for p in cache.pages_held(cache.sessions).values())
 
 
+@pytest.mark.slow
 def test_sessions_spread_over_shards_and_stay_in_their_slice():
     mesh = mesh_of(4, 2)
     cache = make_cache(mesh, sessions_per_shard=2)
@@ -178,6 +180,7 @@ def test_sessions_spread_over_shards_and_stay_in_their_slice():
     assert k_pool.sharding.is_equivalent_to(jax.sharding.NamedSharding(mesh, sh.pool_spec()), k_pool.ndim)
 
 
+@pytest.mark.slow
 def test_sharded_lifecycle_lru_reset_and_cross_attention():
     released = []
     mesh = mesh_of(2, 4)
@@ -236,6 +239,7 @@ def test_the_cache_steps_compile_without_collectives():
         step.commit(k, v)
 
 
+@pytest.mark.slow
 def test_free_and_foreign_pages_never_reach_a_sharded_output():
     """Every page no row of the batch holds is NaN; outputs stay finite and equal the clean run."""
     mesh = mesh_of(4, 2)
@@ -262,6 +266,7 @@ def test_free_and_foreign_pages_never_reach_a_sharded_output():
         step.commit(*batch_kv(step, chunks))
 
 
+@pytest.mark.slow
 def test_sharded_cache_refusals_change_nothing():
     mesh = mesh_of(2, 4)
     plan = rollout_plan(GEOMETRY, WINDOW, CFG, TEXT, 1, model=4)
@@ -368,6 +373,7 @@ def single_device_latents(tiny_model):
     return churn(tiny_rollout(tiny_model, None, 3))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", [(8, 1), (4, 2)], ids=lambda s: f"data{s[0]}_model{s[1]}")
 def test_sharded_rollout_matches_one_device(shape, tiny_model, single_device_latents):
     rollout = tiny_rollout(tiny_model, mesh_of(*shape), 1)
@@ -394,6 +400,7 @@ def test_the_model_axis_splits_the_blocks_weights(tiny_model):
         tensor_parallel_specs(rollout.params, 0)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not hasattr(jax.sharding, "AxisType"), reason="this JAX has no mesh axis types")
 def test_a_mesh_with_explicit_axes_runs_through_its_auto_view(tiny_model, single_device_latents):
     explicit = jax.sharding.AxisType.Explicit
@@ -406,6 +413,7 @@ def test_a_mesh_with_explicit_axes_runs_through_its_auto_view(tiny_model, single
         np.testing.assert_allclose(got[sid], expected, atol=1e-5, err_msg=sid)
 
 
+@pytest.mark.slow
 def test_sharded_rollout_is_bit_identical_with_the_same_batch_per_device(tiny_model):
     """Two slots per device on a (4, 1) mesh run the same program shapes as one device with two
     slots, so the latents are the same bits."""

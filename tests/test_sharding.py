@@ -78,6 +78,7 @@ def _distinct_local_ids(rng, data, rows_per_shard, n, pages_per_shard):
 # Kernels: sharded == single device.
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", MESH_SHAPES, ids=lambda s: f"data{s[0]}_model{s[1]}")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_sharded_write_is_bit_identical(shape, dtype):
@@ -129,6 +130,7 @@ def _attention_inputs(data, rng, *, extras=True, dtype="float32"):
     return arrays, local, lengths
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", MESH_SHAPES, ids=lambda s: f"data{s[0]}_model{s[1]}")
 def test_sharded_attention_matches_single_device(shape):
     data, model = shape
@@ -161,6 +163,7 @@ def test_sharded_attention_refuses_a_static_layer_out_of_range(layer):
                                  tokens_per_frame=TPF, backend="xla")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["pallas_tpu_interpret", "pallas_gpu_interpret"])
 def test_sharded_pallas_interpret(backend):
     """The Pallas kernels (interpret mode) under shard_map: same results as the XLA path."""
@@ -269,6 +272,7 @@ def _chunk_step(state, rows):
     return state, (inputs.pages, inputs.lengths, inputs.write_pages, ok & ok2)
 
 
+@pytest.mark.slow
 def test_chunk_step_matches_per_shard_runs_and_has_no_collectives():
     """A whole jitted, donated chunk step (state + attention + write) on a (2, 4) mesh equals
     running every data shard alone on one device, compiles once, and communicates nothing."""

@@ -14,7 +14,6 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from arkv_jax import state as core
-from arkv_jax.compat.vllm_omni import seed_block_table
 from arkv_jax.config import CacheGeometry, WindowPolicy
 from arkv_jax.step import prepare_chunk
 from tests.reference_model import RefCache
@@ -28,6 +27,22 @@ CONFIGS = [
     (4, 4, 0, 1, False, 0), (4, 4, 1, 2, False, 3), (4, 4, 3, 8, False, 0), (4, 4, 2, 3, True, 5),
     (5, 3, 1, 2, False, 0), (5, 3, 0, 4, True, 2), (8, 3, 2, 1, False, 4), (8, 3, 3, 5, False, 30),
 ]
+
+def stored_table(state, row: int) -> list[int]:
+    """A state row's page table as stored: its ``num_pages`` live entries, compacted."""
+    return np.asarray(state.tables[row, : int(state.num_pages[row])]).tolist()
+
+
+def assert_seed_table(state, row: int, seed_table: list[int]) -> None:
+    """The state row holds the seed's table: the seed keeps a null (0) placeholder for each evicted
+    page, all of them right after the sink, where the state compacts them away and counts them."""
+    stored = stored_table(state, row)
+    evicted = [index for index, page in enumerate(seed_table) if page == 0]
+    assert [page for page in seed_table if page != 0] == stored
+    assert len(evicted) == int(state.evicted_pages[row])
+    sink = min(state.layout.sink_pages, len(stored))
+    assert evicted == list(range(sink, sink + len(evicted)))
+
 
 # One jitted function per operation; shapes stay fixed inside a machine run (rows padded to 3).
 begin = jax.jit(core.begin)
@@ -151,7 +166,7 @@ class StateMachine(RuleBasedStateMachine):
             assert bool(state.active[row]) == (row in ref.rows)
             if row not in ref.rows:
                 continue
-            assert seed_block_table(state, row) == ref.table(row)
+            assert_seed_table(state, row, ref.table(row))
             assert np.asarray(pages[row, : int(counts[row])]).tolist() == ref.resident(row)
             for current in (1, 2):
                 window = visible(state, jnp.asarray([row]), current)
@@ -174,6 +189,7 @@ TestStateMachine = pytest.mark.slow(StateMachine.TestCase)
 TestStateMachine.settings = settings(max_examples=80, stateful_step_count=25, deadline=None)
 
 
+@pytest.mark.slow
 @settings(max_examples=60, deadline=None)
 @given(config=st.sampled_from(CONFIGS),
        chunks=st.lists(st.integers(1, MAX_FRAMES_IN_FLIGHT), min_size=2, max_size=10))
@@ -211,6 +227,7 @@ def tiny_layout(sink=1, window=2, tokens=4, block=4, blocks=32, reset=False):
     return core.StateLayout.from_config(geometry, WindowPolicy(window, sink, reset), blocks)
 
 
+@pytest.mark.slow
 class ChexVariants(chex.TestCase):
     @chex.variants(with_jit=True, without_jit=True)
     def test_rollout_steps_agree_with_and_without_jit(self):
@@ -282,6 +299,7 @@ def test_refused_calls_change_nothing():
         chex.assert_trees_all_equal(jax.tree.map(np.asarray, new_state), before)
 
 
+@pytest.mark.slow
 def test_swap_pages_gives_fresh_pages_frees_the_old_and_is_all_or_nothing():
     layout = tiny_layout(sink=1, window=3, tokens=4, block=4, blocks=16)
     state = core.init_state(layout, 3)
@@ -318,6 +336,7 @@ def test_swap_pages_gives_fresh_pages_frees_the_old_and_is_all_or_nothing():
         chex.assert_trees_all_equal(jax.tree.map(np.asarray, new_state), before)
 
 
+@pytest.mark.slow
 def test_long_prefill_is_evicted_at_the_first_commit_in_one_catch_up():
     """A prefill longer than the window: vLLM-Omni frees every out-of-window frame at the first
     commit, highest index first."""
@@ -331,10 +350,11 @@ def test_long_prefill_is_evicted_at_the_first_commit_in_one_catch_up():
         assert bool(ok[0]) and ref.allocate(0, 4)
         state, ok = core.commit(state, jnp.array([0]), 1)
         ref.commit(0, 1)
-        assert seed_block_table(state, 0) == ref.table(0)
+        assert_seed_table(state, 0, ref.table(0))
         assert np.asarray(free_queue(state))[: len(ref.free)].tolist() == list(ref.free)
 
 
+@pytest.mark.slow
 def test_visible_window_positions_and_lengths():
     layout = tiny_layout(sink=1, window=3, tokens=4, block=4)
     state = core.init_state(layout, 1)
@@ -356,7 +376,8 @@ def test_resize_keeps_rows_and_refuses_to_shrink():
     state, _ = core.allocate(state, jnp.array([1]), 8)
     grown = core.resize(state, num_rows=4, table_width=layout.table_width + 3)
     assert grown.tables.shape == (4, layout.table_width + 3)
-    assert seed_block_table(grown, 1) == seed_block_table(state, 1)
+    assert stored_table(grown, 1) == stored_table(state, 1)
+    assert int(grown.evicted_pages[1]) == int(state.evicted_pages[1])
     with pytest.raises(ValueError, match="cannot shrink"):
         core.resize(state, num_rows=1)
 
@@ -384,3 +405,33 @@ def test_layout_validation():
         core.StateLayout.from_config(geometry, WindowPolicy(1), 1)
     with pytest.raises(ValueError, match="num_rows must be positive, got 0"):
         core.init_state(core.StateLayout.from_config(geometry, WindowPolicy(1), 4), 0)
+
+
+@pytest.mark.slow
+def test_evict_frees_after_the_sink_highest_index_first_compacts_and_is_monotone():
+    """state.evict: row 0 holds a sink frame and 3 more (2 pages each), row 1 a sink frame and 1 more;
+    evicting 2 (row 0) and 9 (row 1, clipped to its 1 allocated frame) frees 6, 5, 4, 3 then 12, 11
+    (highest table index first, rows in batch order) and compacts the tables; asking for no more than
+    already evicted, padding and inactive rows change nothing."""
+    layout = tiny_layout(sink=1, window=8, tokens=6, block=4)  # 2 pages per frame; the window never fills
+    state, _ = begin(core.init_state(layout, NUM_ROWS), padded([0, 1]))
+    state, ok = allocate(state, padded([0, 1]), per_row([6 * 4, 6 * 2]))
+    assert ok.tolist()[:2] == [True, True] and stored_table(state, 0) == list(range(1, 9))
+    assert stored_table(state, 1) == [9, 10, 11, 12]
+    free = int(state.free_count)
+    evict = jax.jit(core.evict)  # every call below has NUM_ROWS rows: one compilation
+    state, ok = evict(state, jnp.array([0, -1, 1]), jnp.array([2, 5, 9]))
+    assert ok.tolist() == [True, False, True]
+    assert stored_table(state, 0) == [1, 2, 7, 8] and stored_table(state, 1) == [9, 10]
+    assert np.asarray(state.evicted_pages[:2]).tolist() == [4, 2] and int(state.free_count) == free + 6
+    assert np.asarray(free_queue(state))[: int(state.free_count)].tolist()[-6:] == [6, 5, 4, 3, 12, 11]
+    assert np.asarray(state.committed_frames[:2]).tolist() == [0, 0]
+    before = jax.tree.map(np.asarray, state)
+    for rows, frames in (([0], [1]), ([0, 1], [2, 1]), ([1], [0]), ([2], [3]), ([-1], [3])):
+        new_state, ok = evict(state, padded(rows), per_row(frames))
+        assert ok.tolist()[: len(rows)] == [row in (0, 1) for row in rows]
+        chex.assert_trees_all_equal(jax.tree.map(np.asarray, new_state), before)
+    # one more frame of row 0: its next frame after the sink (pages 7, 8) goes, highest index first
+    state, _ = evict(state, padded([0]), per_row([3]))
+    assert stored_table(state, 0) == [1, 2] and int(state.evicted_pages[0]) == 6
+    assert np.asarray(free_queue(state))[: int(state.free_count)].tolist()[-2:] == [8, 7]

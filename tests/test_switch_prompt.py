@@ -92,6 +92,7 @@ def switched(request, model):
     return rollout, latents, recomputed, free
 
 
+@pytest.mark.slow
 def test_switched_rollout_equals_full_recompute_with_the_switches(switched, model):
     rollout, latents, _, _ = switched
     expected = reference_with_switches(model, rollout.sampler, PROMPTS["a"], SEEDS["a"], SWITCHES)
@@ -101,6 +102,7 @@ def test_switched_rollout_equals_full_recompute_with_the_switches(switched, mode
     assert np.abs(latents["a"][5 * F:] - unswitched[5 * F:]).max() > 0.1  # the switches changed the video
 
 
+@pytest.mark.slow
 def test_only_the_switched_session_changes(switched, model):
     rollout, latents, _, _ = switched
     expected = reference_with_switches(model, rollout.sampler, PROMPTS["b"], SEEDS["b"], {})
@@ -116,6 +118,7 @@ def test_recomputed_frames_and_no_leak(switched):
     assert rollout.cache.num_free_pages() == free and not rollout.sessions
 
 
+@pytest.mark.slow
 def test_switch_with_context_noise_recomputes_from_the_noised_commit_inputs(model):
     """With ``context_noise`` the commit forward sees the clean latents noised with the chunk's last
     draw; the recache rebuilds that input from the session's seed."""
@@ -135,6 +138,7 @@ def test_switch_with_context_noise_recomputes_from_the_noised_commit_inputs(mode
     np.testing.assert_allclose(rollout.latents("a"), expected, atol=2e-5, rtol=0)
 
 
+@pytest.mark.slow
 def test_switch_without_the_fresh_pages_is_refused_and_changes_nothing(model):
     rollout = make_rollout(model, None, sessions=1, latent_frame_bytes=None)
     rollout.join("a", PROMPTS["a"], seed=1)
@@ -151,6 +155,7 @@ def test_switch_without_the_fresh_pages_is_refused_and_changes_nothing(model):
     rollout.step()  # the session goes on
 
 
+@pytest.mark.slow
 def test_a_failing_recache_forward_leaves_the_old_history(model):
     rollout = make_rollout(model, None)
     twin = make_rollout(model, None)
@@ -176,6 +181,7 @@ def test_a_failing_recache_forward_leaves_the_old_history(model):
     np.testing.assert_allclose(rollout.step().latents, twin.step().latents, atol=1e-6, rtol=0)
 
 
+@pytest.mark.slow
 def test_cache_recache_protocol_and_refusals(model):
     rollout = make_rollout(model, None)
     cache = rollout.cache
@@ -210,6 +216,7 @@ def test_cache_recache_protocol_and_refusals(model):
     rollout.step()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 devices (tests/conftest.py sets jax_num_cpu_devices)")
 def test_switch_on_a_mesh_matches_one_device(model):
     """Sessions on two data shards, heads on two model shards: the switches run full batches and

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from arkv_jax.config import require_bool
+from arkv_jax.config import is_int, require_bool
 from arkv_jax.sharded_kernels import gather_rows, take_rows
 from arkv_jax.step import PADDING, ChunkInputs
 
@@ -64,7 +64,7 @@ def resolve_buckets(buckets: Sequence[int] | None, max_sessions: int, *, what: s
     if buckets is None:
         return default_buckets(max_sessions)
     sizes = tuple(buckets) if isinstance(buckets, (tuple, list)) else ()
-    if (not sizes or any(not isinstance(b, (int, np.integer)) or isinstance(b, bool) or b < 1 for b in sizes)
+    if (not sizes or any(not is_int(b) or b < 1 for b in sizes)
             or list(sizes) != sorted(set(sizes)) or sizes[-1] < max_sessions):
         raise ValueError(f"buckets must be increasing positive ints, the largest >= {what}={max_sessions}; "
                          f"got {buckets!r}")

@@ -22,7 +22,7 @@ from arkv_jax import state as state_lib
 from arkv_jax.cache import callbacks, programs
 from arkv_jax.cache.batch import BatchRows
 from arkv_jax.cache.core import CacheCore, Transaction
-from arkv_jax.config import ArgumentTypeError
+from arkv_jax.config import require_int
 from arkv_jax.step import ChunkInputs
 
 Array = jax.Array
@@ -62,10 +62,8 @@ class ChunkStep(Transaction):
         in flight (see :meth:`arkv_jax.cache.PagedKVCache.chunk` for the errors). A refusal changes
         nothing, not even the LRU order."""
         window = core.window
-        if isinstance(num_frames, (bool, np.bool_)) or not isinstance(num_frames, (int, np.integer)):
-            raise ArgumentTypeError(f"num_frames must be an int in [1, {window.window_frames}] "
-                                    f"(window_frames), got {num_frames!r} ({type(num_frames).__name__})")
-        num_frames = int(num_frames)
+        num_frames = require_int("num_frames", num_frames,
+                                 must=f"an int in [1, {window.window_frames}] (window_frames)")
         with core.lock:
             batch = BatchRows.of(core.sessions, session_ids, branches, full_batch=full_batch, buckets=buckets)
             local = batch.local_rows(core.sessions)

@@ -1,63 +1,12 @@
 """Paged chunk write: copy the clean K/V of one chunk per row into the rows' pages, in place.
 
-Shapes (``L`` layers, ``P`` pages, ``S`` tokens per page = block size, ``H`` KV heads, ``D`` head
-dim, ``R`` rows, ``F`` frames per chunk, ``T`` tokens per frame):
-
-================  =====================================  ===========================================
-``k_pool``        ``[L, H, P, S, D]``                    :func:`pallas_kernels.layout.pool_shape`;
-                                                         a page = ``S * D`` elements per layer, head
-``v_pool``        ``[L, H, P, S, D]``                    same shape and dtype as ``k_pool``
-``k_new``         ``[L, R, F * T, H, D]``                the chunk's K, token-major (the model's
-                                                         layout), frame-major, pool dtype
-``v_new``         ``[L, R, F * T, H, D]``                same shape and dtype as ``k_new``
-``page_ids``      ``int32 [R, F * ceil(T / S)]``         physical page of each (row, frame, page)
-================  =====================================  ===========================================
-
-A frame takes ``pages_per_frame = ceil(T / S)`` consecutive entries of its row's page list; the last
-page of a frame is padded with zeros (the padding tokens are written as zeros). Page 0 is the null
-page: it is never written. Every write is a whole-page copy (all layers and heads of a page at
-once); pages
-not named in ``page_ids`` stay bit-identical.
-
-Skip semantics: an entry equal to 0 (the null page) writes nothing; padding rows and failed
-allocations use 0, and 0 may repeat. Every other entry names a page in ``[1, P)`` written once per
-call.
-
-Validation (the rule of :mod:`pallas_kernels.common`, one ``validate=`` argument):
-
-* always, traced or not: :func:`static_validate_inputs` (shapes, dtypes, ``tokens_per_frame``);
-* concrete ``page_ids`` (an eager call, a NumPy array, a list, a constant closed over by a jitted
-  function), by default: :func:`check_page_ids` reads them on the host and refuses negative ids,
-  ids ``>= P`` and an id other than 0 named twice, before anything runs: a refused call raises
-  ``ValueError`` and leaves the pools as they were (valid, undonated, unchanged);
-* traced ``page_ids`` (under ``jit``, ``vmap``, ``shard_map``): not checked, nothing is added to the
-  compiled program. Every backend still skips ids outside ``[1, P)`` (never writes out of bounds);
-  a page named twice ends up holding one of its writes, or on TPU/GPU possibly a mix of them. Pass
-  ``validate="checkify"`` and run the jitted caller under ``jax.experimental.checkify``
-  (``err, out = checkify.checkify(jax.jit(step))(...)``, then ``err.throw()``) to have them
-  checked.
-
-``validate=False`` turns the value check off (eager hot loops: the host check costs a
-device-to-host copy and a sync per call); static checks still run. :func:`dynamic_validate_inputs`
-is a stricter host check (the null page refused too).
-
-In place: call it inside a jitted step that donates the pools,
-``jax.jit(step, donate_argnums=(0, 1))``; the outputs then alias the pools and a write moves only
-the chunk's bytes (``2 * L * R * F * ceil(T / S) * S * H * D * itemsize``, plus on the Pallas backends a head-major
-copy of the chunk that XLA usually folds away). Without donation XLA
-copies both pools first.
-
-Backends (``backend=``, the registry of :mod:`pallas_kernels.backend`, which also gives the
-platform each name needs): :data:`IMPLEMENTATIONS` maps every backend name to this kernel's
-implementation, one module each: ``xla`` (:mod:`~pallas_kernels.paged_write.xla`, a loop of page
-updates, the CPU default), ``pallas_tpu*`` and ``pallas_tpu_gather*``
-(:mod:`~pallas_kernels.paged_write.tpu`, HBM-to-HBM DMAs), ``pallas_gpu*``
-(:mod:`~pallas_kernels.paged_write.gpu`, Triton vector copies) and the other NVIDIA GPU paths,
-``cudnn_gather*`` and ``pallas_mgpu`` (also ``"auto"`` on GPU),
-:mod:`~pallas_kernels.paged_write.xla_gpu` (one XLA scatter of whole pages per pool). The loop and
-the Pallas kernels read the chunk's frames (the Pallas ones head-major) and write a frame's padding
-from zeros; the scatter pads its updates. :func:`write_chunk_reference`
-(:mod:`~pallas_kernels.paged_write.reference`) is the pure-jnp reference they are tested against.
+:func:`write_chunk` is the entry point; its docstring tables the shapes. It checks the call
+(:func:`static_validate_inputs`, then the page ids' values under ``validate=``:
+:func:`check_page_ids`; :func:`dynamic_validate_inputs` is a stricter host check) and runs the
+``backend=`` name's implementation from :data:`IMPLEMENTATIONS`, one module per backend: ``xla``
+(a loop of page updates), ``tpu`` (HBM-to-HBM DMAs), ``gpu`` (Triton page copies) and ``xla_gpu``
+(one scatter of whole pages). :func:`write_chunk_reference` is the pure-jnp reference. Semantics,
+costs and each backend's design: ``docs/kernels.md`` (Paged chunk write).
 """
 
 from __future__ import annotations
@@ -102,22 +51,39 @@ def write_chunk(
 ) -> tuple[jax.Array, jax.Array]:
     """Writes one chunk's K/V per row into the pages ``page_ids`` names, for all layers at once.
 
+    Shapes (``L`` layers, ``H`` KV heads, ``P`` pages, ``S`` tokens per page (the block size),
+    ``D`` head dim, ``R`` rows, ``F`` frames per chunk, ``T`` tokens per frame, ``ppf = ceil(T / S)``
+    pages per frame):
+
+    ================  ==========================  ======================================================
+    ``k_pool``        ``[L, H, P, S, D]``         :func:`pallas_kernels.layout.pool_shape`; fp32, bf16 or
+                                                  fp16; page 0 is the null page
+    ``v_pool``        ``[L, H, P, S, D]``         ``k_pool``'s shape and dtype
+    ``k_new``         ``[L, R, F * T, H, D]``     the chunk's K, token-major, frame after frame; the
+                                                  pools' dtype (no implicit cast: a mismatch raises)
+    ``v_new``         ``[L, R, F * T, H, D]``     ``k_new``'s shape and dtype
+    ``page_ids``      integer ``[R, F * ppf]``    entry ``(r, f * ppf + j)``: the page receiving page
+                                                  ``j`` of frame ``f`` of row ``r``, in ``[1, P)``, or
+                                                  0 to skip (a nested list of ints is taken as int32)
+    output            ``(k_pool, v_pool)``        the named pages replaced, all else bit-identical
+    ================  ==========================  ======================================================
+
+    A frame's last page is zero-padded. Id 0 (the null page) writes nothing and may repeat
+    (padding rows, failed allocations); every other id is written at most once per call.
+    Unchecked (traced, or ``validate=False``), an id outside ``[1, P)`` also skips and a page named
+    twice ends up holding one of its writes, or on TPU/GPU possibly a mix of them. Call it inside a
+    step jitted with ``donate_argnums`` for the pools, so the outputs alias them and only the
+    chunk's bytes move.
+
     Args:
-      k_pool, v_pool: ``[L, H, P, S, D]`` pools (:func:`pallas_kernels.layout.pool_shape`; fp32,
-        bf16 or fp16), page 0 the null page.
-      k_new, v_new: ``[L, R, F * T, H, D]``, the pools' dtype (no implicit cast: a mismatch raises).
-      page_ids: integer ``[R, F * ceil(T / S)]`` (a nested list of ints is taken as int32); entry
-        ``(r, f * ppf + j)`` is the physical page of row ``r``, frame ``f``, page ``j`` of the
-        frame, in ``[1, P)``, or 0 to skip. Unchecked (traced, or ``validate=False``), an id
-        outside ``[1, P)`` also skips and a page named twice ends up holding one of its writes, or
-        on TPU/GPU possibly a mix of them; no other page is touched.
+      k_pool, v_pool, k_new, v_new, page_ids: as tabled above.
       tokens_per_frame: ``T``; defaults to the block size ``S``.
       backend: a name from :data:`pallas_kernels.backend.BACKEND_NAMES` (the implementation run
         is ``IMPLEMENTATIONS[resolved name]``).
-      validate: the value check of ``page_ids`` (the module docstring): ``True`` checks concrete
-        ids on the host, ``False`` checks none, ``"checkify"`` also checks traced ids with
-        ``checkify.check`` (run under ``checkify.checkify``). Static arguments are checked
-        whatever it says.
+      validate: the value check of ``page_ids`` (:data:`pallas_kernels.common.VALIDATE_MODES`):
+        ``True`` checks concrete ids on the host, ``False`` checks none, ``"checkify"`` also checks
+        traced ids with ``checkify.check`` (run under ``checkify.checkify``). Static arguments are
+        checked whatever it says.
 
     Returns:
       ``(k_pool, v_pool)`` with the named pages replaced (aliasing the inputs when donated).
@@ -126,7 +92,8 @@ def write_chunk(
       ValueError: what :func:`static_validate_inputs` rejects; with ``validate`` not ``False``,
         concrete page ids that are negative, ``>= P`` or repeated (other than 0). Nothing is
         written or donated then.
-      TypeError: an input that is not an array (``page_ids`` may be a list of ints).
+      TypeError: an input that is not an array (``page_ids`` may be a list of ints), a
+        ``tokens_per_frame`` that is not an int (:mod:`pallas_kernels.checks`).
     """
     page_ids = as_index_array("page_ids", page_ids)
     check_validate(validate)

@@ -1,18 +1,11 @@
 """The paged chunk write as a Pallas GPU kernel, Triton lowering (``"pallas_gpu"``, ``_interpret``).
 
-One program per (page, layer x KV head, block of elements) copies ``block`` elements of a page of
-the head-major pool (:func:`pallas_kernels.layout.head_pages`: one (layer, head)'s page is ``S * D``
-contiguous elements) with vector loads and stores, from a head-major copy of the chunk (chunk
-sized, usually folded by XLA); loads past a frame's end are masked to zero.
-
-Why Triton rather than Mosaic GPU: the write must alias the donated pools. Mosaic GPU's
-``pallas_call`` (which has ``input_output_aliases``) is deprecated in favour of ``plgpu.kernel``,
-and ``plgpu.kernel`` aliases only Refs, which it rejects as operands; its TMA copies also have no
-discharge rule, so the kernel cannot run under ``interpret=True``. The Triton ``pallas_call``
-aliases, runs under the generic interpreter on CPU, and a page copy needs no tensor cores or TMA.
-Triton offsets switch to 64 bits for pools over 4 GiB (Pallas' Triton lowering does that by buffer
-size). JAX deprecates the Triton backend from 0.11 on (its lowering warns), so it is imported only
-when this backend runs.
+One program per (page, layer x KV head, block of elements) copies part of a page of the head-major
+pool (:func:`pallas_kernels.layout.head_pages`) from a head-major copy of the chunk with vector
+loads and stores; loads past a frame's end are masked to zero. The pools are aliased, so the write
+is in place when they are donated. Semantics and shapes: :func:`pallas_kernels.paged_write.write_chunk`.
+JAX deprecates the Triton backend, so it is imported only when this backend runs. Why Triton rather
+than Mosaic GPU: ``docs/kernels.md`` (Paged chunk write).
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """Pure-jnp reference of the paged chunk write, and the two rules every backend shares: the chunk
-seen as frames, and which page ids are skipped."""
+seen as frames, and which page ids are skipped (semantics: ``docs/kernels.md``, Paged chunk
+write)."""
 
 from __future__ import annotations
 

@@ -1,36 +1,13 @@
 """The paged chunk write as a Pallas TPU (Mosaic) kernel (``"pallas_tpu"``, ``_interpret``,
-``_simulate``) on the head-major pool layout, in place: one HBM->HBM DMA per page and pool.
+``_simulate``, and the write of ``"pallas_tpu_gather*"``), in place on the head-major pool layout.
 
-Shapes (``L`` layers, ``H`` KV heads, ``P`` pages, ``S`` block size, ``D`` head dim, ``R`` rows,
-``F`` frames per chunk, ``T`` tokens per frame, ``ppf = ceil(T / S)`` pages per frame):
-
-================  =====================================  ===========================================
-``k_pool``        ``[L, H, P, S, D]``                    :func:`pallas_kernels.layout.pool_shape`
-``v_pool``        same as ``k_pool``
-``k_new``         ``[L, R, F * T, H, D]``                the chunk's K, token-major, pool dtype
-``v_new``         same as ``k_new``
-``page_ids``      int32 ``[R, F * ppf]``                 physical page of each (row, frame, page)
-================  =====================================  ===========================================
-
-Semantics (those of :mod:`pallas_kernels.paged_write`, on this layout): entry ``(r, f * ppf + j)``
-names the page that receives tokens ``[j * S, min((j + 1) * S, T))`` of frame ``f`` of row ``r``,
-for every layer and head at once; a frame's last page is zero-padded. An id of 0 (the null page) or
-outside ``[1, P)`` writes nothing. Pages not named stay bit-identical. A page named twice holds one
-of the writes or a mix of them (``write_chunk`` refuses repeated concrete ids). The dispatcher
-(:func:`pallas_kernels.paged_write.write_chunk`) validates and calls :func:`write_chunk`; the
-compiled kernel needs a block size that is a multiple of 8
-(:func:`pallas_kernels.layout.check_tpu_block_size`).
-
-In place: inside ``jax.jit(step, donate_argnums=...)`` donating the pools, the outputs alias them
-(``input_output_aliases``) and the call moves ``2 * L * H * R * F * ppf * S * D * itemsize`` bytes
-per pool (the chunk read, the pages written), never a pool. Compiled temporaries: at most the
-head-major copy of the chunk, ``2 * L * R * F * T * H * D * itemsize`` bytes (XLA usually folds the
-transpose into the chunk's HBM layout, leaving none), plus a ``[L, H, ppf * S - T, D]`` zero
-block when frames are padded.
-
-Kernel: grid-less; the page ids are scalar-prefetched into SMEM; step ``i`` starts the K and V
-DMAs of page ``i`` (``[L, H, S, D]`` strided slabs, all layers and heads) and waits for those of
-page ``i - DMAS_IN_FLIGHT``; a skipped page issues no DMA.
+Semantics and shapes are those of :func:`pallas_kernels.paged_write.write_chunk`, which validates
+and calls :func:`write_chunk` here with the chunk as frames and the skipped ids set to 0. The kernel
+is grid-less: the page ids are scalar-prefetched, and step ``i`` starts the HBM-to-HBM K and V DMAs
+of page ``i`` (all layers and heads at once) and waits for those of page ``i - DMAS_IN_FLIGHT``; a
+skipped page issues none. The outputs alias the donated pools. The compiled kernel needs a block
+size that is a multiple of 8 (:func:`pallas_kernels.layout.check_tpu_block_size`). Design and
+temporaries: ``docs/kernels.md`` (Paged chunk write).
 """
 
 from __future__ import annotations

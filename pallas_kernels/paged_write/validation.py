@@ -6,7 +6,8 @@ dtypes, frame size); ``write_chunk`` always calls it, and it accepts tracers and
 value-check rule of :mod:`pallas_kernels.common` (``validate=``); ``write_chunk`` calls it after
 the static checks. :func:`dynamic_validate_inputs` is the static checks plus a stricter value check
 on the host (no null page either). Every error is a ``ValueError`` (``TypeError`` for a non-array
-argument) that names the parameter, the bad value and the allowed range.
+argument or a ``tokens_per_frame`` that is not an int, :mod:`pallas_kernels.checks`) that names the
+parameter, the bad value and the allowed range (``docs/kernels.md``, Validation).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import numpy as np
 from jax.experimental import checkify
 
 from pallas_kernels.backend import resolve_backend
+from pallas_kernels.checks import require_int
 from pallas_kernels.common import (
     check_entries,
     check_rank,
@@ -71,14 +73,12 @@ def static_validate_inputs(k_pool, v_pool, k_new, v_new, page_ids, *, tokens_per
                          f"kv_heads={kv_heads}, head_dim={head_dim}], got {list(k_new.shape)}")
     if tokens_per_frame is None:
         tokens_per_frame = block_size
-    if (isinstance(tokens_per_frame, bool) or not isinstance(tokens_per_frame, (int, np.integer))
-            or tokens_per_frame < 1):
-        raise ValueError(f"tokens_per_frame must be a positive int, got {tokens_per_frame!r}")
+    tokens_per_frame = require_int("tokens_per_frame", tokens_per_frame, minimum=1, must="a positive int")
     rows, tokens = k_new.shape[1], k_new.shape[2]
     if tokens == 0 or tokens % tokens_per_frame:
         raise ValueError(f"the chunk's {tokens} tokens per row must be a positive multiple of "
                          f"tokens_per_frame={tokens_per_frame}")
-    ppf = pages_per_frame(int(tokens_per_frame), block_size)
+    ppf = pages_per_frame(tokens_per_frame, block_size)
     expected = (rows, tokens // tokens_per_frame * ppf)
     if not (hasattr(page_ids, "shape") and hasattr(page_ids, "dtype")):
         raise TypeError(f"page_ids must be an integer array (int32), got {type(page_ids).__name__}")
@@ -88,7 +88,7 @@ def static_validate_inputs(k_pool, v_pool, k_new, v_new, page_ids, *, tokens_per
                          f"{block_size}, pages_per_frame={ppf}), got {list(jnp.shape(page_ids))}")
     if not jnp.issubdtype(page_ids.dtype, jnp.integer):
         raise ValueError(f"page_ids must be integers (int32), got {page_ids.dtype}")
-    return int(tokens_per_frame)
+    return tokens_per_frame
 
 
 def dynamic_validate_inputs(k_pool, v_pool, k_new, v_new, page_ids, *, tokens_per_frame=None,

@@ -1,22 +1,11 @@
 """The paged chunk write in plain lax (the ``"xla"`` backend, the CPU default).
 
-A ``fori_loop`` over the ``N = R * F * ppf`` page ids: one ``dynamic_update_slice`` of a whole
-page of every layer and head (``[L, H, 1, S, D]``, :mod:`pallas_kernels.layout`; the token-major
-page is transposed in the loop body, O(page)) per pool, under ``lax.cond`` (id 0 skips). Choices, each measured on CPU
-against its alternative:
-
-- Not a scatter (``pool.at[:, ids].set(pages, unique_indices=True, mode="drop")``): XLA:CPU upcasts
-  bf16/fp16 scatters and dynamic-update-slices to f32 across the whole pool, so a bf16 scatter
-  costs time and a temp proportional to the pool; this loop costs time proportional to the chunk
-  with a temp under a KiB in fp32.
-- 16-bit pools move as uint16 bits, bitcast inside the loop body: the cheapest of the measured
-  options (bitcasts outside the loop become full-pool copies); the write is still O(pool) on CPU
-  for 16-bit pools. 32-bit pools are written directly (bitcasting them too made an fp32 write
-  O(pool) instead of O(chunk)).
-- A frame's padded last page is built page-sized inside the loop (slice, pad, select) rather than
-  from a padded copy of the chunk: XLA:CPU maps a fresh temp per call, and page-faulting a
-  chunk-sized temp made the write several times slower. Nor is it a third ``lax.switch`` branch:
-  two branches that both update the pools cost a full-pool copy.
+A ``fori_loop`` over the page ids: each step writes one whole page of every layer and head per pool
+with a ``dynamic_update_slice`` under ``lax.cond`` (id 0 skips), transposing the token-major page
+inside the loop body and building a frame's padded last page there. 16-bit pools move as uint16
+bits, bitcast inside the body. Semantics and shapes: :func:`pallas_kernels.paged_write.write_chunk`;
+why a loop and not a scatter, and the other choices measured on CPU: ``docs/kernels.md`` (Paged
+chunk write).
 """
 
 from __future__ import annotations

@@ -2,32 +2,12 @@
 jax's XLA attention (``"cudnn_gather_xla"``): gather the visible history, then one
 ``jax.nn.dot_product_attention`` with per-row key lengths.
 
-Per call (one layer):
-
-1. **Gather.** :func:`~pallas_kernels.window_attention.xla.gather_history` reads each row's history
-   tokens ``t < capacity`` through the page table into contiguous ``[rows, capacity, kv_heads,
-   head_dim]`` K and V, with zeros (selected) at and past ``lengths[row]``: NaN in free or foreign
-   pages, frame padding or past a row's length never reaches the attention, whether or not cuDNN's
-   padding mask would keep it out of ``P @ V``.
-2. **Order.** There is no causal mask, so the key order is free: keys are laid out as ``[current
-   chunk, extras, history]``, and the valid keys of every row are the prefix of length
-   ``cur_len + num_extra + lengths[row]``, which ``key_value_seq_lengths`` (cuDNN's padding mask)
-   expresses; no ``[q, k]`` mask is materialised.
-3. **Attend.** ``q`` as given (BTNH), K/V at ``kv_heads`` heads (cuDNN does GQA itself).
-
-The gather reads and writes ``2 * rows * (capacity + tail) * kv_heads * head_dim`` elements once on
-top of what the attention reads; the fused paged kernel (:mod:`.mosaic_gpu`) avoids that pass, and
-this path is its yardstick.
-
-cuDNN's own paged attention (``page_table_k``/``page_table_v``) does not fit: it needs every valid
-token of a row in its pages as a prefix of the page list, while the current chunk and extras are
-not in the pool and frames with ``tokens_per_frame % block_size != 0`` leave padding inside the
-sequence.
-
-Requirements of ``"cudnn_gather"``: an NVIDIA GPU with cuDNN (jax traces the cuDNN call only where
-a GPU backend is present), bf16 or f16, ``head_dim % 8 == 0`` and ``head_dim <= 256`` (``<= 128``
-before Hopper, checked by jax). ``"cudnn_gather_xla"`` runs on any platform and dtype (f16 is
-computed in f32, which XLA:CPU needs).
+The history is gathered with zeros (selected) at and past each row's length, and the keys are laid
+out ``[current chunk, extras, history]``, so every row's valid keys are a prefix that
+``key_value_seq_lengths`` expresses; cuDNN does GQA itself. ``"cudnn_gather"`` needs an NVIDIA GPU
+with cuDNN, bf16 or f16, ``head_dim % 8 == 0`` and ``head_dim <= 256``; ``"cudnn_gather_xla"`` runs
+anywhere. Semantics and shapes: :func:`pallas_kernels.window_attention.window_attention`; why not
+cuDNN's paged attention, and costs: ``docs/kernels.md`` (Paged window attention).
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ A row's page list holds frame after frame; a frame of ``tokens_per_frame`` token
 tokens_per_frame`` padding slots. Page-list slot ``s`` (entry ``s // block_size``, offset
 ``s % block_size``) belongs to frame ``s // frame_slots`` at in-frame offset ``s % frame_slots``
 and holds a valid token iff that offset is ``< tokens_per_frame`` and the token's logical position
-``frame * tokens_per_frame + offset`` is ``< lengths[row]``.
+``frame * tokens_per_frame + offset`` is ``< lengths[row]`` (``docs/kernels.md``, Paged window
+attention).
 """
 
 from __future__ import annotations

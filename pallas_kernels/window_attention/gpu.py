@@ -1,37 +1,14 @@
 """Window attention as a Pallas GPU kernel, Triton lowering (``"pallas_gpu"``, ``_interpret``), for
-NVIDIA GPUs Mosaic GPU does not serve (Ampere and Ada: A100, L4, RTX 4090). On Hopper and later
-the cuDNN gather path (:mod:`.cudnn_gather`) is the default and the Mosaic GPU kernel
-(:mod:`.mosaic_gpu`) the fused one.
+NVIDIA GPUs Mosaic GPU does not serve (Ampere and Ada); on Hopper and later the cuDNN gather path
+(:mod:`.cudnn_gather`) is the default and the Mosaic GPU kernel (:mod:`.mosaic_gpu`) the fused one.
 
-Kernel: one program per ``(row, KV head, query block)``. GQA is folded: the ``group`` query heads of
-a KV head are stacked on the query axis (the wrapper lays ``q`` out as ``[rows, kv_heads, group *
-q_len (padded to block_q), head_dim]``), so each program reads its KV head's keys and values once
-for all of them. The key loop walks **history tokens**, not page-list slots: key block ``b`` is
-tokens ``[b * block_k, (b + 1) * block_k)``, each gathered through the page table by pointer
-indexing (any ``block_size``, frame padding skipped,
-:func:`~pallas_kernels.window_attention.geometry.history_token_slot`), so the valid history keys of
-a row are a prefix and
-
-* the ``lengths[row] // block_k`` full history blocks run with no mask at all,
-* at most one boundary block masks its logits (``jnp.where`` on the scores): its lanes past the
-  length read history token 0 of the row (always valid there, or the null page's zeros at length
-  0), so its V holds no NaN and needs no mask,
-* the tail (current chunk + extras, zero-padded to whole blocks) masks only its last partial block.
-
-No V tile is ever selected, so V goes from shared memory straight into the second matmul. The
-token-to-pool-row map of the head-major pool viewed as token rows (:func:`history_pool_rows`,
-``4 * round_up(capacity, block_k)`` bytes per row) is computed outside the kernel, so a key
-block's addresses are one contiguous index load and no page-table lookup or division runs in the
-loop. Page-list entries past a row's visible pages are the
-layer's null page. The softmax runs in base 2: scores are scaled once by ``scale * log2(e)`` and
-exponentiated with ``exp2``. Accumulation, the running max and the normaliser are float32; f32
-inputs use full-precision dots.
-
-Requirements: ``head_dim`` a power of two >= 16 (Triton block shapes), ``block_q`` and ``block_k``
-powers of two in ``[16, 256]``, ``num_warps`` 4 or 8, ``num_stages`` in ``[1, 4]``. Pools of more
-than 2**31 elements switch Triton's offsets to 64 bits (Pallas decides by buffer size). JAX
-deprecates the Triton backend from 0.11 on (its lowering warns), so it is imported only when this
-backend runs.
+One program per ``(row, KV head, query block)``, GQA folded onto the query axis. The key loop walks
+history tokens through a token-to-pool-row map computed outside the kernel
+(:func:`history_pool_rows`), so a row's valid keys are a prefix: full blocks run unmasked and only
+the boundary block and the tail's last block mask. Base-2 softmax, float32 statistics. Requires
+``head_dim`` a power of two >= 16 and tiles that are powers of two in ``[16, 256]``. JAX deprecates
+the Triton backend, so it is imported only when this backend runs. Semantics and shapes:
+:func:`pallas_kernels.window_attention.window_attention`; design: ``docs/kernels.md``.
 """
 
 from __future__ import annotations

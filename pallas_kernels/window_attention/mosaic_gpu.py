@@ -1,50 +1,14 @@
 """Window attention as a Mosaic GPU kernel (``jax.experimental.pallas.mosaic_gpu``,
 ``"pallas_mgpu"``) for Hopper (sm_90a) and later, FlashAttention-3 style.
 
-Same arguments and semantics as the other backends (GQA, extras, ragged lengths, frame padding, the
-NaN contract), under two requirements (checked by
-:func:`~pallas_kernels.window_attention.validation.static_validate_inputs`):
-
-* **Pool layout.** ``block_size`` (tokens per page) must be a multiple of the key tile ``block_kv``
-  (``block_k=`` of ``window_attention``; default :func:`default_block_kv`), so that no key tile
-  straddles two pages: a tile is then one TMA box of ``block_kv`` consecutive, contiguous rows of
-  the head-major pool viewed as token rows ``[layers * kv_heads * pages * block_size, head_dim]``
-  (:func:`pallas_kernels.layout.token_rows`), starting at row :func:`pallas_kernels.layout.token_row`
-  ``(layer, kv_head, page, offset)``. For 1,560-token frames that means 1,664-token pages (13 x 128, one
-  page per frame, 104 padding slots) or 128-token pages (13 per frame): frame alignment
-  (``tokens_per_frame`` need not divide ``block_size``) lets the cache pick one.
-* **Types.** bf16 or f16; ``head_dim`` a multiple of 64 up to 256; the tiling's shared memory
-  (:func:`smem_bytes`) at most :data:`SMEM_BYTES`.
-
-Kernel (``plgpu.kernel``, grid ``(query tiles, kv_heads, rows)``, three warpgroups per CTA):
-
-* GQA folded: the wrapper lays ``q`` out as ``[rows, kv_heads, group * q_len (padded), head_dim]``,
-  so a CTA's query tile holds query rows of every head of its KV head's group and the K/V tiles it
-  streams serve all of them: K/V are read once per KV head and query tile.
-* Warpgroup 2 is the producer (registers lowered to 40): it issues TMA copies of K and V tiles into
-  a ring of ``stages`` (2-4) shared-memory slots, ``stages`` tiles ahead of the consumers, waiting on
-  a slot's "consumed" barrier (both consumers arrive) before refilling it. History tiles come from
-  the pool at rows precomputed from the page table (:func:`history_tiles`, layer folded in); then
-  the current chunk + extras, zero-padded to whole tiles.
-* Warpgroups 0 and 1 are consumers (registers raised to 232), each with its own ``block_q = 64``
-  query rows: ``S = Q K^T`` by wgmma into an f32 accumulator, online softmax in base 2 (``scale *
-  log2(e)`` folded into one multiply of the scores, ``exp2``), ``P V`` by wgmma with ``P`` from
-  registers.
-* Masks only where needed: a tile is *full* when all its keys are valid (within a page, valid slots
-  are a prefix: the frame's tokens, then the length), decided by a scalar test per tile; full tiles
-  take the unmasked branch of a ``lax.cond``. A tile with invalid keys (a frame's padded tail, the
-  row's length boundary, the tail's last tile) masks its scores to a finite ``MASK_VALUE`` and
-  zeroes its invalid V rows in shared memory by selection (each consumer does it before its own
-  ``P V``; both write the same bits), so NaN in padding or stale slots never reaches a product.
-* Tiles past a row's last valid history key are not visited; page-list entries past the visible
-  pages point at the layer's null page, so no page the row does not use is read.
-
-Without a GPU, jax traces and lowers this kernel for ``cuda`` (under an abstract device) into a
-``mosaic_gpu_v2`` custom call: Pallas' Mosaic GPU lowering rules (layouts, transforms, wgmma operand
-shapes, barrier and TMA shapes) and MLIR verification of the Mosaic GPU module. The Mosaic GPU
-pipeline to PTX and ptxas runs inside XLA's CUDA plugin when the executable is compiled, so
-register use, numerics, barrier phases and races need a GPU. ``plgpu.kernel`` has no CPU
-interpreter (TMA, barriers and wgmma have no discharge rules).
+Semantics and shapes are those of :func:`pallas_kernels.window_attention.window_attention`, under two
+requirements checked by :func:`~pallas_kernels.window_attention.validation.static_validate_inputs`:
+``block_size`` a multiple of the key tile ``block_kv`` (default :func:`default_block_kv`; a tile is
+then one TMA box of contiguous pool rows), and bf16 or f16 with ``head_dim`` a multiple of 64 up to
+256 and a tiling whose shared memory (:func:`smem_bytes`) fits :data:`SMEM_BYTES`. One producer
+warpgroup streams K/V tiles by TMA into a ring of shared-memory slots; two consumer warpgroups run
+wgmma and a base-2 online softmax, masking only tiles with invalid keys. Off a GPU it can be lowered
+for ``cuda``, not run (no interpreter). Design: ``docs/kernels.md`` (Paged window attention).
 """
 
 from __future__ import annotations
@@ -121,7 +85,7 @@ def _valid_keys_in_tile(step, n_hist, length, geom: WindowGeometry, block_kv: in
 def _kernel(q_ref, kp_ref, vp_ref, kt_ref, vt_ref, starts_ref, counts_ref, len_ref, o_ref, scoped,
             *, geom: WindowGeometry, scale: float, block_q: int, block_kv: int, stages: int,
             tail_tiles: int):
-    """Body of one CTA ``(query tile, kv head, row)``; see the module docstring.
+    """Body of one CTA ``(query tile, kv head, row)``; see ``docs/kernels.md`` (Mosaic GPU).
 
     Refs (GMEM): ``q_ref``/``o_ref`` ``[rows, kv_heads, q_pad, D]``; ``kp_ref``/``vp_ref`` the
     pools as token rows ``[layers * kv_heads * pages * block_size, D]``; ``kt_ref``/``vt_ref``

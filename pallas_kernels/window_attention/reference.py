@@ -1,5 +1,5 @@
 """Pure-jnp reference of paged window attention: slow and simple; every backend is tested
-against it."""
+against it (semantics: ``docs/kernels.md``, Paged window attention)."""
 
 from __future__ import annotations
 

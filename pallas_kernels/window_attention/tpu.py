@@ -1,63 +1,13 @@
 """Window attention as a Pallas TPU (Mosaic) kernel (``"pallas_tpu"``, ``_interpret``,
 ``_simulate``) on the head-major pool layout (:mod:`pallas_kernels.layout`).
 
-The chunk's queries attend, bidirectionally, to each row's visible history pages, to the current
-chunk's own keys (``k_cur``/``v_cur``) and to extra tokens (``extra_k``/``extra_v``); the pools are
-read only. Semantics are those of :func:`pallas_kernels.window_attention.window_attention`
-(frame-aligned pages, ``lengths``, extras, GQA, NaN-safe selection, the null page 0), whose
-dispatcher calls :func:`attention` (tiles ``block_q`` and ``block_k`` = ``keys_per_block``);
-:func:`window_attention` here takes every tiling knob and the TPU generation (compile tests,
-benchmarks).
-
-Shapes (``rows`` rows; token counts in tokens):
-
-=====================  ==============================================================  ===========
-``q``                  ``[rows, q_len, num_q_heads, head_dim]``                        f32/bf16/f16
-``k_cur``, ``v_cur``   ``[rows, cur_len, kv_heads, head_dim]`` (``cur_len >= 1``)      as ``q``
-``extra_k/_v``         ``[rows, num_extra, kv_heads, head_dim]``, all valid            as ``q``
-``k_pool``, ``v_pool`` ``[num_layers, kv_heads, num_pages, block_size, head_dim]``     as ``q``
-``pages``              int32 ``[rows, max_pages]``: page ids (0 = the null page)
-``lengths``            int32 ``[rows]``: valid history tokens, in ``[0, capacity]``
-``layer``              int32 scalar (may be traced)
-output                 ``[rows, q_len, num_q_heads, head_dim]``, ``q``'s dtype
-=====================  ==============================================================  ===========
-
-Frames: a frame of ``tokens_per_frame`` (``T``) tokens fills ``ppf = ceil(T / block_size)``
-consecutive page-list entries; page-list slot ``s`` holds a valid token iff its in-frame offset
-``s % (ppf * block_size)`` is below ``T`` and the token's position is below ``lengths[row]``. Within a
-page the valid slots are a prefix, which is how the kernel masks.
-
-Kernel (Mosaic). Grid ``(rows, kv_heads, query blocks)``; the page table, the visible page counts,
-the lengths and the layer are scalar-prefetched. Per grid step:
-
-* the queries of one query block of all ``group = num_q_heads // kv_heads`` query heads of the KV
-  head, as one ``[group * block_q, head_dim]`` matrix (GQA folded into M), pre-scaled by
-  ``scale * log2(e)`` so the softmax uses ``exp2``;
-* the current chunk + extras of the (row, KV head), ``[tail_pad, head_dim]``, through a BlockSpec
-  (fetched once per (row, head): consecutive query blocks reuse it);
-* history pages, ``pages_per_block`` at a time, DMA'd by hand from ``pool[layer, head, page]`` into a
-  double-buffered VMEM block ``[2, pages_per_block, block_size, head_dim]`` (block ``b + 1`` in flight
-  while block ``b`` is computed); only the row's visible pages are fetched and visited;
-* compute chunks of about ``block_kv_compute`` keys (several whole pages, or pieces of one page) times
-  query sub-blocks of ``block_q_compute`` rows: an online softmax with lane-dense ``m``/``l`` scratch
-  ``[group * block_q, 128]`` float32 and a float32 accumulator (``m`` is the row max on every lane;
-  ``l`` holds 128 per-lane partial sums, reduced across lanes once, at the end, so a chunk's sum
-  needs no cross-lane reduction). A chunk whose slots are all valid is
-  computed with no masking at all; a partly valid chunk selects (``jnp.where``) its invalid keys to
-  a finite minimum and its invalid values to 0, so NaN in free or foreign pages, frame padding or
-  stale VMEM cannot reach the output; a chunk with no valid slot is skipped.
-
-VMEM: :func:`vmem_estimate_bytes` (blocks double-buffered, scratch, the compute chunk's float32
-intermediates); the call sets ``vmem_limit_bytes`` from it and raises a ValueError past the
-generation's budget. Block sizes come from :data:`TUNED_BLOCKS` (per generation), overridable.
-
-Temporaries outside the kernel (compiled, per call): the scaled head-major copy of ``q``, the
-kernel's output before its transpose back (``2 * rows * q_pad * num_q_heads * head_dim`` elements in
-all) and the head-major tail (``2 * rows * kv_heads * tail_pad * head_dim``), plus int32 tables; never
-a pool (:func:`temp_bound_bytes`).
-
-One module for the Mosaic TPU kernel: its tiling table, VMEM estimate, DMA schedule and body
-are one kernel.
+Semantics and shapes are those of :func:`pallas_kernels.window_attention.window_attention`, whose
+dispatcher calls ``_attention`` here (``block_k`` is ``keys_per_block``); :func:`window_attention`
+here takes every tiling knob and the TPU generation (compile tests, benchmarks). The grid is
+``(rows, kv_heads, query blocks)`` with GQA folded into the matmul's M; history pages are DMA'd by
+hand into double-buffered VMEM and an online softmax with lane-dense statistics runs over chunks of
+keys, unmasked where every slot is valid. Block sizes come from :data:`TUNED_BLOCKS`, the VMEM limit
+from :func:`vmem_estimate_bytes`. The kernel's design: ``docs/kernels.md`` (Paged window attention).
 """
 
 from __future__ import annotations
@@ -69,16 +19,16 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.backend import resolve_backend
+from pallas_kernels.checks import require_int
 from pallas_kernels.common import MASK_VALUE
 from pallas_kernels.layout import check_tpu_block_size, page_index
 from pallas_kernels.window_attention.geometry import WindowGeometry, visible_page_count
-from pallas_kernels.window_attention.validation import check_arrays
+from pallas_kernels.window_attention.validation import check_arrays, check_scale
 
 LANES = 128
 LOG2_E = math.log2(math.e)
@@ -223,7 +173,7 @@ def window_attention(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, layer=0
         ``pltpu.InterpretParams`` runs on the CPU).
 
     Returns:
-      ``[rows, q_len, num_q_heads, head_dim]`` in ``q``'s dtype.
+      as :func:`pallas_kernels.window_attention.window_attention`: ``q``'s shape and dtype.
 
     Raises:
       ValueError: what :func:`~pallas_kernels.window_attention.validation.check_arrays` rejects;
@@ -235,7 +185,7 @@ def window_attention(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, layer=0
                         extra_k=extra_k, extra_v=extra_v, tokens_per_frame=tokens_per_frame)
     if interpret is False:
         check_tpu_block_size(geom.block_size)
-    scale = _check_scale(geom.head_dim ** -0.5 if scale is None else scale)
+    scale = check_scale(geom.head_dim ** -0.5 if scale is None else scale)
     geom = Geometry.of(geom, q.dtype)
     plan, vmem_limit = plan_call(geom, generation, block_q=block_q,
                                  block_q_compute=block_q_compute,
@@ -293,24 +243,13 @@ def resolve_blocks(generation: str, **overrides) -> Blocks:
         raise ValueError(f"generation must be one of {sorted(TUNED_BLOCKS)}, got {generation!r}")
     given = {k: v for k, v in overrides.items() if v is not None}
     blocks = dataclasses.replace(TUNED_BLOCKS[generation], **given)
-    for name in ("block_q", "block_q_compute", "keys_per_block"):
-        value = getattr(blocks, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 8 or value % 8:
-            raise ValueError(f"{name}={value!r} must be a positive multiple of 8")
-    bkc = blocks.block_kv_compute
-    if isinstance(bkc, bool) or not isinstance(bkc, int) or bkc < LANES or bkc % LANES:
-        raise ValueError(f"block_kv_compute={bkc!r} must be a positive multiple of {LANES}")
-    return blocks
+    multiples = dict(block_q=8, block_q_compute=8, keys_per_block=8, block_kv_compute=LANES)
+    return Blocks(**{name: require_int(name, getattr(blocks, name), minimum=m, multiple_of=m,
+                                       must=f"a positive multiple of {m}") for name, m in multiples.items()})
 
 
 def _vmem_limit(estimate: int, generation: str) -> int:
     return int(min(VMEM_BUDGET[generation], max(32 << 20, estimate * 5 // 4 + (4 << 20))))
-
-
-def _check_scale(scale) -> float:
-    if not isinstance(scale, (int, float, np.floating)) or not 0 < scale < math.inf:
-        raise ValueError(f"scale must be a positive finite number, got {scale!r}")
-    return float(scale)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -360,7 +299,7 @@ def _prefix_masks(n: int, limits):
 
 def _kernel(table_ref, nvis_ref, len_ref, layer_ref, q_ref, kt_ref, vt_ref, k_hbm, v_hbm, o_ref,
             kbuf, vbuf, sems, m_ref, l_ref, acc_ref, *, geom: Geometry, plan: Plan):
-    """Grid step ``(row, kv head, query block)``; see the module docstring.
+    """Grid step ``(row, kv head, query block)``; see ``docs/kernels.md`` (the Mosaic TPU kernel).
 
     Refs: SMEM ``table_ref`` ``[rows * max_pages]`` (0 past the visible pages), ``nvis_ref``
     ``[rows]``, ``len_ref`` ``[rows]``, ``layer_ref`` ``[1]``; VMEM ``q_ref``/``o_ref`` ``[M, D]``,

@@ -1,21 +1,12 @@
-"""Gather-then-flash window attention on TPU (``"pallas_tpu_gather"``, ``_interpret``): the
+"""Gather-then-splash window attention on TPU (``"pallas_tpu_gather"``, ``_interpret``): the
 yardstick of the paged kernel (:mod:`~pallas_kernels.window_attention.tpu`), and a fallback.
 
-Same arguments, shapes and semantics as :func:`pallas_kernels.window_attention.window_attention`
-(pools in :func:`pallas_kernels.layout.pool_shape`, frame-aligned pages, lengths, extras, GQA).
-For one layer it
-
-1. gathers each row's visible history tokens by position into contiguous head-major K/V
-   ``[rows, kv_heads, capacity, head_dim]`` (an XLA gather through the page table; frame padding is
-   skipped, slots past a row's length are selected to 0, so NaN in free or foreign pages never
-   enters), appends the current chunk and extras and pads the keys to ``block_kv``;
-2. runs jax's maintained splash attention kernel (``jax.experimental.pallas.ops.tpu.
-   splash_attention``, the MQA form per KV head, so a GQA group's query heads share their KV head)
-   with a full mask, padded and invalid keys removed by segment ids.
-
-Temporaries (compiled, per call): the gathered K and V, ``2 * rows * kv_heads * kv_pad * head_dim``
-elements, plus the padded, scaled queries and the output (``2 * rows * q_pad * num_q_heads *
-head_dim``); never a pool.
+Same arguments, shapes and semantics as :func:`pallas_kernels.window_attention.window_attention`.
+For one layer it gathers each row's visible history tokens into contiguous head-major K/V (frame
+padding skipped, slots past the length selected to 0), appends the current chunk and extras, and
+runs jax's splash attention per KV head (MQA form) with padded and invalid keys removed by segment
+ids. Never a pool is copied. Block sizes: :data:`TUNED_BLOCKS`; details: ``docs/kernels.md`` (Paged
+window attention).
 """
 
 from __future__ import annotations
@@ -28,11 +19,12 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.backend import resolve_backend
+from pallas_kernels.checks import argument_error, require_int
 from pallas_kernels.common import round_up
 from pallas_kernels.layout import read_tokens
 from pallas_kernels.window_attention.geometry import WindowGeometry
 from pallas_kernels.window_attention.tpu import default_generation
-from pallas_kernels.window_attention.validation import check_arrays
+from pallas_kernels.window_attention.validation import check_arrays, check_scale
 
 TUNED_BLOCKS = {
     # Chosen by benchmarks/tpu_compile.py's bundle estimate at wan-1.3b (--baseline-blocks sweep,
@@ -57,12 +49,11 @@ def resolve_blocks(generation: str | None = None, **overrides) -> dict:
         raise ValueError(f"generation must be one of {sorted(TUNED_BLOCKS)}, got {generation!r}")
     blocks = {k: TUNED_BLOCKS[generation][k] if overrides.get(k) is None else overrides[k]
               for k in ("block_q", "block_kv", "block_kv_compute")}
-    for name, value in blocks.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 128 or value % 128:
-            raise ValueError(f"{name}={value!r} must be a positive multiple of 128")
+    blocks = {name: require_int(name, value, minimum=128, multiple_of=128, must="a positive multiple of 128")
+              for name, value in blocks.items()}
     if blocks["block_kv"] % blocks["block_kv_compute"]:
-        raise ValueError(f"block_kv_compute={blocks['block_kv_compute']} must divide "
-                         f"block_kv={blocks['block_kv']}")
+        raise argument_error("block_kv_compute", blocks["block_kv_compute"],
+                             f"a divisor of block_kv={blocks['block_kv']}")
     return blocks
 
 
@@ -78,7 +69,7 @@ def gather_window_attention(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, 
       ``"v6e"``, default the default device's) and ``interpret`` (a bool: splash's interpret mode).
 
     Returns:
-      ``[rows, q_len, num_q_heads, head_dim]`` in ``q``'s dtype.
+      as :func:`pallas_kernels.window_attention.window_attention`: ``q``'s shape and dtype.
 
     Raises:
       ValueError: those of ``window_attention``; an unknown generation; a block size that is not a
@@ -88,9 +79,7 @@ def gather_window_attention(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, 
                         extra_k=extra_k, extra_v=extra_v, tokens_per_frame=tokens_per_frame)
     blocks = resolve_blocks(generation, block_q=block_q, block_kv=block_kv,
                             block_kv_compute=block_kv_compute)
-    scale = geom.head_dim ** -0.5 if scale is None else float(scale)
-    if not 0 < scale < float("inf"):
-        raise ValueError(f"scale must be a positive finite number, got {scale!r}")
+    scale = check_scale(geom.head_dim ** -0.5 if scale is None else scale)
     return _gather_attention(q, k_cur, v_cur, extra_k, extra_v, k_pool, v_pool, pages, lengths,
                              jnp.asarray(layer, jnp.int32), geom=geom, scale=scale,
                              blocks=tuple(sorted(blocks.items())), interpret=interpret)

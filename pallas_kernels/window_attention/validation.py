@@ -6,19 +6,19 @@ counts, frame size, a Python-int ``layer``'s range, scale, backend name and tile
 :func:`check_values` checks the values (page ids, lengths, a layer given as an array) under the
 value-check rule of :mod:`pallas_kernels.common` (``validate=``); ``window_attention`` calls it
 after the static checks. :func:`dynamic_validate_inputs` is both, with every value read on the
-host. Every error is a ``ValueError`` (``TypeError`` for a non-array or non-integer argument) that
-names the parameter, the bad value and the allowed range.
+host. Every error is a ``ValueError`` (``TypeError`` for a non-array argument or a wrong type by the
+rule of :mod:`pallas_kernels.checks`) that names the parameter, the bad value and the allowed range
+(``docs/kernels.md``, Validation).
 """
 
 from __future__ import annotations
 
 import functools
-import math
 
 import jax.numpy as jnp
-import numpy as np
 
 from pallas_kernels.backend import CUDNN_DTYPES, cudnn_supports, resolve_backend
+from pallas_kernels.checks import ArgumentTypeError, argument_error, is_int, require_int, require_real
 from pallas_kernels.common import (
     check_entries,
     check_rank,
@@ -67,11 +67,10 @@ def static_validate_inputs(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, l
                         extra_k=extra_k, extra_v=extra_v, tokens_per_frame=tokens_per_frame)
     resolved = resolve_backend(backend, dtype=q.dtype, head_dim=geom.head_dim)
     if scale is not None:
-        _check_scale(scale)
+        check_scale(scale)
     for name, tile in (("block_q", block_q), ("block_k", block_k)):
-        if tile is not None and (isinstance(tile, bool) or not isinstance(tile, (int, np.integer))
-                                 or tile < 1):
-            raise ValueError(f"{name}={tile!r} must be None or a positive int (a static tile size)")
+        if tile is not None:
+            require_int(name, tile, minimum=1, must="None or a positive int (a static tile size)")
     if resolved.kind == "pallas_gpu":
         _check_gpu_tile("block_q", block_q)
         _check_gpu_head_dim(geom.head_dim)
@@ -101,18 +100,17 @@ def check_mosaic_tiling(geom: WindowGeometry, dtype, block_q, block_kv, stages: 
     if geom.head_dim % 64 or not 64 <= geom.head_dim <= 256:
         raise ValueError(f"head_dim={geom.head_dim} is not supported by the Mosaic GPU kernel; "
                          "allowed: multiples of 64 in [64, 256]")
-    if block_q not in (None, mosaic_gpu.BLOCK_Q):
-        raise ValueError(f"block_q={block_q!r} must be {mosaic_gpu.BLOCK_Q} for the Mosaic GPU "
-                         "kernel (one wgmma M tile per consumer warpgroup)")
+    if block_q is not None:
+        must = f"{mosaic_gpu.BLOCK_Q} for the Mosaic GPU kernel (one wgmma M tile per consumer warpgroup)"
+        if require_int("block_q", block_q, must=must) != mosaic_gpu.BLOCK_Q:
+            raise argument_error("block_q", block_q, must)
     block_kv = mosaic_gpu.default_block_kv(geom.block_size) if block_kv is None else block_kv
-    if (isinstance(block_kv, bool) or not isinstance(block_kv, (int, np.integer)) or block_kv < 64
-            or block_kv % 64 or geom.block_size % block_kv):
-        raise ValueError(f"block_k={block_kv!r} must be a positive multiple of 64 dividing "
-                         f"block_size={geom.block_size} for the Mosaic GPU kernel (no key tile may "
-                         "straddle two pages; pick a page size that is a multiple of the key tile, "
-                         "e.g. 1664 = 13 x 128 for 1560-token frames)")
-    if isinstance(stages, bool) or not isinstance(stages, int) or not 2 <= stages <= 4:
-        raise ValueError(f"stages={stages!r} must be an int in [2, 4]")
+    must = (f"a positive multiple of 64 dividing block_size={geom.block_size} for the Mosaic GPU kernel "
+            "(no key tile may straddle two pages; pick a page size that is a multiple of the key tile, "
+            "e.g. 1664 = 13 x 128 for 1560-token frames)")
+    if geom.block_size % require_int("block_k", block_kv, minimum=64, multiple_of=64, must=must):
+        raise argument_error("block_k", block_kv, must)
+    stages = require_int("stages", stages, minimum=2, maximum=4)
     need = mosaic_gpu.smem_bytes(geom.head_dim, dtype.itemsize, mosaic_gpu.BLOCK_Q, int(block_kv),
                                  stages)
     if need > mosaic_gpu.SMEM_BYTES:
@@ -157,7 +155,7 @@ def check_values(geom: WindowGeometry, pages, lengths, layer, *, validate=True) 
 
 
 def _check_values(geom: WindowGeometry, pages, lengths, layer, mode_of) -> None:
-    if not isinstance(layer, (int, np.integer)):  # A Python int: checked by check_arrays.
+    if not is_int(layer):  # A Python int: checked by check_arrays.
         check_entries(mode_of(layer), "layer", layer, lambda v: (v < 0) | (v >= geom.num_layers),
                       f"is out of range; allowed [0, {geom.num_layers}) (k_pool.shape[0])")
     check_entries(mode_of(pages), "pages", pages, lambda v: (v < 0) | (v >= geom.num_pages),
@@ -181,12 +179,12 @@ def check_arrays(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, layer=0, ex
                          tokens_per_frame)
     _check_dtypes(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, extra_k, extra_v)
     dtype = getattr(layer, "dtype", None)
-    integer = isinstance(layer, (int, np.integer)) or (dtype is not None and jnp.issubdtype(dtype, jnp.integer))
-    if isinstance(layer, bool) or not integer:
-        raise TypeError(f"layer must be an integer scalar (it may be traced), got {layer!r}")
+    if not (is_int(layer) or (dtype is not None and jnp.issubdtype(dtype, jnp.integer))):
+        raise ArgumentTypeError(f"layer must be an integer scalar (it may be traced), got {layer!r} "
+                                f"({type(layer).__name__}, expected an int or an int array)")
     if jnp.ndim(layer) != 0:
         raise ValueError(f"layer must be an int scalar, got shape {jnp.shape(layer)}")
-    if isinstance(layer, (int, np.integer)) and not 0 <= layer < geom.num_layers:
+    if is_int(layer) and not 0 <= layer < geom.num_layers:
         raise ValueError(f"layer={int(layer)} is out of range; allowed [0, {geom.num_layers}) "
                          "(k_pool.shape[0])")
     return geom
@@ -227,14 +225,11 @@ def _check_shapes(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, extra_k, extr
     if num_q_heads % kv_heads:
         raise ValueError(f"num_q_heads={num_q_heads} (q.shape[2]) must be a positive multiple of "
                          f"kv_heads={kv_heads} (k_cur.shape[2])")
-    tokens_per_frame = block_size if tokens_per_frame is None else tokens_per_frame
-    if isinstance(tokens_per_frame, bool) or not isinstance(tokens_per_frame, (int, np.integer)) \
-            or tokens_per_frame < 1:
-        raise ValueError(f"tokens_per_frame must be an int >= 1 (frames fill "
-                         f"ceil(tokens_per_frame / block_size={block_size}) pages); got "
-                         f"{tokens_per_frame!r}")
+    tokens_per_frame = require_int(
+        "tokens_per_frame", block_size if tokens_per_frame is None else tokens_per_frame, minimum=1,
+        must=f"an int >= 1 (frames fill ceil(tokens_per_frame / block_size={block_size}) pages)")
     return WindowGeometry(rows, q_len, num_q_heads, kv_heads, head_dim, cur_len, num_extra,
-                          num_layers, num_pages, block_size, pages.shape[1], int(tokens_per_frame))
+                          num_layers, num_pages, block_size, pages.shape[1], tokens_per_frame)
 
 
 def _check_dtypes(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, extra_k, extra_v) -> None:
@@ -251,15 +246,16 @@ def _check_dtypes(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, extra_k, extr
                              f"{jnp.dtype(x.dtype).name}")
 
 
-def _check_scale(scale) -> None:
-    if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating)) or not 0 < scale < math.inf:
-        raise ValueError(f"scale must be a positive finite number (a Python float), got {scale!r}")
+def check_scale(scale) -> float:
+    """``scale`` as a float; raises unless it is a positive finite real number (a bool is not
+    one, nor a traced value: the scale is static)."""
+    return require_real("scale", scale, low=0.0, low_open=True, must="a positive finite number (a Python float)")
 
 
 def _check_gpu_tile(name: str, value) -> None:
-    if value is not None and not (is_power_of_two(value) and 16 <= value <= 256):
-        raise ValueError(f"{name}={value!r} must be a power of two in [16, 256] for the Triton "
-                         "kernel")
+    must = "a power of two in [16, 256] for the Triton kernel"
+    if value is not None and not is_power_of_two(require_int(name, value, minimum=16, maximum=256, must=must)):
+        raise argument_error(name, value, must)
 
 
 def _check_cudnn(dtype, head_dim: int) -> None:
@@ -273,8 +269,8 @@ def _check_cudnn(dtype, head_dim: int) -> None:
 
 
 def _check_tpu_tile(name: str, value) -> None:
-    if value is not None and (value < 8 or value % 8):
-        raise ValueError(f"{name}={value} must be a positive multiple of 8 for the TPU kernel")
+    if value is not None:
+        require_int(name, value, minimum=8, multiple_of=8, must="a positive multiple of 8 for the TPU kernel")
 
 
 def _check_gpu_head_dim(head_dim: int) -> None:

@@ -1,6 +1,8 @@
 """Window attention in plain jnp/lax (the ``"xla"`` backend, the CPU default): gather the visible
 history tokens through the page table, put the tail in front, then a flash-style online softmax
-over key blocks (float32 statistics) whose block size :func:`key_block` bounds."""
+over key blocks (float32 statistics) whose block size :func:`key_block` bounds. Semantics and
+shapes: :func:`pallas_kernels.window_attention.window_attention`; memory bound: ``docs/kernels.md``.
+"""
 
 from __future__ import annotations
 

@@ -31,9 +31,11 @@ from tests.kernels.device_backends import (
     IGNORE_TRITON_DEPRECATION,
     compiled,
 )
+from tests.tiers import slow_except
 
-BACKENDS = ("xla", "cudnn_gather_xla", "pallas_tpu_interpret", "pallas_gpu_interpret",
-            "pallas_tpu_simulate", *COMPILED_BACKENDS, CUDNN_GATHER)
+# The fast tier runs the XLA path and the TPU kernel in interpret mode; the others in the whole suite.
+BACKENDS = slow_except(("xla", "cudnn_gather_xla", "pallas_tpu_interpret", "pallas_gpu_interpret",
+                        "pallas_tpu_simulate", *COMPILED_BACKENDS, CUDNN_GATHER), fast=("xla", "pallas_tpu_interpret"))
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 BLOCK = 16
 HEADS, HEAD_DIM = 2, 128
@@ -116,6 +118,7 @@ def test_pages_per_frame():
     assert pages_per_frame(1, 16) == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tokens_per_frame", [16, 24, 40])
 def test_reference_matches_numpy_loop(tokens_per_frame):
     k_pool, v_pool, k_new, v_new, page_ids = make_case(0, tokens_per_frame=tokens_per_frame)
@@ -155,6 +158,7 @@ def test_matches_reference_one_layer_unpadded(backend, seed):
     assert_bitwise_equal(v_out, v_ref)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("tokens_per_frame", [8, 40])
 def test_matches_reference_short_and_long_frames(backend, tokens_per_frame):
@@ -167,6 +171,7 @@ def test_matches_reference_short_and_long_frames(backend, tokens_per_frame):
     assert_bitwise_equal(v_out, v_ref)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("jitted", [True, False], ids=["jit", "eager"])
 def test_skipped_ids_corrupt_nothing(backend, jitted):
@@ -320,6 +325,7 @@ def test_shape_checks_run_under_jit_value_checks_do_not():
 # In place, no retrace.
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend, tokens_per_frame", [
     ("xla", 16), ("xla", 24),
     ("pallas_tpu_interpret", 16),
@@ -400,6 +406,7 @@ def test_new_page_id_values_do_not_retrace(backend, fresh_trace_counter):
     step(k_pool, v_pool, k_new, v_new, jnp.zeros_like(page_ids))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("platform,backend,call", [
     ("tpu", "pallas_tpu", "tpu_custom_call"),
     pytest.param("cuda", "pallas_gpu", "triton", marks=IGNORE_TRITON_DEPRECATION),

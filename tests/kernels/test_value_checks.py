@@ -149,11 +149,11 @@ def arrays(case):
     (dict(tokens_per_frame=2.0), r"^tokens_per_frame must be an int >= 1"),
     (dict(scale=-0.5), r"^scale must be a positive finite number"),
     (dict(scale=float("nan")), r"^scale must be a positive finite number"),
-    (dict(block_k=0), r"^block_k=0 must be None or a positive int"),
-    (dict(block_q=2.5), r"^block_q=2.5 must be None or a positive int"),
-    (dict(block_q=True), r"^block_q=True must be None or a positive int"),
-    (dict(backend="pallas_tpu_interpret", block_q=12), r"^block_q=12 must be a positive multiple of 8"),
-    (dict(backend="pallas_tpu_interpret", block_k=20), r"^block_k=20 must be a positive multiple of 8"),
+    (dict(block_k=0), r"^block_k must be None or a positive int \(a static tile size\), got 0"),
+    (dict(block_q=2.5), r"^block_q must be None or a positive int .*, got 2.5 \(float, expected an int\)"),
+    (dict(block_q=True), r"^block_q must be None or a positive int .*, got True \(bool, expected an int\)"),
+    (dict(backend="pallas_tpu_interpret", block_q=12), r"^block_q must be a positive multiple of 8 .*, got 12"),
+    (dict(backend="pallas_tpu_interpret", block_k=20), r"^block_k must be a positive multiple of 8 .*, got 20"),
 ])
 def test_static_arguments_are_refused_under_jit(kwargs, message):
     """Static arguments are checked on every call: eagerly and while tracing a jitted caller."""
@@ -198,6 +198,7 @@ def test_default_jitted_program_has_no_checks():
     assert checked.lower(*args).as_text() != default
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("change,layer,message", [
     (dict(), LAYERS, r"^layer=2 is out of range; allowed \[0, 2\)"),
     (dict(pages=jnp.asarray([[1, 2, 3], [4, NUM_PAGES, 0]], jnp.int32)), 1,
@@ -349,6 +350,7 @@ def test_write_default_jitted_program_has_no_checks():
     assert default == jax.jit(functools.partial(write, validate=False)).lower(*case).as_text()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ids,message", [
     ([[1, 2], [3, 2]], r"^page_ids\[1, 1\]=2 repeats page_ids\[0, 1\]; a page may be written"),
     ([[1, 2], [NUM_PAGES, 4]], r"^page_ids\[1, 0\]=10 is not a page id; allowed \[0, 10\)"),

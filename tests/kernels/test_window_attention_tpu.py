@@ -113,6 +113,7 @@ def check(case, interpret=True, expected=None, **kwargs):
                                atol=tol, rtol=tol)
 
 
+@pytest.mark.slow
 def test_fill_levels(tiles=SMALL):
     """No history, sink only, partial, full, after eviction; rows at different fill levels; GQA."""
     for committed in [(0, 0, 0), (1, 0, 2), (6, 9, 4)]:
@@ -125,23 +126,27 @@ def test_ragged_lengths(tiles=SMALL):
     check(poisoned(case, owned), expected=case, **tiles)
 
 
+@pytest.mark.slow
 def test_extras_frame_padding_and_poison(tiles=SMALL):
     """3 extra tokens, 24-token frames on 16-slot pages (8 padding slots per frame)."""
     case, owned = make_case(committed=(0, 2, 5), window=Window(tokens_per_frame=24), extra=3)
     check(poisoned(case, owned), expected=case, **tiles)
 
 
+@pytest.mark.slow
 def test_mha_layer0_two_frame_chunk():
     case, owned = make_case(committed=(4, 1), num_q_heads=KV_HEADS, layer=0, cur_frames=2)
     check(poisoned(case, owned), expected=case, **SMALL)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_half_precision(dtype):
     case, owned = make_case(committed=(0, 3, 6), extra=3, dtype=dtype)
     check(poisoned(case, owned), expected=case, **dict(SMALL, block_q=32))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("block,tpf,dtype", [(272, 260, jnp.float32), (24, 40, jnp.bfloat16)])
 def test_pages_cut_into_pieces(block, tpf, dtype):
     """Pages computed piece by piece: larger than the 128-key chunk (272 = 128 + 128 + 16 slots,
@@ -153,6 +158,7 @@ def test_pages_cut_into_pieces(block, tpf, dtype):
           block_kv_compute=128, keys_per_block=block)
 
 
+@pytest.mark.slow
 def test_simulator_races_and_oob():
     """The TPU simulator: DMAs emulated, races detected, OOB reads raise, uninitialised VMEM NaN;
     GQA, extras, frame padding, poison, rows at different fills, two DMA blocks per row."""
@@ -162,6 +168,7 @@ def test_simulator_races_and_oob():
           block_q=32, block_q_compute=16, block_kv_compute=128, keys_per_block=32)
 
 
+@pytest.mark.slow
 def test_one_trace_while_window_fills():
     chex.clear_trace_counter()
 
@@ -184,8 +191,8 @@ def test_one_trace_while_window_fills():
     (lambda c: dict(q=c["q"][0]), r"q must have rank 4"),
     (lambda c: dict(q=c["q"][:, :, :3]), r"num_q_heads=3 .* multiple of kv_heads=2"),
     (lambda c: dict(k_cur=c["k_cur"].astype(jnp.bfloat16)), r"k_cur.dtype must equal q.dtype"),
-    (lambda c: dict(block_kv_compute=100), r"block_kv_compute=100 must be a positive multiple of 128"),
-    (lambda c: dict(block_q=12), r"block_q=12 must be a positive multiple of 8"),
+    (lambda c: dict(block_kv_compute=100), r"block_kv_compute must be a positive multiple of 128, got 100"),
+    (lambda c: dict(block_q=12), r"block_q must be a positive multiple of 8, got 12"),
     (lambda c: dict(generation="v4"), r"generation must be one of \['v5e', 'v6e'\]"),
     (lambda c: dict(scale=-1.0), r"scale must be a positive finite number"),
     (lambda c: dict(block_kv_compute=1 << 20), r"needs about .* MiB of VMEM, over the 100 MiB budget"),

@@ -107,6 +107,7 @@ def jax_forward(model, inputs, timesteps):
     return np.asarray(out).astype(np.float32)
 
 
+@pytest.mark.slow
 def test_config_and_forward_match_diffusers(upstream, converted, inputs):
     assert converted.config == WAN_TINY
     t = torch.tensor([999.0, 250.0])
@@ -116,6 +117,7 @@ def test_config_and_forward_match_diffusers(upstream, converted, inputs):
     assert report("diffusers parity, one timestep per sample", float(np.abs(got - expected).max())) < TOL
 
 
+@pytest.mark.slow
 def test_timestep_per_frame_matches_diffusers(upstream, converted, inputs):
     t = np.array([[999.0, 500.0, 0.0], [100.0, 750.0, 30.0]], np.float32)
     # diffusers takes a timestep per token (its Wan 2.2 path): each frame's repeated over its tokens.
@@ -190,6 +192,7 @@ def test_longlive_lora_merges_like_the_unmerged_forward(upstream, inputs, tmp_pa
     assert report("LoRA-merged parity", float(np.abs(got - expected).max())) < TOL
 
 
+@pytest.mark.slow
 def test_paged_rollout_of_the_converted_model_equals_full_recompute(converted):
     geometry = CacheGeometry(num_layers=2, num_kv_heads=4, head_dim=16, dtype="float32", tokens_per_frame=TPF,
                              block_size=16, frames_per_forward=2)
@@ -216,6 +219,7 @@ def test_paged_rollout_of_the_converted_model_equals_full_recompute(converted):
     assert rollout.num_traces == 1
 
 
+@pytest.mark.slow
 def test_bf16_error_is_diffusers_like(upstream, inputs):
     """Under the mixed precision policy a bfloat16 model is as far from the float32 one as diffusers'
     bfloat16 model is from its own float32 (``torch_dtype=bfloat16``: ``_keep_in_fp32_modules``)."""

@@ -54,6 +54,7 @@ def relative_rms(x: np.ndarray, reference: np.ndarray) -> float:
     return float(np.sqrt(np.mean((x - reference) ** 2) / np.mean(reference ** 2)))
 
 
+@pytest.mark.slow
 def test_bf16_error_is_bounded_and_below_all_bf16():
     reference = forward(CONFIG)
     mixed = relative_rms(forward(dataclasses.replace(CONFIG, dtype="bfloat16")), reference)
@@ -74,6 +75,7 @@ def test_float32_islands_of_the_wan_1_3b_model():
     assert island == 17_292_288
 
 
+@pytest.mark.slow
 def test_float32_model_is_the_same_under_both_policies():
     np.testing.assert_array_equal(forward(CONFIG), forward(dataclasses.replace(CONFIG, precision="uniform")))
 

@@ -102,6 +102,7 @@ def test_buckets_match_transformers(num_buckets, max_distance, length):
                                   expected)
 
 
+@pytest.mark.slow
 def test_parity_safetensors_directory(tmp_path):
     model = _hf_tiny()
     model.save_pretrained(tmp_path / "enc")
@@ -178,6 +179,7 @@ def test_official_wan_directory(tmp_path):
                                atol=TOL, rtol=0)
 
 
+@pytest.mark.slow
 def test_bfloat16_checkpoint_keeps_its_dtype(tmp_path):
     torch = pytest.importorskip("torch")
     model = _hf_tiny(seed=3)
@@ -238,6 +240,7 @@ def test_encode_prompts_with_a_local_tokenizer(tmp_path):
 # ------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_random_tiny_encoder_context():
     config = umt5.UMT5_CONFIGS["tiny"]
     encoder = umt5.init_random(config, seed=0)

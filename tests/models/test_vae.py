@@ -64,6 +64,7 @@ def _err(a, b):
     return float(np.abs(np.asarray(a) - np.asarray(b)).max())
 
 
+@pytest.mark.slow
 def test_loads_the_diffusers_config(reference, decoder):
     model = reference[0]
     assert decoder.config == vae.WanVAEConfig(base_dim=8, latents_mean=tuple(model.config.latents_mean),
@@ -71,6 +72,7 @@ def test_loads_the_diffusers_config(reference, decoder):
     assert decoder.config.num_pixel_frames(NUM_FRAMES, True) == 25
 
 
+@pytest.mark.slow
 def test_whole_video_matches_diffusers(reference, whole):
     pixels = reference[3]
     assert whole.shape == pixels.shape and whole.dtype == np.float32
@@ -78,6 +80,7 @@ def test_whole_video_matches_diffusers(reference, whole):
     assert _err(whole, pixels) < TOL
 
 
+@pytest.mark.slow
 def test_streaming_matches_diffusers_and_the_whole_video(reference, decoder, whole):
     _, _, latents, pixels = reference
     cache = vae.decoder_init_cache(decoder, H, W)
@@ -165,6 +168,7 @@ SMALL = vae.WanVAEConfig(base_dim=4, z_dim=4, dim_mult=(1, 2), temporal_upsample
                          latents_mean=(0.1, -0.2, 0.3, 0.0), latents_std=(1.5, 0.5, 2.0, 1.0))
 
 
+@pytest.mark.slow
 def test_random_decoder_stream_equals_whole_video():
     """Two levels, one temporal upsampler: 2 pixel frames per latent frame after the first."""
     decoder = vae.init_random(SMALL, seed=1)
@@ -187,6 +191,7 @@ def test_random_decoder_stream_equals_whole_video():
     assert np.abs(changed_pixels[5:] - whole[5:]).max() > 1e-2
 
 
+@pytest.mark.slow
 def test_batched_stream_compiles_once_per_phase():
     """Two streams side by side (vmap), chunk by chunk: each equals its own whole-video decode;
     the later chunks reuse one compilation."""
@@ -227,6 +232,7 @@ def test_cache_shape_and_input_errors():
         vae.config_from_diffusers({"is_residual": True})
 
 
+@pytest.mark.slow
 def test_bfloat16_decoder_streams():
     """bfloat16 weights and activations (norms and softmax in float32): float32 pixels close to
     the float32 decoder's, decoded in two chunks through a bfloat16 cache."""
