@@ -23,8 +23,10 @@ from pallas_kernels.window_attention import WindowGeometry, tpu_gather, window_a
 from pallas_kernels.window_attention import tpu as twa
 from pallas_kernels.window_attention import xla as xla_backend
 
-pytestmark = pytest.mark.skipif(not tpu_aot.libtpu_available(),
-                                reason="libtpu is not installed (pip install -e '.[tpu]')")
+# Each case compiles a kernel with the real TPU compiler (seconds to minutes): the whole suite only.
+pytestmark = [pytest.mark.skipif(not tpu_aot.libtpu_available(),
+                                 reason="libtpu is not installed (pip install -e '.[tpu]')"),
+              pytest.mark.slow]
 
 BF16 = jnp.bfloat16
 # name: (kv_heads, tokens_per_frame, block_size, chunk frames, visible frames, extra tokens)
