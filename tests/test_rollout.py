@@ -115,6 +115,7 @@ def test_schedule_exercises_window_eviction_and_ragged_batches(run):
     assert any(len(set(frames.values())) > 1 for frames in run.first_frames)
 
 
+@pytest.mark.slow
 def test_memory_is_bounded_and_pages_are_reused(run):
     branches = run.rollout.sampler.num_branches
     ppf = PRESET.geometry.pages_per_frame

@@ -109,6 +109,7 @@ def test_only_the_switched_session_changes(switched, model):
     np.testing.assert_allclose(latents["b"], expected, atol=2e-5, rtol=0)
 
 
+@pytest.mark.slow
 def test_recomputed_frames_and_no_leak(switched):
     rollout, _, recomputed, free = switched
     window = PRESET.window
@@ -181,7 +182,6 @@ def test_a_failing_recache_forward_leaves_the_old_history(model):
     np.testing.assert_allclose(rollout.step().latents, twin.step().latents, atol=1e-6, rtol=0)
 
 
-@pytest.mark.slow
 def test_cache_recache_protocol_and_refusals(model):
     rollout = make_rollout(model, None)
     cache = rollout.cache

@@ -130,6 +130,7 @@ def upstream_state(upstream) -> dict:
     return {k: v.detach().clone() for k, v in upstream[0].state_dict().items()}
 
 
+@pytest.mark.slow
 def test_official_names_and_self_forcing_pt_load_the_same_parameters(upstream, converted, tmp_path):
     from safetensors.torch import save_file
 
