@@ -103,6 +103,7 @@ def test_chunks_write_pages_and_windows_show_exactly_the_right_history():
     assert held == 2 * 2 * (1 + 3) * GEOMETRY.pages_per_frame
 
 
+@pytest.mark.slow
 def test_a_failed_forward_commits_nothing_and_leaks_nothing():
     cache = make_cache()
     cache.open("a")

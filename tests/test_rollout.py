@@ -160,6 +160,7 @@ def test_default_buckets_are_powers_of_two_up_to_max_sessions(model):
         make_rollout(model, None, sessions=3, buckets=(1, 2))
 
 
+@pytest.mark.slow
 def test_the_pure_chunk_function_driven_by_hand_gives_the_rollouts_latents(full_run, model):
     """:func:`generate_chunk` needs no :class:`Rollout`: the same schedule driven through the cache
     by hand, jitted once under ``chex.assert_max_traces``, gives the rollout's latents bit for bit."""

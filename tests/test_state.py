@@ -268,6 +268,7 @@ def test_one_compilation_across_a_thousand_chunks():
     assert np.asarray(state.num_pages).tolist() == [5 * 2, 5 * 2]
 
 
+@pytest.mark.slow
 def test_failed_allocation_leaves_the_row_untouched_and_serves_later_rows():
     layout = tiny_layout(sink=0, window=8, blocks=6)  # 5 free pages
     state = core.init_state(layout, 3)

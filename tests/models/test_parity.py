@@ -160,6 +160,7 @@ def test_official_names_and_self_forcing_pt_load_the_same_parameters(upstream, c
         load_wan(tmp_path / "training_state.pt", WAN_TINY)
 
 
+@pytest.mark.slow
 def test_longlive_lora_merges_like_the_unmerged_forward(upstream, inputs, tmp_path):
     """LongLive wraps every linear layer of the blocks in PEFT LoRA (rank 256, alpha 256) and saves
     ``get_peft_model_state_dict`` under ``generator_lora``; here rank 4, alpha 8 (scale 2). The merged
