@@ -35,10 +35,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from arkv_jax.apps.generate import to_uint8
 from arkv_jax.cache import PagedKVCache
 from arkv_jax.conditioning import context_kv
 from arkv_jax.config import CrossAttentionSpec, KVBranch, WindowPolicy
-from arkv_jax.apps.generate import to_uint8
 from arkv_jax.models import umt5
 from arkv_jax.models import vae as vae_lib
 from arkv_jax.models.dit import MODEL_CONFIGS, DiTConfig, init_random
