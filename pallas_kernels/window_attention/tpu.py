@@ -227,8 +227,14 @@ def plan_call(geom: Geometry, generation: str | None, **overrides) -> tuple[Plan
 
 
 def default_generation() -> str:
-    """``"v6e"`` or ``"v5e"`` from the default device's kind; ``"v5e"`` off TPU."""
-    device = jax.devices()[0]
+    """``"v6e"`` or ``"v5e"``: the generation of the chip a program is built for, from its kind;
+    ``"v5e"`` off TPU. The chip is JAX's default device where one is set (``jax.default_device``,
+    as :func:`pallas_kernels.tpu_aot.compile_for_tpu` sets a compile-only chip), else the first
+    device."""
+    target = jax.config.jax_default_device
+    if isinstance(target, str):  # a platform name
+        target = jax.devices(target)[0]
+    device = jax.devices()[0] if target is None else target
     kind = getattr(device, "device_kind", "").lower()
     return "v6e" if device.platform == "tpu" and ("v6" in kind) else "v5e"
 

@@ -134,3 +134,17 @@ def test_xla_attention_temporaries_are_bounded():
     assert rep.pool_copies == 0
     assert rep.temp_bytes <= XLA_TEMP_KV_MULTIPLE * xla_backend.kv_bytes(geom, BF16)
     assert rep.temp_bytes < full_logits / 10
+
+
+def test_a_program_compiled_for_a_chip_takes_that_chips_tiles():
+    """On this host the first device is the CPU; a kernel call traced for a compile-only v6e (JAX's
+    default device, as ``compile_for_tpu`` sets it) plans with v6e's tiles and VMEM budget, not the
+    host's fallback (v5e's)."""
+    geom = twa.Geometry.of(attention_call("wan-1.3b", 1)[0], BF16)
+    plans = {gen: twa.plan_call(geom, gen) for gen in GENERATIONS}
+    assert plans["v5e"] != plans["v6e"]  # the generations do tile this call differently
+    assert twa.default_generation() == "v5e"
+    for gen in GENERATIONS:
+        with jax.default_device(tpu_aot.compile_only_device(gen)):
+            assert twa.default_generation() == gen
+            assert twa.plan_call(geom, None) == plans[gen]
