@@ -307,12 +307,19 @@ def _catch_up_eviction(state: BlockTableState, rows: Array, ok: Array) -> tuple[
     """Evicts frames already out of the window but not yet evicted because their pages were not
     allocated at commit time (only after a prefill longer than the window), as vLLM does before
     every allocation. A no-op otherwise. Returns ``(state, freed pages per row)``."""
+    return _evict_up_to(state, rows, ok, state.layout.window.skipped_frames(computed_frames(state, rows)))
+
+
+def _evict_up_to(state: BlockTableState, rows: Array, ok: Array, frames: Array
+                 ) -> tuple[BlockTableState, Array]:
+    """Evicts rows ``ok`` up to ``frames`` frames after the sink, clipped to the frames whose pages
+    are all in the table (as vLLM clips its skipped range) and never below what is already evicted.
+    Returns ``(state, freed pages per row)``."""
     layout = state.layout
     ppf = layout.pages_per_frame
     before = state.evicted_pages[rows] // ppf
     allocated_after_sink = (state.num_pages[rows] + state.evicted_pages[rows]) // ppf - layout.sink_frames
-    skipped = layout.window.skipped_frames(computed_frames(state, rows))
-    target = jnp.maximum(before, jnp.minimum(skipped, allocated_after_sink))
+    target = jnp.maximum(before, jnp.minimum(frames, allocated_after_sink))
     return _evict(state, rows, ok, target, target)
 
 
@@ -631,12 +638,7 @@ def evict(state: BlockTableState, rows: Array, evicted_frames: Array) -> tuple[B
     Returns:
       ``(state, ok)``: ``ok[b]`` is False (and the row untouched) for padding or an inactive row.
     """
-    layout = state.layout
-    ppf = layout.pages_per_frame
     rows, valid, evicted_frames = _batch(state, rows, evicted_frames)
     ok = valid & state.active[rows]
-    before = state.evicted_pages[rows] // ppf
-    allocated = (state.num_pages[rows] + state.evicted_pages[rows]) // ppf - layout.sink_frames
-    target = jnp.maximum(before, jnp.minimum(evicted_frames, allocated))
-    state, _ = _evict(state, rows, ok, target, target)
+    state, _ = _evict_up_to(state, rows, ok, evicted_frames)
     return state, ok
