@@ -68,7 +68,11 @@ def attention_call(preset: str, rows: int):
     layers): its :class:`WindowGeometry`, pool shape and ``(shape, dtype)`` specs of ``q, k_cur,
     v_cur, k_pool, v_pool, pages, lengths, layer`` (then ``extra_k, extra_v`` if the preset has
     extras)."""
-    heads, tpf, block, frames, visible, extra = PRESETS[preset]
+    return attention_call_at(*PRESETS[preset], rows)
+
+
+def attention_call_at(heads: int, tpf: int, block: int, frames: int, visible: int, extra: int, rows: int):
+    """:func:`attention_call` at an explicit shape (a ``PRESETS`` entry's fields)."""
     max_pages = visible * -(-tpf // block)
     shape = pool_shape(2, rows * max_pages + 1, block, heads, 128)
     cur, q_len = frames * tpf, frames * tpf + extra
@@ -148,3 +152,30 @@ def test_a_program_compiled_for_a_chip_takes_that_chips_tiles():
         with jax.default_device(tpu_aot.compile_only_device(gen)):
             assert twa.default_generation() == gen
             assert twa.plan_call(geom, None) == plans[gen]
+
+
+MODEL_PRESETS = ("wan-1.3b", "lingbot-v2", "dreamzero-14b")
+
+
+@pytest.mark.parametrize("gen", GENERATIONS)
+@pytest.mark.parametrize("preset", MODEL_PRESETS)
+def test_the_public_entry_compiles_at_the_history_each_preset_attends(gen, preset):
+    """``window_attention(backend="pallas_tpu")``, the call the cache makes (no tiles or generation
+    given), compiled for ``gen`` at the history the model preset's ``WindowPolicy`` lets a chunk see
+    (wan-1.3b 9 frames, lingbot-v2 15, dreamzero-14b 34): it compiles, copies no pool, and ``gen``'s
+    tiling (which the call now takes: the test above) fits ``gen``'s VMEM budget and bounds the
+    temporaries."""
+    from arkv_jax.presets import get_preset
+
+    model = get_preset(preset)
+    heads, tpf, block, frames, _, extra = PRESETS[preset]
+    assert (heads, tpf, frames) == (model.geometry.num_kv_heads, model.geometry.tokens_per_frame,
+                                    model.geometry.frames_per_forward)
+    geom, shape, specs = attention_call_at(heads, tpf, block, frames, model.window.max_history(frames), extra, 1)
+    rep = tpu_aot.report(tpu_aot.compile_for_tpu(attention_fn(window_attention, geom, backend="pallas_tpu"),
+                                                 specs, gen), [shape])
+    tpu_geom = twa.Geometry.of(geom, BF16)
+    plan = twa.make_plan(tpu_geom, twa.TUNED_BLOCKS[gen])
+    assert twa.vmem_estimate_bytes(tpu_geom, plan) <= twa.VMEM_BUDGET[gen]
+    assert rep.pool_copies == 0
+    assert rep.temp_bytes <= twa.temp_bound_bytes(tpu_geom, plan)
