@@ -19,13 +19,15 @@ from arkv_jax.models.vae import (
     decode_chunk,
     decode_video,
     decoder_init_cache,
+    decoder_param_bytes,
     load_wan_vae,
+    stream_cache_bytes,
 )
 
 __all__ = [
     "MODEL_CONFIGS", "PRECISIONS", "UMT5_CONFIGS", "VAE_CONFIGS", "CausalDiT", "CheckpointKeyError",
     "DecoderCache", "DiTConfig", "UMT5Encoder", "UMT5EncoderConfig", "WanVAEConfig", "WanVAEDecoder",
-    "config_from_json", "decode_chunk", "decode_video", "decoder_init_cache", "encode_ids", "encode_prompts",
+    "config_from_json", "decode_chunk", "decode_video", "decoder_init_cache", "decoder_param_bytes", "encode_ids", "encode_prompts",
     "from_state_dict", "init_random", "load_umt5", "load_wan", "load_wan_vae", "official_key_map",
-    "prompt_embedding", "read_checkpoint",
+    "prompt_embedding", "read_checkpoint", "stream_cache_bytes",
 ]

@@ -7,8 +7,10 @@ of its input; zeros before the stream starts) and :func:`decode_chunk` maps
 in ``[-1, 1]`` (``F' = 1 + 4 (F - 1)`` for the stream's first chunk, ``4 F`` after it), equal to the
 whole-video decode to float rounding. Latents come **normalised**, as the DiT produces them, and are
 mapped back with Wan's ``latents_mean`` / ``latents_std`` first; a leading batch axis is decoded
-with ``jax.vmap``. :func:`load_wan_vae` reads the diffusers layout or the official ``Wan2.1_VAE.pth``
-(:func:`official_vae_names` is the key map), the decoder only, checked with :mod:`arkv_jax.models.io`.
+with ``jax.vmap``. The cache is stored in ``WanVAEConfig.cache_dtype`` (bfloat16 halves it) and
+:func:`stream_cache_bytes` sizes it from the shapes alone. :func:`load_wan_vae` reads the diffusers
+layout or the official ``Wan2.1_VAE.pth`` (:func:`official_vae_names` is the key map), the decoder
+only, checked with :mod:`arkv_jax.models.io`.
 See ``docs/models.md``.
 """
 
@@ -39,6 +41,10 @@ WAN21_LATENTS_STD = (2.8184, 1.4541, 2.3275, 2.6558, 1.2196, 1.7708, 2.6052, 2.0
 #: Frames a causal convolution keeps between calls (kernel 3 in time: the last two input frames).
 CACHE_FRAMES = 2
 
+#: dtype names a :class:`WanVAEConfig` takes for its parameters and compute (``dtype``) and for its
+#: stream cache (``cache_dtype``).
+DTYPES = ("float32", "bfloat16")
+
 
 @dataclasses.dataclass(frozen=True)
 class WanVAEConfig:
@@ -54,6 +60,9 @@ class WanVAEConfig:
       out_channels: pixel channels.
       latents_mean, latents_std: per-channel statistics of the latents (``z_dim`` each).
       dtype: parameter and compute dtype name (norms and attention softmax run in float32).
+      cache_dtype: dtype name the :class:`DecoderCache` entries are stored in (each entry is cast
+        to it when written and read back in ``dtype``); ``None``: ``dtype``. A bfloat16 cache halves
+        a stream's cache bytes (:func:`stream_cache_bytes`) under either compute dtype.
     """
 
     base_dim: int = 96
@@ -65,6 +74,7 @@ class WanVAEConfig:
     latents_mean: tuple[float, ...] = WAN21_LATENTS_MEAN
     latents_std: tuple[float, ...] = WAN21_LATENTS_STD
     dtype: str = "float32"
+    cache_dtype: str | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "dim_mult", tuple(int(m) for m in self.dim_mult))
@@ -83,6 +93,15 @@ class WanVAEConfig:
                              f"{len(self.latents_mean)} and {len(self.latents_std)}")
         if min(self.latents_std) <= 0:
             raise ValueError("latents_std must be positive")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} is not one of {DTYPES}")
+        if self.cache_dtype is not None and self.cache_dtype not in DTYPES:
+            raise ValueError(f"cache_dtype={self.cache_dtype!r} is not one of {DTYPES} (or None: the compute dtype)")
+
+    @property
+    def stored_cache_dtype(self) -> jnp.dtype:
+        """The dtype the stream cache's entries are stored in: ``cache_dtype``, else ``dtype``."""
+        return jnp.dtype(self.cache_dtype or self.dtype)
 
     @property
     def dims(self) -> tuple[int, ...]:
@@ -125,8 +144,8 @@ class DecoderCache:
 
     Attributes:
       frames: per causal convolution, in call order, the last :data:`CACHE_FRAMES` frames of its
-        input ``[2, H_l, W_l, C_l]`` (``[B, 2, ...]`` for a batched stream); zeros before the stream
-        starts.
+        input ``[2, H_l, W_l, C_l]`` (``[B, 2, ...]`` for a batched stream), in the decoder's
+        :attr:`WanVAEConfig.stored_cache_dtype`; zeros before the stream starts.
       started: static: whether the stream's first latent frame has been decoded (the first frame
         passes the temporal upsamplers undoubled).
     """
@@ -138,15 +157,22 @@ class DecoderCache:
 class _Stream:
     """Trace-time threading of the per-convolution caches through the decoder, in call order
     (the reference's ``feat_cache``/``feat_idx``, but functional: ``inputs`` are read, the new
-    entries collected in ``outputs``). With ``inputs=None`` every entry reads as zeros (used to
-    find the cache's shapes)."""
+    entries collected in ``outputs``). Entries are stored in ``dtype`` (the config's
+    :attr:`~WanVAEConfig.stored_cache_dtype`) and read back in the dtype of the input they extend.
+    With ``inputs=None`` every entry reads as zeros (used to find the cache's shapes)."""
 
-    def __init__(self, inputs: Sequence[Array] | None):
+    def __init__(self, inputs: Sequence[Array] | None, dtype):
         self.inputs = inputs
+        self.dtype = jnp.dtype(dtype)
         self.outputs: list[Array] = []
 
     def take(self, like: Array) -> Array:
-        """The next entry (``[2, H, W, C]`` for an input ``like`` ``[T, H, W, C]``)."""
+        """The next entry (``[2, H, W, C]`` for an input ``like`` ``[T, H, W, C]``), in ``like.dtype``.
+
+        Raises:
+          ValueError: the cache has too few entries, or this one's shape or dtype is not the
+            decoder's (a cache made for another latent size or another decoder).
+        """
         i = len(self.outputs)
         if self.inputs is None:
             return jnp.zeros((CACHE_FRAMES, *like.shape[1:]), like.dtype)
@@ -156,10 +182,14 @@ class _Stream:
         if entry.shape != (CACHE_FRAMES, *like.shape[1:]):
             raise ValueError(f"cache entry {i} has shape {entry.shape}; the decoder needs "
                              f"{(CACHE_FRAMES, *like.shape[1:])} (was it made for this latent size?)")
+        if entry.dtype != self.dtype:
+            raise ValueError(f"cache entry {i} is {entry.dtype}; the decoder stores its cache in {self.dtype} "
+                             "(was it made by this decoder's decoder_init_cache?)")
         return entry.astype(like.dtype)
 
     def put(self, entry: Array) -> None:
-        self.outputs.append(entry)
+        """Record the next entry, cast to the cache's storage dtype."""
+        self.outputs.append(entry.astype(self.dtype))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -377,11 +407,12 @@ class WanVAEDecoder(nnx.Module):
         return self.conv_out(jax.nn.silu(self.norm_out(x)), stream)
 
     def init_cache(self, latent_height: int, latent_width: int) -> DecoderCache:
-        """The zero cache of an unstarted stream of ``latent_height x latent_width`` latents."""
+        """The zero cache of an unstarted stream of ``latent_height x latent_width`` latents: one
+        entry per causal convolution, in :attr:`WanVAEConfig.stored_cache_dtype`."""
         config = self.config
 
         def shapes():
-            stream = _Stream(None)
+            stream = _Stream(None, config.stored_cache_dtype)
             self.decode_frames(jnp.zeros((1, latent_height, latent_width, config.z_dim), jnp.float32), stream, True)
             return tuple(stream.outputs)
 
@@ -406,18 +437,18 @@ class WanVAEDecoder(nnx.Module):
         entries = cache.frames
         outputs = []
         if z.shape[0] and not started:
-            stream = _Stream(entries)
+            stream = _Stream(entries, self.config.stored_cache_dtype)
             first = z[:1] if per_frame else z
             outputs.append(self.decode_frames(first, stream, False))
             entries, started = tuple(stream.outputs), True
             z = z[1:] if per_frame else z[:0]
         if z.shape[0] and not per_frame:
-            stream = _Stream(entries)
+            stream = _Stream(entries, self.config.stored_cache_dtype)
             outputs.append(self.decode_frames(z, stream, True))
             entries = tuple(stream.outputs)
         elif z.shape[0]:
             def step(carry, frame):
-                stream = _Stream(carry)
+                stream = _Stream(carry, self.config.stored_cache_dtype)
                 out = self.decode_frames(frame[None], stream, True)
                 return tuple(stream.outputs), out
 
@@ -444,6 +475,34 @@ def decoder_init_cache(decoder: WanVAEDecoder, latent_height: int, latent_width:
     return DecoderCache(tuple(jnp.zeros((batch_size, *f.shape), f.dtype) for f in cache.frames), started=False)
 
 
+def _nbytes(tree) -> int:
+    """Bytes of the arrays (or ``jax.ShapeDtypeStruct``) leaves of ``tree``."""
+    return sum(int(np.prod(leaf.shape)) * jnp.dtype(leaf.dtype).itemsize for leaf in jax.tree.leaves(tree))
+
+
+def stream_cache_bytes(config: WanVAEConfig, latent_height: int, latent_width: int) -> int:
+    """Bytes of one stream's :class:`DecoderCache` for ``latent_height x latent_width`` latents
+    (``batch_size`` streams: that many times this).
+
+    The shapes are those :func:`decoder_init_cache` gives a decoder of ``config``, traced with
+    ``jax.eval_shape``: no decoder is built and nothing is allocated. The entries are in
+    :attr:`WanVAEConfig.stored_cache_dtype` (Wan 2.1 at 480x832, latents 60x104: 32 entries,
+    3.52 GiB in float32, 1.76 GiB in bfloat16).
+    """
+    for name, value in (("latent_height", latent_height), ("latent_width", latent_width)):
+        require_int(name, value, minimum=1)
+    graphdef, abstract = io.abstract(WanVAEDecoder, config)
+    cache = jax.eval_shape(lambda state: decoder_init_cache(nnx.merge(graphdef, state), latent_height, latent_width),
+                           abstract)
+    return _nbytes(cache.frames)
+
+
+def decoder_param_bytes(config: WanVAEConfig) -> int:
+    """Bytes of the parameters of a :class:`WanVAEDecoder` of ``config`` (in ``config.dtype``),
+    from the abstract module (nothing allocated)."""
+    return _nbytes(io.abstract(WanVAEDecoder, config)[1])
+
+
 def _decode_chunk_impl(graphdef, params, cache: DecoderCache, latents: Array, per_frame: bool):
     decoder = nnx.merge(graphdef, params)
     if latents.ndim == 5:
@@ -461,9 +520,10 @@ def decode_chunk(decoder: WanVAEDecoder, cache: DecoderCache, latents, *, per_fr
     latents ``[F, h, w, z_dim]`` (or ``[B, F, h, w, z_dim]`` with a cache from
     ``decoder_init_cache(..., batch_size=B)``). Compiles once per (started, chunk shape).
 
-    The cache is large at full size (Wan 2.1 at 480x832: 32 entries, 3.5 GiB per stream in float32,
-    1.8 GiB in bfloat16); ``donate_cache=True`` lets XLA write the new cache over the old one's
-    buffers (the ``cache`` passed in is then consumed and must not be used again)."""
+    The cache is large at full size (Wan 2.1 at 480x832: 32 entries, 3.52 GiB per stream in float32,
+    1.76 GiB in bfloat16: :func:`stream_cache_bytes`, ``WanVAEConfig.cache_dtype``);
+    ``donate_cache=True`` lets XLA write the new cache over the old one's buffers (the ``cache``
+    passed in is then consumed and must not be used again)."""
     latents = jnp.asarray(latents)
     if latents.ndim not in (4, 5) or latents.shape[-1] != decoder.config.z_dim:
         raise ValueError(f"latents must be [F, h, w, {decoder.config.z_dim}] or [B, F, h, w, "
@@ -655,8 +715,8 @@ def config_from_diffusers(config: Mapping, *, dtype: str = "float32") -> WanVAEC
 VAE_WEIGHT_PATTERNS = ("Wan2.1_VAE.pth", "diffusion_pytorch_model*.safetensors", "diffusion_pytorch_model*.bin")
 
 
-def load_wan_vae(path: str | os.PathLike, config: WanVAEConfig | None = None, *, dtype: str | None = None
-                 ) -> WanVAEDecoder:
+def load_wan_vae(path: str | os.PathLike, config: WanVAEConfig | None = None, *, dtype: str | None = None,
+                 cache_dtype: str | None = None) -> WanVAEDecoder:
     """A :class:`WanVAEDecoder` holding released Wan 2.1 VAE weights.
 
     Args:
@@ -666,6 +726,7 @@ def load_wan_vae(path: str | os.PathLike, config: WanVAEConfig | None = None, *,
       config: the decoder shape; default: the ``config.json`` in or beside ``path`` if there is
         one, else Wan 2.1's (:data:`VAE_CONFIGS` ``"wan2.1"``, the official file's).
       dtype: parameter dtype name (default ``config.dtype``, float32).
+      cache_dtype: the stream cache's dtype name (default ``config.cache_dtype``: the compute dtype).
 
     Raises:
       FileNotFoundError, ValueError: see :func:`arkv_jax.models.io.read_state_dict`.
@@ -679,14 +740,16 @@ def load_wan_vae(path: str | os.PathLike, config: WanVAEConfig | None = None, *,
         config = VAE_CONFIGS["wan2.1"] if diffusers_config is None else config_from_diffusers(diffusers_config)
     if dtype is not None:
         config = dataclasses.replace(config, dtype=dtype)
+    if cache_dtype is not None:
+        config = dataclasses.replace(config, cache_dtype=cache_dtype)
     if "decoder.conv1.weight" in state or any(re.match(r"decoder\.upsamples\.", k) for k in state):
         state = convert_wan_vae_state_dict(state, config)
     return from_diffusers_state_dict(state, config, source=source)
 
 
 __all__ = [
-    "CACHE_FRAMES", "DecoderCache", "VAE_CONFIGS", "VAE_WEIGHT_PATTERNS", "WAN21_LATENTS_MEAN", "WAN21_LATENTS_STD",
-    "WanVAEConfig",
-    "WanVAEDecoder", "config_from_diffusers", "convert_wan_vae_state_dict", "decode_chunk", "decode_video",
-    "decoder_init_cache", "from_diffusers_state_dict", "init_random", "load_wan_vae", "official_vae_names",
+    "CACHE_FRAMES", "DTYPES", "DecoderCache", "VAE_CONFIGS", "VAE_WEIGHT_PATTERNS", "WAN21_LATENTS_MEAN",
+    "WAN21_LATENTS_STD", "WanVAEConfig", "WanVAEDecoder", "config_from_diffusers", "convert_wan_vae_state_dict",
+    "decode_chunk", "decode_video", "decoder_init_cache", "decoder_param_bytes", "from_diffusers_state_dict",
+    "init_random", "load_wan_vae", "official_vae_names", "stream_cache_bytes",
 ]

@@ -5,9 +5,12 @@ random per-channel latent statistics) is saved under a temporary directory, load
 :func:`load_wan_vae` (diffusers layout, and the official ``Wan2.1_VAE.pth`` layout made by renaming
 its keys) and compared with diffusers' ``decode`` in float32: the whole video, and the same video
 decoded chunk by chunk through the explicit cache, to 1e-4; streaming equals the whole-video decode
-to float rounding. Without torch/diffusers (Python 3.12 CI) the torch-free tests run.
+to float rounding. A bfloat16 stream cache (float32 or bfloat16 compute) streams within measured
+bounds of diffusers' float32 decode, bounds a wrong cache breaks. Without torch/diffusers (Python
+3.12 CI) the torch-free tests run.
 """
 
+import dataclasses
 import json
 
 import jax
@@ -21,6 +24,14 @@ TOL = 1e-4
 H, W = 4, 6  # latent frame: 32 x 48 pixels
 NUM_FRAMES = 7  # latent frames: 1 + 4 * 6 = 25 pixel frames
 CHUNKS = (1, 3, 3)  # the stream's chunks: 1, 12 and 12 pixel frames
+
+#: (dtype, cache_dtype) -> bounds on the (max abs, mean abs) pixel error of the CHUNKS stream vs
+#: diffusers' float32 decode, about 3x what was measured on this model (jax 0.10.2, XLA:CPU; a
+#: standalone run gave up to 10 % more): float32 everything 5.1e-6 / 5.7e-7 (TOL above); float32
+#: compute + bfloat16 cache 1.33e-2 / 1.40e-3; bfloat16 compute and cache 7.9e-2 / 8.3e-3. The
+#: bfloat16-cache decoder with its cache zeroed at each chunk start, its two frames swapped or its
+#: older frame lost errs by about 1.5 / 0.25 (test_bfloat16_cache_bound_catches_a_wrong_cache).
+LOW_PRECISION_BOUNDS = {("float32", "bfloat16"): (5e-2, 5e-3), ("bfloat16", "bfloat16"): (0.25, 2.5e-2)}
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +75,24 @@ def _err(a, b):
     return float(np.abs(np.asarray(a) - np.asarray(b)).max())
 
 
+def _stream(decoder, latents, tamper=lambda cache: cache) -> np.ndarray:
+    """``latents`` decoded in CHUNKS through one cache, ``tamper(cache)`` before every chunk but
+    the first."""
+    cache = vae.decoder_init_cache(decoder, H, W)
+    frames, start = [], 0
+    for i, size in enumerate(CHUNKS):
+        out, cache = vae.decode_chunk(decoder, cache if i == 0 else tamper(cache), latents[start:start + size])
+        frames.append(np.asarray(out))
+        start += size
+    return np.concatenate(frames)
+
+
+def _errors(a, b) -> tuple[float, float]:
+    """(max abs, mean abs) of ``a - b``."""
+    diff = np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))
+    return float(diff.max()), float(diff.mean())
+
+
 @pytest.mark.slow
 def test_loads_the_diffusers_config(reference, decoder):
     model = reference[0]
@@ -92,10 +121,40 @@ def test_streaming_matches_diffusers_and_the_whole_video(reference, decoder, who
         frames.append(np.asarray(out))
         start += size
     stream = np.concatenate(frames)
-    print(f"VAE streaming decode {CHUNKS} vs diffusers: max abs err {_err(stream, pixels):.3e}; "
-          f"vs whole-video decode {_err(stream, whole):.3e}")
+    print(f"VAE streaming decode {CHUNKS} vs diffusers: max abs err {_err(stream, pixels):.3e}, mean abs err "
+          f"{_errors(stream, pixels)[1]:.3e}; vs whole-video decode {_err(stream, whole):.3e}")
     assert _err(stream, pixels) < TOL
     assert _err(stream, whole) < 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype, cache_dtype", list(LOW_PRECISION_BOUNDS))
+def test_bfloat16_cache_streams_close_to_diffusers(reference, dtype, cache_dtype):
+    _, directory, latents, pixels = reference
+    decoder = vae.load_wan_vae(directory, dtype=dtype, cache_dtype=cache_dtype)
+    assert decoder.config.dtype == dtype and decoder.config.stored_cache_dtype == jnp.bfloat16
+    assert all(f.dtype == jnp.bfloat16 for f in vae.decoder_init_cache(decoder, H, W).frames)
+    stream = _stream(decoder, latents)
+    assert stream.dtype == np.float32 and stream.shape == pixels.shape
+    max_err, mean_err = _errors(stream, pixels)
+    print(f"VAE streaming decode {CHUNKS}, {dtype} compute, {cache_dtype} cache, vs diffusers float32: "
+          f"max abs err {max_err:.3e}, mean abs err {mean_err:.3e}")
+    max_bound, mean_bound = LOW_PRECISION_BOUNDS[dtype, cache_dtype]
+    assert max_err < max_bound and mean_err < mean_bound
+
+
+@pytest.mark.slow
+def test_bfloat16_cache_bound_catches_a_wrong_cache(reference):
+    """The float32-compute, bfloat16-cache bound fails for a cache reset to zeros between chunks
+    (a stream restarted mid-way) and for one whose two frames are swapped."""
+    _, directory, latents, pixels = reference
+    decoder = vae.load_wan_vae(directory, cache_dtype="bfloat16")
+    max_bound, mean_bound = LOW_PRECISION_BOUNDS["float32", "bfloat16"]
+    wrong = {"zeroed": lambda c: vae.DecoderCache(tuple(jnp.zeros_like(f) for f in c.frames), started=True),
+             "swapped": lambda c: vae.DecoderCache(tuple(f[::-1] for f in c.frames), started=True)}
+    for name, tamper in wrong.items():
+        max_err, mean_err = _errors(_stream(decoder, latents, tamper), pixels)
+        assert max_err > 10 * max_bound and mean_err > 10 * mean_bound, (name, max_err, mean_err)
 
 
 def test_official_checkpoint_layout(reference, decoder, tmp_path):
@@ -228,16 +287,47 @@ def test_cache_shape_and_input_errors():
         vae.decode_chunk(decoder, cache, np.zeros((2, 1, 3, 5, 4), np.float32))
     with pytest.raises(ValueError, match="temporal_upsample needs one entry"):
         vae.WanVAEConfig(dim_mult=(1, 2), temporal_upsample=(True, True))
+    with pytest.raises(ValueError, match=r"cache_dtype='float16' is not one of \('float32', 'bfloat16'\) "
+                                         r"\(or None: the compute dtype\)"):
+        vae.WanVAEConfig(cache_dtype="float16")
+    with pytest.raises(ValueError, match=r"dtype='fp32' is not one of \('float32', 'bfloat16'\)$"):
+        vae.WanVAEConfig(dtype="fp32")
+    bf16_cache = vae.init_random(dataclasses.replace(SMALL, cache_dtype="bfloat16"))
+    with pytest.raises(ValueError, match="cache entry 0 is float32; the decoder stores its cache in bfloat16"):
+        vae.decode_chunk(bf16_cache, cache, np.zeros((1, 3, 5, 4), np.float32))
     with pytest.raises(ValueError, match="Wan 2.2-style"):
         vae.config_from_diffusers({"is_residual": True})
+
+
+def test_stream_cache_bytes_is_the_init_cache():
+    """stream_cache_bytes and decoder_param_bytes (shapes only) equal the bytes of a real cache and
+    decoder; a bfloat16 cache is half a float32 one under either compute dtype."""
+    sizes = {}
+    for dtype, cache_dtype in (("float32", None), ("float32", "bfloat16"), ("bfloat16", None), ("bfloat16", "float32")):
+        config = dataclasses.replace(SMALL, dtype=dtype, cache_dtype=cache_dtype)
+        decoder = vae.init_random(config)
+        cache = vae.decoder_init_cache(decoder, 3, 5)
+        assert {f.dtype for f in cache.frames} == {config.stored_cache_dtype}
+        sizes[dtype, cache_dtype] = vae.stream_cache_bytes(config, 3, 5)
+        assert sizes[dtype, cache_dtype] == sum(f.nbytes for f in cache.frames) > 0
+        batched = vae.decoder_init_cache(decoder, 3, 5, batch_size=3)
+        assert sum(f.nbytes for f in batched.frames) == 3 * sizes[dtype, cache_dtype]
+        assert vae.decoder_param_bytes(config) == sum(p.nbytes for p in jax.tree.leaves(decoder))
+    f32 = sizes["float32", None]
+    assert sizes["float32", "bfloat16"] == sizes["bfloat16", None] == f32 // 2 and sizes["bfloat16", "float32"] == f32
+    assert vae.stream_cache_bytes(SMALL, 6, 10) == 4 * f32  # every entry is [2, a h, a w, C]
+    # Wan 2.1 at 480x832 (latents 60x104): 32 entries, 3.52 GiB per stream in float32, 1.76 GiB in bfloat16.
+    wan = vae.VAE_CONFIGS["wan2.1"]
+    assert vae.stream_cache_bytes(wan, 60, 104) == 3_777_146_880
+    assert vae.stream_cache_bytes(dataclasses.replace(wan, cache_dtype="bfloat16"), 60, 104) == 1_888_573_440
+    with pytest.raises(ValueError, match="latent_width"):
+        vae.stream_cache_bytes(SMALL, 3, 0)
 
 
 @pytest.mark.slow
 def test_bfloat16_decoder_streams():
     """bfloat16 weights and activations (norms and softmax in float32): float32 pixels close to
     the float32 decoder's, decoded in two chunks through a bfloat16 cache."""
-    import dataclasses
-
     latents = np.random.default_rng(3).standard_normal((3, 3, 5, 4)).astype(np.float32)
     reference = np.asarray(vae.decode_video(vae.init_random(SMALL, seed=3), latents, per_frame=False))
     decoder = vae.init_random(dataclasses.replace(SMALL, dtype="bfloat16"), seed=3)
