@@ -77,6 +77,9 @@ def compile_only_device(generation: str):
     chip = check_generation(generation)
     os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-4")  # Any valid type: no probe.
     os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    # A compile-only device touches no chip, so libtpu's one-process lock need not stop a compile
+    # while another process (a benchmark's worker, a test run) has libtpu loaded.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     from jax.experimental import topologies
 
     return topologies.get_topology_desc(chip.topology, "tpu",

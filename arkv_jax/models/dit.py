@@ -225,8 +225,10 @@ class DiTBlock(nnx.Module):
         y, kv = self.self_attn(_modulate(self.norm1(x), shift_sa, scale_sa, frames), rope, history, layer)
         x = x + _gate(y, gate_sa, frames)
         x = x + self.cross_attn(self.norm3(x), text_k, text_v)
-        y = self.ffn_out(jax.nn.gelu(self.ffn_in(_modulate(self.norm2(x), shift_ff, scale_ff, frames)),
-                                     approximate=True))
+        hidden = jax.nn.gelu(self.ffn_in(_modulate(self.norm2(x), shift_ff, scale_ff, frames)), approximate=True)
+        # XLA:TPU otherwise fuses both FFN matmuls, the GELU, gate and residual into one fusion that
+        # runs far below MXU peak (docs/planning.md, "The whole chip"); the barrier keeps them apart.
+        y = self.ffn_out(jax.lax.optimization_barrier(hidden))
         return x + _gate(y, gate_ff, frames), kv
 
 

@@ -1,0 +1,118 @@
+"""XLA:TPU's own time estimate of a compiled program, read from its optimized HLO.
+
+Each instruction XLA:TPU schedules carries its cost model's ``estimated_cycles`` in its
+``backend_config``. :func:`program_cycles` sums them over the program, each loop body times its trip
+count (read from the loop condition), so a 30-layer scan inside a 4-step sampler counts 120 layers.
+``cost_analysis()`` cannot do this: its FLOPs count each loop body once and its ``optimal_seconds``
+is negative for such programs. XLA's model does not see inside a Mosaic kernel (a
+``tpu_custom_call``): those calls are counted, by name and trips, for the caller to price with the
+kernel's own bundle estimate. See ``docs/planning.md`` (The whole chip).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import re
+
+_HEADER = re.compile(r"^(ENTRY\s+)?%([\w.\-]+)\s+\(.*\{\s*$")
+_INSTRUCTION = re.compile(r"^\s*(ROOT\s+)?%([\w.\-]+)\s*=\s*.*?\s([\w\-]+)\((.*)$")
+_CYCLES = re.compile(r'"estimated_cycles":"(\d+)"')
+_CALLED = {"while": re.compile(r"condition=%([\w.\-]+), body=%([\w.\-]+)"),
+           "call": re.compile(r"to_apply=%([\w.\-]+)"),
+           "conditional": re.compile(r"(?:branch_computations=\{([^}]*)\}|true_computation=%([\w.\-]+), "
+                                     r"false_computation=%([\w.\-]+))")}
+_TARGET = re.compile(r'custom_call_target="([^"]+)"')
+_CONSTANT = re.compile(r"%([\w.\-]+)\s*=\s*s32\[\]\S*\s+constant\((-?\d+)\)")
+_BOUND = re.compile(r"ROOT\s+%[\w.\-]+\s*=\s*pred\[\]\S*\s+compare\(%[\w.\-]+, %([\w.\-]+)\), direction=LT")
+
+MOSAIC_TARGET = "tpu_custom_call"
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramCost:
+    """What :func:`program_cycles` found.
+
+    Attributes:
+      cycles: XLA:TPU's estimated cycles of everything outside Mosaic kernels, loops unrolled.
+      kernel_calls: per Mosaic kernel instruction name prefix (``window_attention_tpu``, ...), how
+        many times it runs (loop trips included).
+      loops: ``(body name, trip count)`` of every loop, outermost first.
+    """
+
+    cycles: int
+    kernel_calls: dict[str, int]
+    loops: tuple[tuple[str, int], ...]
+
+
+def computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
+    """The instruction lines of every computation of an HLO module, and the entry's name."""
+    comps: dict[str, list[str]] = {}
+    entry, current = None, None
+    for line in hlo_text.splitlines():
+        header = _HEADER.match(line)
+        if header:
+            current = header.group(2)
+            comps[current] = []
+            if header.group(1):
+                entry = current
+        elif line.startswith("}"):
+            current = None
+        elif current is not None:
+            comps[current].append(line)
+    if entry is None:
+        raise ValueError("no ENTRY computation in the HLO text")
+    return comps, entry
+
+
+def trip_count(condition: list[str]) -> int:
+    """Trips of a loop whose condition is ``i < N`` for a constant ``N`` (what ``scan`` and
+    ``fori_loop`` lower to; the induction variable starts at 0).
+
+    Raises:
+      ValueError: the condition has another form.
+    """
+    constants = dict(m.groups() for line in condition for m in [_CONSTANT.search(line)] if m)
+    for line in condition:
+        bound = _BOUND.search(line)
+        if bound and bound.group(1) in constants:
+            return int(constants[bound.group(1)])
+    raise ValueError("a loop condition is not `i < constant`: its trip count is unknown")
+
+
+def program_cycles(hlo_text: str) -> ProgramCost:
+    """Sums XLA:TPU's ``estimated_cycles`` over an optimized HLO module (see the module docstring).
+
+    Fusions count as one instruction (their ``estimated_cycles`` covers the fused computation);
+    a ``conditional`` counts its dearest branch.
+    """
+    comps, entry = computations(hlo_text)
+    kernels: collections.Counter = collections.Counter()
+    loops: list[tuple[str, int]] = []
+
+    def walk(name: str, times: int) -> int:
+        total = 0
+        for line in comps[name]:
+            ins = _INSTRUCTION.match(line)
+            if not ins:
+                continue
+            op = ins.group(3)
+            cycles = _CYCLES.search(line)
+            total += int(cycles.group(1)) if cycles else 0
+            if op == "custom-call" and (_TARGET.search(line) or [None, None])[1] == MOSAIC_TARGET:
+                kernels[re.sub(r"\.\d+$", "", ins.group(2))] += times
+            elif op == "while":
+                cond, body = _CALLED["while"].search(line).groups()
+                trips = trip_count(comps[cond])
+                loops.append((body, trips))
+                total += trips * (walk(body, times * trips) + walk(cond, times * trips))
+            elif op == "call":
+                total += walk(_CALLED["call"].search(line).group(1), times)
+            elif op == "conditional":
+                m = _CALLED["conditional"].search(line)
+                names = ([n.strip().lstrip("%") for n in m.group(1).split(",")] if m.group(1)
+                         else [m.group(2), m.group(3)])
+                total += max(walk(n, times) for n in names)
+        return total
+
+    return ProgramCost(walk(entry, 1), dict(kernels), tuple(loops))

@@ -1,0 +1,92 @@
+"""XLA:TPU's cycle estimate of a whole program (:mod:`pallas_kernels.tpu_cost`): loops count their
+trips, Mosaic calls are counted for their own estimate, and a condition that is not ``i < N`` is
+refused. The HLO here is written by hand in the optimized-HLO form libtpu prints; the last test
+reads a real compile (needs libtpu)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from pallas_kernels import tpu_aot, tpu_cost
+
+
+def _cost(cycles: int) -> str:
+    return f'backend_config={{"flag_configs":[],"estimated_cycles":"{cycles}"}}'
+
+
+def _loop(name: str, trips: int, body: list[str], compare: str = "LT") -> list[str]:
+    return [
+        f"%{name}.cond (arg: (s32[])) -> pred[] {{",
+        f"  %{name}.n = s32[]{{:T(128)}} constant({trips})",
+        f"  %{name}.i = s32[]{{:T(128)}} get-tuple-element(%arg), index=0",
+        f"  ROOT %{name}.lt = pred[]{{:T(512)}} compare(%{name}.i, %{name}.n), direction={compare}",
+        "}",
+        f"%{name}.body (arg: (s32[])) -> (s32[]) {{",
+        *body,
+        "}",
+    ]
+
+
+def _while(name: str) -> str:
+    return (f"  %{name} = (s32[]) while(%t), condition=%{name}.cond, body=%{name}.body, "
+            'backend_config={"flag_configs":[]}')
+
+
+MOSAIC = ('  %window_attention_tpu.3 = bf16[1,8]{1,0} custom-call(%a), custom_call_target="tpu_custom_call", '
+          'backend_config={"flag_configs":[]}')
+
+
+def program(inner_trips: int = 30, outer_trips: int = 4, compare: str = "LT") -> str:
+    """An entry (10 cycles) running an outer loop (1 cycle per trip + an inner loop of
+    ``inner_trips`` x (100 cycles and one Mosaic call)), then a commit loop of 30 x 7 cycles."""
+    inner = _loop("inner", inner_trips, [f"  %mm = f32[8]{{0}} fusion(%x), kind=kOutput, calls=%f, {_cost(100)}",
+                                         MOSAIC], compare)
+    outer = _loop("outer", outer_trips, [f"  %step = s32[] add(%i, %one), {_cost(1)}", _while("inner")])
+    commit = _loop("commit", 30, [f"  %c = f32[8]{{0}} fusion(%x), kind=kLoop, calls=%g, {_cost(7)}"])
+    entry = ["ENTRY %main (p: f32[8]) -> f32[8] {", f"  %e = f32[8]{{0}} fusion(%p), kind=kLoop, calls=%h, {_cost(10)}",
+             _while("outer"), _while("commit"), "}"]
+    return "\n".join(["HloModule m, is_scheduled=true", ""] + inner + outer + commit + entry)
+
+
+def test_loops_count_their_trips_and_kernels_are_counted_apart():
+    cost = tpu_cost.program_cycles(program())
+    assert cost.cycles == 10 + 4 * (1 + 30 * 100) + 30 * 7
+    assert cost.kernel_calls == {"window_attention_tpu": 4 * 30}
+    assert [t for _, t in cost.loops] == [4, 30, 30]
+
+
+def test_the_estimate_follows_the_trip_counts():
+    small, large = (tpu_cost.program_cycles(program(inner_trips=n)) for n in (3, 30))
+    assert large.cycles - small.cycles == 4 * 27 * 100
+    assert large.kernel_calls["window_attention_tpu"] == 10 * small.kernel_calls["window_attention_tpu"]
+
+
+def test_a_condition_that_is_not_a_counted_loop_is_refused():
+    with pytest.raises(ValueError, match="trip count"):
+        tpu_cost.program_cycles(program(compare="NE"))
+
+
+def test_text_without_an_entry_is_refused():
+    with pytest.raises(ValueError, match="ENTRY"):
+        tpu_cost.program_cycles("HloModule m\n")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not tpu_aot.libtpu_available(), reason="libtpu is not installed (pip install -e '.[tpu]')")
+def test_a_compiled_scan_costs_its_trips():
+    """A real compile for v6e: a scan of ``n`` 1024-square matmuls costs about ``n`` times one, and
+    one matmul is within the chip's peak (its estimate is not below the FLOPs at peak)."""
+    def scan(n):
+        def fn(x, w):
+            return jax.lax.scan(lambda c, wi: (jnp.tanh(c @ wi), None), x, w)[0]
+        compiled = tpu_aot.compile_for_tpu(fn, [((1024, 1024), jnp.bfloat16), ((n, 1024, 1024), jnp.bfloat16)], "v6e")
+        return tpu_cost.program_cycles(compiled.as_text())
+
+    one, eight = scan(1), scan(8)
+    assert [t for _, t in eight.loops] == [8] or eight.cycles > 7 * one.cycles
+    per_matmul = (eight.cycles - one.cycles) / 7
+    chip = tpu_aot.CHIPS["v6e"]
+    assert per_matmul / chip.clock_hz >= 2 * 1024**3 / chip.bf16_flops
+    assert eight.cycles == pytest.approx(8 * per_matmul, rel=0.25)
