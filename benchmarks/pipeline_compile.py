@@ -1,0 +1,157 @@
+"""Compile the whole streaming generator at Wan-1.3B's real shape for v5e and v6e; plan each chip.
+
+Needs libtpu (``pip install -e ".[tpu]"``); runs nothing. For each generation, on a compile-only
+device (:mod:`arkv_jax.pipeline`): the chunk program exactly as ``Rollout.step()`` runs it (the
+sampler's denoise forwards and the commit forward over the paged pools, ``pallas_tpu`` attention)
+for Self-Forcing (4 steps) and CausVid (3 steps), without and with CFG, at each batch bucket up to
+the first that does not fit; the streaming VAE decode of one chunk per batch; one prompt's text
+encoding (umT5-XXL, 512 tokens) and its cross-attention K/V; one prompt switch's recache.
+
+Time, a compiler estimate: XLA:TPU's ``estimated_cycles`` of every instruction outside the Mosaic
+kernels, loops times their trip counts (:mod:`pallas_kernels.tpu_cost`), plus each attention call
+priced by the kernel's own bundle estimate at the same rows (``benchmarks/tpu_compile.py``), plus
+the commit at HBM bandwidth. It cannot see DMA stalls, host overhead or real clocks. Memory: the
+whole-chip plan (:func:`arkv_jax.pipeline.plan_chip`), checked against the compiled programs at the
+planned pool size (``plan_vs_compiled_bytes``). ``--quick``: batch 1, Self-Forcing without CFG.
+The last line is JSON, per chip.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _importable_checkout() -> None:
+    if ROOT not in sys.path:
+        sys.path.insert(0, ROOT)
+
+
+def kernel_pricer(generation: str):
+    """``(kernel name, rows) -> seconds`` of one window-attention call: the Mosaic kernel's bundle
+    estimate and its exposed first-page DMA at the preset's shape (``benchmarks.tpu_compile``, in
+    its own process); the XLA ops around the call are in the chunk program's own cycles."""
+    from benchmarks import tpu_compile
+
+    @functools.lru_cache(maxsize=None)
+    def price(name: str, rows: int) -> float:
+        if name != "window_attention_tpu":
+            raise ValueError(f"no estimate for the Mosaic kernel {name!r}")
+        result = tpu_compile.run_job(generation, "attention", rows)
+        if not result.get("compiles"):
+            raise RuntimeError(f"window attention does not compile for {generation}, rows {rows}: "
+                               f"{result.get('error')}")
+        return (result["kernel_ms"] + result.get("dma_ms", 0.0)) * 1e-3  # its XLA ops are the program's
+
+    return price
+
+
+def variants(quick: bool):
+    """``(label, pipeline)`` of every sampler and guidance setting compiled."""
+    from arkv_jax.pipeline import PIPELINES
+    from arkv_jax.samplers import Sampler
+
+    out = [("self-forcing", PIPELINES["self-forcing"])]
+    if not quick:
+        out += [("self-forcing+cfg", PIPELINES["self-forcing"].with_(sampler=Sampler.self_forcing(3.0))),
+                ("causvid", PIPELINES["causvid"]),
+                ("causvid+cfg", PIPELINES["causvid"].with_(sampler=Sampler.causvid(3.0)))]
+    return out
+
+
+def event_seconds(pipeline, generation: str, price) -> dict:
+    """Seconds of the per-prompt programs: the text encoding with its K/V, and a recache."""
+    from arkv_jax import pipeline as pl
+
+    fn, args = pl.text_program(pipeline)
+    text = pl.measure(pl.compile_for(fn, args, generation), generation)
+    encoder_bytes = pl.tree_bytes(args[0])
+    fn, args = pl.recache_program(pipeline, pl._pages_for(pipeline, 1))
+    recache = pl.measure(pl.compile_for(fn, args, generation), generation)
+    rows = pipeline.sampler.num_branches
+    kernels = sum(calls * price(name, rows) for name, calls in recache.kernel_calls.items())
+    return dict(text_seconds=text.xla_seconds, text_temp_bytes=text.temp_bytes,
+                text_encoder_bytes=encoder_bytes,
+                recache_seconds=recache.xla_seconds + kernels)
+
+
+def chip_report(generation: str, quick: bool, buckets) -> dict:
+    from arkv_jax import pipeline as pl
+    from pallas_kernels import tpu_aot
+
+    chip = tpu_aot.CHIPS[generation]
+    price = kernel_pricer(generation)
+    rows, plans = [], {}
+    for label, pipeline in variants(quick):
+        plans[label] = plan = pl.plan_chip(pipeline, generation, buckets=buckets, kernel_seconds=price)
+        for b in plan.buckets:
+            row = dict(variant=label, batch=b.batch, fits=b.fits, transient_gib=b.transient_bytes / 2**30,
+                       chunk_xla_s=b.chunk.xla_seconds, decode_s=b.decode.xla_seconds)
+            if b.chunk_seconds is not None:
+                attention = b.chunk_seconds - b.chunk.xla_seconds - b.decode.xla_seconds \
+                    - pl.commit_seconds(pipeline, b.batch, generation)
+                dit = b.chunk.xla_seconds + attention
+                per_stream, per_chip = b.video_fps(plan.frames_per_chunk)
+                row.update(chunk_s=b.chunk_seconds, attention_s=attention, dit_s=dit,
+                           fps_per_stream=per_stream, fps_per_chip=per_chip,
+                           dit_fraction_of_peak=pl.dit_flops(pipeline, b.batch) / dit / chip.bf16_flops)
+            rows.append(row)
+            print(f"{generation} {label:17s} batch {b.batch}: " + ", ".join(
+                f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()
+                if k not in ("variant", "batch")), flush=True)
+    main = plans["self-forcing"]
+    print(main.summary(), flush=True)
+    single = next(r for r in rows if r["variant"] == "self-forcing" and r["batch"] == 1)
+    best = main.best_bucket()
+    fitting = [b for b in main.buckets if b.fits]
+    ratio = None
+    if fitting:
+        top = fitting[-1]
+        ratio = pl.predicted_total(main.pipeline, top) / pl.compiled_total(main.pipeline, top, generation)
+    events = event_seconds(main.pipeline, generation, price)
+    print(f"{generation} per prompt: text encoding {events['text_seconds']:.3f} s, recache "
+          f"{events['recache_seconds']:.3f} s", flush=True)
+    return dict(
+        streams_per_chip=main.streams_per_chip,
+        fps_single_stream=single.get("fps_per_stream"),
+        fps_per_chip_best_batch=best.video_fps(main.frames_per_chunk)[1] if best else None,
+        best_batch=best.batch if best else None,
+        dit_fraction_of_peak=single.get("dit_fraction_of_peak"),
+        vae_share_of_chunk=single["decode_s"] / single["chunk_s"] if "chunk_s" in single else None,
+        plan_vs_compiled_bytes=ratio,
+        attention_share_of_chunk=single["attention_s"] / single["chunk_s"] if "chunk_s" in single else None,
+        **events,
+    )
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="batch 1, Self-Forcing without CFG")
+    parser.add_argument("--generations", default="v5e,v6e")
+    args = parser.parse_args(argv)
+    _importable_checkout()
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    from benchmarks import harness
+    from benchmarks.tpu_compile import LIBTPU_MISSING
+    from pallas_kernels import tpu_aot
+
+    if not tpu_aot.libtpu_available():
+        harness.refuse(LIBTPU_MISSING)
+    generations = args.generations.split(",")
+    for gen in generations:
+        if gen not in tpu_aot.CHIPS:
+            parser.error(f"--generations: {gen!r} is not one of {', '.join(tpu_aot.GENERATIONS)}")
+    buckets = (1,) if args.quick else (1, 2, 4, 8, 16)
+    print("compiler estimates (XLA:TPU cycles outside kernels + the kernels' bundle estimate + the commit "
+          "at HBM bandwidth); they omit DMA stalls, host overhead and real clocks", flush=True)
+    summary = {gen: chip_report(gen, args.quick, buckets) for gen in generations}
+    print(harness.json_line(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""The whole-chip plan (:mod:`arkv_jax.pipeline`): its byte counts against real arrays, its bucket
+logic, and (with libtpu) its plan against the compiled programs at the planned pool size."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from arkv_jax import pipeline as pl
+from arkv_jax.models import dit, vae
+from arkv_jax.models.umt5 import UMT5_CONFIGS
+from arkv_jax.planner import plan_memory
+from arkv_jax.presets import get_preset
+from arkv_jax.rollout import Rollout
+from pallas_kernels import tpu_aot
+
+TINY = pl.PIPELINES["tiny"]
+
+
+def _nbytes(tree) -> int:
+    return sum(np.asarray(x).nbytes for x in jax.tree_util.tree_leaves(tree))
+
+
+def test_weight_bytes_are_the_models_arrays():
+    real_dit = nnx.split(dit.init_random(TINY.dit, seed=0))[1]
+    real_vae = nnx.split(vae.init_random(TINY.vae, seed=0))[1]
+    assert pl.weight_bytes(TINY) == {"dit": _nbytes(real_dit), "vae": _nbytes(real_vae)}
+    on_device = pl.weight_bytes(TINY.with_(text_on_device=True))
+    assert on_device["text_encoder"] > 0 and on_device["dit"] == _nbytes(real_dit)
+
+
+def test_session_state_is_what_a_rollout_and_a_decoder_keep():
+    """The VAE stream cache is a real decoder's cache; the latent ring is what a rollout's session
+    holds once its ring is full (after enough chunks that old ones are dropped)."""
+    state = pl.session_state_bytes(TINY)
+    decoder = vae.init_random(TINY.vae, seed=0)
+    _, h, w, _ = TINY.latent_shape
+    assert state["vae_stream_cache"] == _nbytes(vae.decoder_init_cache(decoder, h, w).frames)
+    from arkv_jax.cache import PagedKVCache
+    from arkv_jax.planner import rollout_plan
+
+    p = TINY.preset
+    plan = rollout_plan(p.geometry, p.window, TINY.kv_branches, p.cross_attention, 1)
+    cache = PagedKVCache(p.geometry, p.window, TINY.kv_branches, p.cross_attention, plan=plan, backend="xla")
+    rollout = Rollout(dit.init_random(TINY.dit, seed=0), cache, TINY.sampler)
+    rollout.join("a", "a fox")
+    for _ in range(8):
+        rollout.step()
+    ring = rollout._session("a").ring
+    assert state["latent_ring"] == sum(x.nbytes for x in ring.values())
+
+
+def test_a_pipeline_refuses_parts_that_do_not_fit_together():
+    with pytest.raises(ValueError, match="16-channel latents; the DiT makes 4"):
+        TINY.with_(vae=vae.VAE_CONFIGS["tiny"])
+    with pytest.raises(ValueError, match="text encoder"):
+        TINY.with_(text_encoder=UMT5_CONFIGS["umt5-xxl"])
+    with pytest.raises(ValueError, match="num_layers"):
+        TINY.with_(preset=get_preset("wan-1.3b"))
+    with pytest.raises(TypeError, match="text_on_device"):
+        TINY.with_(text_on_device=1)
+
+
+def _figures(transient: int) -> pl.ProgramFigures:
+    return pl.ProgramFigures(argument_bytes=0, output_bytes=transient, temp_bytes=0, alias_bytes=0,
+                             xla_seconds=0.1, kernel_calls={})
+
+
+def test_streams_per_chip_and_the_best_bucket():
+    p = TINY.preset
+    plan = plan_memory(p.geometry, p.window, TINY.kv_branches, available_bytes=1 << 30, memory_fraction=1.0,
+                       session_capacity=2, cross_attention=p.cross_attention)
+    buckets = (pl.BucketPlan(1, _figures(1), _figures(1), 1, plan, 1.0),
+               pl.BucketPlan(2, _figures(2), _figures(2), 2, plan, 1.5),
+               pl.BucketPlan(4, _figures(4), _figures(4), 4, None, 1.8))
+    chip = pl.ChipPlan(TINY, "v5e", 1 << 30, 1 << 30, {"dit": 1}, {"vae_stream_cache": 1}, buckets)
+    assert chip.streams_per_chip == 2
+    assert chip.best_bucket().batch == 2  # 2 sessions in 1.5 s beat 1 in 1 s; batch 4 does not fit
+    assert chip.frames_per_chunk == TINY.vae.num_pixel_frames(TINY.latent_shape[0], first_chunk=False)
+    text = chip.summary()
+    assert "batch 4" in text and "does not fit" in text and "streams per chip: 2" in text
+
+
+def test_the_flop_count_scales_with_rows_and_steps():
+    one = pl.dit_flops(TINY, 1)
+    assert pl.dit_flops(TINY, 3) == 3 * one
+    fewer = TINY.with_(sampler=dataclasses.replace(TINY.sampler, num_steps=1))
+    assert pl.dit_flops(fewer, 1) * (TINY.sampler.num_steps + 1) == one * 2
+
+
+# ------------------------------------------------------------------------------------------------
+# Against the TPU compiler (libtpu's compile-only v5e)
+# ------------------------------------------------------------------------------------------------
+
+needs_libtpu = pytest.mark.skipif(not tpu_aot.libtpu_available(),
+                                  reason="libtpu is not installed (pip install -e '.[tpu]')")
+
+
+def small_wan() -> pl.Pipeline:
+    """Wan-1.3B's frames, heads and window (the real attention kernel and chunk shapes) with two
+    layers and a two-level VAE, so a bucket compiles in about a minute."""
+    wan = pl.PIPELINES["self-forcing"]
+    preset = dataclasses.replace(wan.preset, geometry=dataclasses.replace(wan.preset.geometry, num_layers=2))
+    return wan.with_(preset=preset, dit=dataclasses.replace(wan.dit, num_layers=2),
+                     vae=vae.WanVAEConfig(base_dim=8, dim_mult=(1, 2), temporal_upsample=(True,), dtype="bfloat16"))
+
+
+@pytest.mark.slow
+@needs_libtpu
+def test_the_plan_matches_the_compiled_programs():
+    """``plan_chip`` on a chip sized so that one bucket fits and the next does not; at the fitting
+    bucket the planner's bytes are within 5 % of the compiled programs' (pools of the planned size),
+    and the compiled total stays within the chip."""
+    pipeline = small_wan()
+    first = pl.plan_bucket(pipeline, 1, "v5e", budget=1 << 40)
+    in_flight = first.plan.page_size_bytes * pipeline.preset.geometry.frames_per_forward
+    per_session = first.plan.bytes_per_session + in_flight
+    memory = sum(pl.weight_bytes(pipeline).values()) + first.transient_bytes + 3 * per_session // 2 + (64 << 20)
+    chip = pl.plan_chip(pipeline, "v5e", memory_bytes=memory, buckets=(1, 2))
+    assert [b.fits for b in chip.buckets] == [True, False]
+    assert chip.streams_per_chip == 1
+    fit = chip.buckets[0]
+    compiled = pl.compiled_total(pipeline, fit, "v5e")
+    assert pl.predicted_total(pipeline, fit) / compiled == pytest.approx(1.0, abs=0.05)
+    assert compiled <= memory
