@@ -79,9 +79,9 @@ def assert_refused(proc, *words: str) -> str:
 
 
 def test_every_benchmark_is_covered_here():
-    """A new benchmark gets a test: each one is a CPU ``--quick`` run, device-only, or tpu_compile."""
+    """A new benchmark gets a test: each one is a CPU ``--quick`` run, device-only, or a libtpu compile."""
     names = {p.stem for p in (ROOT / "benchmarks").glob("*.py")} - {"__init__", "harness"}
-    assert names == set(CPU_QUICK) | {"gpu_window_attention", "tpu_compile"}, names
+    assert names == set(CPU_QUICK) | {"gpu_window_attention", "tpu_compile", "pipeline_compile"}, names
     assert set(DEVICE_ONLY) <= names
 
 
@@ -161,3 +161,26 @@ def test_tpu_compile_quick_compiles_every_kernel():
         for key in ("attention_est_ms", "baseline_est_ms", "attention_vs_baseline", "write_pool_copies",
                     "write_alias_fraction"):
             assert summary[key] is not None, (gen, key, summary)
+
+
+@pytest.mark.skipif(tpu_aot.libtpu_available(), reason="libtpu is installed: the quick compile runs instead")
+def test_pipeline_compile_refuses_without_libtpu():
+    proc = run_benchmark("pipeline_compile", "--quick", timeout=300)
+    assert_refused(proc, "libtpu is not installed", "pip install 'arkv-jax[tpu]'")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not tpu_aot.libtpu_available(), reason="libtpu is not installed (pip install -e '.[tpu]')")
+def test_pipeline_compile_quick_plans_both_chips():
+    """The whole generator compiled for v5e and v6e at batch 1: every figure of the issue's JSON is
+    there, a stream fits, the plan is within 5 % of the compiled programs and the time adds up."""
+    proc = run_benchmark("pipeline_compile", "--quick", env={"JAX_PLATFORMS": "cpu"}, timeout=3000)
+    assert proc.returncode == 0, f"exit {proc.returncode}; stdout:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    figures = last_json_line(proc)
+    assert set(figures) == {"v5e", "v6e"}, figures
+    for gen, chip in figures.items():
+        assert chip["streams_per_chip"] >= 1, (gen, chip)
+        assert chip["best_batch"] == 1 and chip["fps_per_chip_best_batch"] == chip["fps_single_stream"] > 0
+        assert 0 < chip["dit_fraction_of_peak"] < 1 and 0 < chip["vae_share_of_chunk"] < 1, (gen, chip)
+        assert chip["plan_vs_compiled_bytes"] == pytest.approx(1.0, abs=0.05), (gen, chip)
+        assert chip["text_seconds"] > 0 and chip["recache_seconds"] > 0, (gen, chip)
