@@ -33,6 +33,7 @@ from arkv_jax.rollout import ChunkConfig, generate_chunk, recache_kv
 from arkv_jax.samplers import Sampler
 from arkv_jax.step import ChunkInputs
 from pallas_kernels.layout import pool_shape
+from pallas_kernels.window_attention.geometry import WindowGeometry
 
 Array = jax.Array
 
@@ -423,6 +424,38 @@ def _pages_for(pipeline: Pipeline, sessions: int) -> int:
                         sessions).num_blocks_total
 
 
+def attention_geometry(pipeline: Pipeline, rows: int) -> WindowGeometry:
+    """One layer's window-attention call of a chunk of ``rows`` batch rows in steady state: the
+    chunk over every history frame its window lets it see
+    (:meth:`~arkv_jax.config.WindowPolicy.max_history`)."""
+    g, w = pipeline.preset.geometry, pipeline.preset.window
+    cur = g.frames_per_forward * g.tokens_per_frame
+    max_pages = w.max_history(g.frames_per_forward) * g.pages_per_frame
+    heads = pipeline.dit.num_heads
+    return WindowGeometry(rows, cur, heads, g.num_kv_heads, g.head_dim, cur, 0, g.num_layers, rows * max_pages + 1,
+                          g.block_size, max_pages, g.tokens_per_frame)
+
+
+def attention_pricer(pipeline: Pipeline, generation: str) -> KernelPricer:
+    """Prices the chunk program's Mosaic calls for ``generation``: the paged window-attention
+    kernel's bundle estimate at :func:`attention_geometry`
+    (:func:`pallas_kernels.window_attention.tpu_estimate.estimate`, one compile per row count;
+    the XLA ops around each call are in the program's own cycles)."""
+    def price(name: str, rows: int) -> float:
+        if name != "window_attention_tpu":
+            raise ValueError(f"no estimate for the Mosaic kernel {name!r}")
+        return _attention_seconds(attention_geometry(pipeline, rows), pipeline.dit.dtype, generation)
+
+    return price
+
+
+@functools.lru_cache(maxsize=None)
+def _attention_seconds(geom: WindowGeometry, dtype: str, generation: str) -> float:
+    from pallas_kernels.window_attention import tpu_estimate
+
+    return tpu_estimate.estimate(geom, dtype, generation).seconds
+
+
 def commit_seconds(pipeline: Pipeline, sessions: int, generation: str) -> float:
     """The paged write of one chunk's K/V, at HBM bandwidth: it reads the chunk and writes its pages
     (:mod:`pallas_kernels.paged_write`; its DMA issue hides under that, ``benchmarks/tpu_compile.py``)."""
@@ -502,7 +535,8 @@ def plan_chip(pipeline: Pipeline, generation: str, *, memory_bytes: int | None =
 
     For each batch in ``buckets`` (increasing; stops after the first that does not fit) it
     compiles the chunk program and the VAE decode (:func:`plan_bucket`), so temporaries come from
-    the compiler, as a profiling run would give them on a device.
+    the compiler, as a profiling run would give them on a device; between the last batch that fits
+    and the first that does not, it bisects for the largest that fits.
 
     Args:
       memory_bytes: the chip's memory (default: :data:`arkv_jax.planner.CHIP_MEMORY_BYTES`).
@@ -518,13 +552,20 @@ def plan_chip(pipeline: Pipeline, generation: str, *, memory_bytes: int | None =
     if not 0.0 < memory_fraction <= 1.0:
         raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
     budget = int(memory_bytes * memory_fraction)
-    planned = []
+    planned: dict[int, BucketPlan] = {}
     for batch in sorted(set(buckets)):
-        planned.append(plan_bucket(pipeline, batch, generation, budget, kernel_seconds))
-        if not planned[-1].fits:
+        planned[batch] = plan_bucket(pipeline, batch, generation, budget, kernel_seconds)
+        if not planned[batch].fits:
             break
+    fits = [b for b, p in planned.items() if p.fits]
+    fails = [b for b, p in planned.items() if not p.fits]
+    low, high = (max(fits), min(fails)) if fits and fails else (0, 0)
+    while high - low > 1:  # whatever fits between the last bucket that fits and the first that does not
+        mid = (low + high) // 2
+        planned[mid] = plan_bucket(pipeline, mid, generation, budget, kernel_seconds)
+        low, high = (mid, high) if planned[mid].fits else (low, mid)
     return ChipPlan(pipeline, generation, int(memory_bytes), budget, weight_bytes(pipeline),
-                    session_state_bytes(pipeline), tuple(planned))
+                    session_state_bytes(pipeline), tuple(planned[b] for b in sorted(planned)))
 
 
 def compiled_total(pipeline: Pipeline, bucket: BucketPlan, generation: str) -> int:

@@ -9,7 +9,8 @@ encoding (umT5-XXL, 512 tokens) and its cross-attention K/V; one prompt switch's
 
 Time, a compiler estimate: XLA:TPU's ``estimated_cycles`` of every instruction outside the Mosaic
 kernels, loops times their trip counts (:mod:`pallas_kernels.tpu_cost`), plus each attention call
-priced by the kernel's own bundle estimate at the same rows (``benchmarks/tpu_compile.py``), plus
+priced by the kernel's own bundle estimate at the same rows
+(:mod:`pallas_kernels.window_attention.tpu_estimate`, as ``benchmarks/tpu_compile.py`` prices it), plus
 the commit at HBM bandwidth. It cannot see DMA stalls, host overhead or real clocks. Memory: the
 whole-chip plan (:func:`arkv_jax.pipeline.plan_chip`), checked against the compiled programs at the
 planned pool size (``plan_vs_compiled_bytes``). ``--quick``: batch 1, Self-Forcing without CFG.
@@ -19,7 +20,6 @@ The last line is JSON, per chip.
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import sys
 
@@ -31,35 +31,22 @@ def _importable_checkout() -> None:
         sys.path.insert(0, ROOT)
 
 
-def kernel_pricer(generation: str):
-    """``(kernel name, rows) -> seconds`` of one window-attention call: the Mosaic kernel's bundle
-    estimate and its exposed first-page DMA at the preset's shape (``benchmarks.tpu_compile``, in
-    its own process); the XLA ops around the call are in the chunk program's own cycles."""
-    from benchmarks import tpu_compile
-
-    @functools.lru_cache(maxsize=None)
-    def price(name: str, rows: int) -> float:
-        if name != "window_attention_tpu":
-            raise ValueError(f"no estimate for the Mosaic kernel {name!r}")
-        result = tpu_compile.run_job(generation, "attention", rows)
-        if not result.get("compiles"):
-            raise RuntimeError(f"window attention does not compile for {generation}, rows {rows}: "
-                               f"{result.get('error')}")
-        return (result["kernel_ms"] + result.get("dma_ms", 0.0)) * 1e-3  # its XLA ops are the program's
-
-    return price
+#: Samplers and guidance compiled: label -> (pipeline name, CFG scale or None).
+VARIANTS = {"self-forcing": ("self-forcing", None), "self-forcing+cfg": ("self-forcing", 3.0),
+            "causvid": ("causvid", None), "causvid+cfg": ("causvid", 3.0)}
 
 
-def variants(quick: bool):
-    """``(label, pipeline)`` of every sampler and guidance setting compiled."""
+def variants(names):
+    """``(label, pipeline)`` of each variant in ``names`` (keys of :data:`VARIANTS`)."""
+    import dataclasses
+
     from arkv_jax.pipeline import PIPELINES
-    from arkv_jax.samplers import Sampler
 
-    out = [("self-forcing", PIPELINES["self-forcing"])]
-    if not quick:
-        out += [("self-forcing+cfg", PIPELINES["self-forcing"].with_(sampler=Sampler.self_forcing(3.0))),
-                ("causvid", PIPELINES["causvid"]),
-                ("causvid+cfg", PIPELINES["causvid"].with_(sampler=Sampler.causvid(3.0)))]
+    out = []
+    for name in names:
+        base, guidance = VARIANTS[name]
+        pipeline = PIPELINES[base]
+        out.append((name, pipeline.with_(sampler=dataclasses.replace(pipeline.sampler, guidance_scale=guidance))))
     return out
 
 
@@ -79,14 +66,14 @@ def event_seconds(pipeline, generation: str, price) -> dict:
                 recache_seconds=recache.xla_seconds + kernels)
 
 
-def chip_report(generation: str, quick: bool, buckets) -> dict:
+def chip_report(generation: str, names, buckets) -> dict:
     from arkv_jax import pipeline as pl
     from pallas_kernels import tpu_aot
 
     chip = tpu_aot.CHIPS[generation]
-    price = kernel_pricer(generation)
     rows, plans = [], {}
-    for label, pipeline in variants(quick):
+    for label, pipeline in variants(names):
+        price = pl.attention_pricer(pipeline, generation)
         plans[label] = plan = pl.plan_chip(pipeline, generation, buckets=buckets, kernel_seconds=price)
         for b in plan.buckets:
             row = dict(variant=label, batch=b.batch, fits=b.fits, transient_gib=b.transient_bytes / 2**30,
@@ -103,16 +90,16 @@ def chip_report(generation: str, quick: bool, buckets) -> dict:
             print(f"{generation} {label:17s} batch {b.batch}: " + ", ".join(
                 f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()
                 if k not in ("variant", "batch")), flush=True)
-    main = plans["self-forcing"]
+    main = plans[names[0]]
     print(main.summary(), flush=True)
-    single = next(r for r in rows if r["variant"] == "self-forcing" and r["batch"] == 1)
+    single = next(r for r in rows if r["variant"] == names[0] and r["batch"] == 1)
     best = main.best_bucket()
     fitting = [b for b in main.buckets if b.fits]
     ratio = None
     if fitting:
         top = fitting[-1]
         ratio = pl.predicted_total(main.pipeline, top) / pl.compiled_total(main.pipeline, top, generation)
-    events = event_seconds(main.pipeline, generation, price)
+    events = event_seconds(main.pipeline, generation, pl.attention_pricer(main.pipeline, generation))
     print(f"{generation} per prompt: text encoding {events['text_seconds']:.3f} s, recache "
           f"{events['recache_seconds']:.3f} s", flush=True)
     return dict(
@@ -132,6 +119,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="batch 1, Self-Forcing without CFG")
     parser.add_argument("--generations", default="v5e,v6e")
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help=f"samplers compiled, from {', '.join(VARIANTS)} (the first is planned); "
+                             "--quick: self-forcing")
     args = parser.parse_args(argv)
     _importable_checkout()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -145,10 +135,14 @@ def main(argv=None) -> int:
     for gen in generations:
         if gen not in tpu_aot.CHIPS:
             parser.error(f"--generations: {gen!r} is not one of {', '.join(tpu_aot.GENERATIONS)}")
+    names = ["self-forcing"] if args.quick else args.variants.split(",")
+    for name in names:
+        if name not in VARIANTS:
+            parser.error(f"--variants: {name!r} is not one of {', '.join(VARIANTS)}")
     buckets = (1,) if args.quick else (1, 2, 4, 8, 16)
     print("compiler estimates (XLA:TPU cycles outside kernels + the kernels' bundle estimate + the commit "
           "at HBM bandwidth); they omit DMA stalls, host overhead and real clocks", flush=True)
-    summary = {gen: chip_report(gen, args.quick, buckets) for gen in generations}
+    summary = {gen: chip_report(gen, names, buckets) for gen in generations}
     print(harness.json_line(summary))
     return 0
 

@@ -187,3 +187,61 @@ def test_bench_prints_the_message_of_a_benchmark_that_exits_with_one(capsys, mon
     monkeypatch.delitem(__import__("sys").modules, "benchmarks", raising=False)
     assert cli.main(["bench", "quits"]) == 1
     assert capsys.readouterr().err.strip() == "no device here"
+
+
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["--pipeline", "--memory", "h100-80gb"], "--pipeline needs --memory naming a TPU chip"),
+        (["--pipeline", "--memory", "16GiB"], "--pipeline needs --memory naming a TPU chip"),
+        (["--pipeline", "--preset", "lingbot-v2", "--memory", "tpu-v5e"], "is the wan-1.3b model"),
+        (["--pipeline", "nope", "--memory", "tpu-v5e"], "invalid choice"),
+        (["--pipeline", "--memory", "tpu-v5e", "--buckets", "1,0"], "must be positive integers"),
+    ],
+)
+def test_plan_pipeline_refusals(capsys, argv, needle):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["plan", *argv])
+    assert info.value.code == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_plan_pipeline_plans_the_chip_the_memory_names(capsys, monkeypatch):
+    """``plan --pipeline`` hands ``plan_chip`` the pipeline (with the flags' guidance and text
+    placement), the chip ``--memory`` names, the buckets and a kernel pricer, and prints the plan."""
+    from arkv_jax import pipeline
+    from pallas_kernels import tpu_aot
+
+    seen = {}
+
+    class Plan:
+        def summary(self):
+            return "whole-chip summary"
+
+        def to_json(self):
+            return '{"streams_per_chip": 3}'
+
+    def plan_chip(chosen, generation, **kwargs):
+        seen.update(chosen=chosen, generation=generation, **kwargs)
+        return Plan()
+
+    monkeypatch.setattr(pipeline, "plan_chip", plan_chip)
+    monkeypatch.setattr(tpu_aot, "libtpu_available", lambda: True)
+    code, out = run_cli(capsys, "plan", "--pipeline", "causvid", "--memory", "tpu-v6e", "--buckets", "1,2",
+                        "--guidance", "4", "--text-on-device")
+    assert code == 0 and out.strip() == "whole-chip summary"
+    assert seen["generation"] == "v6e" and seen["buckets"] == (1, 2) and seen["memory_bytes"] == 32 << 30
+    assert seen["chosen"].sampler.guidance_scale == 4.0 and seen["chosen"].text_on_device
+    assert seen["chosen"].sampler.num_steps == pipeline.PIPELINES["causvid"].sampler.num_steps
+    assert callable(seen["kernel_seconds"])
+    code, out = run_cli(capsys, "plan", "--pipeline", "--memory", "tpu-v5e", "--json")
+    assert json.loads(out) == {"streams_per_chip": 3} and seen["generation"] == "v5e"
+
+
+def test_plan_pipeline_without_libtpu_says_how_to_get_it(capsys, monkeypatch):
+    from pallas_kernels import tpu_aot
+
+    monkeypatch.setattr(tpu_aot, "libtpu_available", lambda: False)
+    with pytest.raises(SystemExit):
+        cli.main(["plan", "--pipeline", "--memory", "tpu-v5e"])
+    assert "pip install 'arkv-jax[tpu]'" in capsys.readouterr().err

@@ -40,6 +40,21 @@ def _memory(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+class _MemoryAction(argparse.Action):
+    """Stores ``--memory``'s bytes, and its text as ``memory_name`` (a chip name says which chip)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        namespace.memory = values
+        namespace.memory_name = self._text
+
+    def __init__(self, *args, type=None, **kwargs):  # noqa: A002 -- argparse's keyword
+        def parse(text: str) -> int:
+            self._text = text.strip().lower()
+            return type(text)
+
+        super().__init__(*args, type=parse, **kwargs)
+
+
 def _bytes_or_zero(text: str) -> int:
     """A size as ``--memory`` takes it (``512MiB``, ``1e9``), or ``0``."""
     return 0 if text.strip() in ("0", "0B", "0b") else _memory(text)
@@ -107,6 +122,8 @@ _WINDOW_FLAGS = {"window_frames": "window_frames", "sink_frames": "sink_frames"}
 
 
 def _add_plan_parser(sub) -> None:
+    from arkv_jax.pipeline import DEFAULT_BUCKETS, PIPELINES
+
     p = sub.add_parser("plan", help="how many sessions fit in a memory budget",
                        description="Plan the paged KV pool for a model on one device.")
     p.add_argument("--preset", default="wan-1.3b", choices=sorted(presets.PRESETS),
@@ -122,7 +139,7 @@ def _add_plan_parser(sub) -> None:
     p.add_argument("--scratch-tokens", type=int, help="action/state tokens per forward kept in scratch")
     p.add_argument("--model-owned-bytes", type=_bytes_or_zero,
                    help="per-session model state outside the pool, a size like --memory takes (or 0)")
-    p.add_argument("--memory", type=_memory,
+    p.add_argument("--memory", type=_memory, action=_MemoryAction,
                    help="available memory: a size (100GiB, 80GB) or a chip "
                         f"({', '.join(sorted(planner.CHIP_MEMORY_BYTES))}); default: this device's free memory "
                         "(on a CPU, the host's available RAM; the plan says which it probed)")
@@ -141,7 +158,30 @@ def _add_plan_parser(sub) -> None:
                    help="plan one device of a (data, model) mesh, e.g. 4x2: sessions split over data, K/V "
                         "heads over model; --memory is then per device and --sessions counts every data shard")
     p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
-    p.set_defaults(run=_run_plan, command_parser=p)
+    whole = p.add_argument_group(
+        "whole chip", "--pipeline plans the whole generator on one TPU chip named by --memory (tpu-v5e, tpu-v6e): "
+                      "weights, each session's VAE stream cache and latent ring, the chunk program's and the VAE "
+                      "decode's temporaries as the TPU compiler gives them (libtpu's compile-only device: "
+                      "pip install 'arkv-jax[tpu]'; it compiles each batch bucket, minutes), then K/V pages with "
+                      "the rest")
+    whole.add_argument("--pipeline", choices=sorted(PIPELINES), nargs="?", const="self-forcing", default=None,
+                       help="the generator to plan (default when given alone: self-forcing)")
+    whole.add_argument("--guidance", type=float, default=None, help="CFG scale (two KV branches per session)")
+    whole.add_argument("--text-on-device", action="store_true",
+                       help="keep the text encoder's weights on the chip (default: it runs on the host)")
+    whole.add_argument("--buckets", type=_buckets, default=DEFAULT_BUCKETS,
+                       help="sessions per chunk to try, e.g. 1,2,4,8 (default)")
+    p.set_defaults(run=_run_plan, command_parser=p, memory_name=None)
+
+
+def _buckets(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        values = ()
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"must be positive integers separated by commas, e.g. 1,2,4, got {text!r}")
+    return values
 
 
 def _mesh_shape(text: str) -> tuple[int, int]:
@@ -192,7 +232,37 @@ def _plan_from_args(args: argparse.Namespace):
                                session_capacity=sessions, **common)
 
 
+#: ``--memory`` values ``--pipeline`` takes -> the TPU generation compiled for.
+_PIPELINE_CHIPS = {"tpu-v5e": "v5e", "tpu-v6e": "v6e"}
+
+
+def _run_pipeline_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """``plan --pipeline``: :func:`arkv_jax.pipeline.plan_chip` for the chip ``--memory`` names."""
+    from arkv_jax import pipeline
+    from pallas_kernels import tpu_aot
+
+    generation = _PIPELINE_CHIPS.get(args.memory_name or "")
+    if generation is None:
+        parser.error(f"--pipeline needs --memory naming a TPU chip ({', '.join(_PIPELINE_CHIPS)}), "
+                     f"got {args.memory_name!r}")
+    chosen = pipeline.PIPELINES[args.pipeline]
+    if args.preset != chosen.preset.name:
+        parser.error(f"--pipeline {args.pipeline} is the {chosen.preset.name} model, not --preset {args.preset}")
+    if not tpu_aot.libtpu_available():
+        parser.error("--pipeline compiles for the TPU and needs libtpu: pip install 'arkv-jax[tpu]'")
+    if args.guidance is not None:
+        chosen = chosen.with_(sampler=dataclasses.replace(chosen.sampler, guidance_scale=args.guidance))
+    chosen = chosen.with_(text_on_device=args.text_on_device)
+    plan = pipeline.plan_chip(chosen, generation, memory_bytes=args.memory,
+                              memory_fraction=1.0 if args.fraction is None else args.fraction,
+                              buckets=args.buckets, kernel_seconds=pipeline.attention_pricer(chosen, generation))
+    print(plan.to_json() if args.json else plan.summary())
+    return 0
+
+
 def _run_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    if args.pipeline is not None:
+        return _run_pipeline_plan(args, parser)
     args.probed = planner.probe_free_memory() if args.memory is None else None
     try:
         plan = _plan_from_args(args)

@@ -27,7 +27,8 @@ from arkv_jax.models.vae import (
 __all__ = [
     "MODEL_CONFIGS", "PRECISIONS", "UMT5_CONFIGS", "VAE_CONFIGS", "CausalDiT", "CheckpointKeyError",
     "DecoderCache", "DiTConfig", "UMT5Encoder", "UMT5EncoderConfig", "WanVAEConfig", "WanVAEDecoder",
-    "config_from_json", "decode_chunk", "decode_video", "decoder_init_cache", "decoder_param_bytes", "encode_ids", "encode_prompts",
+    "config_from_json", "decode_chunk", "decode_video", "decoder_init_cache", "decoder_param_bytes", "encode_ids",
+    "encode_prompts",
     "from_state_dict", "init_random", "load_umt5", "load_wan", "load_wan_vae", "official_key_map",
     "prompt_embedding", "read_checkpoint", "stream_cache_bytes",
 ]

@@ -90,3 +90,20 @@ def test_a_compiled_scan_costs_its_trips():
     chip = tpu_aot.CHIPS["v6e"]
     assert per_matmul / chip.clock_hz >= 2 * 1024**3 / chip.bf16_flops
     assert eight.cycles == pytest.approx(8 * per_matmul, rel=0.25)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not tpu_aot.libtpu_available(), reason="libtpu is not installed (pip install -e '.[tpu]')")
+def test_the_paged_kernels_estimate_is_within_the_chip_and_grows_with_rows():
+    """The paged kernel's bundle estimate at wan-1.3b's steady-state window (9 history frames + the
+    chunk), for v5e: never faster than its FLOPs at bf16 peak, and two rows cost about twice one."""
+    from pallas_kernels.window_attention import WindowGeometry, tpu_estimate
+
+    def geometry(rows):
+        return WindowGeometry(rows, 4680, 12, 12, 128, 4680, 0, 2, rows * 9 + 1, 1560, 9, 1560)
+
+    one, two = (tpu_estimate.estimate(geometry(r), "bfloat16", "v5e") for r in (1, 2))
+    flops = 4 * 4680 * (9 * 1560 + 4680) * 12 * 128
+    assert one.seconds >= flops / tpu_aot.CHIPS["v5e"].bf16_flops
+    assert two.grid_steps == 2 * one.grid_steps
+    assert two.seconds == pytest.approx(2 * one.seconds, rel=0.1)

@@ -1,0 +1,219 @@
+"""The paged TPU kernel's time on the compiler's estimate, read from its final VLIW bundles.
+
+libtpu writes each Mosaic kernel's final bundles with ``--xla_jf_dump_llo_text``; counting the
+bundles of each loop body times its trip count, at the chip clock, plus
+:data:`~pallas_kernels.tpu_aot.GRID_STEP_SECONDS` per grid step, gives a time that assumes one
+bundle per cycle (no MXU latency stalls, no VMEM bank conflicts). The first history block's DMA of
+each grid step is added where the current chunk's loops do not hide it; later blocks are prefetched
+behind compute. :func:`estimate` compiles one call in its own process (the dump flag must be set
+before libtpu starts) and prices it; the bundle parsing is shared with ``benchmarks/tpu_compile.py``.
+See ``docs/kernels.md`` (Compiling for TPU without one).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+from pallas_kernels.window_attention.geometry import WindowGeometry
+
+_BUNDLE = re.compile(r"^\s*(0x[0-9a-f]+|\d+)\s+(?:(LB|LH|LE|PB|PF|CT):|:)\s*(>*)\s*\{(.*)$")
+
+
+def parse_bundles(path: str) -> list[tuple[str, int, str]]:
+    """``(marker, loop depth, text)`` of every bundle of a ``*final_bundles.txt`` dump."""
+    out = []
+    with open(path) as lines:
+        for line in lines:
+            m = _BUNDLE.match(line)
+            if m:
+                out.append((m.group(2) or "", len(m.group(3)), m.group(4)))
+    return out
+
+
+def loop_tree(bundles) -> list[dict]:
+    """The loops of a kernel in program order: ``{"start", "depth", "own", "children", "mxu"}``,
+    where ``own`` counts the loop body's bundles outside nested loops and ``mxu`` its matmul
+    bundles. Empty bundles stay in their loop."""
+    loops, stack = [], []
+    for i, (mark, depth, text) in enumerate(bundles):
+        if text.strip().startswith("}"):
+            depth = stack[-1]["depth"] if stack else 0
+        while stack and (depth < stack[-1]["depth"] or (depth == stack[-1]["depth"] and mark == "LB")):
+            stack.pop()
+        if mark == "LB":
+            node = dict(start=i, depth=depth, own=0, children=[], mxu=0)
+            (stack[-1]["children"] if stack else loops).append(node)
+            stack.append(node)
+        if stack:
+            stack[-1]["own"] += 1
+            if "vmatmul" in text:
+                stack[-1]["mxu"] += 1
+    return loops
+
+
+def kernel_dump(dump_dir: str, name: str) -> str:
+    """The final-bundles file of the Mosaic kernel ``name`` in a libtpu dump directory.
+
+    Raises:
+      FileNotFoundError: the dump has none.
+    """
+    files = sorted(glob.glob(os.path.join(dump_dir, f"*{name}*final_bundles.txt")))
+    files = [f for f in files if "schedule-analysis" not in f]
+    if not files:
+        raise FileNotFoundError(f"no final bundles of {name} in {dump_dir}")
+    return files[-1]
+
+
+def _with_mxu(node) -> bool:
+    return node["mxu"] > 0 or any(_with_mxu(c) for c in node["children"])
+
+
+def attention_cycles(tree, trips: dict, bundles=None) -> tuple[float, float, str]:
+    """``(cycles, tail cycles, note)`` of one grid step of the paged kernel (pages cut into pieces,
+    every page full); the tail cycles are those of the current chunk's loops, which run while the
+    first history block's DMAs are in flight.
+
+    Tree: the grid loop; inside it the tail-chunk loop (its query sub-block loop inside), the
+    tail remainder's sub-block loop, and the history-block loop whose children are, per piece of a
+    page, the unmasked then the masked sub-block loop (only the unmasked ones run on full pages).
+    """
+    grid = tree[0]
+    kids = [c for c in grid["children"] if _with_mxu(c)]
+    if trips["sub_blocks"] == 1 and bundles is not None:
+        return _attention_cycles_one_sub_block(bundles, grid, kids, trips)
+    tail = [c for c in kids if c["children"]][:-1] if trips["full_tail"] else []
+    history = [c for c in kids if c["children"]][-1]
+    rest = [c for c in kids if not c["children"]]
+    sub = trips["sub_blocks"]
+    tail_cycles = sum(trips["full_tail"] * (t["own"] + sub * sum(c["own"] for c in t["children"]))
+                      for t in tail) + sum(sub * c["own"] for c in rest)
+    fast = history["children"][0::2]
+    cycles = grid["own"] + tail_cycles + trips["blocks"] * (history["own"] + sub * sum(c["own"] for c in fast))
+    note = (f"grid loop {grid['own']} bundles/step; tail chunk loop x{trips['full_tail']}; "
+            f"{trips['blocks']} history blocks of {history['own']} + {sub} x "
+            f"{[c['own'] for c in fast]} bundles (unmasked pieces)")
+    return cycles, tail_cycles, note
+
+
+def _attention_cycles_one_sub_block(bundles, grid, kids, trips) -> tuple[float, float, str]:
+    """:func:`attention_cycles` when ``block_q_compute`` covers the whole query block: the
+    one-trip sub-block loops are gone, so the tail-chunk loop and the history-block loop have no
+    children. Inside the history-block loop each piece of a page is an unmasked then a masked
+    predicated region; the loop body is cut at its predicated-region fallthroughs (``PF``) and the
+    even segments (preamble + unmasked piece, then each further unmasked piece) are counted."""
+    history = kids[-1]
+    tail = kids[:-1] if trips["full_tail"] else []
+    tail_cycles = sum(trips["full_tail"] * t["own"] for t in tail)
+    start, end = history["start"], history["start"] + history["own"]
+    cuts = [start] + [i for i in range(start, end) if bundles[i][0] == "PF"] + [end]
+    segments = [b - a for a, b in zip(cuts, cuts[1:])]
+    fast = sum(segments[0::2])
+    cycles = grid["own"] + tail_cycles + trips["blocks"] * fast
+    note = (f"grid loop {grid['own']} bundles/step; tail chunk loop x{trips['full_tail']} of "
+            f"{[t['own'] for t in tail]}; {trips['blocks']} history blocks of {fast} bundles "
+            f"(unmasked path; segments {segments})")
+    return cycles, tail_cycles, note
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    """One paged-attention call on the compiler's estimate.
+
+    Attributes:
+      kernel_seconds: the kernel's bundles x trips at the chip clock, plus the grid-step overhead.
+      dma_seconds: the first history block's DMA per grid step that the chunk's loops do not hide.
+      grid_steps: rows x KV heads x query blocks.
+      note: how the bundles were counted.
+    """
+
+    kernel_seconds: float
+    dma_seconds: float
+    grid_steps: int
+    note: str
+
+    @property
+    def seconds(self) -> float:
+        return self.kernel_seconds + self.dma_seconds
+
+
+def estimate_from_dump(geom: WindowGeometry, dtype: str, generation: str, dump_dir: str) -> Estimate:
+    """Prices the paged kernel of ``geom`` from the final bundles of a compile for ``generation``
+    in ``dump_dir`` (its tiling is the one :func:`~pallas_kernels.window_attention.tpu.plan_call`
+    gives that chip)."""
+    from pallas_kernels import tpu_aot
+    from pallas_kernels.window_attention import tpu as twa
+
+    chip = tpu_aot.check_generation(generation)
+    geom = twa.Geometry.of(geom, dtype)
+    plan, _ = twa.plan_call(geom, generation)
+    bundles = parse_bundles(kernel_dump(dump_dir, "window_attention_tpu"))
+    trips = dict(full_tail=geom.tail_len // plan.block_kv_compute,
+                 sub_blocks=geom.group * plan.block_q // plan.block_q_compute,
+                 blocks=-(-geom.max_pages // plan.pages_per_block))
+    per_step, tail, note = attention_cycles(loop_tree(bundles), trips, bundles)
+    steps = geom.rows * geom.kv_heads * plan.num_q_blocks
+    first = 2 * min(plan.pages_per_block, geom.max_pages) * geom.block_size * geom.head_dim * geom.itemsize
+    exposed = max(0.0, first / chip.hbm_bytes_per_s - tail / chip.clock_hz)
+    return Estimate(steps * (per_step / chip.clock_hz + tpu_aot.GRID_STEP_SECONDS), steps * exposed, steps, note)
+
+
+def call_specs(geom: WindowGeometry, dtype: str) -> list[tuple[tuple[int, ...], str]]:
+    """``(shape, dtype)`` of ``q, k_cur, v_cur, k_pool, v_pool, pages, lengths, layer`` (then
+    ``extra_k, extra_v`` with extra tokens) of one call of ``geom``."""
+    from pallas_kernels.layout import pool_shape
+
+    h, d = geom.kv_heads, geom.head_dim
+    pool = pool_shape(geom.num_layers, geom.num_pages, geom.block_size, h, d)
+    kv = ((geom.rows, geom.cur_len, h, d), dtype)
+    specs = [((geom.rows, geom.q_len, geom.num_q_heads, d), dtype), kv, kv, (pool, dtype), (pool, dtype),
+             ((geom.rows, geom.max_pages), "int32"), ((geom.rows,), "int32"), ((), "int32")]
+    return specs + [((geom.rows, geom.num_extra, h, d), dtype)] * 2 * bool(geom.num_extra)
+
+
+def _compile_and_price(geom: WindowGeometry, dtype: str, generation: str, dump_dir: str) -> Estimate:
+    """In the worker process: compiles one call of ``geom`` for ``generation`` and prices it."""
+    import jax.numpy as jnp
+
+    from pallas_kernels import tpu_aot
+    from pallas_kernels.window_attention import tpu as twa
+
+    def fn(q, kc, vc, kp, vp, pages, lengths, layer, ek=None, ev=None):
+        return twa.window_attention(q, kc, vc, kp, vp, pages, lengths, layer=layer, extra_k=ek, extra_v=ev,
+                                    tokens_per_frame=geom.tokens_per_frame, generation=generation)
+
+    specs = [(shape, jnp.dtype(d)) for shape, d in call_specs(geom, dtype)]
+    tpu_aot.compile_for_tpu(fn, specs, generation)
+    return estimate_from_dump(geom, dtype, generation, dump_dir)
+
+
+def estimate(geom: WindowGeometry, dtype: str, generation: str) -> Estimate:
+    """Compiles one paged-attention call of ``geom`` for ``generation`` (libtpu's compile-only
+    device, in a child process with its own bundle dump) and prices it.
+
+    Raises:
+      RuntimeError: the call does not compile (the compiler's last line is in the message).
+    """
+    with tempfile.TemporaryDirectory() as dump:
+        env = dict(os.environ, JAX_PLATFORMS="cpu",
+                   LIBTPU_INIT_ARGS=f"--xla_jf_dump_to={dump} --xla_jf_dump_llo_text=true",
+                   ALLOW_MULTIPLE_LIBTPU_LOAD="1")
+        request = json.dumps(dict(geometry=dataclasses.asdict(geom), dtype=dtype, generation=generation, dump=dump))
+        proc = subprocess.run([sys.executable, "-m", __name__, request], env=env, capture_output=True, text=True)
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+        if proc.returncode or not lines:
+            last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+            raise RuntimeError(f"the paged kernel does not compile for {generation} at {geom}: {last}")
+        return Estimate(**json.loads(lines[-1]))
+
+
+if __name__ == "__main__":
+    args = json.loads(sys.argv[1])
+    result = _compile_and_price(WindowGeometry(**args["geometry"]), args["dtype"], args["generation"], args["dump"])
+    print(json.dumps(dataclasses.asdict(result)))
