@@ -539,15 +539,15 @@ def plan_chip(pipeline: Pipeline, generation: str, *, memory_bytes: int | None =
     and the first that does not, it bisects for the largest that fits.
 
     Args:
-      memory_bytes: the chip's memory (default: :data:`arkv_jax.planner.CHIP_MEMORY_BYTES`).
+      memory_bytes: the chip's memory (default: the HBM the compiler lets one program use,
+        :func:`pallas_kernels.tpu_aot.available_hbm_bytes`).
       memory_fraction: the share of it to plan, in (0, 1].
       kernel_seconds: prices Mosaic kernel calls for the time estimate (``None``: no estimate).
     """
-    from arkv_jax.planner import CHIP_MEMORY_BYTES
     from pallas_kernels import tpu_aot
 
     tpu_aot.check_generation(generation)
-    memory_bytes = CHIP_MEMORY_BYTES[f"tpu-{generation}"] if memory_bytes is None else memory_bytes
+    memory_bytes = tpu_aot.available_hbm_bytes(generation) if memory_bytes is None else memory_bytes
     require_positive("memory_bytes", memory_bytes)
     if not 0.0 < memory_fraction <= 1.0:
         raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")

@@ -14,6 +14,7 @@ The host backend must stay the default: set ``JAX_PLATFORMS=cpu`` before importi
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import re
@@ -84,6 +85,31 @@ def compile_only_device(generation: str):
 
     return topologies.get_topology_desc(chip.topology, "tpu",
                                         chips_per_host_bounds=(1, 1, 1)).devices[0]
+
+
+_HBM_OOM = re.compile(r"exceeds available HBM \(([\d.]+)G\)")
+
+
+@functools.lru_cache(maxsize=None)
+def available_hbm_bytes(generation: str) -> int:
+    """HBM one program may use on a chip of ``generation``, as the compiler counts it (v5e: 15.75
+    GiB of 16; v6e: 31.24 of 32): read from the ``CompileTimeHbmOom`` refusal of a program that
+    cannot fit (a one-line compile; requires libtpu).
+
+    Raises:
+      RuntimeError: the compiler did not refuse it in that form.
+    """
+    import jax.numpy as jnp
+
+    too_big = (1 << 40) // 4  # 1 TiB of float32
+    try:
+        compile_for_tpu(lambda x: x + 1, [((too_big,), jnp.float32)], generation)
+    except Exception as e:  # XlaRuntimeError's class differs across jax releases.
+        found = _HBM_OOM.search(str(e))
+        if found:
+            return int(float(found.group(1)) * (1 << 30))
+        raise RuntimeError(f"the TPU compiler refused an oversized program without an HBM figure: {e}") from e
+    raise RuntimeError("the TPU compiler accepted a 1 TiB program: no HBM figure to read")
 
 
 def compile_for_tpu(fn: Callable, shapes: Sequence[tuple[tuple[int, ...], object]],

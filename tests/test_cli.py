@@ -230,7 +230,8 @@ def test_plan_pipeline_plans_the_chip_the_memory_names(capsys, monkeypatch):
     code, out = run_cli(capsys, "plan", "--pipeline", "causvid", "--memory", "tpu-v6e", "--buckets", "1,2",
                         "--guidance", "4", "--text-on-device")
     assert code == 0 and out.strip() == "whole-chip summary"
-    assert seen["generation"] == "v6e" and seen["buckets"] == (1, 2) and seen["memory_bytes"] == 32 << 30
+    assert seen["generation"] == "v6e" and seen["buckets"] == (1, 2)
+    assert seen["memory_bytes"] is None  # the HBM the compiler lets a program use
     assert seen["chosen"].sampler.guidance_scale == 4.0 and seen["chosen"].text_on_device
     assert seen["chosen"].sampler.num_steps == pipeline.PIPELINES["causvid"].sampler.num_steps
     assert callable(seen["kernel_seconds"])

@@ -253,7 +253,7 @@ def _run_pipeline_plan(args: argparse.Namespace, parser: argparse.ArgumentParser
     if args.guidance is not None:
         chosen = chosen.with_(sampler=dataclasses.replace(chosen.sampler, guidance_scale=args.guidance))
     chosen = chosen.with_(text_on_device=args.text_on_device)
-    plan = pipeline.plan_chip(chosen, generation, memory_bytes=args.memory,
+    plan = pipeline.plan_chip(chosen, generation, memory_bytes=None,  # the HBM the compiler allows
                               memory_fraction=1.0 if args.fraction is None else args.fraction,
                               buckets=args.buckets, kernel_seconds=pipeline.attention_pricer(chosen, generation))
     print(plan.to_json() if args.json else plan.summary())

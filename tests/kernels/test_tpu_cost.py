@@ -107,3 +107,18 @@ def test_the_paged_kernels_estimate_is_within_the_chip_and_grows_with_rows():
     assert one.seconds >= flops / tpu_aot.CHIPS["v5e"].bf16_flops
     assert two.grid_steps == 2 * one.grid_steps
     assert two.seconds == pytest.approx(2 * one.seconds, rel=0.1)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not tpu_aot.libtpu_available(), reason="libtpu is not installed (pip install -e '.[tpu]')")
+def test_the_compiler_says_how_much_hbm_a_program_may_use():
+    """A little under each chip's nominal HBM (16 and 32 GiB), and a program of that size compiles
+    while one a GiB larger does not."""
+    for gen, nominal in (("v5e", 16 << 30), ("v6e", 32 << 30)):
+        usable = tpu_aot.available_hbm_bytes(gen)
+        assert 0.95 * nominal < usable < nominal
+    usable = tpu_aot.available_hbm_bytes("v5e")
+    fits = (usable - (256 << 20)) // 2 // 2  # input and output bf16 arrays
+    tpu_aot.compile_for_tpu(lambda x: x + 1, [((fits,), jnp.bfloat16)], "v5e")
+    with pytest.raises(Exception, match="CompileTimeHbmOom"):
+        tpu_aot.compile_for_tpu(lambda x: x + 1, [((fits + (1 << 29),), jnp.bfloat16)], "v5e")
