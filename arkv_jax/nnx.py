@@ -15,6 +15,7 @@ text tokens, ``Hq``/``Hkv`` query/KV heads, ``D`` head dim, ``L`` layers. See ``
 
 from __future__ import annotations
 
+import functools
 from typing import Protocol
 
 import jax
@@ -82,11 +83,23 @@ def rope_tables(positions: Array, head_dim: int, theta: float = 10000.0) -> tupl
 def apply_rope(x: Array, rope: tuple[Array, Array]) -> Array:
     """Rotates adjacent feature pairs ``(x[2i], x[2i+1])`` of ``x`` ``[B, N, H, D]`` by the angles of
     ``rope`` (from :func:`rope_tables`); computed in float32, returned in ``x``'s dtype."""
-    cos, sin = (t[:, :, None, :] for t in rope)
-    pairs = x.astype(jnp.float32).reshape(*x.shape[:-1], x.shape[-1] // 2, 2)
-    a, b = pairs[..., 0], pairs[..., 1]
-    out = jnp.stack([a * cos - b * sin, a * sin + b * cos], axis=-1)
-    return out.reshape(x.shape).astype(x.dtype)
+    # Lane-wise: out = x cos + (x S) sin, where S swaps each pair's features and negates the first
+    # (exact: one +-1 per column). A [..., D / 2, 2] view of the pairs would give XLA:TPU a minor
+    # dimension of 2, a slow layout.
+    cos, sin = (jnp.repeat(t, 2, axis=-1)[:, :, None, :] for t in rope)
+    swapped = jnp.einsum("...d,de->...e", x, jnp.asarray(_signed_pair_swap(x.shape[-1]), x.dtype),
+                         precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    return (x.astype(jnp.float32) * cos + swapped * sin).astype(x.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _signed_pair_swap(head_dim: int) -> np.ndarray:
+    """``S`` ``[head_dim, head_dim]`` with ``(x S)[2i] = -x[2i+1]`` and ``(x S)[2i+1] = x[2i]``."""
+    swap = np.zeros((head_dim, head_dim), np.float32)
+    pairs = np.arange(0, head_dim, 2)
+    swap[pairs + 1, pairs] = -1.0
+    swap[pairs, pairs + 1] = 1.0
+    return swap
 
 
 # ------------------------------------------------------------------------------------------------
