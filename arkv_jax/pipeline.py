@@ -244,6 +244,7 @@ class ProgramFigures:
       xla_seconds: XLA:TPU's estimated cycles of everything outside Mosaic kernels, loops unrolled,
         at the chip clock (:func:`pallas_kernels.tpu_cost.program_cycles`).
       kernel_calls: Mosaic kernel calls per run, by kernel name.
+      unpriced: instruction runs the cost model gave no estimate (counted 0 in ``xla_seconds``).
     """
 
     argument_bytes: int
@@ -252,6 +253,7 @@ class ProgramFigures:
     alias_bytes: int
     xla_seconds: float
     kernel_calls: dict[str, int]
+    unpriced: int = 0
 
     @property
     def transient_bytes(self) -> int:
@@ -285,7 +287,7 @@ def measure(compiled, generation: str) -> ProgramFigures:
     cost = tpu_cost.program_cycles(compiled.as_text())
     return ProgramFigures(int(mem.argument_size_in_bytes), int(mem.output_size_in_bytes),
                           int(mem.temp_size_in_bytes), int(mem.alias_size_in_bytes),
-                          cost.cycles / tpu_aot.CHIPS[generation].clock_hz, cost.kernel_calls)
+                          cost.cycles / tpu_aot.CHIPS[generation].clock_hz, cost.kernel_calls, cost.unpriced)
 
 
 # ------------------------------------------------------------------------------------------------

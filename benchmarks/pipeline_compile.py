@@ -77,7 +77,8 @@ def chip_report(generation: str, names, buckets) -> dict:
         plans[label] = plan = pl.plan_chip(pipeline, generation, buckets=buckets, kernel_seconds=price)
         for b in plan.buckets:
             row = dict(variant=label, batch=b.batch, fits=b.fits, transient_gib=b.transient_bytes / 2**30,
-                       chunk_xla_s=b.chunk.xla_seconds, decode_s=b.decode.xla_seconds)
+                       chunk_xla_s=b.chunk.xla_seconds, decode_s=b.decode.xla_seconds,
+                       unpriced=b.chunk.unpriced + b.decode.unpriced)
             if b.chunk_seconds is not None:
                 attention = b.chunk_seconds - b.chunk.xla_seconds - b.decode.xla_seconds \
                     - pl.commit_seconds(pipeline, b.batch, generation)

@@ -27,6 +27,8 @@ _CONSTANT = re.compile(r"%([\w.\-]+)\s*=\s*s32\[\]\S*\s+constant\((-?\d+)\)")
 _BOUND = re.compile(r"ROOT\s+%[\w.\-]+\s*=\s*pred\[\]\S*\s+compare\(%[\w.\-]+, %([\w.\-]+)\), direction=LT")
 
 MOSAIC_TARGET = "tpu_custom_call"
+UNKNOWN_CYCLES = 1 << 62
+"""Estimates at or above this are the cost model's "unknown" sentinel (seen: ``2**64 - 1``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,11 +40,14 @@ class ProgramCost:
       kernel_calls: per Mosaic kernel instruction name prefix (``window_attention_tpu``, ...), how
         many times it runs (loop trips included).
       loops: ``(body name, trip count)`` of every loop, outermost first.
+      unpriced: instructions whose estimate is the cost model's "unknown" (``2**64 - 1`` and
+        the like); they count 0 in ``cycles``.
     """
 
     cycles: int
     kernel_calls: dict[str, int]
     loops: tuple[tuple[str, int], ...]
+    unpriced: int = 0
 
 
 def computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
@@ -89,6 +94,7 @@ def program_cycles(hlo_text: str) -> ProgramCost:
     comps, entry = computations(hlo_text)
     kernels: collections.Counter = collections.Counter()
     loops: list[tuple[str, int]] = []
+    unpriced = [0]
 
     def walk(name: str, times: int) -> int:
         total = 0
@@ -97,8 +103,11 @@ def program_cycles(hlo_text: str) -> ProgramCost:
             if not ins:
                 continue
             op = ins.group(3)
-            cycles = _CYCLES.search(line)
-            total += int(cycles.group(1)) if cycles else 0
+            cycles = int(_CYCLES.search(line).group(1)) if _CYCLES.search(line) else 0
+            if cycles >= UNKNOWN_CYCLES:
+                unpriced[0] += times
+            else:
+                total += cycles
             if op == "custom-call" and (_TARGET.search(line) or [None, None])[1] == MOSAIC_TARGET:
                 kernels[re.sub(r"\.\d+$", "", ins.group(2))] += times
             elif op == "while":
@@ -115,4 +124,5 @@ def program_cycles(hlo_text: str) -> ProgramCost:
                 total += max(walk(n, times) for n in names)
         return total
 
-    return ProgramCost(walk(entry, 1), dict(kernels), tuple(loops))
+    cycles = walk(entry, 1)
+    return ProgramCost(cycles, dict(kernels), tuple(loops), unpriced[0])

@@ -63,6 +63,12 @@ def test_the_estimate_follows_the_trip_counts():
     assert large.kernel_calls["window_attention_tpu"] == 10 * small.kernel_calls["window_attention_tpu"]
 
 
+def test_the_cost_models_unknown_is_counted_apart():
+    text = program().replace(_cost(7), _cost(2**64 - 1))
+    cost = tpu_cost.program_cycles(text)
+    assert cost.cycles == 10 + 4 * (1 + 30 * 100) and cost.unpriced == 30
+
+
 def test_a_condition_that_is_not_a_counted_loop_is_refused():
     with pytest.raises(ValueError, match="trip count"):
         tpu_cost.program_cycles(program(compare="NE"))
