@@ -7,7 +7,8 @@ of its input; zeros before the stream starts) and :func:`decode_chunk` maps
 in ``[-1, 1]`` (``F' = 1 + 4 (F - 1)`` for the stream's first chunk, ``4 F`` after it), equal to the
 whole-video decode to float rounding. Latents come **normalised**, as the DiT produces them, and are
 mapped back with Wan's ``latents_mean`` / ``latents_std`` first; a leading batch axis is decoded
-with ``jax.vmap``. The cache is stored in ``WanVAEConfig.cache_dtype`` (bfloat16 halves it) and
+one stream after another (``jax.lax.map``: a batch takes one stream's temporaries). The cache is
+stored in ``WanVAEConfig.cache_dtype`` (bfloat16 halves it) and
 :func:`stream_cache_bytes` sizes it from the shapes alone. :func:`load_wan_vae` reads the diffusers
 layout or the official ``Wan2.1_VAE.pth`` (:func:`official_vae_names` is the key map), the decoder
 only, checked with :mod:`arkv_jax.models.io`.
@@ -505,8 +506,8 @@ def decoder_param_bytes(config: WanVAEConfig) -> int:
 
 def _decode_chunk_impl(graphdef, params, cache: DecoderCache, latents: Array, per_frame: bool):
     decoder = nnx.merge(graphdef, params)
-    if latents.ndim == 5:
-        return jax.vmap(lambda c, x: decoder(x, c, per_frame=per_frame))(cache, latents)
+    if latents.ndim == 5:  # one stream after the other: a batch's temporaries are one stream's
+        return jax.lax.map(lambda cx: decoder(cx[1], cx[0], per_frame=per_frame), (cache, latents))
     return decoder(latents, cache, per_frame=per_frame)
 
 
