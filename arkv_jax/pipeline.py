@@ -121,7 +121,7 @@ def weight_bytes(pipeline: Pipeline) -> dict[str, int]:
     """Bytes of each model's weights on the chip: ``dit``, ``vae`` and (if on the device)
     ``text_encoder``."""
     out = {"dit": tree_bytes(_abstract(dit_model.CausalDiT, pipeline.dit)[1]),
-           "vae": tree_bytes(_abstract(vae_model.WanVAEDecoder, pipeline.vae)[1])}
+           "vae": vae_model.decoder_param_bytes(pipeline.vae)}
     if pipeline.text_on_device:
         out["text_encoder"] = tree_bytes(_abstract(umt5.UMT5Encoder, pipeline.text_encoder)[1])
     return out
