@@ -1,30 +1,46 @@
 """Compile the TPU kernels for v5e and v6e on this CPU machine and report what the compiler decided.
 
-Needs libtpu (``pip install -e ".[tpu]"``); runs no kernel. At the ``wan-1.3b`` preset (30 layers,
-12 KV heads x 128, 1,560-token frames in 1,560-slot pages, a 3-frame chunk over 12 visible frames)
-for each generation it compiles, each in its own process (so each has its own bundle dump):
+Needs libtpu (``pip install -e ".[tpu]"``); runs no kernel. Shapes come from the model presets
+(:func:`preset_shape`: :mod:`arkv_jax.presets` geometry, the history its ``WindowPolicy`` lets a
+chunk see, ``max_history``, and its extra tokens). At ``wan-1.3b`` (30 layers, 12 KV heads x 128,
+1,560-token frames in 1,560-slot pages, a 3-frame chunk over 9 history frames: 18,720 keys) for
+each generation it compiles, each in its own process (so each has its own bundle dump):
 
 * the paged window attention (:mod:`pallas_kernels.window_attention.tpu`), rows 1 and 4;
 * the gather + splash baseline (:mod:`pallas_kernels.window_attention.tpu_gather`), rows 1 and 4,
-  with its generation's tuned splash tiles (``--baseline-blocks BQ,BKV,BKVC`` compiles only the
-  baseline, rows 1, with other tiles: how they were tuned);
-* the donated paged write (:mod:`pallas_kernels.paged_write.tpu`), one row's 3-frame commit.
+  under the scoped VMEM limit the paged kernel sets at this shape (``LIBTPU_INIT_ARGS=
+  --xla_tpu_scoped_vmem_limit_kib=N`` in its process: splash takes no VMEM option), with the
+  splash tiles ``tpu_gather`` tunes for that limit (``--baseline-blocks BQ,BKV,BKVC`` compiles only
+  the baseline, rows 1, with other tiles: how they were tuned);
+* the donated paged write (:mod:`pallas_kernels.paged_write.tpu`), one row's chunk, at
+  ``wan-1.3b`` (12 heads: the head view) and ``lingbot-v2`` (40 heads: the token view).
 
 Reported: whether each compiled, the kernel's VMEM estimate and limit, temporaries and aliased
-bytes as fractions of the pools, pool copies in the optimized HLO, and a compiler-derived time:
-final VLIW bundles of each loop (``--xla_jf_dump_llo_text``) times its trip count at the chip
-clock, plus 0.35 us per grid step. That estimate assumes one bundle per cycle and omits stalls
-(MXU result latency beyond the schedule, VMEM bank conflicts), DMA waits, HBM contention and the
-XLA fusions around the kernels except the baseline's gather (counted as its HBM bytes over the
-bandwidth). ``--quick`` compiles rows 1 only. The last line is JSON (a figure of a kernel that did
-not compile is ``null``); the exit status is 1 if any kernel did not compile. Without libtpu it says
-so in one line on stderr and exits with status 1, compiling nothing.
+bytes (as fractions of the pools, and for the write of the chunk), pool copies in the optimized
+HLO, and a compiler-derived time per call, formed the same way for the kernel and its yardstick:
+
+* kernel: the Mosaic kernel's final VLIW bundles (``--xla_jf_dump_llo_text``) of each loop times
+  its trip count at the chip clock, plus 0.35 us per grid step (one bundle per cycle; stalls such
+  as MXU result latency beyond the schedule or VMEM bank conflicts, and DMA waits, are omitted);
+* exposed DMA (paged kernel): per grid step, the first history block's K and V bytes over the HBM
+  bandwidth, less the cycles of the tail-chunk loops that run while it is in flight (at least 0);
+  later blocks are prefetched behind the previous block's compute and not counted;
+* XLA ops: ``estimated_cycles`` of XLA:TPU's cost model (each instruction's ``backend_config``)
+  summed over every instruction outside the Mosaic custom call, at the chip clock. For the
+  baseline that is the gather of the visible history (one DMA per token), its concatenation with
+  the chunk and padding, the scaled queries and the output transpose; for the paged kernel the
+  transposes of the queries, tail and output (free where XLA lays them out head-major) and the
+  page table.
+
+The write's time is the larger of its bytes (read and written) over the HBM bandwidth and its
+bundles' issue time. ``--quick`` compiles rows 1 only. The last line is JSON (a figure of a kernel
+that did not compile is ``null``); the exit status is 1 if any kernel did not compile. Without
+libtpu it says so in one line on stderr and exits with status 1, compiling nothing.
 """
 
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import math
 import os
@@ -34,106 +50,85 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PRESET = dict(layers=30, kv_heads=12, head_dim=128, tokens_per_frame=1560, block_size=1560,
-              cur_frames=3, visible_frames=12)
 BLOCKS_ENV = "TPU_COMPILE_SPLASH_BLOCKS"
 """Environment variable (JSON ``{"block_q": ..}``) overriding the baseline's tuned splash blocks."""
+ATTENTION_PRESET = "wan-1.3b"
+WRITE_PRESETS = ("wan-1.3b", "lingbot-v2")
+"""Presets whose write is compiled: 12 KV heads (head view) and 40 (token view)."""
+
+
+def _importable_checkout() -> None:
+    """Puts the checkout on ``sys.path`` (for ``python benchmarks/tpu_compile.py``, run as a file)."""
+    if ROOT not in sys.path:
+        sys.path.insert(0, ROOT)
+
+
+def preset_shape(name: str, block_size: int | None = None) -> dict:
+    """The compiled shape of model preset ``name`` (:func:`arkv_jax.presets.get_preset`): its
+    layers, KV heads, head dim and frame size, its block size rounded up to the TPU's multiple of
+    8 (:func:`pallas_kernels.layout.tpu_block_size`) unless ``block_size`` is given, its chunk
+    (``frames_per_forward``), the history frames its ``WindowPolicy`` lets a chunk see
+    (``max_history``) and its extra tokens per forward (``max_scratch_tokens_per_branch``)."""
+    _importable_checkout()
+    from arkv_jax.presets import get_preset
+    from pallas_kernels.layout import tpu_block_size
+
+    model = get_preset(name)
+    g = model.geometry
+    frames = g.frames_per_forward
+    return dict(preset=name, layers=g.num_layers, kv_heads=g.num_kv_heads, head_dim=g.head_dim,
+                tokens_per_frame=g.tokens_per_frame,
+                block_size=tpu_block_size(g.block_size) if block_size is None else block_size,
+                cur_frames=frames, visible_frames=int(model.window.max_history(frames)),
+                extra_tokens=model.max_scratch_tokens_per_branch)
+
+
+def attention_shapes(p: dict, rows: int, layers: int | None = None):
+    """``(WindowGeometry, pool shape, specs)`` of one layer's attention call at shape ``p``
+    (:func:`preset_shape`) for ``rows`` rows, bf16, with ``layers`` pool layers (default the
+    preset's): specs are ``(shape, dtype)`` of ``q, k_cur, v_cur, k_pool, v_pool, pages, lengths,
+    layer`` then, if the preset has extra tokens, ``extra_k, extra_v``; ``q`` holds the chunk and
+    the extras."""
+    import jax.numpy as jnp
+
+    from pallas_kernels.layout import PAGE_AXIS, pool_shape
+    from pallas_kernels.window_attention import WindowGeometry
+
+    h, d, tpf, block = p["kv_heads"], p["head_dim"], p["tokens_per_frame"], p["block_size"]
+    layers = p["layers"] if layers is None else layers
+    max_pages = p["visible_frames"] * -(-tpf // block)
+    shape = pool_shape(layers, rows * max_pages + 1, block, h, d)
+    cur, extra = p["cur_frames"] * tpf, p["extra_tokens"]
+    kv = (rows, cur, h, d)
+    bf = jnp.bfloat16
+    specs = [((rows, cur + extra, h, d), bf), (kv, bf), (kv, bf), (shape, bf), (shape, bf),
+             ((rows, max_pages), jnp.int32), ((rows,), jnp.int32), ((), jnp.int32)]
+    specs += [((rows, extra, h, d), bf)] * 2 if extra else []
+    geom = WindowGeometry(rows, cur + extra, h, h, d, cur, extra, layers, shape[PAGE_AXIS], block,
+                          max_pages, tpf)
+    return geom, shape, specs
+
+
+def attention_flops(p: dict, rows: int) -> int:
+    """FLOPs of one layer's attention at shape ``p``: QK and PV over the valid keys only (the
+    history frames' tokens and the tail)."""
+    q_len = p["cur_frames"] * p["tokens_per_frame"] + p["extra_tokens"]
+    keys = p["visible_frames"] * p["tokens_per_frame"] + q_len
+    return 4 * rows * q_len * keys * p["kv_heads"] * p["head_dim"]
+
+
+def paged_vmem_limit(gen: str, rows: int) -> int:
+    """The scoped VMEM limit (bytes) the paged kernel sets at :data:`ATTENTION_PRESET` for
+    ``rows`` rows on ``gen``: the one the baseline is compiled under."""
+    from pallas_kernels.window_attention import tpu as twa
+
+    geom = twa.Geometry.of(attention_shapes(preset_shape(ATTENTION_PRESET), rows)[0], "bfloat16")
+    return twa.plan_call(geom, gen)[1]
 
 
 # ------------------------------------------------------------------------------------------------
-# Final-bundle parsing
+# Final-bundle parsing (the paged kernel's: pallas_kernels.window_attention.tpu_estimate)
 # ------------------------------------------------------------------------------------------------
-
-_BUNDLE = re.compile(r"^\s*(0x[0-9a-f]+|\d+)\s+(?:(LB|LH|LE|PB|PF|CT):|:)\s*(>*)\s*\{(.*)$")
-
-
-def parse_bundles(path: str) -> list[tuple[str, int, str]]:
-    """``(marker, loop depth, text)`` of every bundle of a ``*final_bundles.txt`` dump."""
-    out = []
-    for line in open(path):
-        m = _BUNDLE.match(line)
-        if m:
-            out.append((m.group(2) or "", len(m.group(3)), m.group(4)))
-    return out
-
-
-def loop_tree(bundles) -> list[dict]:
-    """The loops of a kernel in program order: ``{"start", "depth", "own", "children"}``, where
-    ``own`` counts the loop body's bundles outside nested loops. Empty bundles stay in their loop."""
-    loops, stack = [], []
-    for i, (mark, depth, text) in enumerate(bundles):
-        if text.strip().startswith("}"):
-            depth = stack[-1]["depth"] if stack else 0
-        while stack and (depth < stack[-1]["depth"] or (depth == stack[-1]["depth"] and mark == "LB")):
-            stack.pop()
-        if mark == "LB":
-            node = dict(start=i, depth=depth, own=0, children=[], mxu=0)
-            (stack[-1]["children"] if stack else loops).append(node)
-            stack.append(node)
-        if stack:
-            stack[-1]["own"] += 1
-            if "vmatmul" in text:
-                stack[-1]["mxu"] += 1
-    return loops
-
-
-def kernel_dump(dump_dir: str, name: str) -> str:
-    files = sorted(glob.glob(os.path.join(dump_dir, f"*{name}*final_bundles.txt")))
-    files = [f for f in files if "schedule-analysis" not in f]
-    if not files:
-        raise FileNotFoundError(f"no final bundles of {name} in {dump_dir}")
-    return files[-1]
-
-
-def _with_mxu(node) -> bool:
-    return node["mxu"] > 0 or any(_with_mxu(c) for c in node["children"])
-
-
-def attention_cycles(tree, trips: dict, bundles=None) -> tuple[float, str]:
-    """Cycles of one grid step of the paged kernel (pages cut into pieces, every page full).
-
-    Tree: the grid loop; inside it the tail-chunk loop (its query sub-block loop inside), the
-    tail remainder's sub-block loop, and the history-block loop whose children are, per piece of a
-    page, the unmasked then the masked sub-block loop (only the unmasked ones run on full pages).
-    """
-    grid = tree[0]
-    kids = [c for c in grid["children"] if _with_mxu(c)]
-    if trips["sub_blocks"] == 1 and bundles is not None:
-        return _attention_cycles_one_sub_block(bundles, grid, kids, trips)
-    tail = [c for c in kids if c["children"]][:-1] if trips["full_tail"] else []
-    history = [c for c in kids if c["children"]][-1]
-    rest = [c for c in kids if not c["children"]]
-    sub = trips["sub_blocks"]
-    cycles = grid["own"]
-    for t in tail:
-        cycles += trips["full_tail"] * (t["own"] + sub * sum(c["own"] for c in t["children"]))
-    cycles += sum(sub * c["own"] for c in rest)
-    fast = history["children"][0::2]
-    cycles += trips["blocks"] * (history["own"] + sub * sum(c["own"] for c in fast))
-    note = (f"grid loop {grid['own']} bundles/step; tail chunk loop x{trips['full_tail']}; "
-            f"{trips['blocks']} history blocks of {history['own']} + {sub} x "
-            f"{[c['own'] for c in fast]} bundles (unmasked pieces)")
-    return cycles, note
-
-
-def _attention_cycles_one_sub_block(bundles, grid, kids, trips) -> tuple[float, str]:
-    """:func:`attention_cycles` when ``block_q_compute`` covers the whole query block: the
-    one-trip sub-block loops are gone, so the tail-chunk loop and the history-block loop have no
-    children. Inside the history-block loop each piece of a page is an unmasked then a masked
-    predicated region; the loop body is cut at its predicated-region fallthroughs (``PF``) and the
-    even segments (preamble + unmasked piece, then each further unmasked piece) are counted."""
-    history = kids[-1]
-    tail = kids[:-1] if trips["full_tail"] else []
-    cycles = grid["own"] + sum(trips["full_tail"] * t["own"] for t in tail)
-    start, end = history["start"], history["start"] + history["own"]
-    cuts = [start] + [i for i in range(start, end) if bundles[i][0] == "PF"] + [end]
-    segments = [b - a for a, b in zip(cuts, cuts[1:])]
-    fast = sum(segments[0::2])
-    cycles += trips["blocks"] * fast
-    note = (f"grid loop {grid['own']} bundles/step; tail chunk loop x{trips['full_tail']} of "
-            f"{[t['own'] for t in tail]}; {trips['blocks']} history blocks of {fast} bundles "
-            f"(unmasked path; segments {segments})")
-    return cycles, note
 
 
 def splash_cycles(bundles, tree) -> tuple[float, float, str]:
@@ -172,56 +167,32 @@ def splash_cycles(bundles, tree) -> tuple[float, float, str]:
                           f"{pf[1] - pf[0]}), init + finalisation {once} once per query block")
 
 
+def write_cycles(tree, trips: int) -> int:
+    """Issue cycles of the paged write: every bundle of its top-level loops (nested loops and both
+    page kinds' predicated regions included: an upper bound) times ``trips``, the loop's trip
+    count (pages + ``DMAS_IN_FLIGHT`` on the head view, pages x layers on the token view)."""
+    def total(node) -> int:
+        return node["own"] + sum(total(c) for c in node["children"])
+
+    return sum(total(n) for n in tree) * trips
+
+
 # ------------------------------------------------------------------------------------------------
 # Worker: one compile in this process (LIBTPU_INIT_ARGS set by the parent)
 # ------------------------------------------------------------------------------------------------
 
 
-def worker(gen: str, kind: str, rows: int, dump: str) -> dict:
+def worker(gen: str, kind: str, rows: int, preset: str, dump: str) -> dict:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     _importable_checkout()
-    import functools
+    from pallas_kernels import tpu_aot, tpu_cost
 
-    import jax.numpy as jnp
-
-    from pallas_kernels import tpu_aot
-    from pallas_kernels.layout import pool_shape
-    from pallas_kernels.paged_write import write_chunk as dispatch_write
-    from pallas_kernels.window_attention import tpu as twa
-    from pallas_kernels.window_attention.tpu_gather import gather_window_attention, resolve_blocks
-
-    write_chunk = functools.partial(dispatch_write, backend="pallas_tpu")
-
-    chip = tpu_aot.CHIPS[gen]
-    p = PRESET
-    bf = jnp.bfloat16
-    h, d, t, s = p["kv_heads"], p["head_dim"], p["tokens_per_frame"], p["block_size"]
-    q_len = p["cur_frames"] * t
-    max_pages = p["visible_frames"]
-    out: dict = dict(gen=gen, kind=kind, rows=rows)
-    splash_blocks = resolve_blocks(gen, **json.loads(os.environ.get(BLOCKS_ENV, "{}")))
+    p = preset_shape(preset)
+    out: dict = dict(gen=gen, kind=kind, rows=rows, preset=preset)
     if kind == "write":
-        pages = 16
-        shape = pool_shape(p["layers"], pages, s, h, d)
-        new = (p["layers"], rows, q_len, h, d)
-        specs = [(shape, bf)] * 2 + [(new, bf)] * 2 + [((rows, p["cur_frames"]), jnp.int32)]
-        fn = write_chunk
-        donate = (0, 1)
+        fn, specs, donate, shape = _write_call(p, rows)
     else:
-        pages = rows * max_pages + 1
-        shape = pool_shape(p["layers"], pages, s, h, d)
-        kv = (rows, q_len, h, d)
-        specs = [((rows, q_len, h, d), bf), (kv, bf), (kv, bf), (shape, bf), (shape, bf),
-                 ((rows, max_pages), jnp.int32), ((rows,), jnp.int32), ((), jnp.int32)]
-        donate = ()
-        if kind == "attention":
-            def fn(q, kc, vc, kp, vp, pg, ln, layer):
-                return twa.window_attention(q, kc, vc, kp, vp, pg, ln, layer=layer,
-                                            generation=gen)
-        else:
-            def fn(q, kc, vc, kp, vp, pg, ln, layer):
-                return gather_window_attention(q, kc, vc, kp, vp, pg, ln, layer=layer,
-                                               **splash_blocks)
+        fn, specs, donate, shape = _attention_call(gen, kind, p, rows, out)
     pool_bytes = 2 * 2 * math.prod(int(d) for d in shape)
     try:
         compiled = tpu_aot.compile_for_tpu(fn, specs, gen, donate_argnums=donate)
@@ -232,48 +203,117 @@ def worker(gen: str, kind: str, rows: int, dump: str) -> dict:
     out.update(compiles=True, pool_copies=rep.pool_copies, pool_bytes=pool_bytes,
                temp_bytes=rep.temp_bytes, temp_fraction=rep.temp_bytes / pool_bytes,
                alias_fraction=rep.alias_bytes / pool_bytes)
-    flops = 4 * rows * q_len * (max_pages * t + q_len) * h * d  # QK and PV, useful keys only.
-    out["flops"] = flops
+    chip = tpu_aot.CHIPS[gen]
     if kind == "write":
-        moved = 2 * p["layers"] * h * rows * p["cur_frames"] * s * d * 2  # K and V pages.
-        tree = loop_tree(parse_bundles(kernel_dump(dump, "paged_write_tpu")))
-        issue = sum(n["own"] for n in tree) * (rows * p["cur_frames"] + 8) / chip.clock_hz
-        hbm = 2 * moved / chip.hbm_bytes_per_s  # Read the chunk, write the pages.
-        out.update(bytes_moved=moved, hbm_ms=hbm * 1e3, issue_ms=issue * 1e3,
-                   est_ms=max(hbm, issue) * 1e3, fraction_of_hbm=hbm / max(hbm, issue))
+        out.update(_write_figures(p, rows, specs, rep, dump, chip))
         return out
-    if kind == "attention":
-        geom = twa.Geometry(rows, q_len, h, h, d, q_len, 0, p["layers"], pages, s, max_pages, t,
-                            "bfloat16")
-        plan = twa.make_plan(geom, twa.TUNED_BLOCKS[gen])
-        bundles = parse_bundles(kernel_dump(dump, "window_attention_tpu"))
-        m = geom.group * plan.block_q
-        trips = dict(full_tail=geom.tail_len // plan.block_kv_compute,
-                     sub_blocks=m // plan.block_q_compute, blocks=-(-max_pages // plan.pages_per_block))
-        per_step, note = attention_cycles(loop_tree(bundles), trips, bundles)
-        steps = rows * h * plan.num_q_blocks
-        seconds = steps * per_step / chip.clock_hz + steps * tpu_aot.GRID_STEP_SECONDS
-        out.update(vmem_estimate=twa.vmem_estimate_bytes(geom, plan),
-                   vmem_limit=twa._vmem_limit(twa.vmem_estimate_bytes(geom, plan), gen),
-                   temp_bound=twa.temp_bound_bytes(geom, plan), grid_steps=steps,
-                   est_ms=seconds * 1e3, note=note)
-    else:
-        bundles = parse_bundles(kernel_dump(dump, "splash_mqa_fwd"))
-        steady, once, note = splash_cycles(bundles, loop_tree(bundles))
-        b = splash_blocks
-        out["blocks"] = b
-        q_blocks = -(-q_len // b["block_q"])
-        kv_blocks = -(-(max_pages * t + q_len) // b["block_kv"])
-        steps = rows * h * q_blocks * kv_blocks
-        kernel_s = (steps * steady + rows * h * q_blocks * once) / chip.clock_hz \
-            + steps * tpu_aot.GRID_STEP_SECONDS
-        gathered = 2 * rows * h * kv_blocks * b["block_kv"] * d * 2  # K and V, written.
-        history = 2 * rows * h * max_pages * t * d * 2  # K and V pages, read.
-        gather_s = (gathered + history) / chip.hbm_bytes_per_s
-        out.update(grid_steps=steps, kernel_ms=kernel_s * 1e3, gather_ms=gather_s * 1e3,
-                   est_ms=(kernel_s + gather_s) * 1e3, note=note)
-    out["fraction_of_peak"] = flops / (out["est_ms"] * 1e-3) / chip.bf16_flops
+    xla_cycles = tpu_cost.program_cycles(rep.hlo).cycles  # Every op but the Mosaic kernel.
+    out.update(flops=attention_flops(p, rows), xla_ms=xla_cycles / chip.clock_hz * 1e3)
+    out.update(_paged_figures(gen, p, rows, dump) if kind == "attention"
+               else _baseline_figures(p, rows, out["blocks"], dump, chip))
+    out["est_ms"] = out["kernel_ms"] + out.get("dma_ms", 0.0) + out["xla_ms"]
+    out["fraction_of_peak"] = out["flops"] / (out["est_ms"] * 1e-3) / chip.bf16_flops
     return out
+
+
+def _write_call(p: dict, rows: int):
+    """``(fn, specs, donate, pool shape)`` of the donated write of one chunk per row at ``p``
+    (pools just large enough: the chunk's pages and the null page)."""
+    import functools
+
+    import jax.numpy as jnp
+
+    from pallas_kernels.layout import pool_shape
+    from pallas_kernels.paged_write import write_chunk
+
+    ppf = -(-p["tokens_per_frame"] // p["block_size"])
+    shape = pool_shape(p["layers"], rows * p["cur_frames"] * ppf + 1, p["block_size"], p["kv_heads"],
+                       p["head_dim"])
+    new = (p["layers"], rows, p["cur_frames"] * p["tokens_per_frame"], p["kv_heads"], p["head_dim"])
+    bf = jnp.bfloat16
+    specs = [(shape, bf)] * 2 + [(new, bf)] * 2 + [((rows, p["cur_frames"] * ppf), jnp.int32)]
+    fn = functools.partial(write_chunk, tokens_per_frame=p["tokens_per_frame"], backend="pallas_tpu")
+    return fn, specs, (0, 1), shape
+
+
+def _write_figures(p: dict, rows: int, specs, rep, dump: str, chip) -> dict:
+    from pallas_kernels.paged_write import tpu as write_tpu
+    from pallas_kernels.window_attention.tpu_estimate import kernel_dump, loop_tree, parse_bundles
+
+    frames_shape = (p["layers"], rows * p["cur_frames"], p["tokens_per_frame"], p["kv_heads"],
+                    p["head_dim"])
+    view = write_tpu.chunk_view(frames_shape, "bfloat16", p["block_size"], _chip_device(chip))
+    ppf = -(-p["tokens_per_frame"] // p["block_size"])
+    pages = rows * p["cur_frames"] * ppf
+    moved = 2 * p["layers"] * p["kv_heads"] * pages * p["block_size"] * p["head_dim"] * 2  # K, V pages.
+    chunk_bytes = 2 * math.prod(specs[2][0]) * 2
+    trips = pages + write_tpu.DMAS_IN_FLIGHT if view == "head" else pages * p["layers"]
+    issue = write_cycles(loop_tree(parse_bundles(kernel_dump(dump, "paged_write_tpu"))), trips) / chip.clock_hz
+    hbm = 2 * moved / chip.hbm_bytes_per_s  # Read the chunk, write the pages.
+    return dict(view=view, kv_heads=p["kv_heads"], bytes_moved=moved,
+                temp_chunk_fraction=rep.temp_bytes / chunk_bytes, hbm_ms=hbm * 1e3,
+                issue_ms=issue * 1e3, est_ms=max(hbm, issue) * 1e3,
+                fraction_of_hbm=hbm / max(hbm, issue))
+
+
+def _chip_device(chip):
+    from pallas_kernels import tpu_aot
+
+    return tpu_aot.compile_only_device(next(g for g, c in tpu_aot.CHIPS.items() if c is chip))
+
+
+def _attention_call(gen: str, kind: str, p: dict, rows: int, out: dict):
+    """``(fn, specs, donate, pool shape)`` of the paged kernel or the baseline at ``p``; records
+    the baseline's splash tiles and scoped VMEM limit in ``out``."""
+    geom, shape, specs = attention_shapes(p, rows)
+    if kind == "attention":
+        from pallas_kernels.window_attention import tpu as twa
+
+        def fn(q, kc, vc, kp, vp, pg, ln, layer, ek=None, ev=None):
+            return twa.window_attention(q, kc, vc, kp, vp, pg, ln, layer=layer, extra_k=ek, extra_v=ev,
+                                        tokens_per_frame=geom.tokens_per_frame, generation=gen)
+        return fn, specs, (), shape
+    from pallas_kernels.window_attention import tpu_gather
+
+    blocks = tpu_gather.resolve_blocks(gen, **json.loads(os.environ.get(BLOCKS_ENV, "{}")))
+    out.update(blocks=blocks, scoped_vmem=tpu_gather.scoped_vmem_limit(gen))
+
+    def fn(q, kc, vc, kp, vp, pg, ln, layer, ek=None, ev=None):
+        return tpu_gather.gather_window_attention(q, kc, vc, kp, vp, pg, ln, layer=layer, extra_k=ek,
+                                                  extra_v=ev, tokens_per_frame=geom.tokens_per_frame,
+                                                  **blocks)
+    return fn, specs, (), shape
+
+
+def _paged_figures(gen: str, p: dict, rows: int, dump: str) -> dict:
+    """The paged kernel's bundle estimate and exposed first-block DMA
+    (:func:`pallas_kernels.window_attention.tpu_estimate.estimate_from_dump`), VMEM and tiling."""
+    from pallas_kernels.window_attention import tpu as twa
+    from pallas_kernels.window_attention import tpu_estimate
+
+    window = attention_shapes(p, rows)[0]
+    geom = twa.Geometry.of(window, "bfloat16")
+    plan, vmem_limit = twa.plan_call(geom, gen)
+    est = tpu_estimate.estimate_from_dump(window, "bfloat16", gen, dump)
+    return dict(vmem_estimate=twa.vmem_estimate_bytes(geom, plan), vmem_limit=vmem_limit,
+                temp_bound=twa.temp_bound_bytes(geom, plan), grid_steps=est.grid_steps,
+                kernel_ms=est.kernel_seconds * 1e3, dma_ms=est.dma_seconds * 1e3, note=est.note)
+
+
+def _baseline_figures(p: dict, rows: int, blocks: dict, dump: str, chip) -> dict:
+    """Splash's bundle estimate (its grid: rows x KV heads x query blocks x key blocks)."""
+    from pallas_kernels import tpu_aot
+    from pallas_kernels.window_attention.tpu_estimate import kernel_dump, loop_tree, parse_bundles
+
+    bundles = parse_bundles(kernel_dump(dump, "splash_mqa_fwd"))
+    steady, once, note = splash_cycles(bundles, loop_tree(bundles))
+    q_len = p["cur_frames"] * p["tokens_per_frame"] + p["extra_tokens"]
+    keys = p["visible_frames"] * p["tokens_per_frame"] + q_len
+    q_blocks, kv_blocks = -(-q_len // blocks["block_q"]), -(-keys // blocks["block_kv"])
+    steps = rows * p["kv_heads"] * q_blocks * kv_blocks
+    kernel_s = (steps * steady + rows * p["kv_heads"] * q_blocks * once) / chip.clock_hz \
+        + steps * tpu_aot.GRID_STEP_SECONDS
+    return dict(grid_steps=steps, kernel_ms=kernel_s * 1e3, note=note)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -281,18 +321,23 @@ def worker(gen: str, kind: str, rows: int, dump: str) -> dict:
 # ------------------------------------------------------------------------------------------------
 
 
-def run_job(gen: str, kind: str, rows: int) -> dict:
+def run_job(gen: str, kind: str, rows: int, preset: str = ATTENTION_PRESET,
+            scoped_vmem: int | None = None) -> dict:
+    """One compile in its own process (its own bundle dump); ``scoped_vmem`` (bytes) sets
+    XLA:TPU's scoped VMEM limit there."""
     with tempfile.TemporaryDirectory() as dump:
-        env = dict(os.environ, JAX_PLATFORMS="cpu",
-                   LIBTPU_INIT_ARGS=f"--xla_jf_dump_to={dump} --xla_jf_dump_llo_text=true")
+        flags = f"--xla_jf_dump_to={dump} --xla_jf_dump_llo_text=true"
+        if scoped_vmem is not None:
+            flags += f" --xla_tpu_scoped_vmem_limit_kib={scoped_vmem // 1024}"
+        env = dict(os.environ, JAX_PLATFORMS="cpu", LIBTPU_INIT_ARGS=flags)
         # Compile-only devices touch no chip, so libtpu's one-process lock (/tmp/libtpu_lockfile)
         # need not stop a compile while another process (a test run, say) has libtpu loaded.
         env.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
         proc = subprocess.run([sys.executable, "-m", "benchmarks.tpu_compile", "--worker", gen, kind,
-                               str(rows), dump], env=env, cwd=ROOT, capture_output=True, text=True)
+                               str(rows), preset, dump], env=env, cwd=ROOT, capture_output=True, text=True)
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
         if proc.returncode or not lines:
-            return dict(gen=gen, kind=kind, rows=rows, compiles=False,
+            return dict(gen=gen, kind=kind, rows=rows, preset=preset, compiles=False,
                         error=(proc.stderr.strip().splitlines() or ["no output"])[-1][:300])
         return json.loads(lines[-1])
 
@@ -301,16 +346,66 @@ LIBTPU_MISSING = ("libtpu is not installed: pip install 'arkv-jax[tpu]' (in a ch
                   "benchmarks.tpu_compile compiles the TPU kernels with it and compiled nothing")
 
 
-def _importable_checkout() -> None:
-    """Puts the checkout on ``sys.path`` (for ``python benchmarks/tpu_compile.py``, run as a file)."""
-    if ROOT not in sys.path:
-        sys.path.insert(0, ROOT)
-
-
 def _figure(result: dict, key: str, kind=float):
     """``result[key]`` as ``kind``, or ``None`` when the kernel did not compile (or lacks it)."""
     value = result.get(key) if result.get("compiles") else None
     return None if value is None else kind(value)
+
+
+def _attention_line(gen: str, kind: str, rows: int, r: dict) -> str:
+    if not r.get("compiles"):
+        return f"{gen} {kind:9s} rows={rows}: DOES NOT COMPILE: {r.get('error')}"
+    if kind == "attention":
+        extra = (f"kernel {r['kernel_ms']:.3f} + exposed DMA {r['dma_ms']:.3f} + XLA ops "
+                 f"{r['xla_ms']:.3f} ms; vmem est {r['vmem_estimate'] / 2**20:.1f} MiB (limit "
+                 f"{r['vmem_limit'] / 2**20:.0f} MiB)")
+    else:
+        extra = (f"kernel {r['kernel_ms']:.3f} + XLA ops (gather etc.) {r['xla_ms']:.3f} ms; splash "
+                 f"tiles {r['blocks']} under {r['scoped_vmem'] / 2**20:.0f} MiB scoped VMEM")
+    return (f"{gen} {kind:9s} rows={rows}: compiles, pool copies {r['pool_copies']}, temp "
+            f"{r['temp_fraction']:.2%} of pools ({r['temp_bytes'] / 2**20:.1f} MiB), est "
+            f"{r['est_ms']:.3f} ms = {r['est_ms'] / rows:.3f} ms per row and layer, "
+            f"{r['fraction_of_peak']:.1%} of bf16 peak ({extra}); {r['note']}")
+
+
+def _write_line(gen: str, w: dict) -> str:
+    if not w.get("compiles"):
+        return f"{gen} write {w['preset']}: DOES NOT COMPILE: {w.get('error')}"
+    return (f"{gen} write {w['preset']} ({w['kv_heads']} heads, {w['view']} view) rows=1: compiles, "
+            f"pool copies {w['pool_copies']}, temp {w['temp_chunk_fraction']:.4%} of the chunk, "
+            f"aliased {w['alias_fraction']:.3f} of both pools; {w['bytes_moved'] / 2**20:.1f} MiB of "
+            f"pages per commit, HBM time {w['hbm_ms']:.3f} ms, issue {w['issue_ms']:.4f} ms -> "
+            f"{w['fraction_of_hbm']:.1%} of HBM bandwidth")
+
+
+def _summary(att: dict, base: dict, writes: dict) -> dict:
+    ok = att.get("compiles") and base.get("compiles")
+    summary = dict(
+        attention_compiles=bool(att.get("compiles")),
+        attention_pool_copies=_figure(att, "pool_copies", int),
+        attention_est_ms=_figure(att, "est_ms"),
+        attention_kernel_ms=_figure(att, "kernel_ms"),
+        attention_dma_ms=_figure(att, "dma_ms"),
+        attention_xla_ms=_figure(att, "xla_ms"),
+        attention_vmem_limit_mib=_figure(att, "vmem_limit", lambda v: v / 2**20),
+        baseline_est_ms=_figure(base, "est_ms"),
+        baseline_kernel_ms=_figure(base, "kernel_ms"),
+        baseline_xla_ms=_figure(base, "xla_ms"),
+        baseline_scoped_vmem_mib=_figure(base, "scoped_vmem", lambda v: v / 2**20),
+        baseline_blocks=base.get("blocks") if base.get("compiles") else None,
+        attention_vs_baseline=float(base["est_ms"] / att["est_ms"]) if ok else None,
+        attention_fraction_of_peak=_figure(att, "fraction_of_peak"),
+        baseline_fraction_of_peak=_figure(base, "fraction_of_peak"),
+    )
+    wan = writes[ATTENTION_PRESET]
+    summary.update(write_pool_copies=_figure(wan, "pool_copies", int),
+                   write_temp_fraction=_figure(wan, "temp_fraction"),
+                   write_alias_fraction=_figure(wan, "alias_fraction"),
+                   write_fraction_of_hbm=_figure(wan, "fraction_of_hbm"),
+                   write_temp_chunk_fraction={f"{w['kv_heads']}_heads" if w.get("compiles") else name:
+                                              _figure(w, "temp_chunk_fraction")
+                                              for name, w in writes.items()})
+    return summary
 
 
 def main(argv=None) -> int:
@@ -319,12 +414,12 @@ def main(argv=None) -> int:
     parser.add_argument("--generations", default="v5e,v6e")
     parser.add_argument("--baseline-blocks", metavar="BQ,BKV,BKVC",
                         help="compile only the baseline, rows 1, with these splash blocks (a sweep)")
-    parser.add_argument("--worker", nargs=4, metavar=("GEN", "KIND", "ROWS", "DUMP"),
+    parser.add_argument("--worker", nargs=5, metavar=("GEN", "KIND", "ROWS", "PRESET", "DUMP"),
                         help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        gen, kind, rows, dump = args.worker
-        print(json.dumps(worker(gen, kind, int(rows), dump)))
+        gen, kind, rows, preset, dump = args.worker
+        print(json.dumps(worker(gen, kind, int(rows), preset, dump)))
         return 0
     _importable_checkout()
     from benchmarks import harness
@@ -336,60 +431,37 @@ def main(argv=None) -> int:
     for gen in generations:
         if gen not in tpu_aot.CHIPS:
             parser.error(f"--generations: {gen!r} is not one of {', '.join(tpu_aot.GENERATIONS)}")
+    shape = preset_shape(ATTENTION_PRESET)
     if args.baseline_blocks:
         bq, bkv, bkvc = (int(x) for x in args.baseline_blocks.split(","))
         os.environ[BLOCKS_ENV] = json.dumps(dict(block_q=bq, block_kv=bkv, block_kv_compute=bkvc))
-        results = [run_job(gen, "baseline", 1) for gen in generations]
+        results = [run_job(gen, "baseline", 1, scoped_vmem=paged_vmem_limit(gen, 1)) for gen in generations]
         for r in results:
             print(harness.json_line(r))
         return 0 if all(r.get("compiles") for r in results) else 1
     rows_list = (1,) if args.quick else (1, 4)
-    summary, failed = {}, []
-    print("compiler-derived estimates: final bundles x trip counts at the chip clock + 0.35 us per "
-          "grid step; they omit stalls, DMA waits and HBM contention (see the module docstring)")
+    summary, failed = dict(shape=shape), []
+    print(f"{ATTENTION_PRESET}: {shape['visible_frames']} history frames + a {shape['cur_frames']}-frame "
+          f"chunk ({(shape['visible_frames'] + shape['cur_frames']) * shape['tokens_per_frame']} keys); "
+          "compiler-derived estimates (kernel bundles + exposed DMA + XLA:TPU's cost model of the XLA "
+          "ops; see the module docstring)")
     for gen in generations:
         results = {}
-        for kind in ("attention", "baseline"):
-            for rows in rows_list:
-                results[(kind, rows)] = r = run_job(gen, kind, rows)
-                if r.get("compiles"):
-                    extra = (f" vmem est {r['vmem_estimate'] / 2**20:.1f} MiB (limit "
-                             f"{r['vmem_limit'] / 2**20:.0f} MiB)" if kind == "attention" else
-                             f" (kernel {r['kernel_ms']:.3f} ms + gather {r['gather_ms']:.3f} ms,"
-                             f" splash tiles {r['blocks']})")
-                    print(f"{gen} {kind:9s} rows={rows}: compiles, pool copies {r['pool_copies']}, "
-                          f"temp {r['temp_fraction']:.2%} of pools ({r['temp_bytes'] / 2**20:.1f} "
-                          f"MiB), est {r['est_ms']:.3f} ms = {r['est_ms'] / rows:.3f} ms per row "
-                          f"and layer, {r['fraction_of_peak']:.1%} of bf16 peak;{extra}; "
-                          f"{r['note']}")
-                else:
+        for rows in rows_list:
+            results[("attention", rows)] = run_job(gen, "attention", rows)
+            results[("baseline", rows)] = run_job(gen, "baseline", rows,
+                                                  scoped_vmem=paged_vmem_limit(gen, rows))
+            for kind in ("attention", "baseline"):
+                r = results[(kind, rows)]
+                print(_attention_line(gen, kind, rows, r))
+                if not r.get("compiles"):
                     failed.append(f"{gen} {kind} rows={rows}")
-                    print(f"{gen} {kind:9s} rows={rows}: DOES NOT COMPILE: {r.get('error')}")
-        w = run_job(gen, "write", 1)
-        if w.get("compiles"):
-            print(f"{gen} write rows=1: compiles, pool copies {w['pool_copies']}, temp "
-                  f"{w['temp_fraction']:.4%} and aliased {w['alias_fraction']:.3f} of both pools; "
-                  f"{w['bytes_moved'] / 2**20:.1f} MiB of pages per commit, HBM time "
-                  f"{w['hbm_ms']:.3f} ms, DMA issue {w['issue_ms']:.4f} ms -> "
-                  f"{w['fraction_of_hbm']:.1%} of HBM bandwidth")
-        else:
-            failed.append(f"{gen} write rows=1")
-            print(f"{gen} write: DOES NOT COMPILE: {w.get('error')}")
-        att, base = results[("attention", 1)], results[("baseline", 1)]
-        ok = att.get("compiles") and base.get("compiles")
-        summary[gen] = dict(
-            attention_compiles=bool(att.get("compiles")),
-            attention_pool_copies=_figure(att, "pool_copies", int),
-            attention_est_ms=_figure(att, "est_ms"),
-            baseline_est_ms=_figure(base, "est_ms"),
-            attention_vs_baseline=float(base["est_ms"] / att["est_ms"]) if ok else None,
-            attention_fraction_of_peak=_figure(att, "fraction_of_peak"),
-            baseline_fraction_of_peak=_figure(base, "fraction_of_peak"),
-            write_pool_copies=_figure(w, "pool_copies", int),
-            write_temp_fraction=_figure(w, "temp_fraction"),
-            write_alias_fraction=_figure(w, "alias_fraction"),
-            write_fraction_of_hbm=_figure(w, "fraction_of_hbm"),
-        )
+        writes = {name: run_job(gen, "write", 1, name) for name in WRITE_PRESETS}
+        for name, w in writes.items():
+            print(_write_line(gen, w))
+            if not w.get("compiles"):
+                failed.append(f"{gen} write {name}")
+        summary[gen] = _summary(results[("attention", 1)], results[("baseline", 1)], writes)
         if not args.quick:
             for kind in ("attention", "baseline"):
                 summary[gen][f"{kind}_rows4_est_ms"] = _figure(results[(kind, 4)], "est_ms")

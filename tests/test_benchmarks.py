@@ -155,12 +155,18 @@ def test_tpu_compile_quick_compiles_every_kernel():
     proc = run_benchmark("tpu_compile", "--quick", env={"JAX_PLATFORMS": "cpu"}, timeout=1800)
     assert proc.returncode == 0, f"exit {proc.returncode}; stdout:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     figures = last_json_line(proc)
-    assert set(figures) == {"v5e", "v6e"}, figures
-    for gen, summary in figures.items():
+    assert set(figures) == {"shape", "v5e", "v6e"}, figures
+    from benchmarks.tpu_compile import ATTENTION_PRESET, preset_shape
+    assert figures["shape"] == preset_shape(ATTENTION_PRESET)  # the preset's, not a hand-made shape
+    for gen in ("v5e", "v6e"):
+        summary = figures[gen]
         assert summary["attention_compiles"], (gen, summary)
-        for key in ("attention_est_ms", "baseline_est_ms", "attention_vs_baseline", "write_pool_copies",
-                    "write_alias_fraction"):
+        for key in ("attention_est_ms", "attention_xla_ms", "baseline_est_ms", "baseline_xla_ms",
+                    "attention_vs_baseline", "write_pool_copies", "write_alias_fraction"):
             assert summary[key] is not None, (gen, key, summary)
+        # The baseline compiles under the paged kernel's scoped VMEM limit (the fair yardstick).
+        assert summary["baseline_scoped_vmem_mib"] == pytest.approx(summary["attention_vmem_limit_mib"], abs=1 / 1024)
+        assert all(f is not None and f < 0.01 for f in summary["write_temp_chunk_fraction"].values()), summary
 
 
 @pytest.mark.skipif(tpu_aot.libtpu_available(), reason="libtpu is installed: the quick compile runs instead")

@@ -43,20 +43,29 @@ class Blocks:
       block_q_compute: rows of M per softmax update (divides ``group * block_q``).
       block_kv_compute: keys per compute chunk (a multiple of 128).
       keys_per_block: target history keys per DMA block (``pages_per_block * block_size``).
+      mxu_row_sums: whether the probabilities' row sums come from the MXU (V is widened by 128
+        lanes of ones, so ``P @ [V | 1]`` also gives every lane the row sum) instead of 128-lane
+        partial sums on the VPU; taken only where ``head_dim`` is a multiple of 128. It pays where
+        the MXU is wider than ``head_dim`` (v6e's 256) and the VPU binds the softmax.
     """
 
     block_q: int
     block_q_compute: int
     block_kv_compute: int
     keys_per_block: int
+    mxu_row_sums: bool = False
 
 
 TUNED_BLOCKS = {
-    # Chosen by benchmarks/tpu_compile.py's bundle estimate at wan-1.3b (2026-12-01): one softmax
-    # sub-block per query block (block_q_compute = block_q) beat 784 on both chips; v6e's
-    # block_kv_compute 1536 (a 1,560-slot page in pieces 1536 + 24) beat 256-1664 and v5e's 512.
-    "v5e": Blocks(block_q=1568, block_q_compute=1568, block_kv_compute=512, keys_per_block=2048),
-    "v6e": Blocks(block_q=1568, block_q_compute=1568, block_kv_compute=1536, keys_per_block=2048),
+    # Chosen by benchmarks/tpu_compile.py's bundle estimate at wan-1.3b (9 history frames + the
+    # 3-frame chunk), ms per row and layer: one softmax sub-block per query block (224-row ones:
+    # v6e 2.22); 3-page DMA blocks (keys_per_block 4680, was 2048), so the 24-slot remainders of
+    # 1,560-slot pages cut into 512- or 1536-key pieces are pooled into one chunk per block (v5e
+    # 3.07 -> 2.89); on v6e the row sums on the MXU (1.66 -> 1.58), then pooled remainders (1.44)
+    # and 2352-row query blocks (1.42; block_kv_compute 512 or 768: 1.56, 1.66).
+    "v5e": Blocks(block_q=1568, block_q_compute=1568, block_kv_compute=512, keys_per_block=4680),
+    "v6e": Blocks(block_q=2352, block_q_compute=2352, block_kv_compute=1536, keys_per_block=4680,
+                  mxu_row_sums=True),
 }
 """Default block sizes per generation (chosen from compiler bundle counts, ``benchmarks/tpu_compile.py``)."""
 VMEM_BUDGET = {"v5e": 100 << 20, "v6e": 100 << 20}
@@ -95,6 +104,7 @@ class Plan:
     pages_per_block: int
     pages_per_chunk: int  # > 0: chunks of whole pages; 0: pieces of one page.
     tail_pad: int
+    mxu_row_sums: bool = False
 
     @property
     def q_pad(self) -> int:
@@ -124,26 +134,49 @@ def make_plan(geom: Geometry, blocks: Blocks) -> Plan:
         per_block = max(1, min(blocks.keys_per_block // size, geom.max_pages))
     full, rest = divmod(geom.tail_len, bkc)
     tail_pad = full * bkc + _round_up(rest, sub)
-    return Plan(block_q, num_q_blocks, bqc, bkc, per_block, per_chunk, tail_pad)
+    mxu_row_sums = blocks.mxu_row_sums and geom.head_dim % LANES == 0
+    return Plan(block_q, num_q_blocks, bqc, bkc, per_block, per_chunk, tail_pad, mxu_row_sums)
 
 
 def vmem_estimate_bytes(geom: Geometry, plan: Plan) -> int:
     """Scoped VMEM the kernel needs: double-buffered q, output and tail blocks, the double-buffered
-    K and V page blocks, the ``m``/``l``/accumulator scratch and one compute chunk's float32
-    logits and probabilities (with their cast copy), in bytes."""
+    K and V page blocks, the scaled queries, the ``m``/``l``/accumulator scratch, the widened tail
+    and pooled remainders where used, and one compute chunk's float32 logits and probabilities
+    (with their cast copy), in bytes."""
     isz, d = geom.itemsize, geom.head_dim
     m = geom.group * plan.block_q
     slots = _round_up(geom.block_size, geom.sublanes)
+    v_lanes = plan_v_lanes(geom, plan)
     blocks = 2 * 2 * m * d * isz + 2 * 2 * plan.tail_pad * d * isz
-    pages = 2 * 2 * plan.pages_per_block * slots * d * isz
-    scratch = 2 * m * LANES * 4 + m * _round_up(d, LANES) * 4
-    chunk = plan.block_q_compute * plan.block_kv_compute * (4 + 4 + isz) + 2 * plan.block_kv_compute * d * 4
-    return blocks + pages + scratch + chunk
+    pages = 2 * plan.pages_per_block * slots * (d + v_lanes) * isz
+    wide_tail = plan.tail_pad * v_lanes * isz if plan.mxu_row_sums else 0
+    pooled = plan.pages_per_block * plan_remainder(geom, plan)[1] * (d + v_lanes) * isz
+    scratch = 2 * m * LANES * 4 + m * _round_up(d, LANES) * (4 + isz)
+    chunk = plan.block_q_compute * plan.block_kv_compute * (4 + 4 + isz) \
+        + plan.block_kv_compute * (d + v_lanes) * 4 + plan.block_q_compute * v_lanes * 4
+    return blocks + pages + wide_tail + pooled + scratch + chunk
+
+
+def plan_remainder(geom: Geometry, plan: Plan) -> tuple[int, int]:
+    """``(rest, rest_rows)``: where pages are cut into pieces of ``block_kv_compute`` keys and a DMA
+    block holds several pages, each page's last ``rest = block_size % block_kv_compute`` slots are
+    copied into ``rest_rows`` (``rest`` rounded up to whole tiles) rows of one pooled chunk, which
+    the block computes once, instead of one small chunk per page; ``(rest, 0)`` where nothing is
+    pooled."""
+    rest = 0 if plan.pages_per_chunk else geom.block_size % plan.block_kv_compute
+    pooled = rest and plan.pages_per_block > 1
+    return rest, _round_up(rest, geom.sublanes) if pooled else 0
+
+
+def plan_v_lanes(geom: Geometry, plan: Plan) -> int:
+    """Lanes of a V row in VMEM: ``head_dim``, plus 128 lanes of ones under ``mxu_row_sums``."""
+    return geom.head_dim + (LANES if plan.mxu_row_sums else 0)
 
 
 def temp_bound_bytes(geom: Geometry, plan: Plan) -> int:
     """Upper bound of the compiled call's temporaries (outside the pools), bytes: the head-major
-    queries and output, the head-major tail, the tables, and 1 MiB for XLA's small buffers."""
+    queries and output, the head-major tail (copies where XLA lays them out token-major), the
+    tables, and 1 MiB for XLA's small buffers."""
     isz = geom.itemsize
     q = 2 * geom.rows * plan.q_pad * geom.num_q_heads * geom.head_dim * isz
     tail = 2 * geom.rows * geom.kv_heads * plan.tail_pad * geom.head_dim * isz
@@ -158,7 +191,7 @@ def temp_bound_bytes(geom: Geometry, plan: Plan) -> int:
 def window_attention(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, layer=0, extra_k=None,
                      extra_v=None, scale=None, tokens_per_frame=None, generation=None,
                      block_q=None, block_q_compute=None, block_kv_compute=None,
-                     keys_per_block=None, interpret: Any = False):
+                     keys_per_block=None, mxu_row_sums=None, interpret: Any = False):
     """The TPU kernel with every tiling knob (the dispatcher exposes ``block_q``/``block_k``).
 
     Args:
@@ -167,8 +200,8 @@ def window_attention(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, layer=0
         :func:`pallas_kernels.layout.pool_shape`).
       generation: ``"v5e"`` or ``"v6e"``: which :data:`TUNED_BLOCKS` row and VMEM budget; default
         the default device's generation, ``"v5e"`` off TPU.
-      block_q, block_q_compute, block_kv_compute, keys_per_block: override the tuned
-        :class:`Blocks` fields.
+      block_q, block_q_compute, block_kv_compute, keys_per_block, mxu_row_sums: override the
+        tuned :class:`Blocks` fields.
       interpret: ``pl.pallas_call``'s ``interpret`` (False compiles for TPU; True or a
         ``pltpu.InterpretParams`` runs on the CPU).
 
@@ -189,7 +222,8 @@ def window_attention(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, layer=0
     geom = Geometry.of(geom, q.dtype)
     plan, vmem_limit = plan_call(geom, generation, block_q=block_q,
                                  block_q_compute=block_q_compute,
-                                 block_kv_compute=block_kv_compute, keys_per_block=keys_per_block)
+                                 block_kv_compute=block_kv_compute, keys_per_block=keys_per_block,
+                                 mxu_row_sums=mxu_row_sums)
     return _window_attention(q, k_cur, v_cur, extra_k, extra_v, k_pool, v_pool, pages, lengths,
                              jnp.asarray(layer, jnp.int32), geom=geom, plan=plan, scale=scale,
                              vmem_limit=vmem_limit, interpret=interpret)
@@ -251,7 +285,8 @@ def resolve_blocks(generation: str, **overrides) -> Blocks:
     blocks = dataclasses.replace(TUNED_BLOCKS[generation], **given)
     multiples = dict(block_q=8, block_q_compute=8, keys_per_block=8, block_kv_compute=LANES)
     return Blocks(**{name: require_int(name, getattr(blocks, name), minimum=m, multiple_of=m,
-                                       must=f"a positive multiple of {m}") for name, m in multiples.items()})
+                                       must=f"a positive multiple of {m}") for name, m in multiples.items()},
+                  mxu_row_sums=bool(blocks.mxu_row_sums))
 
 
 def _vmem_limit(estimate: int, generation: str) -> int:
@@ -303,24 +338,44 @@ def _prefix_masks(n: int, limits):
     return masks
 
 
-def _kernel(table_ref, nvis_ref, len_ref, layer_ref, q_ref, kt_ref, vt_ref, k_hbm, v_hbm, o_ref,
-            kbuf, vbuf, sems, m_ref, l_ref, acc_ref, *, geom: Geometry, plan: Plan):
+def _kernel(table_ref, nvis_ref, len_ref, layer_ref, q_in, kt_ref, vt_ref, k_hbm, v_hbm, o_ref,
+            kbuf, vbuf, sems, q_ref, m_ref, l_ref, acc_ref, *extra, geom: Geometry, plan: Plan,
+            q_scale: float):
     """Grid step ``(row, kv head, query block)``; see ``docs/kernels.md`` (the Mosaic TPU kernel).
 
     Refs: SMEM ``table_ref`` ``[rows * max_pages]`` (0 past the visible pages), ``nvis_ref``
-    ``[rows]``, ``len_ref`` ``[rows]``, ``layer_ref`` ``[1]``; VMEM ``q_ref``/``o_ref`` ``[M, D]``,
-    ``kt_ref``/``vt_ref`` ``[tail_pad, D]``; HBM pools ``[L, H, P, S, D]``; scratch ``kbuf``/``vbuf``
-    ``[2, pages_per_block, S, D]``, DMA ``sems`` ``[2, 2]`` (K/V x buffer), ``m_ref``/``l_ref``
-    ``[M, 128]`` and ``acc_ref`` ``[M, D]`` float32.
+    ``[rows]``, ``len_ref`` ``[rows]``, ``layer_ref`` ``[1]``; VMEM ``q_in``/``o_ref``
+    ``[group, block_q, D]`` (the last query block may hold rows past ``q_len``: their outputs are
+    dropped), ``kt_ref``/``vt_ref`` ``[tail_pad, D]`` (rows past ``tail_len`` unspecified, masked);
+    HBM pools ``[L, H, P, S, D]``; scratch ``kbuf``/``vbuf`` ``[2, pages_per_block, S, D]``, DMA
+    ``sems`` ``[2, 2]`` (K/V x buffer), ``q_ref`` ``[M, D]`` (the queries times ``q_scale``),
+    ``m_ref``/``l_ref`` ``[M, 128]`` and ``acc_ref`` ``[M, D]`` float32. Under ``mxu_row_sums``
+    ``vbuf`` rows are ``D + 128`` lanes (V, then ones) and the first ``extra`` ref holds the
+    tail's V so widened, ``[tail_pad, D + 128]``, both filled at a (row, head)'s first query block.
+    Where pages are cut into pieces with a remainder pooled per DMA block (:func:`plan_remainder`)
+    the last two ``extra`` refs are its K and V, ``[pages_per_block * rest_rows, D]`` and
+    ``[..., V lanes]``.
     """
+    wide_tail, rest_refs = extra[:1] if plan.mxu_row_sums else (), extra[-2:]
     row, head = pl.program_id(0), pl.program_id(1)
     size, ppb, bkc, bqc = geom.block_size, plan.pages_per_block, plan.block_kv_compute, \
         plan.block_q_compute
     m_rows = q_ref.shape[0]
     precision = lax.Precision.HIGHEST if geom.dtype == "float32" else lax.Precision.DEFAULT
-    m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
-    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
-    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+    nvis, length, layer = nvis_ref[row], len_ref[row], layer_ref[0]
+    num_blocks = lax.div(nvis + ppb - 1, ppb)
+    d = geom.head_dim
+    v_tail = wide_tail[0] if plan.mxu_row_sums else vt_ref
+    rest, rest_rows = plan_remainder(geom, plan)
+    k_rest, v_rest = rest_refs if rest_rows else (None, None)
+
+    def widen():
+        vbuf[:, :, :, pl.ds(d, LANES)] = jnp.ones(vbuf.shape[:-1] + (LANES,), vbuf.dtype)
+        v_tail[:, pl.ds(0, d)] = vt_ref[...]
+        v_tail[:, pl.ds(d, LANES)] = jnp.ones((plan.tail_pad, LANES), vbuf.dtype)
+
+    if plan.mxu_row_sums:
+        pl.when(pl.program_id(2) == 0)(widen)
 
     def update(k, v, masks=None):
         """Online-softmax update of every query sub-block with one chunk of keys ``k``/``v``."""
@@ -338,42 +393,27 @@ def _kernel(table_ref, nvis_ref, len_ref, layer_ref, q_ref, kt_ref, vt_ref, k_hb
             m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
             p = jnp.exp2(s - _lanes(m_next, n))
             alpha = jnp.exp2(m_prev - m_next)
-            l_ref[rows_] = alpha * l_prev + _lane_partial_sums(p)
             m_ref[rows_] = m_next
             pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
                                  precision=precision, preferred_element_type=jnp.float32)
-            acc_ref[rows_] = acc_ref[rows_] * _lanes(alpha, geom.head_dim) + pv
+            if plan.mxu_row_sums:  # Lanes d: of P @ [V | 1] hold the row sum on every lane.
+                l_ref[rows_] = alpha * l_prev + pv[:, d:]
+                pv = pv[:, :d]
+            else:
+                l_ref[rows_] = alpha * l_prev + _lane_partial_sums(p)
+            acc_ref[rows_] = acc_ref[rows_] * _lanes(alpha, d) + pv
             return carry
 
         lax.fori_loop(0, m_rows // bqc, sub_block, 0)
 
-    # The current chunk and extras first: every row then has a real running max before any
-    # partly valid history chunk.
-    full_tail = geom.tail_len // bkc
-
-    def tail_chunk(c, carry):
-        keys = pl.ds(pl.multiple_of(c * bkc, bkc), bkc)
-        update(kt_ref[keys], vt_ref[keys])
-        return carry
-
-    if full_tail:
-        lax.fori_loop(0, full_tail, tail_chunk, 0)
-    if plan.tail_pad > full_tail * bkc:
-        n = plan.tail_pad - full_tail * bkc
-        keys = pl.ds(full_tail * bkc, n)
-        valid = geom.tail_len - full_tail * bkc
-        update(kt_ref[keys], vt_ref[keys], None if valid == n else _prefix_masks(n, [valid]))
-
     # History: blocks of `ppb` page-list entries, double-buffered by hand.
-    nvis, length, layer = nvis_ref[row], len_ref[row], layer_ref[0]
-    num_blocks = lax.div(nvis + ppb - 1, ppb)
-
     def page_dmas(block, slot, i):
         entry = block * ppb + i
         page = table_ref[row * geom.max_pages + jnp.minimum(entry, geom.max_pages - 1)]
-        return entry, [pltpu.make_async_copy(pool.at[page_index(layer, head, page)], buf.at[slot, i],
+        dsts = (kbuf.at[slot, i], vbuf.at[slot, i, :, pl.ds(0, d)])
+        return entry, [pltpu.make_async_copy(pool.at[page_index(layer, head, page)], dst,
                                              sems.at[kind, slot])
-                       for kind, (pool, buf) in enumerate(((k_hbm, kbuf), (v_hbm, vbuf)))]
+                       for kind, (pool, dst) in enumerate(zip((k_hbm, v_hbm), dsts))]
 
     def for_block(block, slot, action: str):
         def one(i, carry):
@@ -414,74 +454,110 @@ def _kernel(table_ref, nvis_ref, len_ref, layer_ref, q_ref, kt_ref, vt_ref, k_hb
             def page_chunk(c, carry):
                 pages_ = pl.ds(pl.multiple_of(c * g, g), g)
                 limits = [valid_slots(first + c * g + i) for i in range(g)]
-                chunk(lambda: kbuf[slot, pages_].reshape(n, geom.head_dim),
-                      lambda: vbuf[slot, pages_].reshape(n, geom.head_dim), limits, n)
+                chunk(lambda: kbuf[slot, pages_].reshape(n, d),
+                      lambda: vbuf[slot, pages_].reshape(n, vbuf.shape[-1]), limits, n)
                 return carry
 
             lax.fori_loop(0, ppb // g, page_chunk, 0)
         else:
+            body = size - rest if rest_rows else size
+
             def page(i, carry):
                 limit = valid_slots(first + i)
-                for start in range(0, size, bkc):
-                    n = min(bkc, size - start)
+                for start in range(0, body, bkc):
+                    n = min(bkc, body - start)
                     keys = pl.ds(start, n)
                     chunk(lambda keys=keys: kbuf[slot, i, keys], lambda keys=keys: vbuf[slot, i, keys],
                           [jnp.clip(limit - start, 0, n)], n)
+                if rest_rows:  # This page's remainder joins the block's pooled remainder chunk.
+                    pooled = pl.ds(pl.multiple_of(i * rest_rows, rest_rows), rest)
+                    k_rest[pooled] = kbuf[slot, i, pl.ds(body, rest)]
+                    v_rest[pooled] = vbuf[slot, i, pl.ds(body, rest)]
                 return carry
 
             lax.fori_loop(0, ppb, page, 0)
+            if rest_rows:
+                limits = [jnp.clip(valid_slots(first + i) - body, 0, rest) for i in range(ppb)]
+                chunk(lambda: k_rest[...], lambda: v_rest[...], limits, ppb * rest_rows)
         return carry
 
+    # The first history block's DMAs run while the queries are scaled and the tail is computed.
     pl.when(num_blocks > 0)(lambda: for_block(0, 0, "start"))
+    q_ref[...] = (q_in[...].reshape(q_ref.shape).astype(jnp.float32) * q_scale).astype(q_ref.dtype)
+    m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
+    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+    # The current chunk and extras first: every row then has a real running max before any
+    # partly valid history chunk.
+    full_tail = geom.tail_len // bkc
+
+    def tail_chunk(c, carry):
+        keys = pl.ds(pl.multiple_of(c * bkc, bkc), bkc)
+        update(kt_ref[keys], v_tail[keys])
+        return carry
+
+    if full_tail:
+        lax.fori_loop(0, full_tail, tail_chunk, 0)
+    if plan.tail_pad > full_tail * bkc:
+        n = plan.tail_pad - full_tail * bkc
+        keys = pl.ds(full_tail * bkc, n)
+        valid = geom.tail_len - full_tail * bkc
+        update(kt_ref[keys], v_tail[keys], None if valid == n else _prefix_masks(n, [valid]))
+
     lax.fori_loop(0, num_blocks, history_block, 0)
-    l_row = jnp.sum(l_ref[...], axis=1, keepdims=True)  # The lanes hold partial sums.
-    o_ref[...] = (acc_ref[...] / _lanes(l_row, geom.head_dim)).astype(o_ref.dtype)
+    # Every lane holds the row sum (mxu_row_sums), or a partial sum.
+    l_row = l_ref[...] if plan.mxu_row_sums else jnp.sum(l_ref[...], axis=1, keepdims=True)
+    o_ref[...] = (acc_ref[...] / _lanes(l_row, d)).astype(o_ref.dtype).reshape(o_ref.shape)
 
 
 @functools.partial(jax.jit, static_argnames=("geom", "plan", "scale", "vmem_limit", "interpret"))
 def _window_attention(q, k_cur, v_cur, extra_k, extra_v, k_pool, v_pool, pages, lengths, layer, *,
                       geom: Geometry, plan: Plan, scale: float, vmem_limit: int, interpret: Any):
-    """Wrapper of :func:`_kernel`: scales ``q`` and lays it out ``[rows, kv_heads, q blocks, M, D]``
-    (GQA folded into M), builds the head-major tail, the page table and the visible counts."""
+    """Wrapper of :func:`_kernel`: hands it ``q`` as ``[rows, kv_heads, group, q_len, D]`` and the
+    tail (chunk, then extras) as ``[rows, kv_heads, tail_len, D]``, transposes only (no padding,
+    no scaling: the kernel scales each query block, and the last query block and tail chunk may
+    run past the arrays' ends), builds the page table and the visible counts. The transposes are
+    free where XLA lays the token-major arrays out head-major (as it does for 12 KV heads)."""
     rows, hkv, g, d, bq = geom.rows, geom.kv_heads, geom.group, geom.head_dim, plan.block_q
     nqb, m = plan.num_q_blocks, geom.group * plan.block_q
-    qs = (q.astype(jnp.float32) * (scale * LOG2_E)).astype(q.dtype)
-    qs = jnp.pad(qs, ((0, 0), (0, plan.q_pad - geom.q_len), (0, 0), (0, 0)))
-    qs = qs.reshape(rows, nqb, bq, hkv, g, d).transpose(0, 3, 1, 4, 2, 5).reshape(rows, hkv, nqb,
-                                                                                   m, d)
-    pad = plan.tail_pad - geom.tail_len
+    qh = q.reshape(rows, geom.q_len, hkv, g, d).transpose(0, 2, 3, 1, 4)
     parts_k = [k_cur] + ([] if extra_k is None else [extra_k])
     parts_v = [v_cur] + ([] if extra_v is None else [extra_v])
-    zeros = [jnp.zeros((rows, pad, hkv, d), q.dtype)] if pad else []
-    k_tail = jnp.concatenate(parts_k + zeros, axis=1).transpose(0, 2, 1, 3)
-    v_tail = jnp.concatenate(parts_v + zeros, axis=1).transpose(0, 2, 1, 3)
+    k_tail = jnp.concatenate(parts_k, axis=1).transpose(0, 2, 1, 3)
+    v_tail = jnp.concatenate(parts_v, axis=1).transpose(0, 2, 1, 3)
 
     lengths = lengths.astype(jnp.int32)
     nvis = visible_page_count(lengths, geom)
     entry = jnp.arange(geom.max_pages, dtype=jnp.int32)[None, :]
     table = jnp.where(entry < nvis[:, None], pages.astype(jnp.int32), 0).reshape(-1)
 
-    q_spec = pl.BlockSpec((None, None, None, m, d), lambda r, h, b, *_: (r, h, b, 0, 0))
+    q_spec = pl.BlockSpec((None, None, g, bq, d), lambda r, h, b, *_: (r, h, 0, b, 0))
     tail_spec = pl.BlockSpec((None, None, plan.tail_pad, d), lambda r, h, b, *_: (r, h, 0, 0))
     hbm = pl.BlockSpec(memory_space=pl.ANY)
-    buf = pltpu.VMEM((2, plan.pages_per_block, geom.block_size, d), q.dtype)
+    k_buf = pltpu.VMEM((2, plan.pages_per_block, geom.block_size, d), q.dtype)
+    v_buf = pltpu.VMEM((2, plan.pages_per_block, geom.block_size, plan_v_lanes(geom, plan)), q.dtype)
+    wide_tail = ([pltpu.VMEM((plan.tail_pad, plan_v_lanes(geom, plan)), q.dtype)]
+                 if plan.mxu_row_sums else [])
+    rest_rows = plan.pages_per_block * plan_remainder(geom, plan)[1]
+    pooled_rest = ([pltpu.VMEM((rest_rows, d), q.dtype),
+                    pltpu.VMEM((rest_rows, plan_v_lanes(geom, plan)), q.dtype)] if rest_rows else [])
     out = pl.pallas_call(
-        functools.partial(_kernel, geom=geom, plan=plan),
-        out_shape=jax.ShapeDtypeStruct((rows, hkv, nqb, m, d), q.dtype),
+        functools.partial(_kernel, geom=geom, plan=plan, q_scale=scale * LOG2_E),
+        out_shape=jax.ShapeDtypeStruct((rows, hkv, g, geom.q_len, d), q.dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=4,
             grid=(rows, hkv, nqb),
             in_specs=[q_spec, tail_spec, tail_spec, hbm, hbm],
             out_specs=q_spec,
-            scratch_shapes=[buf, buf, pltpu.SemaphoreType.DMA((2, 2)),
+            scratch_shapes=[k_buf, v_buf, pltpu.SemaphoreType.DMA((2, 2)),
+                            pltpu.VMEM((m, d), q.dtype),
                             pltpu.VMEM((m, LANES), jnp.float32),
                             pltpu.VMEM((m, LANES), jnp.float32),
-                            pltpu.VMEM((m, d), jnp.float32)]),
+                            pltpu.VMEM((m, d), jnp.float32), *wide_tail, *pooled_rest]),
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "arbitrary"),
             vmem_limit_bytes=vmem_limit),
         interpret=interpret,
         name="window_attention_tpu",
-    )(table, nvis, lengths, layer.reshape(1), qs, k_tail, v_tail, k_pool, v_pool)
-    out = out.reshape(rows, hkv, nqb, g, bq, d).transpose(0, 2, 4, 1, 3, 5)
-    return out.reshape(rows, plan.q_pad, geom.num_q_heads, d)[:, :geom.q_len]
+    )(table, nvis, lengths, layer.reshape(1), qh, k_tail, v_tail, k_pool, v_pool)
+    return out.transpose(0, 3, 1, 2, 4).reshape(rows, geom.q_len, geom.num_q_heads, d)

@@ -37,15 +37,34 @@ def parse_bundles(path: str) -> list[tuple[str, int, str]]:
     return out
 
 
+LOOP_DIP = 4
+"""Bundles a loop body may dip below its loop depth for (a software-pipelined loop's predicated
+bundles carry one ``>`` fewer) before the loop counts as ended."""
+
+
 def loop_tree(bundles) -> list[dict]:
-    """The loops of a kernel in program order: ``{"start", "depth", "own", "children", "mxu"}``,
-    where ``own`` counts the loop body's bundles outside nested loops and ``mxu`` its matmul
-    bundles. Empty bundles stay in their loop."""
+    """The loops of a kernel in program order: ``{"start", "depth", "own", "children"}``, where
+    ``own`` counts the loop body's bundles outside nested loops. Empty bundles stay in their loop;
+    a bundle below the loop's depth ends it unless the loop's depth returns, without a new loop
+    starting, within :data:`LOOP_DIP` bundles."""
+    depths = [stack_depth for _, stack_depth, _ in bundles]
+
+    def ends(i: int, depth: int) -> bool:
+        for j in range(i + 1, min(i + 1 + LOOP_DIP, len(bundles))):
+            if bundles[j][2].strip().startswith("}"):
+                continue
+            if bundles[j][0] == "LB":
+                return True
+            if depths[j] >= depth:
+                return False
+        return True
+
     loops, stack = [], []
     for i, (mark, depth, text) in enumerate(bundles):
         if text.strip().startswith("}"):
             depth = stack[-1]["depth"] if stack else 0
-        while stack and (depth < stack[-1]["depth"] or (depth == stack[-1]["depth"] and mark == "LB")):
+        while stack and ((depth < stack[-1]["depth"] and ends(i, stack[-1]["depth"]))
+                         or (depth == stack[-1]["depth"] and mark == "LB")):
             stack.pop()
         if mark == "LB":
             node = dict(start=i, depth=depth, own=0, children=[], mxu=0)
@@ -75,51 +94,82 @@ def _with_mxu(node) -> bool:
     return node["mxu"] > 0 or any(_with_mxu(c) for c in node["children"])
 
 
-def attention_cycles(tree, trips: dict, bundles=None) -> tuple[float, float, str]:
-    """``(cycles, tail cycles, note)`` of one grid step of the paged kernel (pages cut into pieces,
-    every page full); the tail cycles are those of the current chunk's loops, which run while the
-    first history block's DMAs are in flight.
+def attention_cycles(tree, trips: dict, bundles) -> tuple[float, float, str]:
+    """``(cycles, tail cycles, note)`` of one grid step of the paged kernel, every page full; the
+    tail cycles are those of the tail-chunk loops, which run while the first history block's DMAs
+    are in flight.
 
-    Tree: the grid loop; inside it the tail-chunk loop (its query sub-block loop inside), the
-    tail remainder's sub-block loop, and the history-block loop whose children are, per piece of a
-    page, the unmasked then the masked sub-block loop (only the unmasked ones run on full pages).
+    Tree: the grid loop; inside it the DMA-issue loops (no MXU op; ``pages_per_block`` trips,
+    absent where unrolled), the tail-chunk loop(s), the tail remainder and, last, the
+    history-block loop, whose children are DMA loops, the page loop (``trips["pages"]`` trips) and
+    the pooled remainder. A compute chunk is an unmasked then a masked update, and full pages take
+    the unmasked one, except the pooled remainder, which takes the masked one when
+    ``trips["pooled_masked"]``. With one softmax sub-block (``trips["sub_blocks"] == 1``) an
+    update is a predicated region of its loop's own bundles, cut at the region fallthroughs
+    (``PF``, :func:`_fast_own`); with several it is a sub-block loop (``sub_blocks`` trips), a child
+    without MXU loops of its own: the tail-chunk loop has one, each piece of the page loop a pair,
+    the history-block loop the pooled remainder's pair, the grid loop the tail remainder's one.
     """
-    grid = tree[0]
-    kids = [c for c in grid["children"] if _with_mxu(c)]
-    if trips["sub_blocks"] == 1 and bundles is not None:
-        return _attention_cycles_one_sub_block(bundles, grid, kids, trips)
-    tail = [c for c in kids if c["children"]][:-1] if trips["full_tail"] else []
-    history = [c for c in kids if c["children"]][-1]
-    rest = [c for c in kids if not c["children"]]
-    sub = trips["sub_blocks"]
-    tail_cycles = sum(trips["full_tail"] * (t["own"] + sub * sum(c["own"] for c in t["children"]))
-                      for t in tail) + sum(sub * c["own"] for c in rest)
-    fast = history["children"][0::2]
-    cycles = grid["own"] + tail_cycles + trips["blocks"] * (history["own"] + sub * sum(c["own"] for c in fast))
-    note = (f"grid loop {grid['own']} bundles/step; tail chunk loop x{trips['full_tail']}; "
-            f"{trips['blocks']} history blocks of {history['own']} + {sub} x "
-            f"{[c['own'] for c in fast]} bundles (unmasked pieces)")
-    return cycles, tail_cycles, note
+    grid, sub, dma = tree[0], trips["sub_blocks"], trips["pages_per_block"]
+    pooled = trips["pooled_masked"]
+
+    def cost(node, loop_trips: int, kind: str) -> int:
+        kids = node["children"]
+        per = _fast_own(bundles, node, pooled and kind == "history" and sub == 1)
+        per += sum(cost(c, dma, "dma") for c in kids if not _with_mxu(c))
+        leaves = [c for c in kids if _with_mxu(c) and not _mxu_children(c)]
+        nested = [c for c in kids if _with_mxu(c) and _mxu_children(c)]
+        if sub == 1:  # The only MXU loop below the history-block loop is the page loop.
+            return loop_trips * (per + sum(cost(c, trips["pages"], "page") for c in leaves + nested))
+        if kind == "page":
+            leaves = leaves[0::2]
+        elif kind == "history":
+            leaves = leaves[1::2] if pooled else leaves[0::2]
+        per += sum(cost(c, sub, "sub") for c in leaves)
+        return loop_trips * (per + sum(cost(c, trips["pages"], "page") for c in nested))
+
+    loops = [c for c in grid["children"] if _with_mxu(c) and (_mxu_children(c) or sub == 1)]
+    history, tails = loops[-1], loops[:-1]
+    tail_cycles = sum(cost(t, trips["full_tail"], "tail") for t in tails)
+    hist = cost(history, trips["blocks"], "history")
+    rest = cost(dict(grid, children=[c for c in grid["children"] if c not in loops]), 1, "grid")
+    note = (f"grid loop {rest} bundles/step (DMA issue and tail remainder included); tail chunk loop "
+            f"x{trips['full_tail']} of {[cost(t, 1, 'tail') for t in tails]}; {trips['blocks']} history "
+            f"blocks of {hist // max(trips['blocks'], 1)} bundles ({trips['pages']} pages each; "
+            f"{sub} sub-block(s); unmasked path)")
+    return rest + tail_cycles + hist, tail_cycles, note
 
 
-def _attention_cycles_one_sub_block(bundles, grid, kids, trips) -> tuple[float, float, str]:
-    """:func:`attention_cycles` when ``block_q_compute`` covers the whole query block: the
-    one-trip sub-block loops are gone, so the tail-chunk loop and the history-block loop have no
-    children. Inside the history-block loop each piece of a page is an unmasked then a masked
-    predicated region; the loop body is cut at its predicated-region fallthroughs (``PF``) and the
-    even segments (preamble + unmasked piece, then each further unmasked piece) are counted."""
-    history = kids[-1]
-    tail = kids[:-1] if trips["full_tail"] else []
-    tail_cycles = sum(trips["full_tail"] * t["own"] for t in tail)
-    start, end = history["start"], history["start"] + history["own"]
-    cuts = [start] + [i for i in range(start, end) if bundles[i][0] == "PF"] + [end]
-    segments = [b - a for a, b in zip(cuts, cuts[1:])]
-    fast = sum(segments[0::2])
-    cycles = grid["own"] + tail_cycles + trips["blocks"] * fast
-    note = (f"grid loop {grid['own']} bundles/step; tail chunk loop x{trips['full_tail']} of "
-            f"{[t['own'] for t in tail]}; {trips['blocks']} history blocks of {fast} bundles "
-            f"(unmasked path; segments {segments})")
-    return cycles, tail_cycles, note
+def _mxu_children(node) -> bool:
+    return any(_with_mxu(c) for c in node["children"])
+
+
+def _span(node) -> int:
+    return node["own"] + sum(_span(c) for c in node["children"])
+
+
+def _fast_own(bundles, node, pooled: bool) -> int:
+    """Bundles of ``node``'s body outside its child loops on the fast path (see
+    :func:`attention_cycles`): segments cut at ``PF`` markers; segments with MXU ops pair up as
+    (unmasked, masked) chunk regions and the unmasked one counts, or for the last pair the masked
+    one when ``pooled``; every other segment counts whole."""
+    start, end = node["start"], node["start"] + _span(node)
+    inside = set()
+    for child in node["children"]:
+        inside.update(range(child["start"], child["start"] + _span(child)))
+    own = [i for i in range(start, end) if i not in inside]
+    segments, current = [], []
+    for i in own:
+        if bundles[i][0] == "PF" and current:
+            segments.append(current)
+            current = []
+        current.append(i)
+    segments.append(current)
+    chunks = [k for k, seg in enumerate(segments) if any("vmatmul" in bundles[i][2] for i in seg)]
+    skipped = set(chunks[1::2])
+    if pooled and len(chunks) >= 2:
+        skipped = (skipped - {chunks[-1]}) | {chunks[-2]}
+    return sum(len(seg) for k, seg in enumerate(segments) if k not in skipped)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,6 +193,19 @@ class Estimate:
         return self.kernel_seconds + self.dma_seconds
 
 
+def loop_trips(geom, plan) -> dict:
+    """The trip counts :func:`attention_cycles` needs for the kernel of ``geom``
+    (:class:`~pallas_kernels.window_attention.tpu.Geometry`) tiled by ``plan``."""
+    from pallas_kernels.window_attention import tpu as twa
+
+    rest, rest_rows = twa.plan_remainder(geom, plan)
+    pages = plan.pages_per_block // plan.pages_per_chunk if plan.pages_per_chunk else plan.pages_per_block
+    return dict(full_tail=geom.tail_len // plan.block_kv_compute, pages_per_block=plan.pages_per_block,
+                sub_blocks=geom.group * plan.block_q // plan.block_q_compute,
+                blocks=-(-geom.max_pages // plan.pages_per_block), pages=pages,
+                pooled_masked=bool(rest_rows and rest_rows != rest))
+
+
 def estimate_from_dump(geom: WindowGeometry, dtype: str, generation: str, dump_dir: str) -> Estimate:
     """Prices the paged kernel of ``geom`` from the final bundles of a compile for ``generation``
     in ``dump_dir`` (its tiling is the one :func:`~pallas_kernels.window_attention.tpu.plan_call`
@@ -154,10 +217,7 @@ def estimate_from_dump(geom: WindowGeometry, dtype: str, generation: str, dump_d
     geom = twa.Geometry.of(geom, dtype)
     plan, _ = twa.plan_call(geom, generation)
     bundles = parse_bundles(kernel_dump(dump_dir, "window_attention_tpu"))
-    trips = dict(full_tail=geom.tail_len // plan.block_kv_compute,
-                 sub_blocks=geom.group * plan.block_q // plan.block_q_compute,
-                 blocks=-(-geom.max_pages // plan.pages_per_block))
-    per_step, tail, note = attention_cycles(loop_tree(bundles), trips, bundles)
+    per_step, tail, note = attention_cycles(loop_tree(bundles), loop_trips(geom, plan), bundles)
     steps = geom.rows * geom.kv_heads * plan.num_q_blocks
     first = 2 * min(plan.pages_per_block, geom.max_pages) * geom.block_size * geom.head_dim * geom.itemsize
     exposed = max(0.0, first / chip.hbm_bytes_per_s - tail / chip.clock_hz)

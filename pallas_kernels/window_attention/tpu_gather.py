@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import functools
 import math
+import os
+import re
 from typing import Any
 
 import jax
@@ -27,18 +29,56 @@ from pallas_kernels.window_attention.tpu import default_generation
 from pallas_kernels.window_attention.validation import check_arrays, check_scale
 
 TUNED_BLOCKS = {
-    # Chosen by benchmarks/tpu_compile.py's bundle estimate at wan-1.3b (--baseline-blocks sweep,
-    # benchmarks/RESULTS.md); larger tiles than these exceed splash's default scoped VMEM.
+    # Chosen by benchmarks/tpu_compile.py's bundle estimate at wan-1.3b with 12 visible frames
+    # (--baseline-blocks sweep, benchmarks/RESULTS.md), among tiles within splash's default scoped
+    # VMEM at the preset's 9 history frames, 1 and 4 rows (v6e's 2432/4096/1024, best at 12 frames,
+    # needs 32.4 MiB there; 1664/4096/1024 was next, 3 % slower).
     "v5e": dict(block_q=2432, block_kv=2048, block_kv_compute=256),
-    "v6e": dict(block_q=2432, block_kv=4096, block_kv_compute=1024),
+    "v6e": dict(block_q=1664, block_kv=4096, block_kv_compute=1024),
 }
-"""Splash block sizes per generation (picked like the paged kernel's, by
-:func:`~pallas_kernels.window_attention.tpu.default_generation`; ``"v5e"`` off TPU)."""
+"""Splash block sizes per generation under the chip's default scoped VMEM (picked like the paged
+kernel's, by :func:`~pallas_kernels.window_attention.tpu.default_generation`; ``"v5e"`` off TPU)."""
+RAISED_VMEM_BLOCKS = {
+    # Chosen by benchmarks/tpu_compile.py's --baseline-blocks sweep at wan-1.3b (9 history frames +
+    # the 3-frame chunk: 18,720 keys) under the scoped VMEM limit the paged kernel sets there (v5e
+    # 32 MiB, v6e 77.9 MiB) at 1 and 4 rows; splash kernel ms per row and layer: v5e 2432/3840/256
+    # 3.077 (2432/6400/256 3.046 but over the limit at 4 rows; 2432/4864/256 3.101,
+    # 4736/2560/256 3.169, 4736/2048/256 3.178, 2432/4096/256 3.270, 2432/2048/512 3.600,
+    # block_kv_compute 128 >= 5.59; 4736 with block_kv >= 3840 or block_kv_compute >= 512 over
+    # the limit); v6e 4736/3840/1280 1.898 (2432/6400/1280 1.903,
+    # 2432/6272/896 1.939, 2432/3840/1280 1.954, 4736/4096/1024 1.964, 1664/6400/1280 1.988,
+    # 2432/4096/1024 2.029, 2432/6400/3200 2.043; 4736 with block_kv >= 6272 over the limit).
+    "v5e": (32 << 20, dict(block_q=2432, block_kv=3840, block_kv_compute=256)),
+    "v6e": (77 << 20, dict(block_q=4736, block_kv=3840, block_kv_compute=1280)),
+}
+"""``(scoped VMEM limit, splash blocks)`` per generation: the blocks taken instead of
+:data:`TUNED_BLOCKS` when the process's scoped VMEM limit (:func:`scoped_vmem_limit`) is at least
+that limit. Splash sets no VMEM limit of its own, so its tiles must fit the process's."""
+SCOPED_VMEM_FLAG = "--xla_tpu_scoped_vmem_limit_kib"
+"""The ``LIBTPU_INIT_ARGS`` flag that sets XLA:TPU's scoped VMEM limit (KiB) for a process."""
+
+
+def scoped_vmem_limit(generation: str) -> int:
+    """The scoped VMEM limit (bytes) splash's kernels compile under in this process: the
+    :data:`SCOPED_VMEM_FLAG` value in ``LIBTPU_INIT_ARGS`` (which libtpu reads when it starts),
+    else ``generation``'s default (:data:`pallas_kernels.tpu_aot.CHIPS`)."""
+    from pallas_kernels.tpu_aot import check_generation
+
+    default = check_generation(generation).scoped_vmem_default
+    found = re.findall(rf"{SCOPED_VMEM_FLAG}=(\d+)", os.environ.get("LIBTPU_INIT_ARGS", ""))
+    return int(found[-1]) * 1024 if found else default
+
+
+def tuned_blocks(generation: str) -> dict:
+    """The splash blocks of ``generation`` for this process's scoped VMEM limit: the
+    :data:`RAISED_VMEM_BLOCKS` row when the limit reaches it, else the :data:`TUNED_BLOCKS` row."""
+    limit, raised = RAISED_VMEM_BLOCKS[generation]
+    return dict(raised if scoped_vmem_limit(generation) >= limit else TUNED_BLOCKS[generation])
 
 
 def resolve_blocks(generation: str | None = None, **overrides) -> dict:
-    """The tuned splash blocks of ``generation`` (default: the default device's) with the non-None
-    ``overrides`` applied, validated.
+    """The tuned splash blocks of ``generation`` (default: the default device's;
+    :func:`tuned_blocks`) with the non-None ``overrides`` applied, validated.
 
     Raises:
       ValueError: unknown generation; a block size that is not a positive multiple of 128, or a
@@ -47,7 +87,8 @@ def resolve_blocks(generation: str | None = None, **overrides) -> dict:
     generation = default_generation() if generation is None else generation
     if generation not in TUNED_BLOCKS:
         raise ValueError(f"generation must be one of {sorted(TUNED_BLOCKS)}, got {generation!r}")
-    blocks = {k: TUNED_BLOCKS[generation][k] if overrides.get(k) is None else overrides[k]
+    tuned = tuned_blocks(generation)
+    blocks = {k: tuned[k] if overrides.get(k) is None else overrides[k]
               for k in ("block_q", "block_kv", "block_kv_compute")}
     blocks = {name: require_int(name, value, minimum=128, multiple_of=128, must="a positive multiple of 128")
               for name, value in blocks.items()}
@@ -88,8 +129,8 @@ def gather_window_attention(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, 
 def _attention(q, k_cur, v_cur, extra_k, extra_v, k_pool, v_pool, pages, lengths, layer, *,
                geom: WindowGeometry, scale: float, backend: str):
     """The dispatcher's entry, private to the package (inputs already validated): the default
-    device's :data:`TUNED_BLOCKS` shrunk to the call's query and key lengths (multiples of 128)."""
-    tuned = TUNED_BLOCKS[default_generation()]
+    device's :func:`tuned_blocks` shrunk to the call's query and key lengths (multiples of 128)."""
+    tuned = tuned_blocks(default_generation())
     kv_len = geom.capacity + geom.tail_len
     block_q = min(tuned["block_q"], round_up(geom.q_len, 128))
     block_kv = min(tuned["block_kv"], round_up(kv_len, 128))
