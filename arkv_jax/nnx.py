@@ -24,10 +24,11 @@ import numpy as np
 from flax import nnx, struct
 from jax.sharding import Mesh
 
-from arkv_jax.sharded_kernels import sharded_window_attention
+from arkv_jax.sharded_kernels import sharded_context_attention, sharded_window_attention
 from arkv_jax.step import ChunkInputs
 from pallas_kernels import window_attention
-from pallas_kernels.common import MASK_VALUE
+from pallas_kernels.context_attention import context_attention
+from pallas_kernels.context_attention.xla import attention as dense_attention
 
 Array = jax.Array
 
@@ -112,26 +113,24 @@ def masked_attention(q: Array, k: Array, v: Array, mask: Array | None = None) ->
 
     GQA: query head ``h`` reads KV head ``h // (Hq // Hkv)``. ``mask`` (bool ``[B, Nq, Nk]``, True =
     visible) removes keys by selection; a query with no visible key gets a uniform (finite) average.
-    Logits and softmax in float32, scale ``D ** -0.5``; returns ``[B, Nq, Hq, D]`` in ``q``'s dtype.
+    Logits and softmax in float32, scale ``D ** -0.5``; returns ``[B, Nq, Hq, D]`` in ``q``'s dtype
+    (:func:`pallas_kernels.context_attention.xla.attention`).
     """
-    batch, nq, hq, dim = q.shape
-    hkv = k.shape[2]
-    qg = q.reshape(batch, nq, hkv, hq // hkv, dim)
-    logits = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k, preferred_element_type=jnp.float32) * dim ** -0.5
-    if mask is not None:
-        logits = jnp.where(mask[:, None, None], logits, MASK_VALUE)
-    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bhgqk,bkhd->bqhgd", probs, v, preferred_element_type=jnp.float32)
-    return out.reshape(q.shape).astype(q.dtype)
+    return dense_attention(q, k, v, mask)
 
 
 class History(Protocol):
-    """Where a self-attention layer's keys come from besides the current tokens."""
+    """Where a self-attention layer's keys come from besides the current tokens, and which kernels
+    a forward's attention runs on."""
 
     def attend(self, q: Array, k: Array, v: Array, layer: Array) -> Array:
         """Attention output ``[B, N, Hq, D]`` of the current tokens' ``q`` (``[B, N, Hq, D]``) over
         the history of pool layer ``layer`` (int scalar, may be traced) and the current ``k``/``v``
         (``[B, N, Hkv, D]``, post-RoPE)."""
+
+    def attend_context(self, q: Array, k: Array, v: Array) -> Array:
+        """Attention output ``[B, N, Hq, D]`` of ``q`` over every token of a cached context
+        ``k``/``v`` ``[B, T, Hkv, D]`` (cross-attention), in ``q``'s dtype."""
 
 
 @struct.dataclass
@@ -174,6 +173,14 @@ class PagedHistory:
         else:
             out = sharded_window_attention(self.mesh, *args, **kw)
         return out.astype(q.dtype)
+
+    def attend_context(self, q: Array, k: Array, v: Array) -> Array:
+        """See :class:`History`: :func:`pallas_kernels.context_attention.context_attention` on
+        :attr:`backend` (per device with a mesh); ``k``/``v`` are cast to ``q``'s dtype."""
+        k, v = k.astype(q.dtype), v.astype(q.dtype)
+        if self.mesh is None:
+            return context_attention(q, k, v, backend=self.backend)
+        return sharded_context_attention(self.mesh, q, k, v, backend=self.backend)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -278,12 +285,14 @@ class CachedCrossAttention(_HeadProjections):
         shape = (batch, t, self.num_kv_heads, self.head_dim)
         return k.reshape(shape), self.v(context).reshape(shape)
 
-    def __call__(self, x: Array, k: Array, v: Array) -> Array:
-        """``[B, N, dim]``: ``x`` ``[B, N, dim]`` attending to all of ``k``/``v`` ``[B, T, Hkv, D]``."""
+    def __call__(self, x: Array, k: Array, v: Array, history: History | None = None) -> Array:
+        """``[B, N, dim]``: ``x`` ``[B, N, dim]`` attending to all of ``k``/``v`` ``[B, T, Hkv, D]``,
+        through ``history``'s :meth:`~History.attend_context` (default plain XLA)."""
         batch, n, dim = x.shape
         q = self.q(x)
         if self.norm_q is not None:
             q = self.norm_q(q)
         q = q.reshape(batch, n, dim // self.head_dim, self.head_dim)
-        out = masked_attention(q, k.astype(q.dtype), v.astype(q.dtype))
+        k, v = k.astype(q.dtype), v.astype(q.dtype)
+        out = dense_attention(q, k, v) if history is None else history.attend_context(q, k, v)
         return self.o(out.reshape(batch, n, dim))

@@ -32,6 +32,7 @@ from arkv_jax.presets import ModelPreset, get_preset
 from arkv_jax.rollout import ChunkConfig, generate_chunk, recache_kv
 from arkv_jax.samplers import Sampler
 from arkv_jax.step import ChunkInputs
+from pallas_kernels.context_attention import ContextGeometry
 from pallas_kernels.layout import pool_shape
 from pallas_kernels.window_attention.geometry import WindowGeometry
 
@@ -438,21 +439,32 @@ def attention_geometry(pipeline: Pipeline, rows: int) -> WindowGeometry:
                           g.block_size, max_pages, g.tokens_per_frame)
 
 
+def context_geometry(pipeline: Pipeline, rows: int) -> ContextGeometry:
+    """One layer's text cross-attention of a chunk of ``rows`` batch rows: the chunk's tokens over
+    the prompt's ``text_tokens``."""
+    g, cfg = pipeline.preset.geometry, pipeline.dit
+    return ContextGeometry(rows, g.frames_per_forward * g.tokens_per_frame, cfg.num_heads, cfg.num_kv_heads,
+                           cfg.head_dim, cfg.text_tokens)
+
+
 def attention_pricer(pipeline: Pipeline, generation: str) -> KernelPricer:
     """Prices the chunk program's Mosaic calls for ``generation``: the paged window-attention
-    kernel's bundle estimate at :func:`attention_geometry`
-    (:func:`pallas_kernels.window_attention.tpu_estimate.estimate`, one compile per row count;
-    the XLA ops around each call are in the program's own cycles)."""
+    kernel at :func:`attention_geometry` and the context-attention kernel at
+    :func:`context_geometry`, each by its bundle estimate
+    (:func:`pallas_kernels.window_attention.tpu_estimate.estimate`, one compile per kernel and row
+    count; the XLA ops around each call are in the program's own cycles)."""
+    geometries = {"window_attention_tpu": attention_geometry, "context_attention_tpu": context_geometry}
+
     def price(name: str, rows: int) -> float:
-        if name != "window_attention_tpu":
+        if name not in geometries:
             raise ValueError(f"no estimate for the Mosaic kernel {name!r}")
-        return _attention_seconds(attention_geometry(pipeline, rows), pipeline.dit.dtype, generation)
+        return _kernel_seconds(geometries[name](pipeline, rows), pipeline.dit.dtype, generation)
 
     return price
 
 
 @functools.lru_cache(maxsize=None)
-def _attention_seconds(geom: WindowGeometry, dtype: str, generation: str) -> float:
+def _kernel_seconds(geom: WindowGeometry | ContextGeometry, dtype: str, generation: str) -> float:
     from pallas_kernels.window_attention import tpu_estimate
 
     return tpu_estimate.estimate(geom, dtype, generation).seconds

@@ -55,6 +55,10 @@ class MaskedHistory:
         mask = jnp.repeat(jnp.repeat(self.frame_mask, tpf, axis=1), tpf, axis=2)
         return masked_attention(q, k, v, mask)
 
+    def attend_context(self, q: Array, k: Array, v: Array) -> Array:
+        """Plain XLA attention over the whole context (``k``/``v`` cast to ``q``'s dtype)."""
+        return masked_attention(q, k.astype(q.dtype), v.astype(q.dtype))
+
 
 def window_frame_mask(num_frames: int, chunk_frames: int, window: WindowPolicy) -> np.ndarray:
     """bool ``[num_frames, num_frames]``: whether a query in frame ``i`` sees key frame ``j`` when a

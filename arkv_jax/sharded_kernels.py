@@ -33,11 +33,13 @@ from arkv_jax.sharding import (
     row_spec,
     shard_map,
 )
+from pallas_kernels.context_attention import context_attention
 from pallas_kernels.layout import KV_HEAD_AXIS, LAYER_AXIS, PAGE_AXIS
 from pallas_kernels.paged_write import write_chunk
 from pallas_kernels.window_attention import window_attention
 
-__all__ = ["gather_rows", "sharded_window_attention", "sharded_write_chunk", "take_rows"]
+__all__ = ["gather_rows", "sharded_context_attention", "sharded_window_attention", "sharded_write_chunk",
+           "take_rows"]
 
 
 def sharded_write_chunk(mesh: Mesh, k_pool: jax.Array, v_pool: jax.Array, k_new: jax.Array,
@@ -153,6 +155,35 @@ def _sharded_attention_jit(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, laye
         in_specs += (heads, heads)
         args += (extra_k, extra_v)
     return shard_map(body, mesh, in_specs, heads, check=False)(*args)
+
+
+def sharded_context_attention(mesh: Mesh, q: jax.Array, k: jax.Array, v: jax.Array, *,
+                              scale: float | None = None, backend: str = "auto") -> jax.Array:
+    """:func:`pallas_kernels.context_attention.context_attention` on every device's part: rows
+    split over data, query and K/V heads over model (``q`` ``[rows, N, Hq, D]``, ``k``/``v``
+    ``[rows, T, Hkv, D]``, all ``P("data", None, "model", None)``); the output is sharded as ``q``.
+
+    Raises:
+      ValueError: a mesh without the axes; heads or rows not divisible by the axis sizes; shapes
+        ``context_attention`` rejects (per shard).
+    """
+    data, model = check_mesh(mesh)
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if jnp.ndim(x) != 4:
+            raise ValueError(f"{name} must have rank 4, got shape {tuple(jnp.shape(x))}")
+    check_heads(model, kv_heads=k.shape[2], q_heads=q.shape[2])
+    check_divisible("rows (q.shape[0])", q.shape[0], DATA, data)
+    scale = float(q.shape[-1]) ** -0.5 if scale is None else scale  # fixed before sharding
+    return _sharded_context_jit(q, k, v, mesh=mesh, scale=scale, backend=backend)
+
+
+@functools.partial(jax.jit, static_argnames=("mesh", "scale", "backend"))
+def _sharded_context_jit(q, k, v, *, mesh, scale, backend):
+    def body(q, k, v):
+        return context_attention(q, k, v, scale=scale, backend=backend)
+
+    heads = head_spec()
+    return shard_map(body, mesh, (heads, heads, heads), heads, check=False)(q, k, v)
 
 
 def gather_rows(mesh: Mesh, table: jax.Array, rows: jax.Array, *, head_axis: int = 3) -> jax.Array:

@@ -124,6 +124,9 @@ class ContiguousHistory:
         values = jnp.concatenate([self.v[layer][:, :self.valid], v], axis=1)
         return masked_attention(q, keys, values)
 
+    def attend_context(self, q, k, v):
+        return masked_attention(q, k.astype(q.dtype), v.astype(q.dtype))
+
 
 def roll_in(buffer: jax.Array, new: jax.Array, *, filled: int, chunk: int, sink: int, tpf: int) -> jax.Array:
     """The buffer after appending ``new`` ``[L, rows, chunk * tpf, ...]`` to its ``filled`` frames:

@@ -14,6 +14,9 @@ each generation it compiles, each in its own process (so each has its own bundle
   the baseline, rows 1, with other tiles: how they were tuned);
 * the donated paged write (:mod:`pallas_kernels.paged_write.tpu`), one row's chunk, at
   ``wan-1.3b`` (12 heads: the head view) and ``lingbot-v2`` (40 heads: the token view).
+* the text cross-attention of one row's chunk (:mod:`pallas_kernels.context_attention`): the TPU
+  kernel and its yardstick, the plain XLA path (the logits materialised), at ``wan-1.3b`` (4,680
+  queries over 512 text tokens).
 
 Reported: whether each compiled, the kernel's VMEM estimate and limit, temporaries and aliased
 bytes (as fractions of the pools, and for the write of the chunk), pool copies in the optimized
@@ -189,6 +192,8 @@ def worker(gen: str, kind: str, rows: int, preset: str, dump: str) -> dict:
 
     p = preset_shape(preset)
     out: dict = dict(gen=gen, kind=kind, rows=rows, preset=preset)
+    if kind in CONTEXT_KINDS:
+        return {**out, **_context_figures(gen, kind, preset, rows, dump)}
     if kind == "write":
         fn, specs, donate, shape = _write_call(p, rows)
     else:
@@ -214,6 +219,57 @@ def worker(gen: str, kind: str, rows: int, preset: str, dump: str) -> dict:
     out["est_ms"] = out["kernel_ms"] + out.get("dma_ms", 0.0) + out["xla_ms"]
     out["fraction_of_peak"] = out["flops"] / (out["est_ms"] * 1e-3) / chip.bf16_flops
     return out
+
+
+CONTEXT_KINDS = {"context": "pallas_tpu", "context_xla": "xla"}
+"""Context-attention jobs: the TPU kernel and its yardstick, the plain XLA path."""
+
+
+def context_geometry(preset: str, rows: int):
+    """The text cross-attention of one chunk of ``preset`` for ``rows`` rows
+    (:class:`~pallas_kernels.context_attention.ContextGeometry`): the chunk's tokens and the
+    preset's KV heads (its DiT's query heads) over its text tokens."""
+    from arkv_jax.presets import get_preset
+    from pallas_kernels.context_attention import ContextGeometry
+
+    model = get_preset(preset)
+    g = model.geometry
+    return ContextGeometry(rows, g.frames_per_forward * g.tokens_per_frame, g.num_kv_heads, g.num_kv_heads,
+                           g.head_dim, model.cross_attention[0].num_tokens)
+
+
+def _context_figures(gen: str, kind: str, preset: str, rows: int, dump: str) -> dict:
+    """Compiles context attention on ``kind``'s backend; its time: the kernel's bundles (the TPU
+    kernel) plus XLA:TPU's cycles of every other op (all of the XLA path)."""
+    import jax.numpy as jnp
+
+    from pallas_kernels import tpu_aot, tpu_cost
+    from pallas_kernels.context_attention import context_attention
+    from pallas_kernels.window_attention import tpu_estimate
+
+    geom, chip = context_geometry(preset, rows), tpu_aot.CHIPS[gen]
+    specs = [(shape, jnp.dtype(d)) for shape, d in tpu_estimate.call_specs(geom, "bfloat16")]
+    backend = CONTEXT_KINDS[kind]
+    try:
+        compiled = tpu_aot.compile_for_tpu(lambda q, k, v: context_attention(q, k, v, backend=backend), specs, gen)
+    except Exception as e:  # Report a failed compile as data.
+        return dict(compiles=False, error=str(e).splitlines()[0][:300])
+    rep = tpu_aot.report(compiled, [shape for shape, _ in specs])
+    xla_ms = tpu_cost.program_cycles(rep.hlo).cycles / chip.clock_hz * 1e3
+    kernel_ms = (tpu_estimate.context_estimate_from_dump(geom, "bfloat16", gen, dump).kernel_seconds * 1e3
+                 if kind == "context" else 0.0)
+    flops = 4 * rows * geom.q_len * geom.kv_len * geom.num_q_heads * geom.head_dim
+    est_ms = kernel_ms + xla_ms
+    return dict(compiles=True, copies=rep.pool_copies, temp_bytes=rep.temp_bytes, kernel_ms=kernel_ms,
+                xla_ms=xla_ms, est_ms=est_ms, fraction_of_peak=flops / (est_ms * 1e-3) / chip.bf16_flops)
+
+
+def _context_line(gen: str, kind: str, r: dict) -> str:
+    if not r.get("compiles"):
+        return f"{gen} {kind}: DOES NOT COMPILE: {r.get('error')}"
+    return (f"{gen} {kind:11s} rows=1: compiles, copies of q/k/v {r['copies']}, temp {r['temp_bytes'] / 2**20:.1f} "
+            f"MiB, est {r['est_ms']:.3f} ms per row and layer (kernel {r['kernel_ms']:.3f} + XLA ops "
+            f"{r['xla_ms']:.3f}), {r['fraction_of_peak']:.1%} of bf16 peak")
 
 
 def _write_call(p: dict, rows: int):
@@ -462,6 +518,16 @@ def main(argv=None) -> int:
             if not w.get("compiles"):
                 failed.append(f"{gen} write {name}")
         summary[gen] = _summary(results[("attention", 1)], results[("baseline", 1)], writes)
+        context = {kind: run_job(gen, kind, 1) for kind in CONTEXT_KINDS}
+        for kind, r in context.items():
+            print(_context_line(gen, kind, r))
+            if not r.get("compiles"):
+                failed.append(f"{gen} {kind}")
+        ok = all(r.get("compiles") for r in context.values())
+        summary[gen].update(context_est_ms=_figure(context["context"], "est_ms"),
+                            context_xla_path_ms=_figure(context["context_xla"], "est_ms"),
+                            context_vs_xla=context["context_xla"]["est_ms"] / context["context"]["est_ms"]
+                            if ok else None)
         if not args.quick:
             for kind in ("attention", "baseline"):
                 summary[gen][f"{kind}_rows4_est_ms"] = _figure(results[(kind, 4)], "est_ms")

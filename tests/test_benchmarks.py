@@ -162,7 +162,8 @@ def test_tpu_compile_quick_compiles_every_kernel():
         summary = figures[gen]
         assert summary["attention_compiles"], (gen, summary)
         for key in ("attention_est_ms", "attention_xla_ms", "baseline_est_ms", "baseline_xla_ms",
-                    "attention_vs_baseline", "write_pool_copies", "write_alias_fraction"):
+                    "attention_vs_baseline", "write_pool_copies", "write_alias_fraction", "context_est_ms",
+                    "context_xla_path_ms", "context_vs_xla"):
             assert summary[key] is not None, (gen, key, summary)
         # The baseline compiles under the paged kernel's scoped VMEM limit (the fair yardstick).
         assert summary["baseline_scoped_vmem_mib"] == pytest.approx(summary["attention_vmem_limit_mib"], abs=1 / 1024)

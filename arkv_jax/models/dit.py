@@ -212,7 +212,7 @@ class DiTBlock(nnx.Module):
         Args:
           time_mod: ``[B, F, 6, dim]`` the timestep projection (shared by all blocks).
           rope: ``(cos, sin)`` of the tokens' positions.
-          history: where self-attention's keys come from.
+          history: where self-attention's keys come from (and which kernels cross-attention runs on).
           text_k, text_v: ``[B, T, Hkv, D]`` this layer's text K/V.
           layer: int32 scalar, this block's pool layer.
 
@@ -224,7 +224,7 @@ class DiTBlock(nnx.Module):
             time_mod + self.modulation[...], axis=2)
         y, kv = self.self_attn(_modulate(self.norm1(x), shift_sa, scale_sa, frames), rope, history, layer)
         x = x + _gate(y, gate_sa, frames)
-        x = x + self.cross_attn(self.norm3(x), text_k, text_v)
+        x = x + self.cross_attn(self.norm3(x), text_k, text_v, history)
         hidden = jax.nn.gelu(self.ffn_in(_modulate(self.norm2(x), shift_ff, scale_ff, frames)), approximate=True)
         # XLA:TPU otherwise fuses both FFN matmuls, the GELU, gate and residual into one fusion that
         # runs far below MXU peak (docs/planning.md, "The whole chip"); the barrier keeps them apart.

@@ -157,11 +157,13 @@ def _reorder(src, dst, valid: int, heads: int, strided: bool):
     """``dst[h, t] = src[t * heads + h]`` for the ``valid`` first tokens ``t``, zero after.
 
     ``src`` VMEM ``[piece * heads, D]`` (a piece's token rows), ``dst`` VMEM ``[heads, piece, D]``.
-    ``strided`` (compiled, and Pallas' generic interpreter): sublane-strided loads pick one head of
+    ``strided`` (compiled, and Pallas' generic interpreter where it takes a bitcast ref,
+    :func:`_interpreter_bitcasts_refs`): sublane-strided loads pick one head of
     every token; a 16-bit pair of heads (rows ``2k`` and ``2k + 1``) shares a 32-bit row, as a
     pair of tokens does in ``dst``, so both are read and written as uint32 and the 16-bit halves
-    of an even and an odd token are swapped with shifts and masks. Otherwise (the TPU simulator,
-    which has no ref bitcast) the piece is loaded whole and transposed as a value.
+    of an even and an odd token are swapped with shifts and masks. Otherwise (the TPU simulator and
+    jax 0.10's interpreter, which take no ref bitcast) the piece is loaded whole and transposed as
+    a value.
     """
     piece, dim = dst.shape[1], dst.shape[2]
     if valid == 0:
@@ -284,6 +286,22 @@ def _token_kernel(ids_ref, k_src, v_src, k_in, v_in, k_pool, v_pool, inbuf, outb
         pl.when(pending[kv] != 0)(lambda kv=kv: out_copy(0, 0, kv).wait())
 
 
+@functools.cache
+def _interpreter_bitcasts_refs() -> bool:
+    """Whether Pallas' generic interpreter takes a bitcast ref (jax 0.12 does; 0.10.2 raises
+    ``NotImplementedError`` discharging it): the ``"token"`` view's strided reorder needs one."""
+    def kernel(x_ref, o_ref):
+        o_ref.bitcast(jnp.uint32)[...] = x_ref.bitcast(jnp.uint32)[...]
+
+    x = jax.ShapeDtypeStruct((16, 128), jnp.bfloat16)
+    call = pl.pallas_call(kernel, out_shape=x, interpret=True)
+    try:
+        jax.jit(call).lower(x)
+    except NotImplementedError:
+        return False
+    return True
+
+
 def _write_token_view(k_pool, v_pool, k_frames, v_frames, ids, ppf: int, interpret: Any):
     geom = pool_geometry(k_pool)
     num_layers, frames, tokens, heads, dim = k_frames.shape
@@ -297,8 +315,8 @@ def _write_token_view(k_pool, v_pool, k_frames, v_frames, ids, ppf: int, interpr
                pltpu.SemaphoreType.DMA((2,)), pltpu.SemaphoreType.DMA((2,)),
                pltpu.SMEM((2,), jnp.int32)]
     vmem = 4 * piece * heads * dim * k_pool.dtype.itemsize
-    kernel = functools.partial(_token_kernel, ppf=ppf, tokens_per_frame=tokens, piece=piece,
-                               strided=not isinstance(interpret, pltpu.InterpretParams))
+    strided = not interpret or (interpret is True and _interpreter_bitcasts_refs())
+    kernel = functools.partial(_token_kernel, ppf=ppf, tokens_per_frame=tokens, piece=piece, strided=strided)
     return _call(kernel, ids, [rows(k_frames), rows(v_frames), k_pool, v_pool], scratch, interpret,
                  vmem_limit=vmem + (8 << 20))
 

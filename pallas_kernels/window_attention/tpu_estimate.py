@@ -1,4 +1,4 @@
-"""The paged TPU kernel's time on the compiler's estimate, read from its final VLIW bundles.
+"""The TPU attention kernels' time on the compiler's estimate, read from their final VLIW bundles.
 
 libtpu writes each Mosaic kernel's final bundles with ``--xla_jf_dump_llo_text``; counting the
 bundles of each loop body times its trip count, at the chip clock, plus
@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 
+from pallas_kernels.context_attention import ContextGeometry
 from pallas_kernels.window_attention.geometry import WindowGeometry
 
 _BUNDLE = re.compile(r"^\s*(0x[0-9a-f]+|\d+)\s+(?:(LB|LH|LE|PB|PF|CT):|:)\s*(>*)\s*\{(.*)$")
@@ -224,56 +225,90 @@ def estimate_from_dump(geom: WindowGeometry, dtype: str, generation: str, dump_d
     return Estimate(steps * (per_step / chip.clock_hz + tpu_aot.GRID_STEP_SECONDS), steps * exposed, steps, note)
 
 
-def call_specs(geom: WindowGeometry, dtype: str) -> list[tuple[tuple[int, ...], str]]:
-    """``(shape, dtype)`` of ``q, k_cur, v_cur, k_pool, v_pool, pages, lengths, layer`` (then
-    ``extra_k, extra_v`` with extra tokens) of one call of ``geom``."""
+def context_estimate_from_dump(geom: ContextGeometry, dtype: str, generation: str, dump_dir: str) -> Estimate:
+    """Prices the context-attention kernel (:mod:`pallas_kernels.context_attention.tpu`) of ``geom``
+    from the final bundles of a compile for ``generation`` in ``dump_dir``: its grid loop, its only
+    loop, times the grid steps (its query block is the default one)."""
+    from pallas_kernels import tpu_aot
+    from pallas_kernels.context_attention import tpu as ctx
+
+    chip = tpu_aot.check_generation(generation)
+    grid = loop_tree(parse_bundles(kernel_dump(dump_dir, "context_attention_tpu")))
+    per_step = sum(_span(loop) for loop in grid)
+    block_q = ctx.default_block_q(geom.q_len, geom.group, geom.kv_len)
+    steps = geom.rows * geom.kv_heads * -(-geom.q_len // block_q)
+    note = f"{steps} grid steps of {per_step} bundles (query blocks of {block_q})"
+    return Estimate(steps * (per_step / chip.clock_hz + tpu_aot.GRID_STEP_SECONDS), 0.0, steps, note)
+
+
+def call_specs(geom: WindowGeometry | ContextGeometry, dtype: str) -> list[tuple[tuple[int, ...], str]]:
+    """``(shape, dtype)`` of the arguments of one call of ``geom``: for window attention ``q,
+    k_cur, v_cur, k_pool, v_pool, pages, lengths, layer`` (then ``extra_k, extra_v`` with extra
+    tokens), for context attention ``q, k, v``."""
     from pallas_kernels.layout import pool_shape
 
     h, d = geom.kv_heads, geom.head_dim
+    q = ((geom.rows, geom.q_len, geom.num_q_heads, d), dtype)
+    if isinstance(geom, ContextGeometry):
+        return [q] + [((geom.rows, geom.kv_len, h, d), dtype)] * 2
     pool = pool_shape(geom.num_layers, geom.num_pages, geom.block_size, h, d)
     kv = ((geom.rows, geom.cur_len, h, d), dtype)
-    specs = [((geom.rows, geom.q_len, geom.num_q_heads, d), dtype), kv, kv, (pool, dtype), (pool, dtype),
+    specs = [q, kv, kv, (pool, dtype), (pool, dtype),
              ((geom.rows, geom.max_pages), "int32"), ((geom.rows,), "int32"), ((), "int32")]
     return specs + [((geom.rows, geom.num_extra, h, d), dtype)] * 2 * bool(geom.num_extra)
 
 
-def _compile_and_price(geom: WindowGeometry, dtype: str, generation: str, dump_dir: str) -> Estimate:
+def _compile_and_price(geom: WindowGeometry | ContextGeometry, dtype: str, generation: str,
+                       dump_dir: str) -> Estimate:
     """In the worker process: compiles one call of ``geom`` for ``generation`` and prices it."""
     import jax.numpy as jnp
 
     from pallas_kernels import tpu_aot
+    from pallas_kernels.context_attention import context_attention
     from pallas_kernels.window_attention import tpu as twa
+
+    specs = [(shape, jnp.dtype(d)) for shape, d in call_specs(geom, dtype)]
+    if isinstance(geom, ContextGeometry):
+        tpu_aot.compile_for_tpu(lambda q, k, v: context_attention(q, k, v, backend="pallas_tpu"), specs, generation)
+        return context_estimate_from_dump(geom, dtype, generation, dump_dir)
 
     def fn(q, kc, vc, kp, vp, pages, lengths, layer, ek=None, ev=None):
         return twa.window_attention(q, kc, vc, kp, vp, pages, lengths, layer=layer, extra_k=ek, extra_v=ev,
                                     tokens_per_frame=geom.tokens_per_frame, generation=generation)
 
-    specs = [(shape, jnp.dtype(d)) for shape, d in call_specs(geom, dtype)]
     tpu_aot.compile_for_tpu(fn, specs, generation)
     return estimate_from_dump(geom, dtype, generation, dump_dir)
 
 
-def estimate(geom: WindowGeometry, dtype: str, generation: str) -> Estimate:
-    """Compiles one paged-attention call of ``geom`` for ``generation`` (libtpu's compile-only
-    device, in a child process with its own bundle dump) and prices it.
+_GEOMETRIES = {"window": WindowGeometry, "context": ContextGeometry}
+
+
+def estimate(geom: WindowGeometry | ContextGeometry, dtype: str, generation: str) -> Estimate:
+    """Compiles one call of ``geom`` (the paged window-attention kernel for a
+    :class:`~pallas_kernels.window_attention.WindowGeometry`, the context-attention kernel for a
+    :class:`~pallas_kernels.context_attention.ContextGeometry`) for ``generation`` (libtpu's
+    compile-only device, in a child process with its own bundle dump) and prices it.
 
     Raises:
       RuntimeError: the call does not compile (the compiler's last line is in the message).
     """
+    kernel = next(name for name, kind in _GEOMETRIES.items() if isinstance(geom, kind))
     with tempfile.TemporaryDirectory() as dump:
         env = dict(os.environ, JAX_PLATFORMS="cpu",
                    LIBTPU_INIT_ARGS=f"--xla_jf_dump_to={dump} --xla_jf_dump_llo_text=true",
                    ALLOW_MULTIPLE_LIBTPU_LOAD="1")
-        request = json.dumps(dict(geometry=dataclasses.asdict(geom), dtype=dtype, generation=generation, dump=dump))
+        request = json.dumps(dict(kernel=kernel, geometry=dataclasses.asdict(geom), dtype=dtype,
+                                  generation=generation, dump=dump))
         proc = subprocess.run([sys.executable, "-m", __name__, request], env=env, capture_output=True, text=True)
         lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
         if proc.returncode or not lines:
             last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-            raise RuntimeError(f"the paged kernel does not compile for {generation} at {geom}: {last}")
+            raise RuntimeError(f"the {kernel}-attention kernel does not compile for {generation} at {geom}: {last}")
         return Estimate(**json.loads(lines[-1]))
 
 
 if __name__ == "__main__":
     args = json.loads(sys.argv[1])
-    result = _compile_and_price(WindowGeometry(**args["geometry"]), args["dtype"], args["generation"], args["dump"])
+    geometry = _GEOMETRIES[args["kernel"]](**args["geometry"])
+    result = _compile_and_price(geometry, args["dtype"], args["generation"], args["dump"])
     print(json.dumps(dataclasses.asdict(result)))

@@ -1,11 +1,11 @@
 """The backend registry: one name per platform path, the platform it needs, one table per kernel.
 
-* Both kernels' ``IMPLEMENTATIONS`` tables have exactly the registry's names, each table one
+* Every kernel's ``IMPLEMENTATIONS`` table has exactly the registry's names, each table one
   signature, its entries private; the backend table of ``docs/kernels.md`` documents every name for
-  both kernels.
+  every kernel.
 * Every backend records the platform it needs; the interpreters and the plain-XLA paths need none,
   every compiled kernel one, and a stand-in runs the same path anywhere.
-* Every name the registry says runs here runs both kernels (the compiled ones where their device
+* Every name the registry says runs here runs every kernel (the compiled ones where their device
   is); the dispatchers run the table's entry, and ``check_backend`` (the commands' up-front refusal)
   follows the registry: change an entry's platform and the refusal changes with it.
 """
@@ -31,7 +31,8 @@ from tests.kernels.device_backends import compiled
 
 ATTENTION = importlib.import_module("pallas_kernels.window_attention")
 WRITE = importlib.import_module("pallas_kernels.paged_write")
-KERNELS = {"window_attention": ATTENTION, "paged_write": WRITE}
+CONTEXT = importlib.import_module("pallas_kernels.context_attention")
+KERNELS = {"window_attention": ATTENTION, "paged_write": WRITE, "context_attention": CONTEXT}
 PLATFORMS = ("cpu", "gpu", "tpu")
 
 
@@ -47,13 +48,13 @@ def test_each_kernel_has_one_implementation_per_registry_name(kernel):
         table["xla"] = table["xla"]  # read only
 
 
-def test_the_docs_table_documents_every_name_for_both_kernels():
-    """One row per name, in the registry's order, with both kernels' columns and the platform."""
+def test_the_docs_table_documents_every_name_for_every_kernel():
+    """One row per name, in the registry's order, with every kernel's column and the platform."""
     docs = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "kernels.md").read_text()
     rows = re.findall(r'^\| `"(\w+)"` \|(.*)\|$', docs, flags=re.M)
     assert [name for name, _ in rows] == list(BACKEND_NAMES)
     for name, cells in rows:
-        assert len([c for c in cells.split("|") if c.strip()]) == 3, name
+        assert len([c for c in cells.split("|") if c.strip()]) == len(KERNELS) + 1, name
     assert "docs/kernels.md" in backend_module.__doc__
 
 
@@ -158,8 +159,8 @@ def _tiny_inputs():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", _registry_params())
-def test_every_registry_name_runs_both_kernels(name):
-    """What the registry says runs here does: each name's attention matches the reference, its
+def test_every_registry_name_runs_every_kernel(name):
+    """What the registry says runs here does: each name's attentions match their references, its
     write the reference bit for bit."""
     inputs = _tiny_inputs()
     out = ATTENTION.window_attention(**inputs, backend=name)
@@ -172,3 +173,6 @@ def test_every_registry_name_runs_both_kernels(name):
     for got, expected in zip(WRITE.write_chunk(*args, backend=name),
                              WRITE.write_chunk_reference(*args), strict=True):
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(expected, np.float32))
+    q, k = inputs["q"], inputs["k_cur"]
+    np.testing.assert_allclose(np.asarray(CONTEXT.context_attention(q, k, -k, backend=name), np.float32),
+                               np.asarray(CONTEXT.xla.attention(q, k, -k), np.float32), atol=3e-2, rtol=3e-2)
