@@ -85,6 +85,18 @@ def test_streams_per_chip_and_the_best_bucket():
     assert "batch 4" in text and "does not fit" in text and "streams per chip: 2" in text
 
 
+def test_the_pricer_knows_the_chunk_programs_kernels():
+    """The chunk program's Mosaic calls: window attention at the steady-state window, the text
+    cross-attention at the chunk's tokens over the prompt's; anything else is refused."""
+    from pallas_kernels.context_attention import ContextGeometry
+
+    wan = pl.PIPELINES["self-forcing"]
+    assert pl.context_geometry(wan, 2) == ContextGeometry(2, 3 * 1560, 12, 12, 128, 512)
+    assert pl.attention_geometry(wan, 2).max_pages == 9 * wan.preset.geometry.pages_per_frame
+    with pytest.raises(ValueError, match="no estimate for the Mosaic kernel 'splash'"):
+        pl.attention_pricer(wan, "v5e")("splash", 1)
+
+
 def test_the_flop_count_scales_with_rows_and_steps():
     one = pl.dit_flops(TINY, 1)
     assert pl.dit_flops(TINY, 3) == 3 * one
