@@ -7,7 +7,8 @@ of its input; zeros before the stream starts) and :func:`decode_chunk` maps
 in ``[-1, 1]`` (``F' = 1 + 4 (F - 1)`` for the stream's first chunk, ``4 F`` after it), equal to the
 whole-video decode to float rounding. Latents come **normalised**, as the DiT produces them, and are
 mapped back with Wan's ``latents_mean`` / ``latents_std`` first; a leading batch axis is decoded
-one stream after another (``jax.lax.map``: a batch takes one stream's temporaries). The cache is
+one stream after another (a ``fori_loop`` updating the batch's cache in place: a batch takes one
+stream's temporaries). The cache is
 stored in ``WanVAEConfig.cache_dtype`` (bfloat16 halves it) and
 :func:`stream_cache_bytes` sizes it from the shapes alone. :func:`load_wan_vae` reads the diffusers
 layout or the official ``Wan2.1_VAE.pth`` (:func:`official_vae_names` is the key map), the decoder
@@ -18,6 +19,7 @@ See ``docs/models.md``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -506,9 +508,30 @@ def decoder_param_bytes(config: WanVAEConfig) -> int:
 
 def _decode_chunk_impl(graphdef, params, cache: DecoderCache, latents: Array, per_frame: bool):
     decoder = nnx.merge(graphdef, params)
-    if latents.ndim == 5:  # one stream after the other: a batch's temporaries are one stream's
-        return jax.lax.map(lambda cx: decoder(cx[1], cx[0], per_frame=per_frame), (cache, latents))
+    if latents.ndim == 5:
+        return _decode_streams(decoder, cache, latents, per_frame)
     return decoder(latents, cache, per_frame=per_frame)
+
+
+def _decode_streams(decoder: WanVAEDecoder, cache: DecoderCache, latents: Array, per_frame: bool):
+    """A batch of streams ``[B, F, h, w, z_dim]``, one stream after the other in a ``fori_loop``
+    whose carry is the batch's cache, updated in place: a batch's temporaries are one stream's
+    (``lax.map`` would stack the new caches into a second buffer the size of the batch's)."""
+    def stream(i, entries):
+        return decoder(latents[i], DecoderCache(tuple(e[i] for e in entries), started=cache.started),
+                       per_frame=per_frame)
+
+    one = jax.eval_shape(stream, 0, cache.frames)
+
+    def body(i, carry):
+        frames, entries = carry
+        out, new = stream(i, entries)
+        put = functools.partial(jax.lax.dynamic_update_index_in_dim, index=i, axis=0)
+        return put(frames, out), tuple(put(e, n) for e, n in zip(entries, new.frames))
+
+    frames = jnp.zeros((latents.shape[0], *one[0].shape), one[0].dtype)
+    frames, entries = jax.lax.fori_loop(0, latents.shape[0], body, (frames, cache.frames))
+    return frames, DecoderCache(entries, started=one[1].started)
 
 
 _decode_chunk = jax.jit(_decode_chunk_impl, static_argnums=(0, 4))
