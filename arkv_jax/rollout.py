@@ -7,7 +7,8 @@ layer's K/V; it knows nothing of sessions or of the facade, only of a static :cl
 jits them and runs the loop: ``with cache.chunk(...) as step`` hands out the batch (its rows, padding
 and positions are the step's), the chunk runs, ``step.commit(k, v)`` writes the K/V in place. Join,
 leave and prompt switches go through the cache's sessions, cross-attention store and recache.
-The loop, batching, CFG, meshes and prompt switches: ``docs/rollout.md``.
+The loop, batching, CFG, meshes and prompt switches: ``docs/rollout.md``; on several processes
+(each step agreed by a :class:`~arkv_jax.processes.ProcessGroup`): ``docs/sharding.md``.
 """
 
 from __future__ import annotations
@@ -23,15 +24,16 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from arkv_jax import samplers
+from arkv_jax import processes, samplers
 from arkv_jax.cache import PagedKVCache
 from arkv_jax.cache.batch import bucket_size, cross_attention_rows, resolve_buckets
 from arkv_jax.conditioning import branch_contexts, context_kv
 from arkv_jax.config import ArgumentTypeError, require_int
 from arkv_jax.models.dit import CausalDiT, tensor_parallel_specs
 from arkv_jax.nnx import PagedHistory
+from arkv_jax.processes import StepFailed
 from arkv_jax.samplers import Sampler, combine_branches
-from arkv_jax.sharding import DATA, MODEL
+from arkv_jax.sharding import DATA, MODEL, from_host
 from arkv_jax.step import ChunkInputs
 
 Array = jax.Array
@@ -137,8 +139,17 @@ def recache_kv(params: nnx.State, pools: tuple[Array, Array], inputs: ChunkInput
     return kv
 
 
+def _batch_noise(cache: PagedKVCache, seeds: list[int], ids: tuple[str, ...], counts: np.ndarray, draws: int,
+                 shape: tuple[int, ...]) -> np.ndarray:
+    """``[S, draws, *shape]``: each session's noise draws for its chunk ``counts[i]``, zeros for the
+    sessions another process generates (only this process's rows are placed)."""
+    return np.stack([samplers.session_noise(seed, int(count), shape, draws) if cache.is_local(sid)
+                     else np.zeros((draws, *shape), np.float32) for sid, seed, count in zip(ids, seeds, counts)])
+
+
 class ChunkResult(NamedTuple):
-    """One chunk of every active session.
+    """One chunk of every active session this process reads: all of them on one process, on
+    several those of its data shards (:meth:`PagedKVCache.is_local`).
 
     Attributes:
       session_ids: the sessions, in batch order.
@@ -153,11 +164,13 @@ class ChunkResult(NamedTuple):
 
 @dataclasses.dataclass
 class _Session:
-    """A session's noise seed, the latents ``[F, H, W, C]`` of each chunk it generated (host), and
-    its latent ring: chunk index -> device latents of the chunks a prompt switch recomputes from
-    (:meth:`arkv_jax.config.WindowPolicy.latent_ring_frames`)."""
+    """A session's noise seed, the chunks it generated, the latents ``[F, H, W, C]`` of each (host;
+    only where this process reads them), and its latent ring: chunk index -> device latents of the
+    chunks a prompt switch recomputes from (:meth:`arkv_jax.config.WindowPolicy.latent_ring_frames`;
+    one process only)."""
 
     seed: int
+    num_chunks: int = 0
     chunks: list[np.ndarray] = dataclasses.field(default_factory=list)
     ring: dict[int, Array] = dataclasses.field(default_factory=dict)
 
@@ -205,6 +218,9 @@ class Rollout:
         batch.
       num_traces: how often ``chunk_fn`` was traced (all batch sizes).
       traces_per_batch: traces by batch size in sessions (the buckets used).
+      group: when the cache's mesh spans processes, the :class:`~arkv_jax.processes.ProcessGroup`
+        that agrees on every chunk before its commit (a chunk failing or refused on any process raises
+        :class:`~arkv_jax.processes.StepFailed` on all, committed nowhere; ``docs/sharding.md``).
     """
 
     def __init__(self, model: CausalDiT, cache: PagedKVCache, sampler: Sampler = Sampler(), *,
@@ -242,6 +258,7 @@ class Rollout:
         self.chunk_fn = jax.jit(self._traced_chunk)
         self.recache_fn = jax.jit(functools.partial(recache_kv, config=self.chunk_config))
         self._sessions: dict[str, _Session] = {}
+        self.group = processes.ProcessGroup() if processes.spans_processes(cache.mesh) else None
 
     def bucket(self, num_sessions: int) -> int:
         """The batch size (sessions) a chunk of ``num_sessions`` live sessions runs at."""
@@ -296,14 +313,15 @@ class Rollout:
             raise
         self._sessions[session_id] = _Session(int(seed))
 
-    def leave(self, session_id: str) -> np.ndarray:
+    def leave(self, session_id: str) -> np.ndarray | None:
         """Ends a session: closes it in the cache (its pages and text rows are freed) and returns
-        its latents ``[frames, H, W, C]``.
+        its latents ``[frames, H, W, C]`` (``None`` where another process reads them).
 
         Raises:
           KeyError: unknown session.
         """
-        latents = self.latents(session_id)
+        self._session(session_id)
+        latents = self.latents(session_id) if self.cache.is_local(session_id) else None
         self.cache.close(session_id)
         del self._sessions[session_id]
         return latents
@@ -362,13 +380,20 @@ class Rollout:
         except KeyError:
             raise KeyError(f"unknown session {session_id!r}") from None
 
+    def num_frames(self, session_id: str) -> int:
+        """Frames a session generated so far, on every process (``KeyError`` if unknown)."""
+        return self._session(session_id).num_chunks * self.chunk_frames
+
     def latents(self, session_id: str) -> np.ndarray:
         """All latents a session generated so far: ``[frames, H, W, C]``.
 
         Raises:
-          KeyError: unknown session.
+          KeyError: unknown session, or one whose data shard another process holds.
         """
         session = self._session(session_id)
+        if not self.cache.is_local(session_id):
+            raise KeyError(f"session {session_id!r} is generated on another process's devices; its latents "
+                           "are there")
         if not session.chunks:
             return np.zeros((0, *self.model.config.frame_shape), jnp.dtype(self.model.config.dtype))
         return np.concatenate(session.chunks)
@@ -376,30 +401,57 @@ class Rollout:
     # -- the chunk -----------------------------------------------------------------------------------
     def step(self) -> ChunkResult:
         """Generates one chunk for every active session (see the module docstring and the class's
-        batching note).
+        batching note). On several processes every process runs its data shards' rows, then the
+        processes agree (:attr:`group`) before the chunk is committed.
 
         Raises:
           RuntimeError: no active session, or the pool cannot hold the chunk (nothing changes).
+          StepFailed: (several processes) the chunk failed or was refused on some process; it
+            failed on every process and nothing was committed.
         """
         ids = self.sessions
         if not ids:
             raise RuntimeError("no active session; join one first")
-        shape = (self.chunk_frames, *self.model.config.frame_shape)
-        counts = np.asarray([len(self._sessions[s].chunks) for s in ids], np.int32)
-        noise = np.stack([samplers.session_noise(self._sessions[sid].seed, int(count), shape, self.sampler.noise_draws)
-                          for sid, count in zip(ids, counts)])
-        with self.cache.chunk(ids, self.chunk_frames, self.branches, full_batch=self.full_batch,
-                              buckets=self.buckets) as step:
-            x, k_new, v_new = self.chunk_fn(self.params, self.cache.pools, step.inputs,
-                                            self.cache.cross_attention_kv(self.text_cache),
-                                            jax.device_put(step.place(noise), self._noise_sharding))
-            step.commit(k_new, v_new)
-        chunk = step.take(x)  # [sessions, F, H, W, C] on device, in ``ids`` order
-        latents = np.asarray(chunk)
+        counts = np.asarray([self._sessions[s].num_chunks for s in ids], np.int32)
+        agreed = False
+        try:
+            noise = _batch_noise(self.cache, [self._sessions[s].seed for s in ids], ids, counts,
+                                 self.sampler.noise_draws, (self.chunk_frames, *self.model.config.frame_shape))
+            with self.cache.chunk(ids, self.chunk_frames, self.branches, full_batch=self.full_batch,
+                                  buckets=self.buckets) as step:
+                x, k_new, v_new = self.chunk_fn(self.params, self.cache.pools, step.inputs,
+                                                self.cache.cross_attention_kv(self.text_cache),
+                                                from_host(step.place(noise), self._noise_sharding))
+                agreed = self.agree(None)
+                step.commit(k_new, v_new)
+        except BaseException as error:
+            if not agreed and not isinstance(error, StepFailed):
+                self.agree(error)  # on several processes: raises StepFailed on every one
+            raise
+        local, latents = step.take_local(x)  # this process's sessions, in ``ids`` order, on the host
+        chunk = step.take(x) if self.group is None else None  # the device latents of the rings
         for i, sid in enumerate(ids):
-            self._sessions[sid].chunks.append(latents[i])
-            self._keep_in_ring(self._sessions[sid], int(counts[i]), chunk[i])
-        return ChunkResult(ids, counts * self.chunk_frames, latents)
+            self._sessions[sid].num_chunks += 1
+            if chunk is not None:
+                self._keep_in_ring(self._sessions[sid], int(counts[i]), chunk[i])
+        for sid, latent in zip(local, latents):
+            self._sessions[sid].chunks.append(latent)
+        return ChunkResult(local, np.asarray([self.num_frames(s) - self.chunk_frames for s in local], np.int32),
+                           latents)
+
+    def agree(self, error: BaseException | None) -> bool:
+        """On several processes, :meth:`arkv_jax.processes.ProcessGroup.agree` with this process's
+        ``error`` and session table (the cache's slots and every session's chunk count); returns
+        ``True``. On one process returns at once.
+
+        Raises:
+          StepFailed: on every process, when any process reported an error or the tables differ.
+        """
+        if self.group is not None:
+            table = (tuple(self.cache.slots.items()), tuple((s, v.num_chunks) for s, v in self._sessions.items()))
+            self.group.agree(error, table)
+        return True
+
 
     def _keep_in_ring(self, session: _Session, chunk_index: int, latents: Array) -> None:
         """Adds a chunk's device latents to the session's ring and drops the chunks no prompt switch

@@ -33,8 +33,9 @@ AXES = (DATA, MODEL)
 
 __all__ = [
     "AXES", "DATA", "MODEL", "auto_axes", "check_heads", "check_mesh", "chunk_spec", "cross_attention_spec",
+    "from_host",
     "head_spec", "init_sharded_state", "make_mesh", "make_pools", "per_shard", "place", "pool_spec",
-    "row_spec", "shard_map", "stack_states", "state_spec", "unstack_state",
+    "local_rows", "row_spec", "shard_map", "stack_states", "state_spec", "to_host", "unstack_state",
 ]
 
 
@@ -199,6 +200,39 @@ def place(mesh: Mesh, tree: Any, spec: Any) -> Any:
     shardings = jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), spec,
                                        is_leaf=lambda x: isinstance(x, P))
     return jax.device_put(tree, shardings)
+
+
+def local_rows(x: jax.Array) -> tuple[np.ndarray, np.ndarray]:
+    """The rows (axis 0) of ``x`` that this process's devices hold, each once: ``(rows, values)``,
+    ``rows`` the ascending global row indices, ``values`` their host copy ``[len(rows), ...]``.
+    Nothing moves between processes; on one process every row."""
+    blocks: dict[int, np.ndarray] = {}
+    for shard in x.addressable_shards:
+        start = shard.index[0].start or 0
+        if start not in blocks:
+            blocks[start] = np.asarray(shard.data)
+    starts = sorted(blocks)
+    rows = np.concatenate([np.arange(s, s + len(blocks[s])) for s in starts])
+    return rows, np.concatenate([blocks[s] for s in starts])
+
+
+def from_host(value: np.ndarray, target: NamedSharding | None) -> jax.Array:
+    """``value``, a global host array, placed with ``target`` (``None``: the default device). Each
+    process puts only the parts its devices hold (no check across processes, unlike
+    ``jax.device_put``), so on several processes only those parts of ``value`` need to be right."""
+    if target is None:
+        return jax.device_put(value)
+    return jax.make_array_from_callback(value.shape, target, lambda index: value[index])
+
+
+def to_host(x: jax.Array) -> np.ndarray:
+    """All of ``x`` on the host. On several processes, unless it is replicated, this gathers it
+    from every process (a collective: every process must call it)."""
+    if x.is_fully_addressable or x.is_fully_replicated:
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -349,16 +349,21 @@ def tiny_rollout(model, mesh, sessions_per_shard):
     return Rollout(model, cache, sampler, max_traces=1)
 
 
+#: The churn's sessions joining before each step, and leaving before it (``d`` after ``b`` left).
+CHURN_JOINS = {0: ("a", "b"), 1: ("c",), 3: ("d",)}
+CHURN_LEAVES = {3: ("b",)}
+
+
 def churn(rollout, steps=6):
-    """Sessions join at steps 0, 0, 1, 3 (``d`` after ``b`` left); returns every session's latents."""
-    joins = {0: ("a", "b"), 1: ("c",), 3: ("d",)}
+    """Sessions join and leave as :data:`CHURN_JOINS` and :data:`CHURN_LEAVES` say; returns every
+    session's latents."""
     out = {}
     for index in range(steps):
-        for sid in joins.get(index, ()):
+        for sid in CHURN_LEAVES.get(index, ()):
+            out[sid] = rollout.leave(sid)
+        for sid in CHURN_JOINS.get(index, ()):
             rollout.join(sid, f"prompt {sid}", seed=ord(sid))
         rollout.step()
-        if index == 2:
-            out["b"] = rollout.leave("b")
     out.update({sid: rollout.latents(sid) for sid in rollout.sessions})
     return out
 

@@ -10,6 +10,7 @@ import argparse
 import ast
 import dataclasses
 import importlib.metadata
+import os
 import pathlib
 import re
 import runpy
@@ -326,17 +327,43 @@ def _add_demo_parser(sub) -> None:
                         "Default: one device, no mesh")
     p.add_argument("--model-axis", type=_positive_int, default=1,
                    help="size of the mesh's 'model' (heads) axis with --devices (default 1)")
+    p.add_argument("--processes", type=_positive_int, default=None,
+                   help="start this many local processes, one JAX job (jax.distributed on 127.0.0.1, gloo CPU "
+                        "collectives), with --devices in all (default: one per process) split between them; "
+                        "prints process 0's report, the same checksum as one process")
+    group = p.add_argument_group("one process of a multi-process job (what --processes passes each process; on "
+                                 "several hosts run it on every host, docs/sharding.md)")
+    group.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                       help="process 0's coordinator address (jax.distributed.initialize)")
+    group.add_argument("--num-processes", type=_positive_int, default=None, help="processes of the job")
+    group.add_argument("--process-id", type=int, default=None, help="this process, 0 .. num-processes - 1")
     p.set_defaults(run=_run_demo, command_parser=p)
 
 
 def _run_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from arkv_jax.apps import demo
-
     if args.seed < 0:
         parser.error(f"--seed must be non-negative, got {args.seed}")
+    if args.processes is not None:
+        return _launch_demo(args, parser)
+    if args.coordinator is not None:
+        from arkv_jax.processes import fail_fast
+
+        with fail_fast():  # a failed process ends at once instead of holding the others at shutdown
+            _join_job(args, parser)
+            return _demo(args, parser)
+    if args.num_processes is not None or args.process_id is not None:
+        parser.error("--num-processes and --process-id need --coordinator")
+    return _demo(args, parser)
+
+
+def _demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """The demo in this process (one process, or one of a job's)."""
+    from arkv_jax.apps import demo
+
     mesh = None
     if args.devices is not None:
-        _request_host_devices(args.devices)
+        if args.coordinator is None:  # a job's processes asked for their own devices when joining it
+            _request_host_devices(args.devices)
         try:
             mesh = demo.demo_mesh(args.devices, args.model_axis)
         except ValueError as error:
@@ -432,6 +459,41 @@ def _run_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     except generate.GenerateError as error:  # refused before the run, or a checkpoint that does not load
         parser.error(str(error))
     return 0
+
+
+def _launch_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """``demo --processes N``: the same demo as N local processes of one JAX job; process 0 prints."""
+    from arkv_jax import processes
+
+    devices = args.devices or args.processes
+    if args.coordinator is not None or args.check or devices % args.processes:
+        parser.error(f"--processes {args.processes} takes no --coordinator or --check, and --devices (default: one "
+                     f"per process) a multiple of it; got --devices {devices}")
+    flags = ["--sessions", args.sessions, "--chunks", args.chunks, "--preset", args.preset, "--backend",
+             args.backend, "--out", args.out, "--seed", args.seed, "--devices", devices, "--model-axis",
+             args.model_axis, "--coordinator", f"127.0.0.1:{processes.free_port()}", "--num-processes",
+             args.processes]
+    commands = [processes.python_module("arkv_jax.apps.cli", "demo", *map(str, flags), "--process-id", str(i))
+                for i in range(args.processes)]
+    with open(os.devnull, "w") as quiet:
+        status = processes.launch(commands, stdout=[None] + [quiet] * (args.processes - 1))
+    return max(status, key=abs)
+
+
+def _join_job(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Joins this process to the job ``--coordinator``, ``--num-processes``, ``--process-id`` name,
+    with ``--devices / --num-processes`` CPU devices of its own."""
+    from arkv_jax import processes
+
+    if args.num_processes is None or args.process_id is None:
+        parser.error("--coordinator needs --num-processes and --process-id")
+    if args.devices is not None and args.devices % args.num_processes:
+        parser.error(f"--devices {args.devices} must be a multiple of --num-processes {args.num_processes}")
+    local = None if args.devices is None else args.devices // args.num_processes
+    try:
+        processes.initialize(args.process_id, args.num_processes, args.coordinator, local_devices=local)
+    except ValueError as error:
+        parser.error(str(error))
 
 
 def _request_host_devices(count: int) -> None:

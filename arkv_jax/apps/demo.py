@@ -15,10 +15,11 @@ full-recompute reference's ``max_abs_diff`` and, with a ``mesh``, the one-device
 from __future__ import annotations
 
 import dataclasses
+import io
 import pathlib
 import sys
 import tempfile
-from typing import Callable, TextIO
+from typing import Callable, Sequence, TextIO
 
 import jax
 import numpy as np
@@ -36,11 +37,13 @@ from arkv_jax.apps.compile_clock import CompileClock, Phase
 from arkv_jax.apps.platforms import check_backend
 from arkv_jax.cache import PagedKVCache
 from arkv_jax.config import ceil_div
+from arkv_jax.lockstep import Event, Join, Leave, Lockstep, StepOutcome
 from arkv_jax.models.dit import MODEL_CONFIGS, CausalDiT, init_random
 from arkv_jax.planner import device_free_bytes, format_bytes, rollout_plan
 from arkv_jax.presets import get_preset
+from arkv_jax.processes import ProcessGroup, spans_processes
 from arkv_jax.reference import FullRecompute
-from arkv_jax.rollout import ChunkResult, Rollout, Sampler
+from arkv_jax.rollout import Rollout, Sampler
 from arkv_jax.sharding import check_mesh, make_mesh
 from pallas_kernels.backend import resolve_backend
 from pallas_kernels.window_attention.geometry import WindowGeometry
@@ -128,15 +131,18 @@ class Timeline:
         shards = self.num_pages - self.usable_pages
         return np.arange(shards) * (self.num_pages // shards)
 
-    def step(self, rollout: Rollout, clock: CompileClock) -> tuple[ChunkResult, StepRecord]:
-        """Runs ``rollout.step()``, timed (``clock`` active), and records it."""
+    def step(self, lockstep: Lockstep, events: Sequence[Event], clock: CompileClock) -> tuple[StepOutcome, StepRecord]:
+        """Runs ``lockstep.step(events)``, timed (``clock`` active), and records it (every session of
+        the step, on every process)."""
+        rollout = lockstep.rollout
         with Phase(clock) as phase:
-            result = rollout.step()
-        record = StepRecord(result.session_ids, tuple(int(f) for f in result.first_frames), phase.seconds,
-                            phase.compile_seconds, len(result.session_ids) * self.chunk_frames,
+            outcome = lockstep.step(events)
+        ids = rollout.sessions
+        firsts = tuple(rollout.num_frames(s) - self.chunk_frames for s in ids)
+        record = StepRecord(ids, firsts, phase.seconds, phase.compile_seconds, len(ids) * self.chunk_frames,
                             self.usable_pages - rollout.cache.num_free_pages(), rollout.pages_held())
         self.steps.append(record)
-        return result, record
+        return outcome, record
 
     def steady_steps(self) -> list[StepRecord]:
         """The steps that built no program: the steady state the report and the figure summarise."""
@@ -344,7 +350,8 @@ class DemoResult:
 
     Attributes:
       timeline: the step records.
-      latents: each session's latents ``[frames, H, W, C]``.
+      latents: each session's latents ``[frames, H, W, C]`` (``None`` for those another process
+        read, on several processes).
       checksum: the sum of every generated latent (float64, unrounded).
       max_abs_diff: largest difference to the full-recompute reference (``check`` only).
       one_device_checksum: the checksum of the same sessions on one device (``check`` with a mesh).
@@ -352,11 +359,11 @@ class DemoResult:
         a mesh).
       devices_within_tolerance: whether that is within :data:`DEVICE_TOLERANCE`; ``None`` without
         the comparison or for a dtype without a stated bound.
-      figures: paths of ``pages.png``, ``memory.png`` and ``latency.png``.
+      figures: paths of ``pages.png``, ``memory.png`` and ``latency.png`` (none but on process 0).
     """
 
     timeline: Timeline
-    latents: dict[str, np.ndarray]
+    latents: dict[str, np.ndarray | None]
     checksum: float
     max_abs_diff: float | None
     one_device_checksum: float | None
@@ -381,9 +388,13 @@ def demo_mesh(devices: int, model_axis: int = 1) -> Mesh:
     return make_mesh(devices // model_axis, model_axis, available[:devices])
 
 
-def checksum_of(latents: dict[str, np.ndarray]) -> float:
-    """The float64 sum of every latent, sessions in the dict's order."""
-    return float(sum(np.sum(x, dtype=np.float64) for x in latents.values()))
+def checksum_of(latents: dict[str, np.ndarray | None], group: ProcessGroup | None = None) -> float:
+    """The float64 sum of every latent, sessions in the dict's order; with a ``group`` of several
+    processes, sessions another process read (``None`` here) are summed there (a collective)."""
+    sums = np.asarray([0.0 if x is None else np.sum(x, dtype=np.float64) for x in latents.values()])
+    if group is not None:
+        sums = group.gather(sums).sum(axis=0)  # each session's sum is nonzero on one process only
+    return float(sum(sums))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -402,20 +413,24 @@ class _Schedule:
                    {sid: 1000 * seed + i for i, sid in enumerate(ids)}, chunks)
 
     def run(self, rollout: Rollout, timeline: Timeline, clock: CompileClock,
-            on_step: Callable[[StepRecord], None] = lambda r: None) -> dict[str, np.ndarray]:
-        """Session ``i`` joins before step ``i`` and leaves after its last chunk; records every step
-        in ``timeline`` (``clock`` active); returns each session's latents, in leaving order."""
-        latents: dict[str, np.ndarray] = {}
+            on_step: Callable[[StepRecord], None] = lambda r: None) -> dict[str, np.ndarray | None]:
+        """Session ``i`` joins before step ``i`` and leaves after its last chunk, through a
+        :class:`~arkv_jax.lockstep.Lockstep` (process 0's events, on every process); records every
+        step in ``timeline`` (``clock`` active); returns each session's latents in leaving order
+        (``None`` for sessions another process read)."""
+        lockstep, latents = Lockstep(rollout), {}
         frames = self.chunks * rollout.chunk_frames
+        done: list[str] = []
         for index in range(self.chunks + len(self.ids) - 1):
+            events = [Leave(sid) for sid in done]
             if index < len(self.ids):
                 sid = self.ids[index]
-                rollout.join(sid, self.prompts[sid], seed=self.seeds[sid])
-            result, record = timeline.step(rollout, clock)
+                events.append(Join(sid, self.prompts[sid], seed=self.seeds[sid]))
+            outcome, record = timeline.step(lockstep, events, clock)
             on_step(record)
-            for sid in result.session_ids:
-                if len(rollout.latents(sid)) == frames:
-                    latents[sid] = rollout.leave(sid)
+            latents.update({sid: outcome.left.get(sid) for sid in done})
+            done = [sid for sid in rollout.sessions if rollout.num_frames(sid) == frames]
+        latents.update({sid: rollout.leave(sid) for sid in done})
         return latents
 
 
@@ -451,21 +466,29 @@ def run_demo(*, sessions: int = 4, chunks: int = 12, preset: str = "tiny", backe
     Raises:
       ValueError, before anything runs: unknown preset, ``sessions``/``chunks`` below 1, an ``out``
         that cannot be created or written, a compiled backend for another platform, a run the
-        device cannot hold (:func:`check_fits`), or heads not divisible by the mesh's ``"model"``
-        size.
+        device cannot hold (:func:`check_fits`), heads not divisible by the mesh's ``"model"``
+        size, or ``check`` with a mesh that spans processes. On several processes (a ``mesh`` over
+        every process's devices, ``docs/sharding.md``) every process runs the demo; process 0
+        prints and writes the figures.
     """
     stdout, stderr = stdout or sys.stdout, stderr or sys.stderr
     if sessions < 1 or chunks < 1:
         raise ValueError(f"sessions and chunks must be >= 1, got {sessions} and {chunks}")
     if preset not in MODEL_CONFIGS:
         raise ValueError(f"the demo has models for {sorted(MODEL_CONFIGS)}, got {preset!r}")
+    if check and spans_processes(mesh):
+        raise ValueError("check runs the references in one process; it takes no mesh that spans processes")
     out = prepare_out(out)
-    first_device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
+    first_device = jax.local_devices()[0] if mesh is None else next(
+        d for d in mesh.devices.flat if d.process_index == jax.process_index())
     check_backend(backend, first_device.platform)
     check_fits(preset, ceil_div(sessions, 1 if mesh is None else check_mesh(mesh)[0]), backend, first_device)
     model = init_random(MODEL_CONFIGS[preset], seed)
     rollout = _rollout(model, preset, sessions, backend, mesh)
     schedule = _Schedule.make(sessions, chunks, seed)
+    main = rollout.group is None or rollout.group.index == 0  # on several processes process 0 reports
+    if not main:
+        stdout, progress = io.StringIO(), False
     _print_header(stdout, rollout, preset, sessions, chunks, backend)
 
     timeline = _timeline(rollout)
@@ -483,9 +506,11 @@ def run_demo(*, sessions: int = 4, chunks: int = 12, preset: str = "tiny", backe
 
     window, geometry = rollout.cache.window, rollout.cache.geometry
     bound = window.resident_frames * geometry.pages_per_frame * len(rollout.branches)
-    figures = write_figures(timeline, bound, out)
-    print(f"figures: {figures[0]} (pages each session holds per step), {figures[1]} (pages held vs frames "
-          f"generated; pool occupancy), {figures[2]} (latency per step)", file=stdout)
+    figures = ()
+    if main:
+        figures = write_figures(timeline, bound, out)
+        print(f"figures: {figures[0]} (pages each session holds per step), {figures[1]} (pages held vs frames "
+              f"generated; pool occupancy), {figures[2]} (latency per step)", file=stdout)
 
     max_abs_diff = one_checksum = devices_diff = within = None
     if check:
@@ -510,7 +535,7 @@ def run_demo(*, sessions: int = 4, chunks: int = 12, preset: str = "tiny", backe
             print(f"one-device checksum: {one_checksum:.7g}", file=stdout)
             print(f"devices_max_abs_diff: {devices_diff:.3e} ({plural(mesh.devices.size, 'device')} vs one "
                   f"device, largest latent difference; {verdict})", file=stdout)
-    checksum = checksum_of(latents)
+    checksum = checksum_of(latents, rollout.group)
     print(f"checksum: {checksum:.7g}", file=stdout)
     return DemoResult(timeline, latents, checksum, max_abs_diff, one_checksum, devices_diff, within, figures)
 

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from arkv_jax import sharding
 from arkv_jax.config import is_int, require_bool
 from arkv_jax.sharded_kernels import gather_rows, take_rows
 from arkv_jax.step import PADDING, ChunkInputs
@@ -194,6 +195,16 @@ class BatchRows:
             return values
         xp = np if isinstance(values, np.ndarray) else jnp
         return xp.take(values, np.asarray(self.positions, np.int32), axis=axis)
+
+    def take_local(self, values: Array) -> tuple[tuple[str, ...], np.ndarray]:
+        """The sessions whose entries of per-position ``values`` (axis 0 of length
+        ``num_positions``, e.g. a chunk's latents) this process's devices hold, in ``session_ids``
+        order, and those entries on the host ``[n, ...]``. Nothing moves between processes; on one
+        process every session's, as :meth:`take` gives them."""
+        rows, host = sharding.local_rows(values)
+        at = {int(row): i for i, row in enumerate(rows)}
+        held = [(sid, at[p]) for sid, p in zip(self.session_ids, self.positions) if p in at]
+        return tuple(sid for sid, _ in held), host[[i for _, i in held]]
 
     def place_inputs(self, inputs: ChunkInputs) -> ChunkInputs:
         """The sessions' :class:`~arkv_jax.step.ChunkInputs` rows at their batch rows, padding rows

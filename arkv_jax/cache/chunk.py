@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from arkv_jax import sharding
 from arkv_jax import state as state_lib
 from arkv_jax.cache import callbacks, programs
 from arkv_jax.cache.batch import BatchRows
@@ -78,10 +79,11 @@ class ChunkStep(Transaction):
             core.require_idle("start a chunk")
             pending, inputs, ok = programs.prepare(core.state, jnp.asarray(local), num_frames=num_frames,
                                                    mesh=core.mesh)
-            if not bool(jnp.all(ok)):
+            if not sharding.local_rows(ok)[1].all():  # this process's shards (arkv_jax.processes: the rollout agrees)
+                where = " on this process's data shards" if core.spans_processes else ""
                 raise RuntimeError(
                     f"KV pool exhausted while allocating a chunk of {num_frames} frames for "
-                    f"{len(session_ids) * len(branches)} rows ({core.num_free_pages()} pages free)")
+                    f"{len(session_ids) * len(branches)} rows ({core.local_free_pages()} pages free{where})")
             core.sessions.touch(session_ids)
             step = cls(core, batch, num_frames, pending, inputs, fail_closed=fail_closed, on_release=on_release)
             core.start(step)

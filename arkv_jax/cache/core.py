@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from arkv_jax import sharding
+from arkv_jax import processes, sharding
 from arkv_jax import state as state_lib
 from arkv_jax.cache import programs
 from arkv_jax.cache.batch import BatchRows
@@ -61,6 +61,8 @@ class CacheCore:
 
     def __init__(self, geometry: CacheGeometry, window: WindowPolicy, plan: MemoryPlan | DevicePlan, mesh: Mesh,
                  cross_attention: tuple[CrossAttentionSpec, ...], backend: str) -> None:
+        if processes.spans_processes(mesh):
+            processes.check_process_mesh(mesh)
         self.geometry, self.window, self.mesh, self.backend = geometry, window, mesh, backend
         branches = [b.name for b in plan.kv_branches]
         self.sessions = SessionTable(mesh.shape[sharding.DATA], plan.session_capacity, branches)
@@ -75,6 +77,8 @@ class CacheCore:
             NamedSharding(mesh, sharding.cross_attention_spec(5, row_axis=0, head_axis=3)))
         self.lock = threading.RLock()
         self.in_flight: Transaction | None = None
+        self.local_shards = processes.local_shards(mesh)
+        self.spans_processes = processes.spans_processes(mesh)
 
     # -- the one transaction in flight -------------------------------------------------------------
     def require_idle(self, what: str) -> None:
@@ -146,15 +150,26 @@ class CacheCore:
         self.cross.release(self.sessions.slot_rows(slot), clear)
 
     def num_free_pages(self) -> int:
-        """Free pages, all shards (host sync)."""
+        """Free pages, all shards (host sync; a collective on several processes)."""
         with self.lock:
             return int(jnp.sum(self.state.free_count))
 
+    def local_free_pages(self) -> int:
+        """Free pages of this process's data shards (all shards on one process; host sync, no
+        collective)."""
+        with self.lock:
+            return int(sharding.local_rows(self.state.free_count)[1].sum())
+
+    def is_local(self, slot: int) -> bool:
+        """Whether ``slot``'s data shard lives on this process's devices."""
+        return self.sessions.shard(slot) in self.local_shards
+
     def pages_held(self, session_ids: tuple[str, ...]) -> dict[str, np.ndarray]:
-        """Pool pages each session holds (all its branches), sorted (host sync)."""
+        """Pool pages each session holds (all its branches), sorted (host sync; a collective on
+        several processes)."""
         with self.lock:
             rows = self.sessions.rows(session_ids)
-            pages, counts = (np.asarray(a) for a in programs.resident_pages(
+            pages, counts = (sharding.to_host(a) for a in programs.resident_pages(
                 self.state, self.sessions.every_local_row(), mesh=self.mesh))
             held = [SessionTable.pool_pages(s, pages[s, r, :counts[s, r]], self.layout.pages_per_shard)
                     for s, r in zip(*self.sessions.split_rows(rows))]
@@ -221,6 +236,11 @@ class Transaction:
         """Per-session ``values`` (one per session asked for, in order) at their batch positions:
         :meth:`arkv_jax.cache.batch.BatchRows.place`."""
         return self.batch.place(values, fill=fill, axis=axis)
+
+    def take_local(self, values) -> tuple[tuple[str, ...], np.ndarray]:
+        """The sessions this process holds and their entries of per-position ``values``, on the host:
+        :meth:`arkv_jax.cache.batch.BatchRows.take_local`."""
+        return self.batch.take_local(values)
 
     def place_rows(self, values, *, fill=0, axis: int = 0):
         """Per-row ``values`` (the sessions' branches, session-major) at their batch rows:

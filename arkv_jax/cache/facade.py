@@ -163,13 +163,16 @@ class PagedKVCache:
         pages_per_shard, block_size, kv_heads, head_dim)`` (:func:`arkv_jax.sharding.pool_spec` on a mesh)."""
         return self._core.k_pool, self._core.v_pool
 
-    @property
-    def sessions(self) -> tuple[str, ...]:
-        """Resident sessions, least recently used first."""
-        return self._core.sessions.sessions
+    sessions = property(lambda self: self._core.sessions.sessions, doc="Resident sessions, least recently used first.")
+    slots = property(lambda self: dict(self._core.sessions.placement()),
+                     doc="Each resident session's slot, least recently used first (the same on every process).")
+
+    def is_local(self, session_id: str) -> bool:
+        """Whether a session's data shard is on this process's devices (``KeyError`` if unknown)."""
+        return self._core.is_local(self.slot(session_id))
 
     def num_free_pages(self) -> int:
-        """Free managed pages, all shards (host sync)."""
+        """Free managed pages, all shards (host sync; on several processes a collective)."""
         return self._core.num_free_pages()
 
     def max_chunk_frames(self, rows_per_shard: int | None = None) -> int:
@@ -198,8 +201,8 @@ class PagedKVCache:
         return self._core.sessions.rows(session_ids, branches)
 
     def pages_held(self, session_ids: Sequence[str]) -> dict[str, np.ndarray]:
-        """Pool pages each session holds (all its branches), sorted (host sync; ``KeyError`` for an
-        unknown session)."""
+        """Pool pages each session holds (all its branches), sorted (host sync, a collective on
+        several processes; ``KeyError`` for an unknown session)."""
         session_ids = require_str_sequence("session_ids", session_ids, allow_empty=True)
         return self._core.pages_held(session_ids) if session_ids else {}
 
@@ -359,7 +362,7 @@ class PagedKVCache:
             ``branches`` (repeated) or ``full_batch`` (``False`` with a mesh), or a session not at a
             chunk boundary.
           RuntimeError: a chunk or recache is in flight, or the pool lacks the fresh pages (nothing
-            changes).
+            changes). NotImplementedError: the mesh spans processes.
         """
         names = self._core.sessions.branches if branches is None else require_str_sequence("branches", branches)
         full_batch = self.uses_full_batch(full_batch)

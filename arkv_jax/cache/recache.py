@@ -60,6 +60,9 @@ class Recache(Transaction):
         """Checks ``sink`` and ``chunk_frames`` (default ``geometry.frames_per_forward``), plans the
         recache of a session at a chunk boundary, lays out its batch and puts it in flight (see
         :meth:`arkv_jax.cache.PagedKVCache.recache` for the errors); a refusal changes nothing."""
+        if core.spans_processes:  # the plan reads one shard's state, which lives on one process
+            raise NotImplementedError("a recache (a prompt switch) on a mesh that spans processes is not "
+                                      "supported: docs/sharding.md, 'Several processes'")
         if not isinstance(sink, str) or sink not in SINK_MODES:
             raise ValueError(f"sink must be one of {SINK_MODES}, got {sink!r}")
         chunk_frames = require_int("chunk_frames", core.geometry.frames_per_forward if chunk_frames is None

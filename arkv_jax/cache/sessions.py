@@ -58,6 +58,10 @@ class SessionTable:
         """Resident sessions, least recently used first."""
         return tuple(self._slots)
 
+    def placement(self) -> tuple[tuple[str, int], ...]:
+        """``(session, slot)`` of every resident session, least recently used first."""
+        return tuple(self._slots.items())
+
     def __contains__(self, session_id: str) -> bool:
         return session_id in self._slots
 
