@@ -31,14 +31,17 @@ from arkv_jax.config import (
     ceil_div,
     check_axis_sizes,
     check_divisible,
+    divisors,
     is_real,
     num_local_branches,
     require_bool,
+    require_int,
     require_non_negative,
     require_positive,
     validate_branches,
     validate_cross_attention,
 )
+from pallas_kernels.checks import argument_error
 
 _log = logging.getLogger(__name__)
 
@@ -435,6 +438,12 @@ class DevicePlan:
       sessions_per_data_shard: resident sessions one data shard holds (``plan.session_capacity``).
       total_sessions: ``sessions_per_data_shard * data``.
       rows_per_shard: state rows per data shard (sessions x logical KV branches).
+      processes: processes the mesh spans (its ``"data"`` axis split evenly between them,
+        :func:`process_share`).
+      data_shards_per_process, devices_per_process: what one process holds (``data / processes``
+        data shards of ``model`` devices each).
+      pool_bytes_per_process, bytes_per_process, sessions_per_process: the per-device figures
+        summed over one process's devices (sessions: over its data shards).
     """
 
     plan: MemoryPlan
@@ -446,24 +455,34 @@ class DevicePlan:
     sessions_per_data_shard: int
     total_sessions: int
     rows_per_shard: int
+    processes: int
+    data_shards_per_process: int
+    devices_per_process: int
+    pool_bytes_per_process: int
+    bytes_per_process: int
+    sessions_per_process: int
 
     @classmethod
-    def from_plan(cls, plan: MemoryPlan, data: int, model: int) -> "DevicePlan":
+    def from_plan(cls, plan: MemoryPlan, data: int, model: int, processes: int = 1) -> "DevicePlan":
         """The mesh-wide view of ``plan``, the plan of one device (heads already divided by
-        ``model``), when every one of the ``data`` shards holds the same plan.
+        ``model``), when every one of the ``data`` shards holds the same plan, on a mesh over
+        ``processes`` processes.
 
         Raises:
-          ValueError: ``data`` or ``model`` is not a positive int.
+          ValueError: ``data`` or ``model`` is not a positive int, or ``processes`` does not
+            divide ``data`` (:func:`process_share`).
         """
-        check_axis_sizes(data, model)
+        shards, devices = process_share(data, model, processes)
         pool_bytes = plan.managed_num_blocks * plan.page_size_bytes
+        device_bytes = pool_bytes + plan.cross_attention_reserved_bytes + plan.model_owned_state_reserved_bytes
         return cls(
             plan=plan, data=int(data), model=int(model), pool_bytes_per_device=pool_bytes,
-            bytes_per_device=(pool_bytes + plan.cross_attention_reserved_bytes
-                              + plan.model_owned_state_reserved_bytes),
-            pages_per_shard=plan.managed_num_blocks, sessions_per_data_shard=plan.session_capacity,
-            total_sessions=plan.session_capacity * int(data),
-            rows_per_shard=plan.session_capacity * len(plan.kv_branches))
+            bytes_per_device=device_bytes, pages_per_shard=plan.managed_num_blocks,
+            sessions_per_data_shard=plan.session_capacity, total_sessions=plan.session_capacity * int(data),
+            rows_per_shard=plan.session_capacity * len(plan.kv_branches), processes=int(data) // shards,
+            data_shards_per_process=shards, devices_per_process=devices,
+            pool_bytes_per_process=pool_bytes * devices, bytes_per_process=device_bytes * devices,
+            sessions_per_process=plan.session_capacity * shards)
 
     @property
     def num_devices(self) -> int:
@@ -486,9 +505,31 @@ class DevicePlan:
             f"is one device's (K/V heads / {self.model})",
             f"  per device: pools {format_bytes(self.pool_bytes_per_device)}, everything reserved "
             f"{format_bytes(self.bytes_per_device)}",
+            f"  per process ({self.processes} processes, each {self.data_shards_per_process} data shards x "
+            f"{self.model} = {self.devices_per_process} devices): pools {format_bytes(self.pool_bytes_per_process)}, "
+            f"everything reserved {format_bytes(self.bytes_per_process)}, {self.sessions_per_process} sessions",
             f"  sessions: {self.sessions_per_data_shard} per data shard x {self.data} = {self.total_sessions}; "
             f"{self.pages_per_shard} pages per data shard",
             self.plan.summary()])
+
+
+def process_share(data: int, model: int, processes: int) -> tuple[int, int]:
+    """What one of ``processes`` processes holds of a ``(data, model)`` mesh whose ``"data"`` axis
+    spans them and whose ``"model"`` axis stays inside each (``docs/sharding.md``, "Several
+    processes"): ``(data // processes, data // processes * model)``, its data shards and devices.
+
+    Raises:
+      ValueError: ``data`` or ``model`` is not a positive int, or ``processes`` is not a positive
+        int dividing ``data`` (the message names the allowed counts).
+    """
+    check_axis_sizes(data, model)
+    data, model = int(data), int(model)
+    must = (f"a positive int dividing the mesh axis 'data' of size {data}, one of {divisors(data)} (each process "
+            "holds whole data shards)")
+    processes = require_int("processes", processes, minimum=1, must=must)
+    if data % processes:
+        raise argument_error("processes", processes, must)
+    return data // processes, data // processes * model
 
 
 def local_shapes(geometry: CacheGeometry, cross_attention: Sequence[CrossAttentionSpec], model: int
@@ -525,6 +566,7 @@ def plan_per_device(
     model_owned_state_bytes_per_session: int = 0,
     scratch_blocks_override: int | None = None,
     batched_in_flight: bool = False,
+    processes: int = 1,
 ) -> DevicePlan:
     """Plans one device of a ``(data, model)`` mesh with the single-device planner.
 
@@ -541,12 +583,14 @@ def plan_per_device(
       available_bytes_per_device: free memory of one device (the smallest, if they differ).
       sessions_per_shard: resident sessions requested per data shard.
       model_owned_state_bytes_per_session: model state per session *on one device*.
+      processes: processes the mesh spans (a divisor of ``data``): the plan also gives one
+        process's figures (:func:`process_share`).
 
     Raises:
-      ValueError: bad axis sizes, K/V or cross-attention heads not divisible by ``model``, or an
-        input ``plan_memory`` rejects.
+      ValueError: bad axis sizes, K/V or cross-attention heads not divisible by ``model``,
+        ``processes`` not dividing ``data``, or an input ``plan_memory`` rejects.
     """
-    check_axis_sizes(data, model)
+    process_share(data, model, processes)
     local, local_cross = local_shapes(geometry, cross_attention, model)
     plan = plan_memory(
         local, window, branches, available_bytes=available_bytes_per_device,
@@ -554,7 +598,7 @@ def plan_per_device(
         cross_attention=local_cross, max_scratch_tokens_per_branch=max_scratch_tokens_per_branch,
         model_owned_state_bytes_per_session=model_owned_state_bytes_per_session,
         scratch_blocks_override=scratch_blocks_override, batched_in_flight=batched_in_flight)
-    return DevicePlan.from_plan(plan, data, model)
+    return DevicePlan.from_plan(plan, data, model, processes)
 
 
 def resolve_plan(geometry: CacheGeometry, window: WindowPolicy, kv_branches: Sequence[KVBranch],

@@ -25,9 +25,22 @@ CPU device runs most of this step on one core, 8 devices keep both cores busy, s
 up to ~2x faster here, and that says nothing about a TPU slice or several GPUs, where each device
 has its own compute and memory. Pool bytes per device are exact.
 
+A third table runs that rollout (8 sessions, global ``(4, 2)`` mesh, 8 CPU devices) as a JAX job of
+several processes (:func:`arkv_jax.processes.launch`, ``jax.distributed`` on localhost, gloo CPU
+collectives), driven by :class:`arkv_jax.lockstep.Lockstep` with no events: 1 process x 8 devices vs
+2 processes x 4 devices (each process 2 data shards), one job after the other on the same cores.
+Per job: ms per step (median), the step's coordination alone (the events' broadcast and the
+agreement, timed apart with the devices idle: 0 on one process) and the pool bytes per device and
+per process, measured and checked against the planner's (:func:`arkv_jax.planner.process_share`).
+JSON: ``processes`` (by ``PROCESSESxDEVICES``), ``one_process_ms_per_step``,
+``two_process_ms_per_step``, ``two_vs_one_process`` (one-process ms / two-process ms: above 1, two
+processes are faster) and ``coordination_ms_per_step`` (two processes). On shared CPU cores expect
+about 1x: it shows that the job runs and what the coordination costs, not a scaling.
+
 ``--quick``: smaller shapes (16 sessions, 32-wide heads, 32-token frames), 2 steps per sample and 5
 reps; on 8 devices the kernel-level step on the ``(8, 1)`` and ``(1, 8)`` meshes only and the
-rollout on ``(4, 2)`` only (besides the ``(1, 1)`` mesh on one device).
+rollout on ``(4, 2)`` only (besides the ``(1, 1)`` mesh on one device); the process jobs as
+without it (about 25 s of the run on 2 cores).
 
 Run: ``python -m benchmarks.sharding [--quick]``.
 """
@@ -40,12 +53,14 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
 
 from benchmarks import harness
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEVICE_COUNTS = (1, 8)
 MESHES_8 = ((8, 1), (4, 2), (2, 4), (1, 8))
 QUICK_MESHES_8 = ((8, 1), (1, 8))
@@ -199,38 +214,42 @@ def _bytes_per_device(tree) -> int:
     return sum(leaf.addressable_shards[0].data.nbytes for leaf in jax.tree_util.tree_leaves(tree))
 
 
-def _rollout_cases(devices: int, quick: bool = False) -> dict:
-    """:class:`Rollout` s of the tiny demo model with :data:`ROLLOUT_SESSIONS` sessions joined: no
-    mesh on 1 device; ``(1, 1)`` on one device, ``(8, 1)`` (not with ``quick``) and ``(4, 2)`` on 8
-    devices."""
-    import jax
-
+def _rollout(model, mesh):
+    """A :class:`Rollout` of the tiny demo model over ``mesh`` (``None``: one device, no mesh), its
+    cache planned for :data:`ROLLOUT_SESSIONS` sessions, with them joined."""
     from arkv_jax import sharding as sh
     from arkv_jax.cache import PagedKVCache
-    from arkv_jax.models import MODEL_CONFIGS, init_random
     from arkv_jax.planner import rollout_plan
     from arkv_jax.presets import get_preset
     from arkv_jax.rollout import Rollout, Sampler
 
-    preset, model = get_preset("tiny"), init_random(MODEL_CONFIGS["tiny"], seed=0)
+    preset = get_preset("tiny")
+    data, model_axis = sh.check_mesh(mesh) if mesh is not None else (1, 1)
+    plan = rollout_plan(preset.geometry, preset.window, preset.kv_branches, preset.cross_attention,
+                        ROLLOUT_SESSIONS // data, model=model_axis)
+    cache = PagedKVCache(preset.geometry, preset.window, preset.kv_branches, preset.cross_attention,
+                         plan=plan, mesh=mesh, backend="xla")
+    rollout = Rollout(model, cache, Sampler(num_steps=3, guidance_scale=3.0), max_traces=1)
+    for i in range(ROLLOUT_SESSIONS):
+        rollout.join(f"s{i}", f"prompt {i}", seed=i)
+    return rollout
 
-    def build(mesh):
-        data, model_axis = sh.check_mesh(mesh) if mesh is not None else (1, 1)
-        plan = rollout_plan(preset.geometry, preset.window, preset.kv_branches, preset.cross_attention,
-                            ROLLOUT_SESSIONS // data, model=model_axis)
-        cache = PagedKVCache(preset.geometry, preset.window, preset.kv_branches, preset.cross_attention,
-                             plan=plan, mesh=mesh, backend="xla")
-        rollout = Rollout(model, cache, Sampler(num_steps=3, guidance_scale=3.0), max_traces=1)
-        for i in range(ROLLOUT_SESSIONS):
-            rollout.join(f"s{i}", f"prompt {i}", seed=i)
-        return rollout
 
+def _rollout_cases(devices: int, quick: bool = False) -> dict:
+    """:func:`_rollout` s: no mesh on 1 device; ``(1, 1)`` on one device, ``(8, 1)`` (not with
+    ``quick``) and ``(4, 2)`` on 8 devices."""
+    import jax
+
+    from arkv_jax import sharding as sh
+    from arkv_jax.models import MODEL_CONFIGS, init_random
+
+    model = init_random(MODEL_CONFIGS["tiny"], seed=0)
     if devices == 1:
-        return {"rollout, no mesh": build(None)}
-    cases = {"rollout, mesh (1, 1) on 1 of 8 devices": build(sh.make_mesh(1, 1, devices=jax.devices()[:1]))}
+        return {"rollout, no mesh": _rollout(model, None)}
+    cases = {"rollout, mesh (1, 1) on 1 of 8 devices": _rollout(model, sh.make_mesh(1, 1, devices=jax.devices()[:1]))}
     if not quick:
-        cases["rollout, mesh (8, 1)"] = build(sh.make_mesh(8, 1))
-    cases["rollout, mesh (4, 2)"] = build(sh.make_mesh(4, 2))
+        cases["rollout, mesh (8, 1)"] = _rollout(model, sh.make_mesh(8, 1))
+    cases["rollout, mesh (4, 2)"] = _rollout(model, sh.make_mesh(4, 2))
     return cases
 
 
@@ -248,7 +267,84 @@ def _runner(step, carry, data_in, steps):
 
 
 # ------------------------------------------------------------------------------------------------
+# Several processes: one JAX job per process count, started by arkv_jax.processes.launch.
+
+PROCESS_MESH = (4, 2)
+"""The global mesh of the process cases: on 2 processes each holds 2 data shards x 2 devices."""
+PROCESS_COUNTS = (1, 2)
+PROCESS_DEVICES = 8
+"""CPU devices of a process job in all (``PROCESS_DEVICES // processes`` per process)."""
+PROCESS_TIMEOUT_S = 600
+"""Bound on one job (its processes compile the tiny model on the shared cores)."""
+COORDINATION_REPS = 50
+"""Timed calls of one step's coordination (a few milliseconds each)."""
+
+
+def _process_worker(process_id: int, num_processes: int, port: int, quick: bool, reps: int | None) -> dict:
+    """One process of a job: :func:`_rollout` over the global :data:`PROCESS_MESH`, driven by
+    :class:`~arkv_jax.lockstep.Lockstep` with no events (the steady state), timed per step; then the
+    step's coordination alone, with the devices idle: the events' broadcast and the agreement on the
+    rollout's session table, as a step makes them (inside a step the agreement's collective also
+    waits for the chunk's programs, which run asynchronously, so it is timed apart)."""
+    from arkv_jax import processes
+
+    processes.initialize(process_id, num_processes, f"127.0.0.1:{port}",
+                         local_devices=PROCESS_DEVICES // num_processes)
+    from arkv_jax import sharding as sh
+    from arkv_jax.lockstep import Lockstep, encode_events
+    from arkv_jax.models import MODEL_CONFIGS, init_random
+    from arkv_jax.planner import DevicePlan
+
+    rollout = _rollout(init_random(MODEL_CONFIGS["tiny"], seed=0), sh.make_mesh(*PROCESS_MESH))
+    lockstep, no_events = Lockstep(rollout), encode_events(())
+    seconds = harness.median_seconds(lambda: lockstep.step().chunk, reps=reps or _config(quick)["reps"], warmup=1)
+    coordination = harness.median_seconds(lambda: (lockstep.group.broadcast(no_events), rollout.agree(None)),
+                                          reps=COORDINATION_REPS, warmup=1)
+    shards = [shard for pool in rollout.cache.pools for shard in pool.addressable_shards]
+    per_device = sum(s.data.nbytes for s in shards if s.device == shards[0].device)
+    per_process = sum(s.data.nbytes for s in shards)
+    planned = DevicePlan.from_plan(rollout.cache.plan, *PROCESS_MESH, num_processes)
+    if (per_device, per_process) != (planned.pool_bytes_per_device, planned.pool_bytes_per_process):
+        raise AssertionError(f"pool bytes per device / process {per_device} / {per_process}, the planner's "
+                             f"{planned.pool_bytes_per_device} / {planned.pool_bytes_per_process}")
+    return {"processes": num_processes, "devices_per_process": len({s.device for s in shards}),
+            "ms_per_step": seconds * 1e3, "coordination_ms_per_step": coordination * 1e3,
+            "pool_bytes_per_device": per_device, "pool_bytes_per_process": per_process}
+
+
+def _run_processes(count: int, args) -> dict:
+    """Runs a :func:`_process_worker` job of ``count`` local processes on CPU; returns process 0's figures."""
+    from arkv_jax import processes
+
+    flags = ["--process-worker", "--num-processes", str(count), "--port", str(processes.free_port())]
+    flags += ["--quick"] * args.quick + (["--reps", str(args.reps)] if args.reps else [])
+    with tempfile.TemporaryDirectory() as folder:
+        outs = [open(os.path.join(folder, f"out_{i}"), "w+") for i in range(count)]
+        errs = [open(os.path.join(folder, f"err_{i}"), "w+") for i in range(count)]
+        status = processes.launch(
+            [processes.python_module("benchmarks.sharding", *flags, "--process-id", str(i)) for i in range(count)],
+            timeout=PROCESS_TIMEOUT_S, stdout=outs, stderr=errs, env={**_worker_env(), "JAX_PLATFORMS": "cpu"})
+        texts = []
+        for stream in outs + errs:
+            stream.seek(0)
+            texts.append(stream.read())
+            stream.close()
+    if status != [0] * count:
+        sys.stderr.write("\n".join(text[-3000:] for text in texts))
+        print(f"benchmarks.sharding: the {count}-process job failed with exit statuses {status}", file=sys.stderr)
+        raise SystemExit(1)
+    return json.loads(texts[0].strip().splitlines()[-1])
+
+
+# ------------------------------------------------------------------------------------------------
 # Driver.
+
+
+def _worker_env() -> dict[str, str]:
+    """This environment with the repository root on ``PYTHONPATH`` (for ``-m benchmarks.sharding``)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    return env
 
 
 def _run_worker(devices: int, args) -> dict:
@@ -257,10 +353,7 @@ def _run_worker(devices: int, args) -> dict:
         cmd.append("--quick")
     if args.reps:
         cmd += ["--reps", str(args.reps)]
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ)
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=root, env=env)
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=_worker_env())
     if proc.returncode:
         sys.stderr.write(proc.stdout + proc.stderr)
         print(f"benchmarks.sharding: the worker for {devices} device(s) failed with exit code {proc.returncode}",
@@ -272,12 +365,23 @@ def _run_worker(devices: int, args) -> dict:
 def _extra(parser) -> None:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--devices", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--process-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--num-processes", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--process-id", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
 
 
 def main(argv=None) -> None:
     args = harness.parse_args(__doc__.splitlines()[0], argv, extra=_extra)
     if args.worker:
         print(json.dumps(_worker(args.devices, args.quick, args.reps)))
+        return
+    if args.process_worker:
+        from arkv_jax.processes import fail_fast
+
+        with fail_fast():  # a failed process ends at once instead of holding the other at shutdown
+            figures = _process_worker(args.process_id, args.num_processes, args.port, args.quick, args.reps)
+            print(json.dumps(figures))
         return
     start = time.perf_counter()
     results = {n: _run_worker(n, args) for n in DEVICE_COUNTS}
@@ -327,6 +431,18 @@ def main(argv=None) -> None:
           "forward, host to host")
     harness.print_table(("devices", "case", "ms/step", "session-chunks/s", "param KiB/device",
                          "x vs 1-dev no mesh", "x vs (1,1) same run"), rollout_rows)
+    jobs = {n: _run_processes(n, args) for n in PROCESS_COUNTS}
+    one_ms, two_ms = jobs[1]["ms_per_step"], jobs[2]["ms_per_step"]
+    print(f"\nthe same Rollout.step through Lockstep.step (no events) on a global {PROCESS_MESH} mesh of "
+          f"{PROCESS_DEVICES} CPU devices: 1 process x {PROCESS_DEVICES} devices vs 2 processes x "
+          f"{PROCESS_DEVICES // 2} (jax.distributed, gloo; one job each, on the same {cores} cores); coordination: "
+          "the step's broadcast + agreement alone")
+    harness.print_table(("processes", "devices/process", "ms/step", "coordination ms/step", "pool KiB/device",
+                         "pool KiB/process", "x vs 1 process"),
+                        [(job["processes"], job["devices_per_process"], job["ms_per_step"],
+                          job["coordination_ms_per_step"], job["pool_bytes_per_device"] / 2**10,
+                          job["pool_bytes_per_process"] / 2**10, one_ms / job["ms_per_step"])
+                         for job in jobs.values()])
     platform = results[8]["platform"]
     if platform == "cpu":
         print(f"NOTE: the 8 devices are XLA CPU host devices sharing this machine's {cores} cores, "
@@ -343,6 +459,11 @@ def main(argv=None) -> None:
         "config": cfg,
         "cpu_cores": cores,
         "devices_share_cores": platform == "cpu",
+        "processes": {f"{job['processes']}x{job['devices_per_process']}": job for job in jobs.values()},
+        "one_process_ms_per_step": one_ms,
+        "two_process_ms_per_step": two_ms,
+        "two_vs_one_process": one_ms / two_ms,
+        "coordination_ms_per_step": jobs[2]["coordination_ms_per_step"],
         "wall_seconds": time.perf_counter() - start,
     })
 

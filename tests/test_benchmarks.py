@@ -33,7 +33,8 @@ CPU_QUICK = {
     "rollout": ("benchmark", "ms_per_chunk", "paged_over_contiguous", "recompute_over_paged", "persistent_bytes",
                 "peak_bytes", "paged_contiguous_max_abs_diff", "one_live_in_16_slots_vs_one_slot",
                 "sixteen_live_vs_sixteen_single", "idle_slots", "converted_rollout_max_abs_diff", "machine"),
-    "sharding": ("cases", "sessions", "config", "devices_share_cores", "machine"),
+    "sharding": ("cases", "sessions", "config", "devices_share_cores", "processes", "one_process_ms_per_step",
+                 "two_process_ms_per_step", "two_vs_one_process", "coordination_ms_per_step", "machine"),
     "generate": ("benchmark", "reps", "shapes", "machine"),
     "gpu_compile": ("jax", "target", "measured_on_gpu", "quick", "triton_wheel", "triton_skipped",
                     "triton_attention_pages1560", "triton_paged_write", "scatter_paged_write"),
@@ -105,6 +106,12 @@ def test_quick_form_runs_and_ends_with_json(name):
         assert set(figures["peak_bytes"]) == set(figures["ms_per_chunk"])
         assert all(v > 0 for v in figures["peak_bytes"].values())
         assert figures["paged_contiguous_max_abs_diff"] < 1e-4
+    if name == "sharding":  # both process jobs ran; each process of two holds half the pools, devices alike
+        jobs = figures["processes"]
+        assert set(jobs) == {"1x8", "2x4"}, jobs
+        assert jobs["1x8"]["pool_bytes_per_process"] == 2 * jobs["2x4"]["pool_bytes_per_process"] > 0
+        assert jobs["1x8"]["pool_bytes_per_device"] == jobs["2x4"]["pool_bytes_per_device"]
+        assert figures["two_process_ms_per_step"] == jobs["2x4"]["ms_per_step"] > 0
     if name == "gpu_compile":
         mosaic = [entry for key, entry in figures.items() if key.startswith("mosaic_attention")]
         assert len(mosaic) == 1 and mosaic[0]["lowered_and_verified"], figures

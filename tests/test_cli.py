@@ -246,3 +246,32 @@ def test_plan_pipeline_without_libtpu_says_how_to_get_it(capsys, monkeypatch):
     with pytest.raises(SystemExit):
         cli.main(["plan", "--pipeline", "--memory", "tpu-v5e"])
     assert "pip install 'arkv-jax[tpu]'" in capsys.readouterr().err
+
+
+def test_cli_plan_mesh_reports_pool_bytes_per_device_and_per_process(capsys):
+    base = ["plan", "--preset", "wan-1.3b", "--memory", "tpu-v5e", "--fraction", "0.9", "--sessions", "8",
+            "--mesh", "4x2"]
+    _, out = run_cli(capsys, *base, "--processes", "2", "--json")
+    plan = json.loads(out)
+    assert (plan["processes"], plan["data_shards_per_process"], plan["devices_per_process"]) == (2, 2, 4)
+    assert plan["pool_bytes_per_process"] == 4 * plan["pool_bytes_per_device"] > 0
+    assert plan["sessions_per_process"] == 4
+    _, out = run_cli(capsys, *base, "--json")  # one process by default: it holds the whole mesh
+    assert json.loads(out)["pool_bytes_per_process"] == 8 * plan["pool_bytes_per_device"]
+    code, out = run_cli(capsys, *base, "--processes", "2")
+    assert code == 0
+    assert re.search(r"per process \(2 processes, each 2 data shards x 2 = 4 devices\): pools [\d.]+ GiB "
+                     r"\(" + f"{plan['pool_bytes_per_process']:,}" + r" B\)", out), out
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--mesh", "4x2", "--processes", "3"],
+     "--processes must be a positive int dividing the mesh axis 'data' of size 4, one of [1, 2, 4]"),
+    (["--mesh", "4x2", "--processes", "0"], "argument --processes: must be a positive integer, got 0"),
+    (["--processes", "2"], "--processes 2 needs --mesh DATAxMODEL"),
+])
+def test_cli_plan_refuses_a_process_count_that_does_not_split_the_mesh(capsys, argv, needle):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["plan", "--preset", "wan-1.3b", "--memory", "tpu-v5e", *argv])
+    assert info.value.code == 2
+    assert needle in capsys.readouterr().err

@@ -10,12 +10,15 @@ from arkv_jax.config import CacheGeometry, CrossAttentionSpec, KVBranch, WindowP
 from arkv_jax.planner import (
     CHIP_MEMORY_BYTES,
     SCRATCH_OVERRIDE_ENV,
+    DevicePlan,
     InsufficientMemoryError,
     compute_num_blocks,
     device_free_bytes,
     managed_blocks_required,
     parse_memory,
     plan_memory,
+    plan_per_device,
+    process_share,
     rollout_plan,
     scratch_blocks_per_branch,
 )
@@ -324,3 +327,51 @@ def test_one_session_that_does_not_fit_is_reported_in_gib_and_bytes():
                                                       r"\d+\.\d\d GiB \([\d,]+ B\)"):
         plan_memory(wan.geometry, wan.window, wan.kv_branches, available_bytes=1 << 30, memory_fraction=1.0,
                     session_capacity=1)
+
+
+# ----------------------------------------------------------------------------------------------
+# Several processes: what one process of a mesh holds.
+
+
+@pytest.mark.parametrize("data, model, processes, expected", [
+    (4, 2, 1, (4, 8)), (4, 2, 2, (2, 4)), (4, 2, 4, (1, 2)), (8, 1, 2, (4, 4)), (6, 3, 3, (2, 6))])
+def test_process_share_splits_the_data_axis(data, model, processes, expected):
+    assert process_share(data, model, processes) == expected
+
+
+@pytest.mark.parametrize("data, processes, error, needle", [
+    (4, 3, ValueError, "processes must be a positive int dividing the mesh axis 'data' of size 4, one of "
+                       "[1, 2, 4] (each process holds whole data shards), got 3"),
+    (4, 8, ValueError, "got 8"),
+    (4, 0, ValueError, "of size 4, one of [1, 2, 4] (each process holds whole data shards), got 0"),
+    (4, 2.0, TypeError, "got 2.0 (float, expected an int)"),
+    (4, True, TypeError, "(bool, expected an int)"),
+    (0, 1, ValueError, "mesh axis 'data' must be a positive int, got 0"),
+])
+def test_process_share_refuses_counts_that_do_not_divide_the_data_axis(data, processes, error, needle):
+    with pytest.raises(error) as info:
+        process_share(data, 2, processes)
+    assert needle in str(info.value)
+
+
+def test_device_plan_sums_one_process_s_devices():
+    """Per process = per device x (data / processes) x model devices; sessions x its data shards."""
+    geometry = CacheGeometry(4, 8, 64, "bfloat16", tokens_per_frame=32, block_size=16)
+    window = WindowPolicy(window_frames=4, sink_frames=1)
+    kw = dict(data=4, model=2, available_bytes_per_device=1 << 30, sessions_per_shard=3,
+              cross_attention=(CrossAttentionSpec("text", 64),), model_owned_state_bytes_per_session=1000)
+    one = plan_per_device(geometry, window, **kw)
+    two = plan_per_device(geometry, window, processes=2, **kw)
+    assert (one.processes, one.data_shards_per_process, one.devices_per_process) == (1, 4, 8)
+    assert one.pool_bytes_per_process == 8 * one.pool_bytes_per_device
+    assert one.sessions_per_process == one.total_sessions == 12
+    assert (two.processes, two.data_shards_per_process, two.devices_per_process) == (2, 2, 4)
+    assert two.pool_bytes_per_device == one.pool_bytes_per_device > 0
+    assert two.pool_bytes_per_process == 4 * two.pool_bytes_per_device
+    assert two.bytes_per_process == 4 * two.bytes_per_device > two.pool_bytes_per_process
+    assert two.sessions_per_process == 6
+    assert two.to_dict()["pool_bytes_per_process"] == two.pool_bytes_per_process
+    assert DevicePlan.from_plan(two.plan, 4, 2, 2) == two
+    with pytest.raises(ValueError, match=r"processes must be a positive int dividing the mesh axis 'data' of "
+                                         r"size 4, one of \[1, 2, 4\].*got 3"):
+        plan_per_device(geometry, window, processes=3, **kw)

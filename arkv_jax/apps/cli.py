@@ -68,7 +68,7 @@ _FLAG_OF_FIELD = {
     "frames_per_forward": "--frames-per-forward", "window_frames": "--window-frames",
     "sink_frames": "--sink-frames", "memory_fraction": "--fraction", "available_bytes": "--memory",
     "max_scratch_tokens_per_branch": "--scratch-tokens",
-    "model_owned_state_bytes_per_session": "--model-owned-bytes", "dtype": "--dtype",
+    "model_owned_state_bytes_per_session": "--model-owned-bytes", "dtype": "--dtype", "processes": "--processes",
 }
 
 
@@ -158,6 +158,9 @@ def _add_plan_parser(sub) -> None:
     p.add_argument("--mesh", type=_mesh_shape, metavar="DATAxMODEL",
                    help="plan one device of a (data, model) mesh, e.g. 4x2: sessions split over data, K/V "
                         "heads over model; --memory is then per device and --sessions counts every data shard")
+    p.add_argument("--processes", type=_positive_int, default=None,
+                   help="with --mesh: the processes the mesh spans (a divisor of DATA; default 1); the plan also "
+                        "gives one process's pool bytes (DATA / N data shards x MODEL devices)")
     p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     whole = p.add_argument_group(
         "whole chip", "--pipeline plans the whole generator on one TPU chip named by --memory (tpu-v5e, tpu-v6e): "
@@ -224,11 +227,11 @@ def _plan_from_args(args: argparse.Namespace):
     available = args.memory if args.memory is not None else args.probed[0]
     branches = args.branches or preset.kv_branches
     if args.mesh is not None:
-
         data, model = args.mesh
         return planner.plan_per_device(geometry, window, branches, data=data, model=model,
                                         available_bytes_per_device=available,
-                                        sessions_per_shard=ceil_div(sessions, data), **common)
+                                        sessions_per_shard=ceil_div(sessions, data),
+                                        processes=args.processes or 1, **common)
     return planner.plan_memory(geometry, window, branches, available_bytes=available,
                                session_capacity=sessions, **common)
 
@@ -264,6 +267,8 @@ def _run_pipeline_plan(args: argparse.Namespace, parser: argparse.ArgumentParser
 def _run_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.pipeline is not None:
         return _run_pipeline_plan(args, parser)
+    if args.processes is not None and args.mesh is None:
+        parser.error(f"--processes {args.processes} needs --mesh DATAxMODEL (the processes split its data axis)")
     args.probed = planner.probe_free_memory() if args.memory is None else None
     try:
         plan = _plan_from_args(args)
