@@ -240,14 +240,6 @@ class CausalConv3d(nnx.Module):
         return y + self.bias[...]
 
 
-#: How a 3-tap kernel over a nearest-2x upsampled axis folds onto the input's taps -1, 0, +1:
-#: ``_UPSAMPLE_FOLD[a, input tap, upsampled tap]`` for output parity ``a`` (output ``2 i + a`` reads
-#: upsampled ``2 i + a - 1 .. 2 i + a + 1``, i.e. input ``i - 1, i, i`` for ``a = 0`` and
-#: ``i, i, i + 1`` for ``a = 1``; zero padding maps to zero padding).
-_UPSAMPLE_FOLD = np.array([[[1, 0, 0], [0, 1, 1], [0, 0, 0]],
-                           [[0, 0, 0], [1, 1, 0], [0, 0, 1]]], np.float32)
-
-
 class Conv2d(nnx.Module):
     """A per-frame 2-D convolution, zero ``"same"`` padding (``kernel`` ``[kh, kw, in, out]``)."""
 
@@ -256,31 +248,10 @@ class Conv2d(nnx.Module):
         self.kernel, self.bias = _conv_params((size, size, in_dim, out_dim), in_dim * size * size, dtype, rngs)
 
     def __call__(self, x: Array) -> Array:
-        return self._conv(x, self.kernel[...]) + self.bias[...]
-
-    def _conv(self, x: Array, kernel: Array) -> Array:
-        p = kernel.shape[0] // 2
-        return jax.lax.conv_general_dilated(x, kernel, window_strides=(1, 1), padding=((p, p), (p, p)),
-                                            dimension_numbers=("NHWC", "HWIO", "NHWC"))
-
-    def upsampled(self, x: Array) -> Array:
-        """``self(x)`` of ``x`` ``[T, H, W, in]`` upsampled 2x (nearest) in space: ``[T, 2H, 2W, out]``.
-
-        Computed at ``x``'s resolution (3x3 kernels only): each output row parity ``a`` is a 3x3
-        convolution of ``x`` whose taps are the kernel's folded by :data:`_UPSAMPLE_FOLD` (in
-        float32, then the kernel's dtype), both column parities side by side in its ``2 out``
-        output channels, so ``[T, H, W, 2, out]`` is already ``[T, H, 2W, out]``; the two row
-        parities are interleaved once. Neither the upsampled input nor its padding is materialised.
-        """
-        if self.size != 3:
-            raise ValueError(f"upsampled() takes a 3x3 convolution, this one is {self.size}x{self.size}")
-        t, h, w, _ = x.shape
-        out = self.kernel.shape[-1]
-        folded = jnp.einsum("apr,bqs,rsio->apqibo", _UPSAMPLE_FOLD, _UPSAMPLE_FOLD,
-                            self.kernel[...].astype(jnp.float32))
-        folded = folded.reshape(2, 3, 3, x.shape[-1], 2 * out).astype(self.kernel.dtype)
-        rows = [self._conv(x, folded[a]).reshape(t, h, 2 * w, out) for a in range(2)]
-        return jnp.stack(rows, axis=2).reshape(t, 2 * h, 2 * w, out) + self.bias[...]
+        p = self.size // 2
+        y = jax.lax.conv_general_dilated(x, self.kernel[...], window_strides=(1, 1), padding=((p, p), (p, p)),
+                                         dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        return y + self.bias[...]
 
 
 class ChannelRMSNorm(nnx.Module):
@@ -357,7 +328,8 @@ class Upsampler(nnx.Module):
                 stream.put(stream.take(rest[:0]))
                 y = rest
             x = jnp.concatenate([first, y], axis=0)
-        return self.conv.upsampled(x)
+        x = jnp.repeat(jnp.repeat(x, 2, axis=1), 2, axis=2)
+        return self.conv(x)
 
 
 class UpBlock(nnx.Module):

@@ -17,7 +17,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from arkv_jax.models import vae
 
@@ -339,18 +338,3 @@ def test_bfloat16_decoder_streams():
     out = np.concatenate([first, rest])
     assert out.dtype == np.float32 and out.shape == reference.shape
     assert np.abs(out - reference).max() < 0.1
-
-
-@pytest.mark.parametrize("dtype, tolerance", [(jnp.float32, 1e-5), (jnp.bfloat16, 5e-2)])
-def test_an_upsampled_convolution_is_computed_at_the_low_resolution(dtype, tolerance):
-    """``Conv2d.upsampled`` equals nearest 2x upsampling then the convolution (borders included),
-    without building the upsampled input; a kernel other than 3x3 is refused."""
-    conv = vae.Conv2d(6, 5, 3, dtype=dtype, rngs=nnx.Rngs(0))
-    x = jnp.asarray(np.random.default_rng(3).standard_normal((2, 4, 7, 6)), dtype)
-    with jax.default_matmul_precision("highest"):
-        want = conv(jnp.repeat(jnp.repeat(x, 2, axis=1), 2, axis=2)).astype(jnp.float32)
-        got = conv.upsampled(x)
-    assert got.shape == (2, 8, 14, 5) and got.dtype == dtype
-    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), atol=tolerance, rtol=tolerance)
-    with pytest.raises(ValueError, match="upsampled\\(\\) takes a 3x3 convolution, this one is 1x1"):
-        vae.Conv2d(6, 5, 1, dtype=dtype, rngs=nnx.Rngs(0)).upsampled(x)
