@@ -130,7 +130,7 @@ class History(Protocol):
 
     def attend_context(self, q: Array, k: Array, v: Array) -> Array:
         """Attention output ``[B, N, Hq, D]`` of ``q`` over every token of a cached context
-        ``k``/``v`` ``[B, T, Hkv, D]`` (cross-attention), in ``q``'s dtype."""
+        ``k``/``v`` ``[B, T, Hkv, D]`` (cross-attention), all three in one dtype, the output's."""
 
 
 @struct.dataclass
@@ -176,8 +176,7 @@ class PagedHistory:
 
     def attend_context(self, q: Array, k: Array, v: Array) -> Array:
         """See :class:`History`: :func:`pallas_kernels.context_attention.context_attention` on
-        :attr:`backend` (per device with a mesh); ``k``/``v`` are cast to ``q``'s dtype."""
-        k, v = k.astype(q.dtype), v.astype(q.dtype)
+        :attr:`backend` (per device with a mesh)."""
         if self.mesh is None:
             return context_attention(q, k, v, backend=self.backend)
         return sharded_context_attention(self.mesh, q, k, v, backend=self.backend)

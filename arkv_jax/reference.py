@@ -56,8 +56,8 @@ class MaskedHistory:
         return masked_attention(q, k, v, mask)
 
     def attend_context(self, q: Array, k: Array, v: Array) -> Array:
-        """Plain XLA attention over the whole context (``k``/``v`` cast to ``q``'s dtype)."""
-        return masked_attention(q, k.astype(q.dtype), v.astype(q.dtype))
+        """Plain XLA attention over the whole context."""
+        return masked_attention(q, k, v)
 
 
 def window_frame_mask(num_frames: int, chunk_frames: int, window: WindowPolicy) -> np.ndarray:

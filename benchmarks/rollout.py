@@ -125,7 +125,7 @@ class ContiguousHistory:
         return masked_attention(q, keys, values)
 
     def attend_context(self, q, k, v):
-        return masked_attention(q, k.astype(q.dtype), v.astype(q.dtype))
+        return masked_attention(q, k, v)
 
 
 def roll_in(buffer: jax.Array, new: jax.Array, *, filled: int, chunk: int, sink: int, tpf: int) -> jax.Array:

@@ -18,9 +18,10 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.backend import Backend, cudnn_supports, resolve_backend
-from pallas_kernels.checks import require_int, require_real
+from pallas_kernels.checks import require_int
 from pallas_kernels.common import check_rank, check_supported_dtype
 from pallas_kernels.context_attention import tpu, xla
+from pallas_kernels.window_attention.validation import check_scale
 
 __all__ = ["IMPLEMENTATIONS", "MAX_TPU_CONTEXT", "ContextGeometry", "context_attention", "static_validate_inputs"]
 
@@ -100,7 +101,7 @@ def static_validate_inputs(q, k, v, *, scale=None, backend: Backend, block_q=Non
         raise ValueError(f"num_q_heads (q.shape[2] = {q_heads}) must be a multiple of kv_heads "
                          f"(k.shape[2] = {k.shape[2]})")
     if scale is not None:
-        require_real("scale", scale, low=0.0, low_open=True, must="a positive finite number (a Python float)")
+        check_scale(scale)
     if block_q is not None:
         require_int("block_q", block_q, minimum=8, multiple_of=8, must="a positive multiple of 8")
     geom = ContextGeometry(rows, q_len, q_heads, k.shape[2], dim, k.shape[1])

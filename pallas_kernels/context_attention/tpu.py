@@ -37,20 +37,17 @@ def default_block_q(q_len: int, group: int, kv_len: int) -> int:
 def _kernel(q_ref, k_ref, v_ref, o_ref, *, scale: float, kv_len: int):
     """Refs (VMEM): ``q_ref``/``o_ref`` ``[group, block_q, D]`` (rows of the last block past
     ``q_len`` are unspecified; their outputs are dropped), ``k_ref``/``v_ref`` ``[kv_pad, D]``
-    (keys at and past ``kv_len`` are padding, masked by selection)."""
+    (keys at and past ``kv_len`` are zero padding, their logits masked by selection)."""
     group, block_q, dim = q_ref.shape
     precision = matmul_precision(q_ref.dtype)
     q = (q_ref[...].reshape(group * block_q, dim).astype(jnp.float32) * (scale * LOG2_E)).astype(q_ref.dtype)
     s = lax.dot_general(q, k_ref[...], (((1,), (1,)), ((), ())), precision=precision,
                         preferred_element_type=jnp.float32)
-    v = v_ref[...]
-    if kv_len < k_ref.shape[0]:
-        valid = lax.broadcasted_iota(jnp.int32, s.shape, 1) < kv_len
-        s = jnp.where(valid, s, MASK_VALUE)
-        v = jnp.where(lax.broadcasted_iota(jnp.int32, v.shape, 0) < kv_len, v, jnp.zeros_like(v))
+    if kv_len < k_ref.shape[0]:  # padding keys (zeros, as are their values) get no weight
+        s = jnp.where(lax.broadcasted_iota(jnp.int32, s.shape, 1) < kv_len, s, MASK_VALUE)
     p = jnp.exp2(s - jnp.max(s, axis=1, keepdims=True))
     total = jnp.sum(p, axis=1, keepdims=True)
-    out = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision,
+    out = lax.dot_general(p.astype(v_ref.dtype), v_ref[...], (((1,), (0,)), ((), ())), precision=precision,
                           preferred_element_type=jnp.float32)
     o_ref[...] = (out / total).astype(o_ref.dtype).reshape(group, block_q, dim)
 
