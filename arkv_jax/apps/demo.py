@@ -149,7 +149,8 @@ class Timeline:
         return [s for s in self.steps if not s.compiled]
 
     def compile_step_indexes(self) -> list[int]:
-        """Indexes of the steps that built a program (the first use of each batch bucket)."""
+        """Indexes of the steps that built a program: the first chunk of each batch bucket, the first
+        session to leave (the cache's end-of-session program)."""
         return [i for i, s in enumerate(self.steps) if s.compiled]
 
     def session_names(self) -> list[str]:
@@ -250,7 +251,7 @@ def latency_figure(timeline: Timeline) -> Figure:
     colors = ["tab:orange" if s.compiled else "tab:blue" for s in timeline.steps]
     bars = ax.bar(np.arange(len(ms)), ms, color=colors)
     ax.bar_label(bars, labels=[str(len(s.sessions)) for s in timeline.steps], fontsize="x-small")
-    handles = [Patch(color="tab:orange", label="compiled (first use of a batch bucket)"),
+    handles = [Patch(color="tab:orange", label="built a program (a first use)"),
                Patch(color="tab:blue", label="steady state")]
     steady = timeline.steady_steps()
     if steady:
@@ -562,8 +563,8 @@ def _print_header(stream: TextIO, rollout: Rollout, preset: str, sessions: int, 
 
 
 def _print_report(stream: TextIO, timeline: Timeline) -> None:
-    """Per-step table and summary: the steps that built programs (the first use of each batch
-    bucket) are named, and the steady state is :meth:`Timeline.steady_steps`."""
+    """Per-step table and summary: the steps that built programs (:meth:`Timeline.compile_step_indexes`)
+    are named, and the steady state is :meth:`Timeline.steady_steps`."""
     usable = timeline.usable_pages
     print(f"{'step':>4}  {'sessions':>8}  {'frames':>14}  {'latency ms':>10}  {'compile ms':>10}  {'frames/s':>9}  "
           f"{'pages in use':>12}", file=stream)
@@ -577,7 +578,7 @@ def _print_report(stream: TextIO, timeline: Timeline) -> None:
     seconds = sum(s.seconds for s in timeline.steps)
     compiled = timeline.compile_step_indexes()
     compile_s = sum(s.compile_seconds for s in timeline.steps)
-    where = (f"steps {', '.join(map(str, compiled))} built programs (the first use of each batch bucket), "
+    where = (f"steps {', '.join(map(str, compiled))} built programs (a first use), "
              f"{compile_s:.2f} s of compilation" if compiled else "no step built a program")
     print(f"generated {plural(frames, 'latent frame')} in {seconds:.2f} s ({frames / seconds:.1f} frames/s "
           f"overall, compilation included; {where})", file=stream)
