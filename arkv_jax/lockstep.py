@@ -1,6 +1,6 @@
 """One rollout on every process of a multi-controller JAX job, driven in lockstep by process 0's events.
 
-Each step process 0 broadcasts its session events (:class:`Join`, :class:`Leave`) to every process
+Each step process 0 broadcasts its session events (:class:`Join`, :class:`Leave`, :class:`Switch`) to every process
 (:meth:`arkv_jax.processes.ProcessGroup.broadcast`); every process applies them in order to its own
 :class:`~arkv_jax.rollout.Rollout` (placement is deterministic, so the session tables stay equal and
 a refusal, decided by the table, happens on every process), then runs the chunk, which the
@@ -19,7 +19,7 @@ import numpy as np
 from arkv_jax.processes import ProcessGroup, StepFailed
 from arkv_jax.rollout import ChunkResult, Rollout
 
-__all__ = ["Join", "Leave", "Lockstep", "StepOutcome", "decode_events", "encode_events"]
+__all__ = ["Join", "Leave", "Lockstep", "StepOutcome", "Switch", "decode_events", "encode_events"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,8 +38,17 @@ class Leave:
     session_id: str
 
 
-Event = Union[Join, Leave]
-_KINDS = {"join": Join, "leave": Leave}
+@dataclasses.dataclass(frozen=True)
+class Switch:
+    """A session switches prompts, with a KV recache (:meth:`Rollout.switch_prompt`; ``sink`` as there)."""
+
+    session_id: str
+    prompt: str
+    sink: str = "keep"
+
+
+Event = Union[Join, Leave, Switch]
+_KINDS = {"join": Join, "leave": Leave, "switch": Switch}
 #: What applying an event may refuse with; the session table decides, so every process refuses alike.
 REFUSALS = (KeyError, RuntimeError, TypeError, ValueError)
 
@@ -48,12 +57,12 @@ def encode_events(events: Sequence[Event]) -> bytes:
     """``events`` as bytes (JSON).
 
     Raises:
-      TypeError: an event that is neither a :class:`Join` nor a :class:`Leave`.
+      TypeError: an event that is not a :class:`Join`, :class:`Leave` or :class:`Switch`.
     """
     kinds = {cls: kind for kind, cls in _KINDS.items()}
     bad = [e for e in events if type(e) not in kinds]
     if bad:
-        raise TypeError(f"events must be Join or Leave, got {bad[0]!r} ({type(bad[0]).__name__})")
+        raise TypeError(f"events must be Join, Leave or Switch, got {bad[0]!r} ({type(bad[0]).__name__})")
     return json.dumps([[kinds[type(e)], dataclasses.asdict(e)] for e in events]).encode()
 
 
@@ -69,12 +78,14 @@ class StepOutcome(NamedTuple):
       events: process 0's events of the step, in the order applied (the same on every process).
       refused: index into ``events`` -> the exception that refused it (the same on every process).
       left: the latents ``[frames, H, W, C]`` of the sessions that left and that this process read.
+      recomputed: the absolute frames each switched session recomputed, in time order.
       chunk: the chunk of the sessions this process reads, ``None`` when no session was active.
     """
 
     events: tuple[Event, ...]
     refused: dict[int, BaseException]
     left: dict[str, np.ndarray]
+    recomputed: dict[str, tuple[int, ...]]
     chunk: ChunkResult | None
 
 
@@ -106,15 +117,21 @@ class Lockstep:
         applied = decode_events(self.group.broadcast(payload))
         refused: dict[int, BaseException] = {}
         left: dict[str, np.ndarray] = {}
+        recomputed: dict[str, tuple[int, ...]] = {}
         try:
             for i, event in enumerate(applied):
                 try:
                     if isinstance(event, Join):
                         self.rollout.join(event.session_id, event.prompt, seed=event.seed)
+                    elif isinstance(event, Switch):
+                        recomputed[event.session_id] = self.rollout.switch_prompt(event.session_id, event.prompt,
+                                                                                  sink=event.sink)
                     else:
                         latents = self.rollout.leave(event.session_id)
                         if latents is not None:
                             left[event.session_id] = latents
+                except StepFailed:  # a switch failed on some process: agreed already, a failure not a refusal
+                    raise
                 except REFUSALS as error:
                     refused[i] = error
         except BaseException as error:  # not decided by the table: the step fails everywhere
@@ -123,5 +140,5 @@ class Lockstep:
             raise
         if not self.rollout.sessions:
             self.rollout.agree(None)  # one agreement per step, with or without a chunk
-            return StepOutcome(applied, refused, left, None)
-        return StepOutcome(applied, refused, left, self.rollout.step())
+            return StepOutcome(applied, refused, left, recomputed, None)
+        return StepOutcome(applied, refused, left, recomputed, self.rollout.step())

@@ -224,7 +224,7 @@ def recache_program(pipeline: Pipeline, num_pages: int, sharding=None):
                                 jnp.dtype(g.dtype))
     text = jax.ShapeDtypeStruct((g.num_layers, rows, pipeline.dit.text_tokens, g.num_kv_heads, g.head_dim),
                                 jnp.dtype(pipeline.dit.dtype))
-    latents = jax.ShapeDtypeStruct((frames, *pipeline.dit.frame_shape), jnp.dtype(pipeline.dit.dtype))
+    latents = jax.ShapeDtypeStruct((1, frames, *pipeline.dit.frame_shape), jnp.dtype(pipeline.dit.dtype))
     config = ChunkConfig(graphdef, pipeline.sampler, g.frames_per_forward, g.tokens_per_frame, pipeline.backend)
     args = jax.tree_util.tree_map(_spec(sharding), (params, (pool, pool), inputs, (text, text), latents,
                                                     jax.ShapeDtypeStruct((), jnp.float32)))
@@ -308,21 +308,25 @@ class BucketPlan:
 
     Attributes:
       batch: sessions per chunk (and resident).
-      chunk, decode: the compiled chunk program (minimal pools) and the batch's VAE decode.
+      chunk, decode: the compiled chunk program (minimal pools) and the batch's VAE decode
+        (``None`` when the compiler refused one).
       transient_bytes: the larger of the two programs' :attr:`ProgramFigures.transient_bytes`
-        (they run one after the other).
+        (they run one after the other; ``None`` when refused).
       plan: the K/V pool with every byte left (:func:`arkv_jax.planner.plan_memory`), or ``None``
         when ``batch`` sessions do not fit.
       chunk_seconds: estimated seconds per chunk (DiT program, its kernels, the commit, the
-        decode), or ``None`` without a kernel pricer.
+        decode), or ``None`` without a kernel pricer or when refused.
+      refused: the compiler's words when it refused a program of the batch for want of HBM
+        (:func:`pallas_kernels.tpu_aot.hbm_refusal`; the batch does not fit), else ``None``.
     """
 
     batch: int
-    chunk: ProgramFigures
-    decode: ProgramFigures
-    transient_bytes: int
+    chunk: ProgramFigures | None
+    decode: ProgramFigures | None
+    transient_bytes: int | None
     plan: MemoryPlan | None
     chunk_seconds: float | None
+    refused: str | None = None
 
     @property
     def fits(self) -> bool:
@@ -379,8 +383,9 @@ class ChipPlan:
         buckets = []
         for b in self.buckets:
             fps = b.video_fps(self.frames_per_chunk)
-            buckets.append(dict(batch=b.batch, fits=b.fits, transient_bytes=b.transient_bytes,
-                                chunk_program=dataclasses.asdict(b.chunk), decode_program=dataclasses.asdict(b.decode),
+            buckets.append(dict(batch=b.batch, fits=b.fits, transient_bytes=b.transient_bytes, refused=b.refused,
+                                chunk_program=b.chunk and dataclasses.asdict(b.chunk),
+                                decode_program=b.decode and dataclasses.asdict(b.decode),
                                 pool_pages=b.plan.num_blocks_total if b.fits else None,
                                 pool_bytes=b.plan.pool_bytes if b.fits else None,
                                 chunk_seconds=b.chunk_seconds, fps_per_stream=fps[0] if fps else None,
@@ -402,6 +407,9 @@ class ChipPlan:
         lines += [f"  weights: {name}: {fb(n)}" for name, n in self.weights.items()]
         lines += [f"  per session: {name}: {fb(n)}" for name, n in self.session_state.items()]
         for b in self.buckets:
+            if b.refused:
+                lines.append(f"  batch {b.batch}: does not fit, the compiler refuses it: {b.refused}")
+                continue
             head = f"  batch {b.batch}: the programs' transient bytes {fb(b.transient_bytes)}"
             if not b.fits:
                 lines.append(head + ": does not fit")
@@ -518,10 +526,20 @@ def plan_bucket(pipeline: Pipeline, batch: int, generation: str, budget: int,
                 kernel_seconds: KernelPricer | None = None) -> BucketPlan:
     """One :class:`BucketPlan`: compiles the batch's chunk program and VAE decode for
     ``generation``, then gives the K/V pool what ``budget`` leaves after the weights, the
-    programs' transient bytes and ``batch`` sessions' state."""
+    programs' transient bytes and ``batch`` sessions' state. A program the compiler refuses for
+    want of HBM makes a bucket that does not fit (:attr:`BucketPlan.refused`); other compile
+    errors propagate."""
+    from pallas_kernels import tpu_aot
+
     fn, args = chunk_program(pipeline, batch, _pages_for(pipeline, batch))
-    chunk = measure(compile_for(fn, args, generation), generation)
-    decode = decode_figures(pipeline.with_(sampler=Sampler()), batch, generation)
+    try:
+        chunk = measure(compile_for(fn, args, generation), generation)
+        decode = decode_figures(pipeline.with_(sampler=Sampler()), batch, generation)
+    except Exception as error:  # the compiler's error class differs across jax releases
+        refusal = tpu_aot.hbm_refusal(error)
+        if refusal is None:
+            raise
+        return BucketPlan(batch, None, None, None, None, None, refused=refusal)
     transient = max(chunk.transient_bytes, decode.transient_bytes)
     preset = pipeline.preset
     available = budget - sum(weight_bytes(pipeline).values()) - transient

@@ -28,7 +28,7 @@ from arkv_jax import processes, samplers
 from arkv_jax.cache import PagedKVCache
 from arkv_jax.cache.batch import bucket_size, cross_attention_rows, resolve_buckets
 from arkv_jax.conditioning import branch_contexts, context_kv
-from arkv_jax.config import ArgumentTypeError, require_int
+from arkv_jax.config import ArgumentTypeError, WindowPolicy, require_int
 from arkv_jax.models.dit import CausalDiT, tensor_parallel_specs
 from arkv_jax.nnx import PagedHistory
 from arkv_jax.processes import StepFailed
@@ -121,19 +121,20 @@ def recache_kv(params: nnx.State, pools: tuple[Array, Array], inputs: ChunkInput
 
     Args:
       params, pools: as for :func:`generate_chunk` (the pools are only read).
-      inputs: the unit's :class:`ChunkInputs` (``B`` = the session's branch rows).
+      inputs: the unit's :class:`ChunkInputs`: ``B = S * branches`` batch rows, session-major.
       text_kv: ``(k, v)``, each ``[L, B, T, Hkv, D]``: the new text K/V of the rows.
-      latents: ``[n, H, W, C]`` the unit's commit-forward input (:func:`arkv_jax.samplers.commit_input`
-        of its chunk's clean latents, the unit's frames).
+      latents: ``[S, n, H, W, C]`` each session position's commit-forward input (the session's:
+        :func:`arkv_jax.samplers.commit_input` of its chunk's clean latents, the unit's frames;
+        anything at padding positions).
       timestep: float scalar, the commit forward's timestep.
 
     Returns:
       ``(k, v)``: every layer's K/V ``[L, B, n * tokens_per_frame, Hkv, D]`` (``k`` post-RoPE).
     """
     model = nnx.merge(config.graphdef, params)
-    rows, frames = inputs.rows.shape[0], latents.shape[0]
+    rows, frames = inputs.rows.shape[0], latents.shape[1]
     history = PagedHistory.from_inputs(pools, inputs, config.tokens_per_frame, config.backend, mesh=config.mesh)
-    x = jnp.broadcast_to(latents.astype(model.config.dtype), (rows, *latents.shape))
+    x = jnp.repeat(latents.astype(model.config.dtype), rows // latents.shape[0], axis=0)
     _, kv = model(x, jnp.full((rows, frames), timestep, jnp.float32), inputs.first_frame, history, *text_kv,
                   return_kv=True)
     return kv
@@ -145,6 +146,26 @@ def _batch_noise(cache: PagedKVCache, seeds: list[int], ids: tuple[str, ...], co
     sessions another process generates (only this process's rows are placed)."""
     return np.stack([samplers.session_noise(seed, int(count), shape, draws) if cache.is_local(sid)
                      else np.zeros((draws, *shape), np.float32) for sid, seed, count in zip(ids, seeds, counts)])
+
+
+def _ring_input(session: _Session, first_frame: int, num_frames: int, sampler: Sampler, chunk_frames: int,
+                frame_shape: tuple[int, ...], dtype) -> tuple[np.ndarray, float]:
+    """The commit-forward input ``[1, num_frames, H, W, C]`` of a session's recomputed frames
+    ``first_frame, ...`` (from its latent ring) and its timestep. A session another process holds
+    has no ring here: zeros, which only that process's devices would read."""
+    chunk, offset = divmod(first_frame, chunk_frames)
+    shape = (chunk_frames, *frame_shape)
+    clean = session.ring.get(chunk, np.zeros(shape, dtype))
+    draws = (samplers.session_noise(session.seed, chunk, shape, sampler.noise_draws)[None]
+             if sampler.context_noise else None)  # only a noised commit input reads them
+    x, t_c = samplers.commit_input(jnp.asarray(clean, dtype)[None], draws, sampler)
+    return np.asarray(x[:, offset:offset + num_frames]), t_c
+
+
+def _per_layer(k: Array, v: Array):
+    """Each layer's ``(k, v)`` ``[T, Hkv, D]`` of one context's text K/V ``[L, 1, T, Hkv, D]``, by
+    indexing (an array spread over several processes cannot be iterated)."""
+    return ((k[layer, 0], v[layer, 0]) for layer in range(k.shape[0]))
 
 
 class ChunkResult(NamedTuple):
@@ -165,14 +186,21 @@ class ChunkResult(NamedTuple):
 @dataclasses.dataclass
 class _Session:
     """A session's noise seed, the chunks it generated, the latents ``[F, H, W, C]`` of each (host;
-    only where this process reads them), and its latent ring: chunk index -> device latents of the
-    chunks a prompt switch recomputes from (:meth:`arkv_jax.config.WindowPolicy.latent_ring_frames`;
-    one process only)."""
+    only where this process reads them), and its latent ring: chunk index -> latents of the chunks a
+    prompt switch recomputes from (:meth:`arkv_jax.config.WindowPolicy.latent_ring_frames`; device
+    arrays on one process, the host latents of this process's sessions on several)."""
 
     seed: int
     num_chunks: int = 0
     chunks: list[np.ndarray] = dataclasses.field(default_factory=list)
     ring: dict[int, Array] = dataclasses.field(default_factory=dict)
+
+    def keep(self, chunk_index: int, latents, window: WindowPolicy, chunk_frames: int) -> None:
+        """Adds a chunk's latents to the ring and drops the chunks no prompt switch can need any
+        more (neither a sink chunk nor one of the recent history's)."""
+        self.ring[chunk_index] = latents
+        for c in [c for c in self.ring if not window.ring_keeps(c, chunk_index, chunk_frames)]:
+            del self.ring[c]
 
 
 class Rollout:
@@ -305,8 +333,7 @@ class Rollout:
         try:  # all or nothing: a failure leaves the session closed and the id joinable
             for branch, branch_context in zip(self.branches, contexts):
                 k, v = context_kv(self.chunk_config.graphdef, self.params, jnp.asarray(branch_context[None]))
-                self.cache.populate_cross_attention(session_id, self.text_cache, branch,
-                                                    ((k[layer, 0], v[layer, 0]) for layer in range(config.num_layers)))
+                self.cache.populate_cross_attention(session_id, self.text_cache, branch, _per_layer(k, v))
         except BaseException:
             if session_id in self.cache.sessions:
                 self.cache.close(session_id)
@@ -356,21 +383,24 @@ class Rollout:
         contexts = branch_contexts(config.text_tokens, config.text_dim, len(self.branches), prompt, context,
                                    negative_context)
         text = [context_kv(self.chunk_config.graphdef, self.params, jnp.asarray(c[None])) for c in contexts]
-        shape = (f, *config.frame_shape)
         with self.cache.recache(session_id, f, sink=sink, branches=self.branches, full_batch=self.full_batch) as job:
-            # The new text K/V at the session's batch rows, zeros at padding rows: [L, batch, T, Hkv, D].
-            text_kv = tuple(job.place_rows(jnp.concatenate([kv[i] for kv in text], axis=1), axis=1)
-                            for i in range(len(text[0])))
-            for unit in job.units:
-                chunk, offset = divmod(unit.first_frame, f)
-                draws = (jnp.asarray(samplers.session_noise(session.seed, chunk, shape, self.sampler.noise_draws)[None])
-                         if self.sampler.context_noise else None)  # only a noised commit input reads them
-                x, t_c = samplers.commit_input(session.ring[chunk][None], draws, self.sampler)
-                k, v = self.recache_fn(self.params, self.cache.pools, unit.inputs, text_kv,
-                                       x[0, offset:offset + unit.num_frames], jnp.float32(t_c))
-                job.write(k, v)
-            for branch, (k, v) in zip(self.branches, text):
-                job.populate_cross_attention(self.text_cache, branch, zip(k[:, 0], v[:, 0]))
+            try:  # refused before this, alike everywhere; from here a failure anywhere fails it everywhere
+                # The new text K/V at the session's batch rows, zeros at padding rows: [L, batch, T, Hkv, D].
+                text_kv = tuple(job.place_rows(jnp.concatenate([kv[i] for kv in text], axis=1), axis=1)
+                                for i in range(len(text[0])))
+                for unit in job.units:
+                    x, t_c = _ring_input(session, unit.first_frame, unit.num_frames, self.sampler, f,
+                                         config.frame_shape, config.dtype)
+                    k, v = self.recache_fn(self.params, self.cache.pools, unit.inputs, text_kv,
+                                           from_host(job.place(x), self._noise_sharding), jnp.float32(t_c))
+                    job.write(k, v)
+                for branch, (k, v) in zip(self.branches, text):
+                    job.populate_cross_attention(self.text_cache, branch, _per_layer(k, v))
+                self.agree(None)
+            except BaseException as error:
+                if not isinstance(error, StepFailed):
+                    self.agree(error)  # on several processes: raises StepFailed on every one
+                raise
             job.commit()
         return job.frames
 
@@ -429,11 +459,12 @@ class Rollout:
                 self.agree(error)  # on several processes: raises StepFailed on every one
             raise
         local, latents = step.take_local(x)  # this process's sessions, in ``ids`` order, on the host
-        chunk = step.take(x) if self.group is None else None  # the device latents of the rings
+        # The rings: every session's device latents on one process, this process's host latents on several.
+        rings = dict(zip(ids, step.take(x))) if self.group is None else dict(zip(local, latents))
         for i, sid in enumerate(ids):
             self._sessions[sid].num_chunks += 1
-            if chunk is not None:
-                self._keep_in_ring(self._sessions[sid], int(counts[i]), chunk[i])
+            if sid in rings:
+                self._sessions[sid].keep(int(counts[i]), rings[sid], self.cache.window, self.chunk_frames)
         for sid, latent in zip(local, latents):
             self._sessions[sid].chunks.append(latent)
         return ChunkResult(local, np.asarray([self.num_frames(s) - self.chunk_frames for s in local], np.int32),
@@ -452,13 +483,6 @@ class Rollout:
             self.group.agree(error, table)
         return True
 
-
-    def _keep_in_ring(self, session: _Session, chunk_index: int, latents: Array) -> None:
-        """Adds a chunk's device latents to the session's ring and drops the chunks no prompt switch
-        can need any more (neither a sink chunk nor one of the recent history's)."""
-        session.ring[chunk_index] = latents
-        for c in [c for c in session.ring if not self.cache.window.ring_keeps(c, chunk_index, self.chunk_frames)]:
-            del session.ring[c]
 
     def _traced_chunk(self, params, pools, inputs: ChunkInputs, text_kv, noise):
         """:func:`generate_chunk` under the trace guard: runs once per trace of :attr:`chunk_fn`."""

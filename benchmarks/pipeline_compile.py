@@ -76,9 +76,12 @@ def chip_report(generation: str, names, buckets) -> dict:
         price = pl.attention_pricer(pipeline, generation)
         plans[label] = plan = pl.plan_chip(pipeline, generation, buckets=buckets, kernel_seconds=price)
         for b in plan.buckets:
-            row = dict(variant=label, batch=b.batch, fits=b.fits, transient_gib=b.transient_bytes / 2**30,
-                       chunk_xla_s=b.chunk.xla_seconds, decode_s=b.decode.xla_seconds,
-                       unpriced=b.chunk.unpriced + b.decode.unpriced)
+            row = dict(variant=label, batch=b.batch, fits=b.fits)
+            if b.refused:
+                row.update(refused=b.refused)
+            else:
+                row.update(transient_gib=b.transient_bytes / 2**30, chunk_xla_s=b.chunk.xla_seconds,
+                           decode_s=b.decode.xla_seconds, unpriced=b.chunk.unpriced + b.decode.unpriced)
             if b.chunk_seconds is not None:
                 attention = b.chunk_seconds - b.chunk.xla_seconds - b.decode.xla_seconds \
                     - pl.commit_seconds(pipeline, b.batch, generation)

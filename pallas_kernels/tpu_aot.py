@@ -90,6 +90,16 @@ def compile_only_device(generation: str):
 _HBM_OOM = re.compile(r"exceeds available HBM \(([\d.]+)G\)")
 
 
+def hbm_refusal(error: BaseException) -> str | None:
+    """What the compiler said when it refused a program that does not fit in HBM
+    (``CompileTimeHbmOom``: e.g. "Ran out of memory on HBM, the total memory required for HLO
+    temporaries (45.72G) exceeds available HBM (15.75G)"), ``None`` for any other error."""
+    text = str(error)
+    if "CompileTimeHbmOom" not in text:
+        return None
+    return text.split("CompileTimeHbmOom:", 1)[1].split(". HLO module", 1)[0].strip()
+
+
 @functools.lru_cache(maxsize=None)
 def available_hbm_bytes(generation: str) -> int:
     """HBM one program may use on a chip of ``generation``, as the compiler counts it (v5e: 15.75

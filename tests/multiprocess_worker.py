@@ -5,6 +5,8 @@ Joins the job with 4 CPU devices, then on a (4, 2) and an (8, 1) global mesh dri
 of ``tests/test_sharded_cache.py``'s churn through :class:`arkv_jax.lockstep.Lockstep` (only
 process 0's events count), writing after every step its session table, and at the end the latents
 of the sessions it read, the joins refused at capacity and what a chunk failing on process 1 did.
+Then, on the (4, 2) mesh, ``tests/test_switch_prompt.py``'s prompt switches as :class:`Switch`
+events (one session of each process switches; a switch of an unknown session is refused).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ def main(process_id: int, num_processes: int, port: int, out: pathlib.Path) -> N
     from arkv_jax.processes import StepFailed
     from arkv_jax.sharding import make_mesh
     from tests.test_sharded_cache import CHURN_JOINS, CHURN_LEAVES, tiny_rollout
+    from tests.test_switch_prompt import mesh_rollout
 
     model = init_random(MODEL_CONFIGS["tiny"], seed=0)
     report = {}
@@ -63,7 +66,37 @@ def main(process_id: int, num_processes: int, port: int, out: pathlib.Path) -> N
             lockstep.step()  # the group goes on after a failed step
             entry["after_recovery"] = [[s, rollout.num_frames(s)] for s in rollout.sessions]
         report[f"{data}x{model_axis}"] = entry
+    report["switch"] = switch_prompts(process_id, mesh_rollout(model, make_mesh(4, 2)), out)
     (out / f"report_{process_id}.json").write_text(json.dumps(report))
+
+
+def switch_prompts(process_id: int, rollout, out: pathlib.Path) -> dict:
+    """The mesh prompt-switch run through :class:`Lockstep`; saves the latents this process read and
+    returns where each session sat, the frames each switch recomputed, the refusals and the tables."""
+    import numpy as np
+
+    from arkv_jax.lockstep import Join, Leave, Lockstep, Switch
+    from tests.test_switch_prompt import MESH_SESSIONS, MESH_STEPS, MESH_SWITCHES
+
+    lockstep, latents, entry = Lockstep(rollout), {}, {"recomputed": {}, "refused": {}, "tables": []}
+    for c in range(MESH_STEPS + 1):  # the last step: every session leaves, no chunk
+        events = [Join(s, f"prompt {s}", seed=ord(s)) for s in MESH_SESSIONS] if c == 0 else []
+        if c in MESH_SWITCHES:
+            sid, sink = MESH_SWITCHES[c]
+            events += [Switch(sid, f"new {c}", sink=sink), Switch("nobody", "a cat")]
+        if c == MESH_STEPS:
+            events = [Leave(s) for s in MESH_SESSIONS]
+        outcome = lockstep.step(events if process_id == 0 else ())
+        latents.update(outcome.left)
+        entry["recomputed"].update(outcome.recomputed)
+        entry["refused"].update({f"{c}.{i}": f"{type(e).__name__}: {e}" for i, e in outcome.refused.items()})
+        frames = [[s, rollout.num_frames(s)] for s in rollout.sessions]
+        entry["tables"].append([list(rollout.cache.slots.items()), frames])
+        if c == 0:
+            entry["local"] = [s for s in MESH_SESSIONS if rollout.cache.is_local(s)]
+    np.savez(out / f"latents_switch_{process_id}.npz", **latents)
+    entry["free_pages"] = [rollout.cache.num_free_pages(), rollout.cache.total_pages]
+    return entry
 
 
 if __name__ == "__main__":

@@ -139,3 +139,31 @@ def test_the_plan_matches_the_compiled_programs():
     compiled = pl.compiled_total(pipeline, fit, "v5e")
     assert pl.predicted_total(pipeline, fit) / compiled == pytest.approx(1.0, abs=0.05)
     assert compiled <= memory
+
+
+@needs_libtpu
+def test_a_bucket_the_compiler_refuses_for_hbm_does_not_fit(monkeypatch):
+    """The compiler's own refusal (a 1 TiB program) stands in for a chunk program too big for the
+    chip: the bucket is recorded as not fitting, with the compiler's words, and planning goes on."""
+    try:
+        tpu_aot.compile_for_tpu(lambda x: x + 1, [(((1 << 40) // 4,), np.float32)], "v5e")
+    except Exception as error:  # noqa: BLE001 (the compiler's class differs across jax releases)
+        refusal = error
+    words = tpu_aot.hbm_refusal(refusal)
+    assert words.startswith("Ran out of memory on HBM") and "exceeds available HBM (15.75G)" in words
+    assert tpu_aot.hbm_refusal(ValueError("another error")) is None
+
+    def compiling_raises(error):
+        def compile_for(*args, **kwargs):
+            raise error
+        return compile_for
+
+    monkeypatch.setattr(pl, "compile_for", compiling_raises(refusal))
+    chip = pl.plan_chip(TINY, "v5e", buckets=(1, 2))
+    assert [(b.batch, b.fits, b.refused) for b in chip.buckets] == [(1, False, words)]
+    assert chip.streams_per_chip == 0 and chip.best_bucket() is None
+    assert f"batch 1: does not fit, the compiler refuses it: {words}" in chip.summary()
+    assert '"refused": "Ran out of memory on HBM' in chip.to_json()
+    monkeypatch.setattr(pl, "compile_for", compiling_raises(ValueError("a bug")))
+    with pytest.raises(ValueError, match="a bug"):  # any other compile error propagates
+        pl.plan_chip(TINY, "v5e", buckets=(1,))

@@ -1,7 +1,8 @@
 """Several processes: two real JAX processes on localhost (``tests/multiprocess_worker.py``), each
 with 4 CPU devices and gloo collectives, drive one rollout in lockstep on a (4, 2) and an (8, 1)
 global mesh; the latents equal the one-device run, the session tables agree after every step, a
-join refused at capacity is refused on both, and a chunk failing on one process fails on both.
+join refused at capacity is refused on both, and a chunk failing on one process fails on both;
+prompt switches of sessions on either process give the one-device latents too.
 Plus the single-process parts: the event codec, the agreement and the launcher's cleanup.
 """
 
@@ -15,7 +16,7 @@ import numpy as np
 import pytest
 
 from arkv_jax import processes
-from arkv_jax.lockstep import Join, Leave, decode_events, encode_events
+from arkv_jax.lockstep import Join, Leave, Switch, decode_events, encode_events
 from arkv_jax.processes import ProcessGroup, StepFailed
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -41,7 +42,7 @@ def two_processes(tmp_path_factory):
     assert status == [0, 0], f"worker exit statuses {status}:\n{tails}"
     reports = [json.loads((out / f"report_{i}.json").read_text()) for i in range(2)]
     latents = {}
-    for shape in ("4x2", "8x1"):
+    for shape in ("4x2", "8x1", "switch"):
         parts = [dict(np.load(out / f"latents_{shape}_{i}.npz")) for i in range(2)]
         assert not parts[0].keys() & parts[1].keys(), "a session read by both processes"
         latents[shape] = {**parts[0], **parts[1]}
@@ -96,11 +97,37 @@ def test_a_chunk_failing_on_one_process_fails_on_both(two_processes):
     assert frames["x0"] == 4 and frames["a"] == 16  # 2 chunks of 2 frames after joining; a: 6 + 2
 
 
+@pytest.mark.slow
+def test_prompt_switches_on_either_process_give_the_one_device_latents(two_processes):
+    from arkv_jax.models import MODEL_CONFIGS, init_random
+    from tests.test_switch_prompt import MESH_SWITCHES, mesh_rollout, run_mesh_switches
+
+    reports, latents = two_processes
+    first, second = (r["switch"] for r in reports)
+    switched = {sid for sid, _ in MESH_SWITCHES.values()}
+    assert {sid for sid in first["local"] if sid in switched} and {sid for sid in second["local"] if sid in switched}
+    expected = run_mesh_switches(mesh_rollout(init_random(MODEL_CONFIGS["tiny"], seed=0), None))
+    assert latents["switch"].keys() == expected.keys()
+    for sid, want in expected.items():
+        np.testing.assert_allclose(latents["switch"][sid], want, atol=1e-5, rtol=0, err_msg=sid)
+    assert first["recomputed"] == second["recomputed"] and sorted(first["recomputed"]) == sorted(switched)
+    assert first["tables"] == second["tables"]
+    assert first["free_pages"] == second["free_pages"] and first["free_pages"][0] == first["free_pages"][1]
+
+
+@pytest.mark.slow
+def test_a_switch_of_an_unknown_session_is_refused_on_both(two_processes):
+    reports, _ = two_processes
+    first, second = (r["switch"] for r in reports)
+    assert first["refused"] == second["refused"] and len(first["refused"]) == 2
+    assert all(m == "KeyError: \"unknown session 'nobody'\"" for m in first["refused"].values())
+
+
 def test_events_round_trip_and_refuse_other_types():
-    events = (Join("a", "a red fox", seed=3), Leave("b"))
+    events = (Join("a", "a red fox", seed=3), Leave("b"), Switch("a", "a cat", sink="recompute"))
     assert decode_events(encode_events(events)) == events
     assert decode_events(b"") == ()
-    with pytest.raises(TypeError, match="events must be Join or Leave, got 'a'"):
+    with pytest.raises(TypeError, match="events must be Join, Leave or Switch, got 'a'"):
         encode_events(["a"])
 
 

@@ -216,30 +216,46 @@ def test_cache_recache_protocol_and_refusals(model):
     rollout.step()
 
 
+#: Sessions of the mesh test, and step -> (session, sink) of each prompt switch, made before that
+#: step (``f"new {step}"``); the two-process test (tests/multiprocess_worker.py) runs them too.
+MESH_SESSIONS = ("a", "b", "c")
+MESH_SWITCHES = {4: ("c", "keep"), 6: ("a", "recompute")}
+MESH_STEPS = 7
+
+
+def mesh_rollout(model, mesh):
+    """A CFG rollout with room for a recache: 4 sessions on one device, 2 per data shard on a mesh."""
+    sampler = Sampler(num_steps=2, guidance_scale=3.0)
+    model_axis = 1 if mesh is None else mesh.shape["model"]
+    sessions = 4 if mesh is None else 2  # per data shard
+    plan = rollout_plan(PRESET.geometry, PRESET.window, PRESET.kv_branches, PRESET.cross_attention, sessions,
+                        model=model_axis, latent_frame_bytes=FRAME_BYTES)
+    cache = PagedKVCache(PRESET.geometry, PRESET.window, PRESET.kv_branches, PRESET.cross_attention,
+                         plan=plan, mesh=mesh, backend="xla")
+    return Rollout(model, cache, sampler)
+
+
+def run_mesh_switches(rollout):
+    """:data:`MESH_SESSIONS` join, :data:`MESH_SWITCHES` switch, every session leaves after
+    :data:`MESH_STEPS` chunks; returns their latents."""
+    for sid in MESH_SESSIONS:
+        rollout.join(sid, f"prompt {sid}", seed=ord(sid))
+    for c in range(MESH_STEPS):
+        if c in MESH_SWITCHES:
+            sid, sink = MESH_SWITCHES[c]
+            rollout.switch_prompt(sid, f"new {c}", sink=sink)
+        rollout.step()
+    return {sid: rollout.leave(sid) for sid in MESH_SESSIONS}
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 devices (tests/conftest.py sets jax_num_cpu_devices)")
 def test_switch_on_a_mesh_matches_one_device(model):
     """Sessions on two data shards, heads on two model shards: the switches run full batches and
     give the one-device latents."""
-    def run(mesh):
-        sampler = Sampler(num_steps=2, guidance_scale=3.0)
-        model_axis = 1 if mesh is None else mesh.shape["model"]
-        sessions = 4 if mesh is None else 2  # per data shard
-        plan = rollout_plan(PRESET.geometry, PRESET.window, PRESET.kv_branches, PRESET.cross_attention, sessions,
-                            model=model_axis, latent_frame_bytes=FRAME_BYTES)
-        cache = PagedKVCache(PRESET.geometry, PRESET.window, PRESET.kv_branches, PRESET.cross_attention,
-                             plan=plan, mesh=mesh, backend="xla")
-        rollout = Rollout(model, cache, sampler)
-        for sid in ("a", "b", "c"):
-            rollout.join(sid, f"prompt {sid}", seed=ord(sid))
-        for c in range(7):
-            if c in (4, 6):
-                rollout.switch_prompt("c" if c == 4 else "a", f"new {c}", sink="keep" if c == 4 else "recompute")
-            rollout.step()
-        return {sid: rollout.leave(sid) for sid in ("a", "b", "c")}, cache
-
-    single, _ = run(None)
-    sharded, cache = run(sharding.make_mesh(2, 2, jax.devices()[:4]))
+    single = run_mesh_switches(mesh_rollout(model, None))
+    rollout = mesh_rollout(model, sharding.make_mesh(2, 2, jax.devices()[:4]))
+    sharded, cache = run_mesh_switches(rollout), rollout.cache
     assert cache.num_shards == 2 and cache.num_free_pages() == cache.total_pages
     for sid, expected in single.items():
         np.testing.assert_allclose(sharded[sid], expected, atol=1e-5, rtol=0, err_msg=sid)

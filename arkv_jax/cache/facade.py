@@ -362,7 +362,8 @@ class PagedKVCache:
             ``branches`` (repeated) or ``full_batch`` (``False`` with a mesh), or a session not at a
             chunk boundary.
           RuntimeError: a chunk or recache is in flight, or the pool lacks the fresh pages (nothing
-            changes). NotImplementedError: the mesh spans processes.
+            changes). On a mesh that spans processes every process must call it alike (it gathers
+            the block tables to plan the recache the same way everywhere).
         """
         names = self._core.sessions.branches if branches is None else require_str_sequence("branches", branches)
         full_batch = self.uses_full_batch(full_batch)

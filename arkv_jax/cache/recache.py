@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from arkv_jax import sharding
 from arkv_jax.cache import programs
 from arkv_jax.cache.batch import BatchRows
 from arkv_jax.cache.core import CacheCore, Transaction, cross_label
@@ -60,9 +61,6 @@ class Recache(Transaction):
         """Checks ``sink`` and ``chunk_frames`` (default ``geometry.frames_per_forward``), plans the
         recache of a session at a chunk boundary, lays out its batch and puts it in flight (see
         :meth:`arkv_jax.cache.PagedKVCache.recache` for the errors); a refusal changes nothing."""
-        if core.spans_processes:  # the plan reads one shard's state, which lives on one process
-            raise NotImplementedError("a recache (a prompt switch) on a mesh that spans processes is not "
-                                      "supported: docs/sharding.md, 'Several processes'")
         if not isinstance(sink, str) or sink not in SINK_MODES:
             raise ValueError(f"sink must be one of {SINK_MODES}, got {sink!r}")
         chunk_frames = require_int("chunk_frames", core.geometry.frames_per_forward if chunk_frames is None
@@ -72,7 +70,7 @@ class Recache(Transaction):
             shard = core.sessions.shard(slot)
             local = core.sessions.rows([session_id], branches) % core.layout.rows_per_shard
             core.require_idle("recompute a session's K/V")
-            plan = plan_recache(programs.shard_state(core.state, shard), local, core.window, chunk_frames, sink)
+            plan = plan_recache(programs.shard_state(_readable(core), shard), local, core.window, chunk_frames, sink)
             batch = BatchRows.of(core.sessions, (session_id,), branches, full_batch=full_batch)
             units = tuple(u._replace(inputs=batch.place_inputs(u.inputs)) for u in plan.units)
             rows = np.full((core.layout.num_shards, len(branches)), -1, np.int32)
@@ -138,6 +136,15 @@ class Recache(Transaction):
             for (name, row), (k, v) in self._staged.items():
                 core.cross.publish(name, row, k, v)
             self.committed = True
+
+
+def _readable(core: CacheCore):
+    """The sharded state, every shard readable here: as it is on one process; on several, every
+    process gathers it to the host (a collective every process runs, as each applies the same
+    switch), so every process plans the same recache."""
+    if not core.spans_processes:
+        return core.state
+    return jax.tree_util.tree_map(sharding.to_host, core.state)
 
 
 __all__ = ["SINK_MODES", "Recache", "RecacheUnit", "plan_recache"]
