@@ -70,6 +70,27 @@ def main(process_id: int, num_processes: int, port: int, out: pathlib.Path) -> N
     (out / f"report_{process_id}.json").write_text(json.dumps(report))
 
 
+def failing_switch(process_id: int, lockstep, switch) -> list:
+    """One step whose only event is ``switch``, with the recache forward raising on process 1:
+    ``[error class, message, failing process, pages free after]``."""
+    from arkv_jax.processes import StepFailed
+
+    rollout = lockstep.rollout
+    working = rollout.recache_fn
+    if process_id == 1:
+        def broken(*args):
+            raise ZeroDivisionError("injected recache failure")
+
+        rollout.recache_fn = broken
+    try:
+        lockstep.step([switch] if process_id == 0 else ())
+        failed = [None, None, None]
+    except StepFailed as error:
+        failed = [type(error).__name__, str(error), error.process]
+    rollout.recache_fn = working
+    return failed + [rollout.cache.num_free_pages()]
+
+
 def switch_prompts(process_id: int, rollout, out: pathlib.Path) -> dict:
     """The mesh prompt-switch run through :class:`Lockstep`; saves the latents this process read and
     returns where each session sat, the frames each switch recomputed, the refusals and the tables."""
@@ -86,6 +107,8 @@ def switch_prompts(process_id: int, rollout, out: pathlib.Path) -> dict:
             events += [Switch(sid, f"new {c}", sink=sink), Switch("nobody", "a cat")]
         if c == MESH_STEPS:
             events = [Leave(s) for s in MESH_SESSIONS]
+        if c == 5:  # first a switch of "b" whose recache forward fails on process 1 only
+            entry["failed_switch"] = failing_switch(process_id, lockstep, Switch("b", "never"))
         outcome = lockstep.step(events if process_id == 0 else ())
         latents.update(outcome.left)
         entry["recomputed"].update(outcome.recomputed)

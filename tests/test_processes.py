@@ -116,6 +116,21 @@ def test_prompt_switches_on_either_process_give_the_one_device_latents(two_proce
 
 
 @pytest.mark.slow
+def test_a_switch_failing_on_one_process_fails_on_both_and_changes_nothing(two_processes):
+    """Process 1's recache forward raises in a switch of process 0's session "b": both raise
+    StepFailed, nothing is swapped in (the same free pages on both, and "b"'s latents equal the
+    one-device run's without that switch: the test above)."""
+    reports, _ = two_processes
+    first, second = (r["switch"] for r in reports)
+    assert "b" in first["local"]
+    for entry in (first, second):
+        name, message, process, _ = entry["failed_switch"]
+        assert name == "StepFailed" and process == 1
+        assert "ZeroDivisionError: injected recache failure" in message
+    assert first["failed_switch"][3] == second["failed_switch"][3]
+
+
+@pytest.mark.slow
 def test_a_switch_of_an_unknown_session_is_refused_on_both(two_processes):
     reports, _ = two_processes
     first, second = (r["switch"] for r in reports)
