@@ -192,6 +192,12 @@ class CacheGeometry:
         return self.page_dtype in QUANTIZED_DTYPES
 
     @property
+    def write_dtype(self) -> str:
+        """The dtype of the K/V the page write takes: :attr:`page_dtype` for float pages, ``dtype``
+        for quantized ones (quantized as they are written)."""
+        return self.dtype if self.quantized else self.page_dtype
+
+    @property
     def pages_per_frame(self) -> int:
         """Pages one frame occupies: :func:`pages_per_frame`."""
         return pages_per_frame(self.tokens_per_frame, self.block_size)

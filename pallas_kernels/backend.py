@@ -177,7 +177,8 @@ def check_quantized_pools(kernel: str, requested: str, resolved: Backend) -> Non
     ``"xla"`` already.
 
     Args:
-      kernel: the kernel's name, for the message (``"write_chunk"``, ``"window_attention"``).
+      kernel: the kernel's (or the cache's) name, for the message (``"write_chunk"``,
+        ``"window_attention"``, ``"PagedKVCache"``).
       requested: the ``backend=`` argument as given.
       resolved: what it resolved to.
 
@@ -187,6 +188,6 @@ def check_quantized_pools(kernel: str, requested: str, resolved: Backend) -> Non
     if resolved.name in QUANTIZED_POOL_BACKENDS:
         return
     via = " (what backend='auto' resolves to here)" if requested == "auto" else ""
-    raise ValueError(f"{kernel}: backend {resolved.name!r}{via} does not read or write quantized pools (k_pool "
-                     f"and v_pool are QuantizedPools); only the {' and '.join(map(repr, QUANTIZED_POOL_BACKENDS))} "
-                     "backend reads/writes quantized pools so far: pass backend='xla'")
+    raise ValueError(f"{kernel}: backend {resolved.name!r}{via} does not read or write quantized pools (int8/fp8 "
+                     f"pages); only the {' and '.join(map(repr, QUANTIZED_POOL_BACKENDS))} backend reads/writes "
+                     "quantized pools so far: pass backend='xla'")

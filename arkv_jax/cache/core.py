@@ -117,7 +117,7 @@ class CacheCore:
         rows = inputs.rows.shape[0]
         if rows < batch_size:  # a compact batch padded to its bucket: the padding rows are not written
             k_new, v_new = k_new[:, :rows], v_new[:, :rows]
-        k_new, v_new = jnp.asarray(k_new, g.dtype), jnp.asarray(v_new, g.dtype)
+        k_new, v_new = jnp.asarray(k_new, g.write_dtype), jnp.asarray(v_new, g.write_dtype)
         if pending is None:
             self.k_pool, self.v_pool = programs.write(
                 self.k_pool, self.v_pool, k_new, v_new, inputs.write_pages, tokens_per_frame=g.tokens_per_frame,
