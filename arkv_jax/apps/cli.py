@@ -322,6 +322,9 @@ def _add_demo_parser(sub) -> None:
     p.add_argument("--backend", default="auto", choices=BACKEND_NAMES,
                    help="kernel backend (default auto); the compiled pallas_gpu and pallas_tpu need their device "
                         "(checked before the run)")
+    p.add_argument("--kv-dtype", choices=KV_DTYPES, default=None,
+                   help="storage dtype of the K/V pages (default: the model's); int8 and fp8 are quantized pages, "
+                        "read and written by the xla backend only so far (checked before the run)")
     p.add_argument("--out", default="arkv_demo_out",
                    help="folder for the figures, created if needed (default arkv_demo_out; checked before the run)")
     p.add_argument("--check", action="store_true",
@@ -380,7 +383,8 @@ def _demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error("--model-axis needs --devices")
     try:
         result = demo.run_demo(sessions=args.sessions, chunks=args.chunks, preset=args.preset,
-                               backend=args.backend, out=args.out, check=args.check, seed=args.seed, mesh=mesh)
+                               backend=args.backend, out=args.out, check=args.check, seed=args.seed, mesh=mesh,
+                               kv_dtype=args.kv_dtype)
     except ValueError as error:  # refused before the run: --out, --backend, heads vs --model-axis
         parser.error(str(error))
     return 1 if result.devices_within_tolerance is False else 0
@@ -480,7 +484,7 @@ def _launch_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
     flags = ["--sessions", args.sessions, "--chunks", args.chunks, "--preset", args.preset, "--backend",
              args.backend, "--out", args.out, "--seed", args.seed, "--devices", devices, "--model-axis",
              args.model_axis, "--coordinator", f"127.0.0.1:{processes.free_port()}", "--num-processes",
-             args.processes]
+             args.processes, *(["--kv-dtype", args.kv_dtype] if args.kv_dtype else [])]
     commands = [processes.python_module("arkv_jax.apps.cli", "demo", *map(str, flags), "--process-id", str(i))
                 for i in range(args.processes)]
     with open(os.devnull, "w") as quiet:
