@@ -40,7 +40,7 @@ from arkv_jax.config import (
 )
 from arkv_jax.planner import DevicePlan, MemoryPlan, resolve_plan
 from arkv_jax.step import ChunkInputs
-from pallas_kernels.backend import BACKEND_NAMES, check_quantized_pools, resolve_backend
+from pallas_kernels.backend import BACKEND_NAMES
 
 Array = jax.Array
 
@@ -125,9 +125,6 @@ class PagedKVCache:
         self.kv_branches = plan.kv_branches
         self.backend, self.fail_closed, self.on_release = backend, fail_closed, on_release
         device_mesh = mesh or sharding.make_mesh(1, 1, [device or jax.local_devices()[0]])
-        if geometry.quantized:  # Refused before any pool is allocated, not at the first write.
-            check_quantized_pools("PagedKVCache", backend,
-                                  resolve_backend(backend, device_mesh.devices.flat[0].platform))
         self._core = CacheCore(geometry, window, plan, device_mesh, tuple(cross_attention), backend)
 
     # -- sizes and views -------------------------------------------------------------------------------
@@ -164,9 +161,8 @@ class PagedKVCache:
     @property
     def pools(self) -> tuple[Array, Array]:
         """``(k_pool, v_pool)``, each :func:`pallas_kernels.layout.pool_shape` ``(layers, kv_heads, shards x
-        pages_per_shard, block_size, head_dim)`` (:func:`arkv_jax.sharding.pool_spec` on a mesh) in the geometry's
-        ``page_dtype``; for a quantized ``kv_dtype`` each a :class:`~pallas_kernels.layout.QuantizedPool` (values
-        and float32 scales ``(layers, kv_heads, shards x pages_per_shard)``)."""
+        pages_per_shard, block_size, head_dim)`` (:func:`arkv_jax.sharding.pool_spec` on a mesh) of ``page_dtype``,
+        or for a quantized ``kv_dtype`` a :class:`~pallas_kernels.layout.QuantizedPool` (values and scales)."""
         return self._core.k_pool, self._core.v_pool
 
     sessions = property(lambda self: self._core.sessions.sessions, doc="Resident sessions, least recently used first.")
