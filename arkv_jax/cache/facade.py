@@ -160,9 +160,8 @@ class PagedKVCache:
 
     @property
     def pools(self) -> tuple[Array, Array]:
-        """``(k_pool, v_pool)``, each :func:`pallas_kernels.layout.pool_shape` ``(layers, kv_heads, shards x
-        pages_per_shard, block_size, head_dim)`` (:func:`arkv_jax.sharding.pool_spec` on a mesh) of ``page_dtype``,
-        or for a quantized ``kv_dtype`` a :class:`~pallas_kernels.layout.QuantizedPool` (values and scales)."""
+        """``(k_pool, v_pool)``, each :func:`pallas_kernels.layout.pool_shape` of ``geometry.page_dtype`` (a
+        :class:`~pallas_kernels.layout.QuantizedPool` if quantized; :func:`arkv_jax.sharding.pool_spec` on a mesh)."""
         return self._core.k_pool, self._core.v_pool
 
     sessions = property(lambda self: self._core.sessions.sessions, doc="Resident sessions, least recently used first.")
