@@ -30,9 +30,14 @@ from pallas_kernels.checks import (  # The one rule for int, real and bool argum
     require_positive,
     require_real,  # noqa: F401 (re-exported)
 )
+from pallas_kernels.quantization import QUANTIZED_DTYPES, SCALE_ITEMSIZE, dtype_name
 
-#: Storage dtypes the pools and kernels support.
+#: Compute and storage dtypes the pools and kernels support.
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
+
+#: K/V page storage dtypes (``CacheGeometry.kv_dtype``): the compute dtypes, or a quantized one
+#: (:data:`pallas_kernels.quantization.QUANTIZED_DTYPES`: pages stored with float32 scales).
+KV_DTYPES = SUPPORTED_DTYPES + QUANTIZED_DTYPES
 
 
 def canonical_dtype(dtype) -> str:
@@ -54,8 +59,21 @@ def canonical_dtype(dtype) -> str:
     return name
 
 
+def canonical_kv_dtype(kv_dtype) -> str:
+    """Normalises a K/V storage dtype (a string, NumPy or JAX dtype) to its name, e.g. ``"int8"``.
+
+    Raises:
+      ValueError: not one of :data:`KV_DTYPES` (the message names ``kv_dtype``, the value and the
+        allowed set).
+    """
+    name = dtype_name(kv_dtype)
+    if name not in KV_DTYPES:
+        raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
+    return name
+
+
 def dtype_itemsize(dtype: str) -> int:
-    """Bytes per element of a supported dtype name."""
+    """Bytes per element of a supported (or K/V storage) dtype name."""
     import jax.numpy as jnp
 
     return int(np.dtype(jnp.dtype(dtype)).itemsize)
@@ -124,12 +142,22 @@ class CacheGeometry:
       num_layers: attention layers that keep K/V.
       num_kv_heads: K/V heads per layer (on one device, before any head sharding).
       head_dim: features per head.
-      dtype: storage dtype name, one of ``SUPPORTED_DTYPES`` (strings, NumPy and JAX dtypes accepted).
+      dtype: compute dtype name, one of ``SUPPORTED_DTYPES`` (strings, NumPy and JAX dtypes accepted):
+        the K/V a forward produces and attention computes in, and the storage of the cross-attention
+        caches.
       tokens_per_frame: K/V tokens per latent frame (vLLM-Omni's ``chunk_size``).
       block_size: tokens per page; ``None`` means one page per frame (``tokens_per_frame``). Pages
         are frame-aligned: a frame takes ``pages_per_frame`` pages and its last page is padded.
       frames_per_forward: frames of one chunk, the frames a model forward commits at once
         (vLLM-Omni's ``frames_per_block``).
+      kv_dtype: storage dtype of the K/V pages, one of :data:`KV_DTYPES`; ``None`` (the default)
+        means ``dtype`` (no quantization), and a value equal to ``dtype`` is kept as ``None`` (so
+        ``dataclasses.replace(geometry, dtype=...)`` changes the pages' dtype with the compute
+        dtype unless a different one was chosen). :attr:`page_dtype` is the dtype the pages are
+        stored in either way. A quantized one (``"int8"``, ``"float8_e4m3fn"``,
+        ``"float8_e5m2"``) stores each page with one float32 scale per (layer, KV head, page)
+        (``docs/kernels.md``, Quantized pages); only the ``"xla"`` kernel backend reads and writes
+        such pools so far.
     """
 
     num_layers: int
@@ -139,6 +167,7 @@ class CacheGeometry:
     tokens_per_frame: int
     block_size: int | None = None
     frames_per_forward: int = 1
+    kv_dtype: str | None = None
 
     def __post_init__(self):
         for name in ("num_layers", "num_kv_heads", "head_dim", "tokens_per_frame"):
@@ -148,6 +177,25 @@ class CacheGeometry:
         object.__setattr__(self, "block_size", require_positive("block_size", self.block_size))
         object.__setattr__(self, "frames_per_forward", require_positive("frames_per_forward", self.frames_per_forward))
         object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
+        if self.kv_dtype is not None:
+            kv_dtype = canonical_kv_dtype(self.kv_dtype)
+            object.__setattr__(self, "kv_dtype", None if kv_dtype == self.dtype else kv_dtype)
+
+    @property
+    def page_dtype(self) -> str:
+        """The dtype the K/V pages are stored in: ``kv_dtype``, or ``dtype`` when it is ``None``."""
+        return self.dtype if self.kv_dtype is None else self.kv_dtype
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the K/V pages are stored quantized (:attr:`page_dtype` is not a compute dtype)."""
+        return self.page_dtype in QUANTIZED_DTYPES
+
+    @property
+    def write_dtype(self) -> str:
+        """The dtype of the K/V the page write takes: :attr:`page_dtype` for float pages, ``dtype``
+        for quantized ones (quantized as they are written)."""
+        return self.dtype if self.quantized else self.page_dtype
 
     @property
     def pages_per_frame(self) -> int:
@@ -161,13 +209,20 @@ class CacheGeometry:
 
     @property
     def itemsize(self) -> int:
-        """Bytes per stored element."""
+        """Bytes per element of ``dtype`` (the compute dtype; the cross-attention caches' storage)."""
         return dtype_itemsize(self.dtype)
 
     @property
+    def kv_itemsize(self) -> int:
+        """Bytes per stored K/V page element (of :attr:`page_dtype`)."""
+        return dtype_itemsize(self.page_dtype)
+
+    @property
     def page_bytes_per_layer(self) -> int:
-        """Bytes of one page in one layer, K and V (vLLM's ``page_size_bytes``)."""
-        return 2 * self.block_size * self.num_kv_heads * self.head_dim * self.itemsize
+        """Bytes of one page in one layer, K and V (vLLM's ``page_size_bytes``): the stored values
+        and, for a quantized ``kv_dtype``, one float32 scale per KV head."""
+        scales = self.num_kv_heads * SCALE_ITEMSIZE if self.quantized else 0
+        return 2 * (self.block_size * self.num_kv_heads * self.head_dim * self.kv_itemsize + scales)
 
     @property
     def page_bytes(self) -> int:

@@ -29,6 +29,7 @@ from arkv_jax.step import ChunkInputs
 from pallas_kernels import window_attention
 from pallas_kernels.context_attention import context_attention
 from pallas_kernels.context_attention.xla import attention as dense_attention
+from pallas_kernels.layout import is_quantized_pool
 
 Array = jax.Array
 
@@ -163,8 +164,9 @@ class PagedHistory:
         return cls(pools[0], pools[1], inputs.pages, inputs.lengths, tokens_per_frame, backend, mesh)
 
     def attend(self, q: Array, k: Array, v: Array, layer: Array) -> Array:
-        """See :class:`History`; ``q``/``k``/``v`` are cast to the pool dtype for the kernel."""
-        dtype = self.k_pool.dtype
+        """See :class:`History`; ``q``/``k``/``v`` are cast to the pool dtype for the kernel (kept in
+        ``q``'s dtype over quantized pools, which the kernel dequantizes to it)."""
+        dtype = q.dtype if is_quantized_pool(self.k_pool) else self.k_pool.dtype
         args = (q.astype(dtype), k.astype(dtype), v.astype(dtype), self.k_pool, self.v_pool, self.pages,
                 self.lengths)
         kw = dict(layer=layer, tokens_per_frame=self.tokens_per_frame, backend=self.backend)

@@ -235,7 +235,9 @@ class MemoryPlan:
         cross = ", ".join(f"{c.name}:{c.num_tokens}" for c in self.cross_attention) or "none"
         mode = "reset at boundary" if w.reset_at_boundary else "sliding"
         rows = [
-            ("geometry", f"{g.num_layers} layers x {g.num_kv_heads} kv heads x {g.head_dim} ({g.dtype})"),
+            ("geometry", f"{g.num_layers} layers x {g.num_kv_heads} kv heads x {g.head_dim} ({g.dtype}"
+                         + (f"; pages {g.page_dtype}" + (" + float32 scales" if g.quantized else "")
+                            if g.kv_dtype is not None else "") + ")"),
             ("frames", f"{g.tokens_per_frame} tokens in {g.pages_per_frame} page(s) of {g.block_size}"
                        f" ({g.padding_tokens_per_frame} padding), {g.frames_per_forward} per forward"),
             ("window", f"sink {w.sink_frames} + window {w.window_frames} frames, {mode}"),

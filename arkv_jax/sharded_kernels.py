@@ -34,12 +34,21 @@ from arkv_jax.sharding import (
     shard_map,
 )
 from pallas_kernels.context_attention import context_attention
-from pallas_kernels.layout import KV_HEAD_AXIS, LAYER_AXIS, PAGE_AXIS
+from pallas_kernels.layout import KV_HEAD_AXIS, LAYER_AXIS, PAGE_AXIS, is_quantized_pool
 from pallas_kernels.paged_write import write_chunk
 from pallas_kernels.window_attention import window_attention
 
 __all__ = ["gather_rows", "sharded_context_attention", "sharded_window_attention", "sharded_write_chunk",
            "take_rows"]
+
+
+def _shape(x) -> tuple:
+    """``x``'s shape: an array's, or a quantized pool's values' (a pytree, not an array)."""
+    return tuple(x.shape) if is_quantized_pool(x) else tuple(jnp.shape(x))
+
+
+def _rank(x) -> int:
+    return len(_shape(x))
 
 
 def sharded_write_chunk(mesh: Mesh, k_pool: jax.Array, v_pool: jax.Array, k_new: jax.Array,
@@ -51,7 +60,7 @@ def sharded_write_chunk(mesh: Mesh, k_pool: jax.Array, v_pool: jax.Array, k_new:
     Args:
       mesh: a mesh with ``"data"`` and ``"model"`` axes.
       k_pool, v_pool: :func:`pallas_kernels.layout.pool_shape` pools of ``data * pages_per_shard``
-        pages (spec :func:`pool_spec`).
+        pages (spec :func:`pool_spec`), arrays or :class:`~pallas_kernels.layout.QuantizedPool` s.
       k_new, v_new: ``[L, data * rows_per_shard, F * T, Hkv, hd]`` (spec :func:`chunk_spec`).
       page_ids: int ``[data * rows_per_shard, F * ppf]``, *local* page ids of each row's shard
         (spec ``P("data", None)``); 0 or outside ``[1, pages_per_shard)`` skips (always: the
@@ -69,8 +78,8 @@ def sharded_write_chunk(mesh: Mesh, k_pool: jax.Array, v_pool: jax.Array, k_new:
     data, model = check_mesh(mesh)
     for name, x, rank in (("k_pool", k_pool, 5), ("v_pool", v_pool, 5), ("k_new", k_new, 5),
                           ("v_new", v_new, 5), ("page_ids", page_ids, 2)):
-        if jnp.ndim(x) != rank:
-            raise ValueError(f"{name} must have rank {rank}, got shape {tuple(jnp.shape(x))}")
+        if _rank(x) != rank:
+            raise ValueError(f"{name} must have rank {rank}, got shape {_shape(x)}")
     check_heads(model, kv_heads=k_pool.shape[KV_HEAD_AXIS])
     check_divisible(f"pool pages (k_pool.shape[{PAGE_AXIS}])", k_pool.shape[PAGE_AXIS], DATA, data)
     check_divisible("rows (k_new.shape[1])", k_new.shape[1], DATA, data)
@@ -84,7 +93,7 @@ def _sharded_write_jit(k_pool, v_pool, k_new, v_new, page_ids, *, mesh, tokens_p
     def body(kp, vp, kn, vn, ids):
         return write_chunk(kp, vp, kn, vn, ids, tokens_per_frame=tokens_per_frame, backend=backend)
 
-    pools, chunk = pool_spec(), chunk_spec()
+    pools, chunk = pool_spec(is_quantized_pool(k_pool)), chunk_spec()
     return shard_map(body, mesh, (pools, pools, chunk, chunk, row_spec(2)), (pools, pools),
                      check=False)(k_pool, v_pool, k_new, v_new, page_ids)
 
@@ -114,8 +123,8 @@ is range-checked here, page ids and lengths are not (they are per-shard values).
     for name, x, rank in (("q", q, 4), ("k_cur", k_cur, 4), ("v_cur", v_cur, 4),
                           ("k_pool", k_pool, 5), ("v_pool", v_pool, 5), ("pages", pages, 2),
                           ("lengths", lengths, 1)):
-        if jnp.ndim(x) != rank:
-            raise ValueError(f"{name} must have rank {rank}, got shape {tuple(jnp.shape(x))}")
+        if _rank(x) != rank:
+            raise ValueError(f"{name} must have rank {rank}, got shape {_shape(x)}")
     check_heads(model, kv_heads=k_cur.shape[2], q_heads=q.shape[2])
     check_divisible(f"kv_heads (k_pool.shape[{KV_HEAD_AXIS}])", k_pool.shape[KV_HEAD_AXIS], MODEL,
                     model)
@@ -148,7 +157,7 @@ def _sharded_attention_jit(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, laye
                                 tokens_per_frame=tokens_per_frame, backend=backend,
                                 block_q=block_q, block_k=block_k)
 
-    heads, pools = head_spec(), pool_spec()
+    heads, pools = head_spec(), pool_spec(is_quantized_pool(k_pool))
     in_specs = (heads, heads, heads, pools, pools, row_spec(2), row_spec(1), P())
     args = (q, k_cur, v_cur, k_pool, v_pool, pages, lengths, layer)
     if has_extra:

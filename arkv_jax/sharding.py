@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 from arkv_jax.config import CacheGeometry, check_axis_sizes, check_divisible, divisors, require_int
 from arkv_jax.state import BlockTableState, StateLayout, init_state
-from pallas_kernels.layout import pool_shape, pool_spec_axes
+from pallas_kernels.layout import pool_shape, pool_spec_axes, pool_tree_spec, zero_pool
 
 DATA = "data"
 MODEL = "model"
@@ -144,11 +144,13 @@ def check_heads(mesh_model: int, *, kv_heads: int, q_heads: int | None = None) -
 # Partition specs and placement.
 
 
-def pool_spec() -> P:
+def pool_spec(quantized: bool = False) -> Any:
     """Spec of a pool (:func:`pallas_kernels.layout.pool_shape`, ``[layers, kv_heads, pages,
     block_size, head_dim]``): pages on data, heads on model, i.e. ``P(None, "model", "data", None,
-    None)``."""
-    return P(*pool_spec_axes(kv_head=MODEL, page=DATA))
+    None)``; for a quantized pool (``quantized``) a
+    :class:`~pallas_kernels.layout.QuantizedPool` of that spec and its scales' ``P(None, "model",
+    "data")`` (:func:`pallas_kernels.layout.pool_tree_spec`: a page's scale lives with the page)."""
+    return pool_tree_spec(P(*pool_spec_axes(kv_head=MODEL, page=DATA)), quantized)
 
 
 def chunk_spec() -> P:
@@ -239,11 +241,11 @@ def to_host(x: jax.Array) -> np.ndarray:
 # Pools.
 
 
-def make_pools(geometry: CacheGeometry, pages_per_shard: int, mesh: Mesh
-               ) -> tuple[jax.Array, jax.Array]:
+def make_pools(geometry: CacheGeometry, pages_per_shard: int, mesh: Mesh) -> tuple[Any, Any]:
     """Zero-filled K and V pools of :func:`pallas_kernels.layout.pool_shape` (``data *
-    pages_per_shard`` pages), born sharded with
-    :func:`pool_spec` (each device allocates only its part; two distinct buffers, donatable).
+    pages_per_shard`` pages) stored as ``geometry.page_dtype``, born sharded with
+    :func:`pool_spec` (each device allocates only its part; distinct buffers, donatable). A
+    quantized ``page_dtype`` gives :class:`~pallas_kernels.layout.QuantizedPool` s with zero scales.
 
     ``geometry.num_kv_heads`` is the global head count (before sharding). Page 0 of every data shard
     (global page ``s * pages_per_shard``) is that shard's null page.
@@ -256,8 +258,9 @@ def make_pools(geometry: CacheGeometry, pages_per_shard: int, mesh: Mesh
     require_int("pages_per_shard (the null page and one more)", pages_per_shard, minimum=2)
     shape = pool_shape(geometry.num_layers, data * int(pages_per_shard), geometry.block_size,
                        geometry.num_kv_heads, geometry.head_dim)
-    sharding = NamedSharding(mesh, pool_spec())
-    zeros = jax.jit(lambda: (jnp.zeros(shape, geometry.dtype), jnp.zeros(shape, geometry.dtype)),
+    spec = pool_spec(geometry.quantized)
+    sharding = jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), spec, is_leaf=lambda x: isinstance(x, P))
+    zeros = jax.jit(lambda: (zero_pool(shape, geometry.page_dtype), zero_pool(shape, geometry.page_dtype)),
                     out_shardings=(sharding, sharding))
     return zeros()
 

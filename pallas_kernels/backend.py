@@ -26,6 +26,10 @@ them."""
 CUDNN_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 """Dtypes cuDNN attention takes."""
 
+QUANTIZED_POOL_BACKENDS = ("xla",)
+"""The backends that read and write quantized pools (:class:`pallas_kernels.layout.QuantizedPool`)
+so far; every other one refuses them (:func:`check_quantized_pools`)."""
+
 MODES = ("compiled", "interpret", "simulate")
 """How a backend's Pallas kernels run (:attr:`Backend.mode`)."""
 
@@ -162,3 +166,28 @@ def resolve_backend(name: str = "auto", platform: str | None = None, *, dtype=No
         else:
             name = "xla"
     return BACKENDS[name]
+
+
+def check_quantized_pools(kernel: str, requested: str, resolved: Backend) -> None:
+    """Refuses a quantized pool on a backend outside :data:`QUANTIZED_POOL_BACKENDS`.
+
+    ``"auto"`` is not downgraded to ``"xla"`` on a TPU or GPU (that would silently trade the
+    platform's kernel for the plain XLA path): it refuses there too, and a caller that wants the XLA
+    path with quantized pools on such a device passes ``backend="xla"``. On a CPU ``"auto"`` is
+    ``"xla"`` already.
+
+    Args:
+      kernel: the kernel's (or the cache's) name, for the message (``"write_chunk"``,
+        ``"window_attention"``, ``"PagedKVCache"``).
+      requested: the ``backend=`` argument as given.
+      resolved: what it resolved to.
+
+    Raises:
+      ValueError: ``resolved`` does not read or write quantized pools.
+    """
+    if resolved.name in QUANTIZED_POOL_BACKENDS:
+        return
+    via = " (what backend='auto' resolves to here)" if requested == "auto" else ""
+    raise ValueError(f"{kernel}: backend {resolved.name!r}{via} does not read or write quantized pools (int8/fp8 "
+                     f"pages); only the {' and '.join(map(repr, QUANTIZED_POOL_BACKENDS))} backend reads/writes "
+                     "quantized pools so far: pass backend='xla'")

@@ -21,6 +21,8 @@ from jax import lax
 from jax.experimental import checkify
 
 from pallas_kernels.checks import is_bool, is_int
+from pallas_kernels.layout import POOL_LAYOUT, SCALE_LAYOUT, is_quantized_pool, scale_shape
+from pallas_kernels.quantization import QUANTIZED_DTYPES, SCALE_DTYPE, is_quantized
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 """Pool and activation dtypes every kernel and backend accepts."""
@@ -103,6 +105,49 @@ def check_supported_dtype(what: str, dtype) -> None:
     if jnp.dtype(dtype) not in SUPPORTED_DTYPES:
         raise ValueError(f"{what} must be one of {[d.name for d in SUPPORTED_DTYPES]}, "
                          f"got {jnp.dtype(dtype).name}")
+
+
+def check_pool_pair(k_pool, v_pool) -> bool:
+    """Checks the parts of a pair of pools that are not shapes the kernels compare themselves:
+    both plain or both :class:`~pallas_kernels.layout.QuantizedPool` s, and for quantized ones
+    (:func:`check_quantized_pool`) the same dtype. Returns whether they are quantized.
+
+    Raises:
+      ValueError: one quantized and one not; a malformed quantized pool; quantized dtypes that
+        differ.
+    """
+    quantized = is_quantized_pool(k_pool)
+    if quantized != is_quantized_pool(v_pool):
+        raise ValueError("k_pool and v_pool must both be arrays or both be QuantizedPools, got "
+                         f"{type(k_pool).__name__} and {type(v_pool).__name__}")
+    if quantized:
+        check_quantized_pool("k_pool", k_pool)
+        check_quantized_pool("v_pool", v_pool)
+        if k_pool.dtype != v_pool.dtype:
+            raise ValueError(f"k_pool and v_pool must have the same dtype, got {jnp.dtype(k_pool.dtype).name} "
+                             f"and {jnp.dtype(v_pool.dtype).name}")
+    return quantized
+
+
+def check_quantized_pool(name: str, pool) -> None:
+    """Raises unless ``pool`` is a well-formed :class:`~pallas_kernels.layout.QuantizedPool`:
+    ``values`` rank 5 in a quantized dtype, ``scales`` float32 of the values' three major axes.
+
+    Raises:
+      TypeError: a part that is not an array. ValueError: a bad rank, dtype or scale shape.
+    """
+    check_rank(f"{name}.values", pool.values, 5, POOL_LAYOUT)
+    check_rank(f"{name}.scales", pool.scales, 3, SCALE_LAYOUT)
+    if not is_quantized(pool.values.dtype):
+        raise ValueError(f"{name}.values.dtype must be one of {list(QUANTIZED_DTYPES)} (a plain pool of "
+                         f"{jnp.dtype(pool.values.dtype).name} is passed as an array), got "
+                         f"{jnp.dtype(pool.values.dtype).name}")
+    if jnp.dtype(pool.scales.dtype) != SCALE_DTYPE:
+        raise ValueError(f"{name}.scales.dtype must be {SCALE_DTYPE.name}, got {jnp.dtype(pool.scales.dtype).name}")
+    expected = scale_shape(pool.values.shape)
+    if tuple(pool.scales.shape) != expected:
+        raise ValueError(f"{name}.scales.shape must be {SCALE_LAYOUT} = {expected} (the values' major axes), "
+                         f"got {tuple(pool.scales.shape)}")
 
 
 # ------------------------------------------------------------------------------------------------

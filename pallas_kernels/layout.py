@@ -8,16 +8,25 @@ read and index pools only through this module (:func:`pool_shape`, the axis cons
 :func:`to_token_major` / :func:`from_token_major`), so a change of layout touches it alone. On TPU
 ``block_size`` must be a multiple of :data:`SLOT_MULTIPLE` (:func:`tpu_block_size`). Why this layout:
 ``docs/kernels.md`` (Pool layout).
+
+A quantized pool (int8 or fp8 pages, :mod:`pallas_kernels.quantization`) is a
+:class:`QuantizedPool`: the stored values in this layout plus float32 scales ``[num_layers,
+kv_heads, num_pages]`` (:data:`SCALE_LAYOUT`, the pool's three major axes), one per page of one
+(layer, KV head), covering the page's slots and features (:data:`PAGE_SCALE_AXES`). It is a pytree:
+it goes where a pool array goes (jit, donation, ``shard_map`` with :func:`pool_spec_axes` applied to
+both, :func:`pool_tree_spec`). Why one scale per page: ``docs/kernels.md`` (Quantized pages).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from pallas_kernels.checks import require_int
+from pallas_kernels.quantization import SCALE_DTYPE, dequantize, is_quantized, quantize
 
 LAYER_AXIS = 0
 """Axis of the layer in a pool."""
@@ -36,6 +45,48 @@ POOL_AXES = ("layer", "kv_head", "page", "slot", "head_dim")
 """Names of the pool's axes, major to minor."""
 SLOT_MULTIPLE = 8
 """``block_size`` must be a multiple of this for XLA:TPU to keep the pool's layout (no copies)."""
+SCALE_RANK = 3
+"""Rank of a quantized pool's scales: the pool's axes before :data:`SLOT_AXIS`."""
+SCALE_LAYOUT = "[num_layers, kv_heads, num_pages]"
+"""A quantized pool's scales' axes as written in error messages and docs."""
+PAGE_SCALE_AXES = (SLOT_AXIS, HEAD_DIM_AXIS)
+"""Axes of a pool (or of pages in its layout) that one scale covers: a page's slots and features."""
+
+
+class QuantizedPool(NamedTuple):
+    """A quantized K (or V) pool: a pytree of two arrays that goes where a pool array goes.
+
+    Attributes:
+      values: ``[num_layers, kv_heads, num_pages, block_size, head_dim]`` (:func:`pool_shape`) in a
+        quantized dtype (:data:`pallas_kernels.quantization.QUANTIZED_DTYPES`).
+      scales: float32 ``[num_layers, kv_heads, num_pages]`` (:func:`scale_shape`): page ``p`` of
+        ``(layer, head)`` holds ``values[layer, head, p] * scales[layer, head, p]``. The null page
+        and never-written pages have scale 0 (their values are zeros).
+
+    ``shape`` and ``dtype`` are the values' (so shape checks read a quantized pool as a pool).
+    """
+
+    values: jax.Array
+    scales: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.values.shape)
+
+    @property
+    def dtype(self):
+        return self.values.dtype
+
+
+def is_quantized_pool(pool) -> bool:
+    """Whether ``pool`` is a :class:`QuantizedPool` (else a plain pool array)."""
+    return isinstance(pool, QuantizedPool)
+
+
+def scale_shape(pool_shape_: tuple[int, ...]) -> tuple[int, ...]:
+    """The scales' shape of a quantized pool of shape ``pool_shape_``: its :data:`SCALE_RANK` major
+    axes, ``(num_layers, kv_heads, num_pages)``."""
+    return tuple(pool_shape_)[:SCALE_RANK]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,13 +154,16 @@ def check_tpu_block_size(block_size: int) -> None:
 
 
 def pool_geometry(pool) -> PoolGeometry:
-    """The :class:`PoolGeometry` of a pool array (or ``ShapeDtypeStruct``, or a shape tuple) in
-    this layout.
+    """The :class:`PoolGeometry` of a pool array (or ``ShapeDtypeStruct``, a :class:`QuantizedPool`,
+    or a shape tuple) in this layout.
 
     Raises:
       ValueError: ``pool`` is not rank 5.
     """
-    shape = tuple(pool) if isinstance(pool, (tuple, list)) else tuple(getattr(pool, "shape", ()))
+    if isinstance(pool, (tuple, list)) and not is_quantized_pool(pool):
+        shape = tuple(pool)
+    else:
+        shape = tuple(getattr(pool, "shape", ()))
     if len(shape) != POOL_RANK:
         raise ValueError(f"a pool must have rank 5 {list(POOL_AXES)}, got shape {shape}")
     return PoolGeometry(shape[LAYER_AXIS], shape[KV_HEAD_AXIS], shape[PAGE_AXIS],
@@ -121,6 +175,16 @@ def pool_spec_axes(layer=None, kv_head=None, page=None, slot=None, head_dim=None
     entries = {LAYER_AXIS: layer, KV_HEAD_AXIS: kv_head, PAGE_AXIS: page, SLOT_AXIS: slot,
                HEAD_DIM_AXIS: head_dim}
     return tuple(entries[axis] for axis in range(POOL_RANK))
+
+
+def pool_tree_spec(spec, quantized: bool):
+    """The partition spec (a pytree prefix) of a pool whose values have partition spec ``spec`` (a
+    ``PartitionSpec`` in pool axis order): ``spec`` itself for a plain pool, a
+    :class:`QuantizedPool` of ``spec`` and its first :data:`SCALE_RANK` entries for a quantized one
+    (a page's scale lives with the page)."""
+    if not quantized:
+        return spec
+    return QuantizedPool(spec, type(spec)(*tuple(spec)[:SCALE_RANK]))
 
 
 def page_index(layer, kv_head, page) -> tuple:
@@ -191,10 +255,11 @@ def set_pages(pool, ids, pages, **scatter_options):
     return pool.at[index].set(from_token_major(pages), **scatter_options)
 
 
-def page_mask(mask):
-    """A bool ``[num_pages]`` mask broadcastable against a pool."""
+def page_mask(mask, rank: int = POOL_RANK):
+    """A bool ``[num_pages]`` mask broadcastable against a pool (or, with ``rank=SCALE_RANK``,
+    against a quantized pool's scales)."""
     return jnp.asarray(mask).reshape(
-        tuple(-1 if axis == PAGE_AXIS else 1 for axis in range(POOL_RANK)))
+        tuple(-1 if axis == PAGE_AXIS else 1 for axis in range(rank)))
 
 
 def slot_mask(mask):
@@ -203,9 +268,42 @@ def slot_mask(mask):
 
 
 def empty_pool(num_layers: int, num_pages: int, block_size: int, kv_heads: int, head_dim: int,
-               dtype=jnp.bfloat16) -> jax.Array:
-    """A zero pool of :func:`pool_shape` (every page, the null page included, zero-filled)."""
-    return jnp.zeros(pool_shape(num_layers, num_pages, block_size, kv_heads, head_dim), dtype)
+               dtype=jnp.bfloat16):
+    """A zero pool of :func:`pool_shape` (every page, the null page included, zero-filled): an array
+    of ``dtype``, or for a quantized ``dtype`` a :class:`QuantizedPool` with zero scales."""
+    return zero_pool(pool_shape(num_layers, num_pages, block_size, kv_heads, head_dim), dtype)
+
+
+def zero_pool(shape: tuple[int, ...], dtype):
+    """A zero pool of ``shape`` (:func:`pool_shape`'s order) stored as ``dtype``: ``jnp.zeros``, or
+    for a quantized ``dtype`` a :class:`QuantizedPool` of zero values and zero scales."""
+    if is_quantized(dtype):
+        return QuantizedPool(jnp.zeros(shape, dtype), jnp.zeros(scale_shape(shape), SCALE_DTYPE))
+    return jnp.zeros(shape, dtype)
+
+
+def quantize_pages(pages: jax.Array, dtype) -> QuantizedPool:
+    """Pages in the pool's layout (``[..., n, block_size, head_dim]``, a float dtype) quantized to
+    ``dtype`` with one scale per page of each (layer, head): a :class:`QuantizedPool` of ``n``
+    pages (values ``pages``' shape, scales ``pages.shape[:-2]``)."""
+    return QuantizedPool(*quantize(pages, dtype, PAGE_SCALE_AXES))
+
+
+def dequantize_pool(pool: QuantizedPool, dtype=jnp.float32) -> jax.Array:
+    """Every page of a :class:`QuantizedPool` as ``dtype`` values in the pool's layout (a full
+    copy; references and tests)."""
+    return dequantize(pool.values, pool.scales, PAGE_SCALE_AXES, dtype)
+
+
+def read_tokens_as(pool, layer, page, offset, dtype):
+    """:func:`read_tokens` of a plain or quantized pool, as ``dtype``: ``[*page.shape, kv_heads,
+    head_dim]``. A quantized pool's values and their pages' scales are gathered (one gather each)
+    and multiplied in float32; a plain pool's tokens are cast."""
+    if not is_quantized_pool(pool):
+        return read_tokens(pool, layer, page, offset).astype(dtype)
+    values = read_tokens(pool.values, layer, page, offset)
+    scales = pool.scales[layer, :, page]  # [*page.shape, kv_heads], as read_tokens orders it
+    return (values.astype(jnp.float32) * scales[..., None]).astype(dtype)
 
 
 def from_token_major(pool) -> jax.Array:

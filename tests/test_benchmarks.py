@@ -24,6 +24,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 #: Benchmarks that run on the CPU: the keys their last JSON line must have.
 CPU_QUICK = {
+    "kv_quantization": ("benchmark", "chunks", "errors", "mean_abs_vs_bf16", "machine"),
     "orchestration": ("us_per_session_chunk", "us_per_chunk_by_video_length", "length_ratio_100k_vs_100",
                       "facade_us_per_session_chunk", "machine"),
     "paged_write": ("benchmark", "mode", "xla_vs_copy_ratio", "temp_bytes_fraction", "aliased_pool_fraction",
@@ -106,6 +107,10 @@ def test_quick_form_runs_and_ends_with_json(name):
         assert set(figures["peak_bytes"]) == set(figures["ms_per_chunk"])
         assert all(v > 0 for v in figures["peak_bytes"].values())
         assert figures["paged_contiguous_max_abs_diff"] < 1e-4
+    if name == "kv_quantization":  # every pool layout measured, int8 per page within 10x bf16's error
+        assert set(figures["errors"]) == {"bf16"} | {f"{d}/{g}" for d in ("int8", "float8_e4m3fn", "float8_e5m2")
+                                                     for g in ("page", "token")}
+        assert 0 < figures["mean_abs_vs_bf16"]["int8/page"] < 10
     if name == "sharding":  # both process jobs ran; each process of two holds half the pools, devices alike
         jobs = figures["processes"]
         assert set(jobs) == {"1x8", "2x4"}, jobs

@@ -37,6 +37,25 @@ def test_cli_plan_flags_override_the_preset(capsys):
     assert plan["cross_attention"] == [] and plan["session_capacity"] == 3
 
 
+def test_cli_plan_kv_dtype_counts_quantized_pages(capsys):
+    def plan(*flags):
+        code, out = run_cli(capsys, "plan", "--preset", "wan-1.3b", "--memory", "tpu-v5e", "--fraction", "1",
+                            "--cross", "none", *flags, "--json")
+        assert code == 0
+        return json.loads(out)
+
+    bf16, int8 = plan(), plan("--kv-dtype", "int8")
+    assert int8["geometry"]["kv_dtype"] == "int8" and bf16["geometry"]["kv_dtype"] is None
+    assert int8["page_size_bytes"] == bf16["page_size_bytes"] // 2 + 2 * 30 * 12 * 4
+    assert (bf16["budget_session_capacity"], int8["budget_session_capacity"]) == (4, 9)
+    _, out = run_cli(capsys, "plan", "--preset", "wan-1.3b", "--memory", "tpu-v5e", "--kv-dtype", "float8_e4m3fn")
+    assert "(bfloat16; pages float8_e4m3fn + float32 scales)" in out
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["plan", "--kv-dtype", "int4"])
+    assert exit_info.value.code == 2
+    assert "--kv-dtype: invalid choice: 'int4'" in capsys.readouterr().err
+
+
 def test_cli_plan_summary_with_chip_name(capsys):
     code, out = run_cli(capsys, "plan", "--preset", "wan-1.3b", "--memory", "h100-80gb")
     assert code == 0 and "arkv-jax memory plan" in out and "sessions granted / requested" in out

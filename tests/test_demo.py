@@ -162,9 +162,11 @@ def test_the_progress_bar_shows_on_terminals_only(tmp_path):
                                   "run's devices are {platform}; use --backend xla (runs everywhere) or --backend "
                                   "pallas_gpu_interpret"),
     (["--backend", "pallas_tpu"], "--backend pallas_tpu: the compiled kernel needs a TPU"),
-], ids=["out_below_a_file", "out_is_a_file", "pallas_gpu_on_cpu", "pallas_tpu_on_cpu"])
+    (["--kv-dtype", "int8", "--backend", "pallas_tpu_interpret"],
+     "the demo: backend 'pallas_tpu_interpret' does not read or write quantized pools"),
+], ids=["out_below_a_file", "out_is_a_file", "pallas_gpu_on_cpu", "pallas_tpu_on_cpu", "quantized_off_xla"])
 def test_demo_refuses_before_the_run(flags, message, tmp_path, capsys):
-    if "--backend" in flags and resolve_backend(flags[1]).runs_on(jax.devices()[0].platform):
+    if flags[0] == "--backend" and resolve_backend(flags[1]).runs_on(jax.devices()[0].platform):
         pytest.skip(f"{flags[1]} runs on this machine's devices (the registry's Backend.runs_on)")
     file = tmp_path / "a_file"
     file.write_text("")
@@ -248,3 +250,20 @@ def test_wan_demo_estimate_counts_its_weights_pools_and_logits():
     # The XLA path's logits tile, not the whole [rows, heads, q, k] logits (tens of GiB here).
     assert estimate["weights"] > 2 << 30 and 64 << 20 <= estimate["attention_logits"] < 4 << 30
     assert demo.memory_estimate("wan-1.3b", 4, "pallas_tpu", "tpu")["attention_logits"] == 0
+
+
+def test_wan_demo_estimate_with_int8_pages_halves_the_pools():
+    bf16, int8 = (demo.memory_estimate("wan-1.3b", 4, "xla", "cpu", kv_dtype) for kv_dtype in (None, "int8"))
+    geometry = demo.demo_geometry("wan-1.3b", "int8")
+    assert geometry.kv_dtype == "int8" and demo.demo_geometry("wan-1.3b").kv_dtype is None
+    assert int8["weights"] == bf16["weights"] and int8["attention_logits"] == bf16["attention_logits"]
+    assert bf16["pools"] / 2 < int8["pools"] < bf16["pools"] / 2 * 1.001  # half, plus the scales
+
+
+@pytest.mark.slow
+def test_demo_with_int8_pages_runs_and_stays_close_to_the_recompute(tmp_path, capsys):
+    assert cli.main(["demo", "--sessions", "2", "--chunks", "4", "--out", str(tmp_path), "--check",
+                     "--kv-dtype", "int8", "--backend", "xla"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    diff = float([line for line in lines if line.startswith("max_abs_diff:")][0].split()[1])
+    assert 0 < diff < 1e-2  # quantized pages (the float32 pool gives < 1e-4), close to the float32 reference

@@ -1,5 +1,6 @@
 """The memory planner against vLLM-Omni's worked numbers (seed-semantics.md §8.2-§8.4, §13.1)."""
 
+import dataclasses
 import re
 
 import pytest
@@ -375,3 +376,48 @@ def test_device_plan_sums_one_process_s_devices():
     with pytest.raises(ValueError, match=r"processes must be a positive int dividing the mesh axis 'data' of "
                                          r"size 4, one of \[1, 2, 4\].*got 3"):
         plan_per_device(geometry, window, processes=3, **kw)
+
+
+# ------------------------------------------------------------------------------------------------
+# Quantized K/V pages (CacheGeometry.kv_dtype): the stored width plus one float32 scale per page of
+# each layer and KV head, K and V.
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "float8_e4m3fn", "float8_e5m2"])
+def test_a_quantized_page_is_half_a_bf16_page_plus_its_scales(kv_dtype):
+    g = PRESETS["wan-1.3b"].geometry
+    q = dataclasses.replace(g, kv_dtype=kv_dtype)
+    assert (g.page_dtype, q.page_dtype, q.quantized, g.quantized) == ("bfloat16", kv_dtype, True, False)
+    scales = 2 * g.num_layers * g.num_kv_heads * 4  # K and V, float32
+    assert q.page_bytes == g.page_bytes // 2 + scales
+    assert q.frame_bytes == q.pages_per_frame * q.page_bytes
+
+
+@pytest.mark.parametrize("chip", sorted(CHIP_MEMORY_BYTES))
+def test_wan_int8_streams_per_chip_are_twice_bf16_minus_the_scales(chip):
+    """K/V only (no cross-attention cache), the whole chip: the most sessions the budget holds.
+
+    Everything the planner counts per session and fixed (null page, spare, in-flight pages) halves,
+    plus the scales (2 x 30 layers x 12 heads x 4 bytes per 1560-token page: 0.002 % of a page), so
+    int8 holds 2x bf16's sessions, or one or two more (the fixed pages halve too), never fewer."""
+    preset = PRESETS["wan-1.3b"]
+
+    def streams(kv_dtype):
+        geometry = dataclasses.replace(preset.geometry, kv_dtype=kv_dtype)
+        plan = plan_memory(geometry, preset.window, preset.kv_branches, available_bytes=CHIP_MEMORY_BYTES[chip],
+                           memory_fraction=1.0, session_capacity=1)
+        assert plan.page_size_bytes == geometry.page_bytes  # the stored width plus the scales
+        return plan.budget_session_capacity
+
+    bf16, int8 = streams(None), streams("int8")
+    assert bf16 >= 1
+    assert 2 * bf16 <= int8 <= 2 * bf16 + 2
+    assert streams("float8_e4m3fn") == streams("float8_e5m2") == int8  # one byte each, the same scales
+
+
+def test_the_default_kv_dtype_leaves_the_seed_arithmetic_unchanged():
+    for preset in PRESETS.values():
+        g = preset.geometry
+        assert g.kv_dtype is None and g.page_dtype == g.dtype and not g.quantized
+        assert dataclasses.replace(g, kv_dtype=g.dtype) == g  # the compute dtype is the default, spelled out
+        assert g.page_bytes == 2 * g.block_size * g.num_kv_heads * g.head_dim * g.itemsize * g.num_layers

@@ -18,7 +18,7 @@ import sys
 from typing import Sequence
 
 from arkv_jax import planner, presets
-from arkv_jax.config import CrossAttentionSpec, KVBranch, ceil_div
+from arkv_jax.config import KV_DTYPES, CrossAttentionSpec, KVBranch, ceil_div
 
 #: ``--fraction``'s default: vLLM-Omni's ``ARDiffusionKVConfig.gpu_memory_fraction``.
 DEFAULT_FRACTION = planner.DEFAULT_MEMORY_FRACTION
@@ -117,7 +117,7 @@ def _cross(text: str) -> tuple[CrossAttentionSpec, ...]:
 _GEOMETRY_FLAGS = {
     "layers": "num_layers", "kv_heads": "num_kv_heads", "head_dim": "head_dim", "dtype": "dtype",
     "tokens_per_frame": "tokens_per_frame", "block_size": "block_size",
-    "frames_per_forward": "frames_per_forward",
+    "frames_per_forward": "frames_per_forward", "kv_dtype": "kv_dtype",
 }
 _WINDOW_FLAGS = {"window_frames": "window_frames", "sink_frames": "sink_frames"}
 
@@ -132,7 +132,10 @@ def _add_plan_parser(sub) -> None:
     for flag in ("layers", "kv-heads", "head-dim", "tokens-per-frame", "block-size",
                  "frames-per-forward", "window-frames", "sink-frames"):
         p.add_argument(f"--{flag}", type=int, help="override the preset's value")
-    p.add_argument("--dtype", help="storage dtype: float32, bfloat16 or float16")
+    p.add_argument("--dtype", help="compute dtype (and the pages' unless --kv-dtype): float32, bfloat16 or float16")
+    p.add_argument("--kv-dtype", choices=KV_DTYPES,
+                   help="storage dtype of the K/V pages (default: --dtype); int8 and fp8 store each page with a "
+                        "float32 scale per layer and KV head and are read and written by the xla backend only so far")
     p.add_argument("--reset-at-boundary", action="store_true", default=None,
                    help="vLLM-Omni's reset mode (evict everything after the sink on each commit)")
     p.add_argument("--branches", type=_branches, help="KV branches, e.g. 'positive:0,negative:1'")
@@ -319,6 +322,9 @@ def _add_demo_parser(sub) -> None:
     p.add_argument("--backend", default="auto", choices=BACKEND_NAMES,
                    help="kernel backend (default auto); the compiled pallas_gpu and pallas_tpu need their device "
                         "(checked before the run)")
+    p.add_argument("--kv-dtype", choices=KV_DTYPES, default=None,
+                   help="storage dtype of the K/V pages (default: the model's); int8 and fp8 are quantized pages, "
+                        "read and written by the xla backend only so far (checked before the run)")
     p.add_argument("--out", default="arkv_demo_out",
                    help="folder for the figures, created if needed (default arkv_demo_out; checked before the run)")
     p.add_argument("--check", action="store_true",
@@ -377,7 +383,8 @@ def _demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error("--model-axis needs --devices")
     try:
         result = demo.run_demo(sessions=args.sessions, chunks=args.chunks, preset=args.preset,
-                               backend=args.backend, out=args.out, check=args.check, seed=args.seed, mesh=mesh)
+                               backend=args.backend, out=args.out, check=args.check, seed=args.seed, mesh=mesh,
+                               kv_dtype=args.kv_dtype)
     except ValueError as error:  # refused before the run: --out, --backend, heads vs --model-axis
         parser.error(str(error))
     return 1 if result.devices_within_tolerance is False else 0
@@ -477,7 +484,7 @@ def _launch_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
     flags = ["--sessions", args.sessions, "--chunks", args.chunks, "--preset", args.preset, "--backend",
              args.backend, "--out", args.out, "--seed", args.seed, "--devices", devices, "--model-axis",
              args.model_axis, "--coordinator", f"127.0.0.1:{processes.free_port()}", "--num-processes",
-             args.processes]
+             args.processes, *(["--kv-dtype", args.kv_dtype] if args.kv_dtype else [])]
     commands = [processes.python_module("arkv_jax.apps.cli", "demo", *map(str, flags), "--process-id", str(i))
                 for i in range(args.processes)]
     with open(os.devnull, "w") as quiet:

@@ -36,7 +36,7 @@ from tqdm import tqdm
 from arkv_jax.apps.compile_clock import CompileClock, Phase
 from arkv_jax.apps.platforms import check_backend
 from arkv_jax.cache import PagedKVCache
-from arkv_jax.config import ceil_div
+from arkv_jax.config import CacheGeometry, ceil_div
 from arkv_jax.lockstep import Event, Join, Leave, Lockstep, StepOutcome
 from arkv_jax.models.dit import MODEL_CONFIGS, CausalDiT, init_random
 from arkv_jax.planner import device_free_bytes, format_bytes, rollout_plan
@@ -45,7 +45,7 @@ from arkv_jax.processes import ProcessGroup, spans_processes
 from arkv_jax.reference import FullRecompute
 from arkv_jax.rollout import Rollout, Sampler
 from arkv_jax.sharding import check_mesh, make_mesh
-from pallas_kernels.backend import resolve_backend
+from pallas_kernels.backend import check_quantized_pools, resolve_backend
 from pallas_kernels.window_attention.geometry import WindowGeometry
 from pallas_kernels.window_attention.xla import key_block
 
@@ -298,18 +298,24 @@ def prepare_out(out: str | pathlib.Path) -> pathlib.Path:
     return path
 
 
-def memory_estimate(preset: str, sessions: int, backend: str, platform: str) -> dict[str, int]:
+def demo_geometry(preset: str, kv_dtype: str | None = None) -> CacheGeometry:
+    """The demo's cache geometry: the preset's, its K/V pages stored as ``kv_dtype`` (``None``: the
+    compute dtype; see :class:`arkv_jax.config.CacheGeometry`)."""
+    return dataclasses.replace(get_preset(preset).geometry, kv_dtype=kv_dtype)
+
+
+def memory_estimate(preset: str, sessions: int, backend: str, platform: str,
+                    kv_dtype: str | None = None) -> dict[str, int]:
     """Bytes the demo needs on one device, from the plan and the model's size: ``weights``, ``pools``
-    (the demo's plan, all K/V pages) and, where attention runs through the XLA path (``backend``
+    (the demo's plan, all K/V pages, stored as ``kv_dtype``) and, where attention runs through the XLA path (``backend``
     resolving to ``xla``), ``attention_logits``: its float32 logits tile of one layer
     (``[rows, heads, chunk tokens, key block]``, :func:`pallas_kernels.window_attention.xla.key_block`),
     the largest temporary; ``total`` is their sum. Nothing is allocated."""
     config, cache_preset = MODEL_CONFIGS[preset], get_preset(preset)
     abstract = nnx.state(nnx.eval_shape(lambda: CausalDiT(config, rngs=nnx.Rngs(0))))
     weights = sum(leaf.size * np.dtype(leaf.dtype).itemsize for leaf in jax.tree_util.tree_leaves(abstract))
-    plan = rollout_plan(cache_preset.geometry, cache_preset.window, cache_preset.kv_branches,
-                        cache_preset.cross_attention, sessions)
-    geometry, window = cache_preset.geometry, cache_preset.window
+    geometry, window = demo_geometry(preset, kv_dtype), cache_preset.window
+    plan = rollout_plan(geometry, window, cache_preset.kv_branches, cache_preset.cross_attention, sessions)
     logits = 0
     if resolve_backend(backend, platform).name == "xla":
         rows = sessions * len(cache_preset.kv_branches)
@@ -323,14 +329,14 @@ def memory_estimate(preset: str, sessions: int, backend: str, platform: str) -> 
     return {"weights": weights, "pools": pools, "attention_logits": logits, "total": weights + pools + logits}
 
 
-def check_fits(preset: str, sessions: int, backend: str, device) -> None:
+def check_fits(preset: str, sessions: int, backend: str, device, kv_dtype: str | None = None) -> None:
     """Refuses a demo the device (the host's memory, on a CPU) cannot hold.
 
     Raises:
       ValueError: :func:`memory_estimate`'s total exceeds the device's free memory, with the
         estimate in the message.
     """
-    estimate = memory_estimate(preset, sessions, backend, device.platform)
+    estimate = memory_estimate(preset, sessions, backend, device.platform, kv_dtype)
     free = device_free_bytes(device)
     if estimate["total"] > free:
         parts = ", ".join(f"{name.replace('_', ' ')} {format_bytes(value)}"
@@ -435,15 +441,18 @@ class _Schedule:
         return latents
 
 
-def _rollout(model: CausalDiT, preset: str, sessions: int, backend: str, mesh: Mesh | None) -> Rollout:
-    """The demo's cache (sized for ``sessions``, all in one batched chunk) and rollout."""
+def _rollout(model: CausalDiT, preset: str, sessions: int, backend: str, mesh: Mesh | None,
+             kv_dtype: str | None = None) -> Rollout:
+    """The demo's cache (sized for ``sessions``, all in one batched chunk, pages stored as
+    ``kv_dtype``) and rollout."""
     cache_preset = get_preset(preset)
+    geometry = demo_geometry(preset, kv_dtype)
     sampler = Sampler(num_steps=3, guidance_scale=3.0 if len(cache_preset.kv_branches) > 1 else None)
     branches = cache_preset.kv_branches[:sampler.num_branches]
     data, model_axis = check_mesh(mesh) if mesh is not None else (1, 1)
-    plan = rollout_plan(cache_preset.geometry, cache_preset.window, branches, cache_preset.cross_attention,
+    plan = rollout_plan(geometry, cache_preset.window, branches, cache_preset.cross_attention,
                         ceil_div(sessions, data), model=model_axis)
-    cache = PagedKVCache(cache_preset.geometry, cache_preset.window, branches, cache_preset.cross_attention,
+    cache = PagedKVCache(geometry, cache_preset.window, branches, cache_preset.cross_attention,
                          plan=plan, backend=backend, mesh=mesh)
     return Rollout(model, cache, sampler, max_traces=1)
 
@@ -457,15 +466,19 @@ def _timeline(rollout: Rollout) -> Timeline:
 def run_demo(*, sessions: int = 4, chunks: int = 12, preset: str = "tiny", backend: str = "auto",
              out: str | pathlib.Path = "arkv_demo_out", check: bool = False, seed: int = 0,
              mesh: Mesh | None = None, stdout: TextIO | None = None, stderr: TextIO | None = None,
-             progress: bool | None = None) -> DemoResult:
+             progress: bool | None = None, kv_dtype: str | None = None) -> DemoResult:
     """Runs the demo (the module docstring, ``docs/demo.md``) and prints its report to ``stdout`` (default
     ``sys.stdout``); returns what it measured. With a ``mesh`` (e.g. :func:`demo_mesh`) the cache and
     the rollout are sharded over it: the sessions are spread over its ``"data"`` axis, heads over
     ``"model"``. ``progress``: whether to show the progress bar on ``stderr`` (default
-    ``sys.stderr``); ``None`` shows it when both streams are terminals.
+    ``sys.stderr``); ``None`` shows it when both streams are terminals. ``kv_dtype``: the K/V pages'
+    storage dtype (``None``: the model's; ``"int8"``, ``"float8_e4m3fn"``, ``"float8_e5m2"`` are
+    quantized pages, which only the ``"xla"`` backend reads so far: another backend, ``"auto"`` on a
+    TPU or GPU included, is refused before the run).
 
     Raises:
-      ValueError, before anything runs: unknown preset, ``sessions``/``chunks`` below 1, an ``out``
+      ValueError, before anything runs: unknown preset or ``kv_dtype``, ``sessions``/``chunks`` below 1,
+        quantized pages on a backend other than ``"xla"``, an ``out``
         that cannot be created or written, a compiled backend for another platform, a run the
         device cannot hold (:func:`check_fits`), heads not divisible by the mesh's ``"model"``
         size, or ``check`` with a mesh that spans processes. On several processes (a ``mesh`` over
@@ -483,9 +496,13 @@ def run_demo(*, sessions: int = 4, chunks: int = 12, preset: str = "tiny", backe
     first_device = jax.local_devices()[0] if mesh is None else next(
         d for d in mesh.devices.flat if d.process_index == jax.process_index())
     check_backend(backend, first_device.platform)
-    check_fits(preset, ceil_div(sessions, 1 if mesh is None else check_mesh(mesh)[0]), backend, first_device)
+    geometry = demo_geometry(preset, kv_dtype)  # checks kv_dtype
+    if geometry.quantized:
+        check_quantized_pools("the demo", backend, resolve_backend(backend, first_device.platform))
+    check_fits(preset, ceil_div(sessions, 1 if mesh is None else check_mesh(mesh)[0]), backend, first_device,
+               kv_dtype)
     model = init_random(MODEL_CONFIGS[preset], seed)
-    rollout = _rollout(model, preset, sessions, backend, mesh)
+    rollout = _rollout(model, preset, sessions, backend, mesh, kv_dtype)
     schedule = _Schedule.make(sessions, chunks, seed)
     main = rollout.group is None or rollout.group.index == 0  # on several processes process 0 reports
     if not main:
@@ -523,7 +540,7 @@ def run_demo(*, sessions: int = 4, chunks: int = 12, preset: str = "tiny", backe
         print(f"max_abs_diff: {max_abs_diff:.3e} (paged cache vs full recompute, {plural(chunks, 'chunk')} "
               f"per session)", file=stdout)
         if mesh is not None:
-            one_device = _rollout(model, preset, sessions, backend, None)
+            one_device = _rollout(model, preset, sessions, backend, None, kv_dtype)
             with CompileClock() as clock:
                 one = schedule.run(one_device, _timeline(one_device), clock)
             one_checksum = checksum_of(one)

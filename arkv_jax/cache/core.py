@@ -28,6 +28,7 @@ from arkv_jax.cache.sessions import SessionTable
 from arkv_jax.config import ArgumentTypeError, CacheGeometry, CrossAttentionSpec, WindowPolicy
 from arkv_jax.planner import DevicePlan, MemoryPlan
 from arkv_jax.step import ChunkInputs
+from pallas_kernels.backend import check_quantized_pools, resolve_backend
 
 Array = jax.Array
 
@@ -63,6 +64,8 @@ class CacheCore:
                  cross_attention: tuple[CrossAttentionSpec, ...], backend: str) -> None:
         if processes.spans_processes(mesh):
             processes.check_process_mesh(mesh)
+        if geometry.quantized:  # Refused before any pool is allocated, not at the first write.
+            check_quantized_pools("PagedKVCache", backend, resolve_backend(backend, mesh.devices.flat[0].platform))
         self.geometry, self.window, self.mesh, self.backend = geometry, window, mesh, backend
         branches = [b.name for b in plan.kv_branches]
         self.sessions = SessionTable(mesh.shape[sharding.DATA], plan.session_capacity, branches)
@@ -117,7 +120,7 @@ class CacheCore:
         rows = inputs.rows.shape[0]
         if rows < batch_size:  # a compact batch padded to its bucket: the padding rows are not written
             k_new, v_new = k_new[:, :rows], v_new[:, :rows]
-        k_new, v_new = jnp.asarray(k_new, g.dtype), jnp.asarray(v_new, g.dtype)
+        k_new, v_new = jnp.asarray(k_new, g.write_dtype), jnp.asarray(v_new, g.write_dtype)
         if pending is None:
             self.k_pool, self.v_pool = programs.write(
                 self.k_pool, self.v_pool, k_new, v_new, inputs.write_pages, tokens_per_frame=g.tokens_per_frame,

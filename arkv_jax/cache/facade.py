@@ -101,8 +101,9 @@ class PagedKVCache:
 
     Raises:
       TypeError: a wrong type. ValueError: an unknown ``backend``, a plan for other settings or
-        another mesh, ``device`` and ``mesh`` together, K/V heads not divisible by ``"model"``, or
-        what the planner rejects.
+        another mesh, ``device`` and ``mesh`` together, K/V heads not divisible by ``"model"``, a
+        quantized ``geometry.kv_dtype`` with a backend other than ``"xla"`` (``"auto"`` on a TPU or
+        GPU included), or what the planner rejects.
     """
 
     def __init__(self, geometry: CacheGeometry, window: WindowPolicy,
@@ -159,8 +160,8 @@ class PagedKVCache:
 
     @property
     def pools(self) -> tuple[Array, Array]:
-        """``(k_pool, v_pool)``, each :func:`pallas_kernels.layout.pool_shape` ``(layers, shards x
-        pages_per_shard, block_size, kv_heads, head_dim)`` (:func:`arkv_jax.sharding.pool_spec` on a mesh)."""
+        """``(k_pool, v_pool)``, each :func:`pallas_kernels.layout.pool_shape` of ``geometry.page_dtype`` (a
+        :class:`~pallas_kernels.layout.QuantizedPool` if quantized; :func:`arkv_jax.sharding.pool_spec` on a mesh)."""
         return self._core.k_pool, self._core.v_pool
 
     sessions = property(lambda self: self._core.sessions.sessions, doc="Resident sessions, least recently used first.")

@@ -19,6 +19,7 @@ from arkv_jax import step as step_lib
 from arkv_jax.cache import batch
 from arkv_jax.sharded_kernels import sharded_write_chunk
 from arkv_jax.step import ChunkInputs
+from pallas_kernels.layout import is_quantized_pool
 
 
 def _flatten_shards(tree):
@@ -46,7 +47,8 @@ def commit(k_pool, v_pool, pending, k_new, v_new, inputs: ChunkInputs, *, num_fr
                                                   backend=backend)
         return kp, vp, jax.tree_util.tree_map(lambda x: x[None], state), ok[None]
 
-    pools, rows = sharding.pool_spec(), jax.tree_util.tree_map(lambda x: sharding.row_spec(x.ndim), inputs)
+    pools = sharding.pool_spec(is_quantized_pool(k_pool))
+    rows = jax.tree_util.tree_map(lambda x: sharding.row_spec(x.ndim), inputs)
     chunk = sharding.chunk_spec()
     return sharding.shard_map(body, mesh, (pools, pools, sharding.state_spec(), chunk, chunk, rows),
                               (pools, pools, sharding.state_spec(), sharding.row_spec(2)), check=False)(

@@ -57,10 +57,14 @@ def write_chunk(
 
     ================  ==========================  ======================================================
     ``k_pool``        ``[L, H, P, S, D]``         :func:`pallas_kernels.layout.pool_shape`; fp32, bf16 or
-                                                  fp16; page 0 is the null page
-    ``v_pool``        ``[L, H, P, S, D]``         ``k_pool``'s shape and dtype
+                                                  fp16, or a :class:`~pallas_kernels.layout.QuantizedPool`
+                                                  (int8/fp8 values, f32 scales ``[L, H, P]``; ``"xla"``
+                                                  backend only); page 0 is the null page
+    ``v_pool``        ``[L, H, P, S, D]``         ``k_pool``'s shape and dtype (and kind)
     ``k_new``         ``[L, R, F * T, H, D]``     the chunk's K, token-major, frame after frame; the
-                                                  pools' dtype (no implicit cast: a mismatch raises)
+                                                  pools' dtype (no implicit cast: a mismatch raises), or
+                                                  any of fp32/bf16/fp16 for a quantized pool (each page
+                                                  is quantized with its own scale as it is written)
     ``v_new``         ``[L, R, F * T, H, D]``     ``k_new``'s shape and dtype
     ``page_ids``      integer ``[R, F * ppf]``    entry ``(r, f * ppf + j)``: the page receiving page
                                                   ``j`` of frame ``f`` of row ``r``, in ``[1, P)``, or

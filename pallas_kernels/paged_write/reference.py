@@ -8,7 +8,16 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.common import pages_per_frame
-from pallas_kernels.layout import PAGE_AXIS, from_token_major, page_mask, pool_geometry
+from pallas_kernels.layout import (
+    PAGE_AXIS,
+    SCALE_RANK,
+    QuantizedPool,
+    from_token_major,
+    is_quantized_pool,
+    page_mask,
+    pool_geometry,
+    quantize_pages,
+)
 
 
 def write_chunk_reference(
@@ -25,6 +34,8 @@ def write_chunk_reference(
 
     Every pool page picks the chunk page whose valid id names it (a one-hot match of page ids
     against the page axis) or keeps its old bits: no scatter, no loop, ``O(P * R * F * ppf)``.
+    Quantized pools (:class:`~pallas_kernels.layout.QuantizedPool`) get the chunk's pages quantized
+    (:func:`~pallas_kernels.layout.quantize_pages`) and pick values and scales alike.
     """
     pool = pool_geometry(k_pool)
     num_pages, block_size = pool.num_pages, pool.block_size
@@ -34,9 +45,16 @@ def write_chunk_reference(
     source = jnp.argmax(match, axis=1)
     tpf = block_size if tokens_per_frame is None else tokens_per_frame
 
-    def one(pool: jax.Array, new: jax.Array) -> jax.Array:
+    def pick(pool: jax.Array, pages: jax.Array, mask: jax.Array) -> jax.Array:
+        return jnp.where(mask, jnp.take(pages, source, axis=PAGE_AXIS), pool)
+
+    def one(pool, new: jax.Array):
         pages = from_token_major(chunk_to_pages(new, block_size, tpf))
-        return jnp.where(written, jnp.take(pages, source, axis=PAGE_AXIS), pool)
+        if not is_quantized_pool(pool):
+            return pick(pool, pages, written)
+        pages = quantize_pages(pages, pool.dtype)
+        return QuantizedPool(pick(pool.values, pages.values, written),
+                             pick(pool.scales, pages.scales, page_mask(match.any(axis=1), SCALE_RANK)))
 
     return one(k_pool, k_new), one(v_pool, v_new)
 

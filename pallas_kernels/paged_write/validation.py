@@ -16,10 +16,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import checkify
 
-from pallas_kernels.backend import resolve_backend
+from pallas_kernels.backend import check_quantized_pools, resolve_backend
 from pallas_kernels.checks import require_int
 from pallas_kernels.common import (
     check_entries,
+    check_pool_pair,
     check_rank,
     check_supported_dtype,
     check_validate,
@@ -42,24 +43,34 @@ def static_validate_inputs(k_pool, v_pool, k_new, v_new, page_ids, *, tokens_per
     Raises:
       ValueError: an unknown backend; bad ranks, shapes or dtypes; a ``tokens_per_frame`` that is
         not a positive int or does not divide the chunk; ``page_ids`` not ``[rows, num_frames *
-        pages_per_frame]`` integers.
+        pages_per_frame]`` integers; quantized pools that are malformed, mixed with a plain one or
+        on a backend other than ``"xla"`` (:func:`pallas_kernels.backend.check_quantized_pools`).
       TypeError: an input that is not an array (``write_chunk`` itself takes ``page_ids`` as a list
         of ints).
     """
     resolved = resolve_backend(backend)
+    quantized = check_pool_pair(k_pool, v_pool)
+    if quantized:
+        check_quantized_pools("write_chunk", backend, resolved)
     for name, x in (("k_pool", k_pool), ("v_pool", v_pool), ("k_new", k_new), ("v_new", v_new)):
         check_rank(name, x, 5)
     if k_pool.shape != v_pool.shape or k_pool.dtype != v_pool.dtype:
         raise ValueError(f"k_pool and v_pool must match, got {k_pool.dtype}{list(k_pool.shape)} "
                          f"and {v_pool.dtype}{list(v_pool.shape)}")
-    check_supported_dtype("pool dtype", k_pool.dtype)
+    if not quantized:
+        check_supported_dtype("pool dtype", k_pool.dtype)
     if k_new.shape != v_new.shape:
         raise ValueError(f"k_new and v_new must have the same shape, got {list(k_new.shape)} "
                          f"and {list(v_new.shape)}")
     for name, x in (("k_new", k_new), ("v_new", v_new)):
-        if x.dtype != k_pool.dtype:
+        if quantized:  # Quantized on the way in: the chunk comes in a compute dtype.
+            check_supported_dtype(f"{name} dtype (the compute dtype a quantized pool is written from)",
+                                  x.dtype)
+        elif x.dtype != k_pool.dtype:
             raise ValueError(f"{name} dtype must be the pool dtype {k_pool.dtype} (cast it "
                              f"first), got {x.dtype}")
+    if quantized and k_new.dtype != v_new.dtype:
+        raise ValueError(f"k_new and v_new must have the same dtype, got {k_new.dtype} and {v_new.dtype}")
     pool = pool_geometry(k_pool)
     num_layers, num_pages, block_size = pool.num_layers, pool.num_pages, pool.block_size
     kv_heads, head_dim = pool.kv_heads, pool.head_dim

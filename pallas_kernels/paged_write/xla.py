@@ -3,7 +3,10 @@
 A ``fori_loop`` over the page ids: each step writes one whole page of every layer and head per pool
 with a ``dynamic_update_slice`` under ``lax.cond`` (id 0 skips), transposing the token-major page
 inside the loop body and building a frame's padded last page there. 16-bit pools move as uint16
-bits, bitcast inside the body. Semantics and shapes: :func:`pallas_kernels.paged_write.write_chunk`;
+bits, bitcast inside the body. A quantized pool (:class:`pallas_kernels.layout.QuantizedPool`)
+gets each page quantized in the body from the chunk's own values (one scale per layer and head,
+:func:`pallas_kernels.layout.quantize_pages`; padding slots are zeros and do not move the scale),
+and the page's values and scales are written in place the same way. Semantics and shapes: :func:`pallas_kernels.paged_write.write_chunk`;
 why a loop and not a scatter, and the other choices measured on CPU: ``docs/kernels.md`` (Paged
 chunk write).
 """
@@ -14,15 +17,25 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.layout import PAGE_AXIS, from_token_major, pool_geometry
+from pallas_kernels.layout import (
+    PAGE_AXIS,
+    QuantizedPool,
+    from_token_major,
+    is_quantized_pool,
+    pool_geometry,
+    quantize_pages,
+)
 
 
 def write_chunk(k_pool, v_pool, k_frames, v_frames, ids, ppf: int):
     """``(k_pool, v_pool)`` with page ``i`` of the chunk written at page ``ids[i]`` (0 skips).
 
     ``k_frames``/``v_frames`` are the unpadded chunk as ``[L, R * F, T, H, D]``; ``ids`` flat int32
-    ``[R * F * ppf]`` with skipped entries already 0; ``ppf`` pages per frame.
+    ``[R * F * ppf]`` with skipped entries already 0; ``ppf`` pages per frame. The pools are arrays
+    of the chunk's dtype or :class:`~pallas_kernels.layout.QuantizedPool` s (the chunk then in a
+    compute dtype, each page quantized as it is written).
     """
+    quantized = is_quantized_pool(k_pool)
     pool = pool_geometry(k_pool)
     num_layers, block_size = pool.num_layers, pool.block_size
     kv_heads, head_dim = pool.kv_heads, pool.head_dim
@@ -31,13 +44,15 @@ def write_chunk(k_pool, v_pool, k_frames, v_frames, ids, ppf: int):
 
     def page_at(frames, i):
         """Page ``i`` of the chunk in the pool's layout (one page of every layer and head), raw
-        bits, zero-padded if a frame's last."""
-        return from_token_major(token_page_at(frames, i))
+        bits, zero-padded if a frame's last; quantized (a one-page ``QuantizedPool``) for a
+        quantized pool."""
+        page = from_token_major(token_page_at(frames, i))
+        return quantize_pages(page, k_pool.dtype) if quantized else page
 
     def token_page_at(frames, i):
-        """Page ``i`` of the chunk, ``[L, 1, S, H, D]``."""
+        """Page ``i`` of the chunk, ``[L, 1, S, H, D]`` (raw bits unless quantized)."""
         frame, j = lax.div(i, ppf), lax.rem(i, ppf)
-        if frames.dtype.itemsize == 2:
+        if frames.dtype.itemsize == 2 and not quantized:
             frames = lax.bitcast_convert_type(frames, jnp.uint16)
 
         def tokens(start, size):
@@ -61,9 +76,15 @@ def write_chunk(k_pool, v_pool, k_frames, v_frames, ids, ppf: int):
     return lax.fori_loop(0, ids.shape[0], body, (k_pool, v_pool))
 
 
-def _put_page(pool: jax.Array, page: jax.Array, page_id: jax.Array) -> jax.Array:
+def _put_page(pool, page, page_id: jax.Array):
     """``pool`` with ``page`` (one page of every layer and head in the pool's layout, or its raw
-    uint16 bits for a 16-bit pool) written at ``page_id`` on the page axis."""
+    uint16 bits for a 16-bit pool; for a :class:`QuantizedPool` a one-page ``QuantizedPool``)
+    written at ``page_id`` on the page axis (a quantized page's scales at the same index of the
+    scales)."""
+    if is_quantized_pool(pool):
+        return QuantizedPool(_put_page(pool.values, page.values, page_id),
+                             lax.dynamic_update_slice_in_dim(pool.scales, page.scales, page_id,
+                                                             axis=PAGE_AXIS))
     if page.dtype == pool.dtype:
         return lax.dynamic_update_slice_in_dim(pool, page, page_id, axis=PAGE_AXIS)
     bits = lax.bitcast_convert_type(pool, page.dtype)

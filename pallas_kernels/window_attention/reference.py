@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.layout import read_tokens
+from pallas_kernels.layout import read_tokens_as
 from pallas_kernels.window_attention.validation import check_arrays
 
 
@@ -19,12 +19,15 @@ def window_attention_reference(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, 
     Every history token is fetched by its logical position ``t < lengths[row]`` (frame ``t // tpf``,
     in-frame offset ``t % tpf``, hence page-list slot ``frame * pages_per_frame * block_size +
     offset``), then all keys are concatenated, masked and passed through a float32 softmax.
+    Quantized pools (:class:`~pallas_kernels.layout.QuantizedPool`) are dequantized as they are read
+    (:func:`~pallas_kernels.layout.read_tokens_as`), then the same math runs.
 
     Raises:
       ValueError: what :func:`~pallas_kernels.window_attention.validation.check_arrays` rejects.
     """
     geom = check_arrays(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, layer=layer,
-                        extra_k=extra_k, extra_v=extra_v, tokens_per_frame=tokens_per_frame)
+                        extra_k=extra_k, extra_v=extra_v, tokens_per_frame=tokens_per_frame,
+                        quantized_reader="window_attention_reference")
     scale = geom.head_dim ** -0.5 if scale is None else scale
     f32 = jnp.float32
     tokens = jnp.arange(geom.max_pages * geom.block_size, dtype=jnp.int32)
@@ -32,8 +35,8 @@ def window_attention_reference(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, 
     slot = jnp.where(valid, (tokens // geom.tokens_per_frame) * geom.frame_slots
                      + tokens % geom.tokens_per_frame, 0)
     page = jnp.take_along_axis(pages.astype(jnp.int32), slot // geom.block_size, axis=1)
-    k_hist = read_tokens(k_pool, layer, page, slot % geom.block_size)
-    v_hist = read_tokens(v_pool, layer, page, slot % geom.block_size)
+    k_hist = read_tokens_as(k_pool, layer, page, slot % geom.block_size, f32)
+    v_hist = read_tokens_as(v_pool, layer, page, slot % geom.block_size, f32)
     keys = [k_hist, k_cur] + ([] if extra_k is None else [extra_k])
     values = [v_hist, v_cur] + ([] if extra_v is None else [extra_v])
     k = jnp.repeat(jnp.concatenate(keys, axis=1).astype(f32), geom.group, axis=2)

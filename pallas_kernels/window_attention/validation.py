@@ -17,17 +17,25 @@ import functools
 
 import jax.numpy as jnp
 
-from pallas_kernels.backend import CUDNN_DTYPES, cudnn_supports, resolve_backend
+from pallas_kernels.backend import CUDNN_DTYPES, check_quantized_pools, cudnn_supports, resolve_backend
 from pallas_kernels.checks import ArgumentTypeError, argument_error, is_int, require_int, require_real
 from pallas_kernels.common import (
     check_entries,
+    check_pool_pair,
     check_rank,
     check_supported_dtype,
     check_validate,
     is_power_of_two,
     value_check_mode,
 )
-from pallas_kernels.layout import PAGE_AXIS, POOL_LAYOUT, check_tpu_block_size, pool_geometry, pool_shape
+from pallas_kernels.layout import (
+    PAGE_AXIS,
+    POOL_LAYOUT,
+    check_tpu_block_size,
+    is_quantized_pool,
+    pool_geometry,
+    pool_shape,
+)
 from pallas_kernels.window_attention import mosaic_gpu
 from pallas_kernels.window_attention.geometry import WindowGeometry
 
@@ -58,14 +66,22 @@ def static_validate_inputs(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, l
     Returns:
       the call's :class:`WindowGeometry`.
 
+    Quantized pools (:class:`pallas_kernels.layout.QuantizedPool`) are read by the ``"xla"``
+    backend only (:func:`pallas_kernels.backend.check_quantized_pools`; ``"auto"`` refuses them on
+    a TPU or GPU).
+
     Raises:
       ValueError: a bad rank, shape, dtype, head count, frame size, layer rank, a Python-int
-        ``layer`` out of ``[0, num_layers)``, scale, backend name or tile size.
+        ``layer`` out of ``[0, num_layers)``, scale, backend name or tile size; quantized pools on
+        a backend other than ``"xla"``.
       TypeError: a non-array input or a ``layer`` that is not an integer.
     """
     geom = check_arrays(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, layer=layer,
-                        extra_k=extra_k, extra_v=extra_v, tokens_per_frame=tokens_per_frame)
+                        extra_k=extra_k, extra_v=extra_v, tokens_per_frame=tokens_per_frame,
+                        quantized_reader="window_attention")
     resolved = resolve_backend(backend, dtype=q.dtype, head_dim=geom.head_dim)
+    if is_quantized_pool(k_pool):
+        check_quantized_pools("window_attention", backend, resolved)
     if scale is not None:
         check_scale(scale)
     for name, tile in (("block_q", block_q), ("block_k", block_k)):
@@ -167,14 +183,23 @@ def _check_values(geom: WindowGeometry, pages, lengths, layer, mode_of) -> None:
 
 
 def check_arrays(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, layer=0, extra_k=None,
-                 extra_v=None, tokens_per_frame=None) -> WindowGeometry:
+                 extra_v=None, tokens_per_frame=None, quantized_reader=None) -> WindowGeometry:
     """The array part of :func:`static_validate_inputs` (no backend options); returns the geometry.
+
+    ``quantized_reader`` names the caller when it reads quantized pools (the public
+    ``window_attention``, which then checks the backend, and the reference); ``None`` (the TPU
+    kernels' own entry points) refuses them.
 
     Raises:
       ValueError: a bad rank, shape, dtype, head count, frame size or layer rank; a Python-int
-        ``layer`` out of ``[0, num_layers)``.
+        ``layer`` out of ``[0, num_layers)``; quantized pools where ``quantized_reader`` is
+        ``None``, or malformed ones.
       TypeError: a non-array input; a ``layer`` that is not an integer (``1.9``, ``True``).
     """
+    if check_pool_pair(k_pool, v_pool) and quantized_reader is None:
+        raise ValueError("this backend's kernel does not read quantized pools (k_pool and v_pool are "
+                         "QuantizedPools); only the 'xla' backend reads/writes quantized pools so far: call "
+                         "pallas_kernels.window_attention.window_attention(..., backend='xla')")
     geom = _check_shapes(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, extra_k, extra_v,
                          tokens_per_frame)
     _check_dtypes(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, extra_k, extra_v)
@@ -234,8 +259,9 @@ def _check_shapes(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, extra_k, extr
 
 def _check_dtypes(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, extra_k, extra_v) -> None:
     check_supported_dtype("q.dtype", q.dtype)
-    named = {"k_cur": k_cur, "v_cur": v_cur, "k_pool": k_pool, "v_pool": v_pool,
-             "extra_k": extra_k, "extra_v": extra_v}
+    named = {"k_cur": k_cur, "v_cur": v_cur, "extra_k": extra_k, "extra_v": extra_v}
+    if not is_quantized_pool(k_pool):  # A quantized pool's dtype was checked by check_pool_pair.
+        named.update(k_pool=k_pool, v_pool=v_pool)
     for name, x in named.items():
         if x is not None and x.dtype != q.dtype:
             raise ValueError(f"{name}.dtype must equal q.dtype={jnp.dtype(q.dtype).name}, got "

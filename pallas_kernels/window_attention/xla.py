@@ -1,6 +1,8 @@
 """Window attention in plain jnp/lax (the ``"xla"`` backend, the CPU default): gather the visible
 history tokens through the page table, put the tail in front, then a flash-style online softmax
-over key blocks (float32 statistics) whose block size :func:`key_block` bounds. Semantics and
+over key blocks (float32 statistics) whose block size :func:`key_block` bounds. Quantized pools are
+gathered at their stored width and dequantized to the compute dtype right after the gather (the
+current chunk's K/V stay in the compute dtype). Semantics and
 shapes: :func:`pallas_kernels.window_attention.window_attention`; memory bound: ``docs/kernels.md``.
 """
 
@@ -13,7 +15,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.common import cdiv, round_up
-from pallas_kernels.layout import read_tokens
+from pallas_kernels.layout import is_quantized_pool, read_tokens, read_tokens_as
 from pallas_kernels.window_attention.geometry import (
     WindowGeometry,
     history_token_slot,
@@ -71,8 +73,7 @@ def window_attention(q, k_cur, v_cur, extra_k, extra_v, k_pool, v_pool, pages, l
 
     def keys_of(tail, pool):
         return jnp.concatenate(
-            [tail.astype(dtype), gather_history(pool, pages, lengths, layer, geom).astype(dtype)],
-            axis=1)
+            [tail.astype(dtype), gather_history(pool, pages, lengths, layer, geom, dtype)], axis=1)
 
     k = keys_of(k_tail, k_pool)
     k = jnp.concatenate([k, jnp.broadcast_to(mask_feature, (*k.shape[:3], 1))], axis=3)
@@ -160,20 +161,27 @@ def history_valid(lengths: jax.Array, geom: WindowGeometry) -> jax.Array:
     return jnp.arange(geom.capacity, dtype=jnp.int32)[None, :] < lengths.astype(jnp.int32)[:, None]
 
 
-def gather_history(pool: jax.Array, pages: jax.Array, lengths: jax.Array, layer: jax.Array,
-                   geom: WindowGeometry) -> jax.Array:
+def gather_history(pool, pages: jax.Array, lengths: jax.Array, layer: jax.Array,
+                   geom: WindowGeometry, dtype=None) -> jax.Array:
     """Each row's history tokens of ``layer`` as contiguous ``[rows, capacity, kv_heads, head_dim]``
-    in the pool's dtype.
+    in ``dtype`` (default: the pool's dtype; a quantized pool needs one).
 
     Token ``t`` of row ``r`` is at ``[r, t]``, read straight from the layer (one gather through the
     page table, no layer copy) at page-list slot :func:`history_token_slot`, so frame padding is
     never read. Tokens at or past ``lengths[r]`` are zeros, by selection: NaN past a row's length,
     in frame padding or in pages the row does not use never appears. Page-list entries past a row's
     visible pages are replaced by the null page before the read. ``layer`` is an int32 scalar (may be
-    traced).
+    traced). A :class:`~pallas_kernels.layout.QuantizedPool` is read at its stored width and
+    dequantized after the gather (:func:`~pallas_kernels.layout.read_tokens_as`); a NaN scale of a
+    page the row does not use is selected away like a NaN value.
     """
     table = layer_page_table(pages, lengths, 0, geom)
     slot = history_token_slot(jnp.arange(geom.capacity, dtype=jnp.int32), geom)
     page, offset = table[:, slot // geom.block_size], slot % geom.block_size
-    return jnp.where(history_valid(lengths, geom)[:, :, None, None],
-                     read_tokens(pool, layer, page, offset), jnp.zeros((), pool.dtype))
+    if dtype is None or not is_quantized_pool(pool):
+        tokens = read_tokens(pool, layer, page, offset)
+    else:
+        tokens = read_tokens_as(pool, layer, page, offset, dtype)
+    tokens = jnp.where(history_valid(lengths, geom)[:, :, None, None], tokens,
+                       jnp.zeros((), tokens.dtype))
+    return tokens if dtype is None else tokens.astype(dtype)

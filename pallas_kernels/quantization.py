@@ -1,0 +1,112 @@
+"""The quantization rule of K/V pages: which storage dtypes are quantized, how values become stored
+values and scales, and back. The one source every module takes it from (the paged write, window
+attention's XLA path and reference, the cache, the planner through ``arkv_jax.config``).
+
+Symmetric absmax quantization with float32 scales: over a group of values (the axes a caller
+reduces, e.g. one page of one layer and KV head), ``scale = max|x| / max_value(dtype)`` and the stored
+value is ``x / scale`` rounded to the storage dtype (int8: round half to even, then clipped to
+``[-127, 127]``, so the range is symmetric and -128 is never stored; fp8: clipped to
+``[-max_value, max_value]`` before the cast, so an out-of-range value saturates instead of becoming
+NaN or inf). A group of zeros gets scale 0 and stored zeros (no division by zero, no NaN), which is
+what the null page and padding slots hold. Dequantizing is ``stored * scale`` in float32, then a cast
+to the compute dtype. Why these dtypes and this granularity: ``docs/kernels.md`` (Quantized pages).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+MAX_VALUES: Mapping[str, float] = MappingProxyType({
+    "int8": 127.0,
+    "float8_e4m3fn": float(jnp.finfo(jnp.float8_e4m3fn).max),  # 448
+    "float8_e5m2": float(jnp.finfo(jnp.float8_e5m2).max),  # 57344
+})
+"""The quantized storage dtypes (names) and the largest magnitude each stores (int8's range is made
+symmetric: 127, not 128)."""
+
+QUANTIZED_DTYPES = tuple(MAX_VALUES)
+"""Names of the quantized K/V storage dtypes, in the order messages list them."""
+
+SCALE_DTYPE = jnp.dtype(jnp.float32)
+"""dtype of the scales stored beside quantized pages."""
+
+SCALE_ITEMSIZE = int(np.dtype(SCALE_DTYPE).itemsize)
+"""Bytes of one stored scale (the planner counts them)."""
+
+
+def dtype_name(dtype) -> str | None:
+    """The canonical name of ``dtype`` (a string, NumPy or JAX dtype), or ``None`` where it is not a
+    dtype at all."""
+    if dtype is None or isinstance(dtype, bool):
+        return None
+    try:
+        return jnp.dtype(dtype).name
+    except (TypeError, ValueError):
+        return None
+
+
+def is_quantized(dtype) -> bool:
+    """Whether ``dtype`` is one of :data:`QUANTIZED_DTYPES` (any spelling ``jnp.dtype`` takes)."""
+    return dtype_name(dtype) in MAX_VALUES
+
+
+def max_value(dtype) -> float:
+    """The largest magnitude storage dtype ``dtype`` holds (:data:`MAX_VALUES`).
+
+    Raises:
+      ValueError: ``dtype`` is not a quantized dtype (the message lists them).
+    """
+    name = dtype_name(dtype)
+    if name not in MAX_VALUES:
+        raise ValueError(f"kv_dtype must be one of {list(QUANTIZED_DTYPES)} to have a quantization "
+                         f"range, got {dtype!r}")
+    return MAX_VALUES[name]
+
+
+def quantize(values: jax.Array, dtype, axes: Sequence[int]) -> tuple[jax.Array, jax.Array]:
+    """Quantizes ``values`` to storage dtype ``dtype`` with one scale per group over ``axes``.
+
+    Args:
+      values: a floating array of any shape (any float dtype; computed in float32).
+      dtype: a quantized dtype (:data:`QUANTIZED_DTYPES`).
+      axes: the axes each scale covers (reduced), non-negative or negative.
+
+    Returns:
+      ``(stored, scale)``: ``stored`` of ``values``' shape in ``dtype``; ``scale`` float32 of
+      ``values``' shape without ``axes`` (``max|x| / max_value(dtype)`` per group, 0 for an all-zero
+      group). ``dequantize(stored, scale, axes)`` approximates ``values`` within half a step,
+      ``scale / 2`` for int8, and within fp8's relative rounding for fp8; values are never NaN or
+      inf where ``values`` is finite.
+
+    Raises:
+      ValueError: ``dtype`` is not a quantized dtype.
+    """
+    limit = max_value(dtype)
+    x = jnp.asarray(values).astype(jnp.float32)
+    amax = jnp.max(jnp.abs(x), axis=tuple(axes), keepdims=True)
+    scale = amax / limit
+    scaled = x / jnp.where(scale == 0, 1.0, scale)
+    if jnp.issubdtype(jnp.dtype(dtype), jnp.integer):
+        scaled = jnp.round(scaled)
+    stored = jnp.clip(scaled, -limit, limit).astype(dtype)
+    return stored, jnp.squeeze(scale, axis=tuple(axes)).astype(SCALE_DTYPE)
+
+
+def dequantize(stored: jax.Array, scale: jax.Array, axes: Sequence[int], dtype=jnp.float32
+               ) -> jax.Array:
+    """``stored * scale`` in float32, cast to ``dtype``: the inverse of :func:`quantize`.
+
+    Args:
+      stored: the stored values (any shape, a quantized dtype).
+      scale: float32, ``stored``'s shape without ``axes``.
+      axes: the axes each scale covers, as given to :func:`quantize` (positions in ``stored``).
+      dtype: the dtype of the result (the compute dtype).
+    """
+    ndim = jnp.ndim(stored)
+    expanded = jnp.expand_dims(scale, tuple(sorted(a % ndim for a in axes)))
+    return (stored.astype(jnp.float32) * expanded).astype(dtype)
