@@ -34,7 +34,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from arkv_jax.config import CrossAttentionSpec
 from arkv_jax.models.dit import init_random
 from arkv_jax.nnx import masked_attention
 from arkv_jax.reference import FullRecompute
@@ -122,6 +121,14 @@ def stored(history: np.ndarray, method: str, tokens_per_frame: int, block_size: 
     return from_pages(np.asarray(dequantize(values, scale, axes)), tokens_per_frame, block_size)
 
 
+def _attend(current, k_history, v_history) -> np.ndarray:
+    """One layer's attention output (float64) of the current chunk ``(q, k, v)`` over a history."""
+    q, k_cur, v_cur = current
+    k = jnp.concatenate([jnp.asarray(k_history), k_cur], axis=1)
+    v = jnp.concatenate([jnp.asarray(v_history), v_cur], axis=1)
+    return np.asarray(masked_attention(jnp.asarray(q), k, v), np.float64)
+
+
 def errors(captured: dict, methods) -> dict:
     """Per method: max and mean abs attention-output error over all layers against the float32
     history, and the mean error relative to the mean output magnitude."""
@@ -129,15 +136,11 @@ def errors(captured: dict, methods) -> dict:
     tpf, block = shape.model.tokens_per_frame, shape.block_size
     k_hist, v_hist = captured["history"]
     out = {m: {"max": 0.0, "sum": 0.0, "count": 0, "scale_sum": 0.0} for m in methods}
-    for layer, (q, k_cur, v_cur) in sorted(captured["current"].items()):
-        def attend(k_h, v_h):
-            k = jnp.concatenate([jnp.asarray(k_h), k_cur], axis=1)
-            v = jnp.concatenate([jnp.asarray(v_h), v_cur], axis=1)
-            return np.asarray(masked_attention(jnp.asarray(q), k, v), np.float64)
-
-        exact = attend(k_hist[layer], v_hist[layer])
+    for layer, current in sorted(captured["current"].items()):
+        exact = _attend(current, k_hist[layer], v_hist[layer])
         for method in methods:
-            approx = attend(stored(k_hist[layer], method, tpf, block), stored(v_hist[layer], method, tpf, block))
+            approx = _attend(current, stored(k_hist[layer], method, tpf, block),
+                             stored(v_hist[layer], method, tpf, block))
             diff = np.abs(approx - exact)
             acc = out[method]
             acc["max"] = max(acc["max"], float(diff.max()))

@@ -13,7 +13,7 @@ import pytest
 
 from arkv_jax import sharding as sh
 from arkv_jax.cache import PagedKVCache
-from arkv_jax.config import KV_DTYPES, CacheGeometry
+from arkv_jax.config import KV_DTYPES
 from arkv_jax.models import MODEL_CONFIGS, init_random
 from arkv_jax.planner import rollout_plan
 from arkv_jax.presets import get_preset
@@ -97,7 +97,7 @@ def run_poisoned(mesh, kv_dtype="int8"):
         poisoned = attention(cache, step, chunks)
         rows = {sid: [i for i, s in enumerate(step.session_ids) if s == sid] for sid in ("a", "c")}
         assert np.all(np.isfinite(poisoned))
-        for sid, r in rows.items():
+        for r in rows.values():
             np.testing.assert_array_equal(poisoned[r], clean[r])
         step.commit(*batch_kv(step, chunks))
     return {sid: clean[r] for sid, r in rows.items()}

@@ -6,7 +6,8 @@ inside the loop body and building a frame's padded last page there. 16-bit pools
 bits, bitcast inside the body. A quantized pool (:class:`pallas_kernels.layout.QuantizedPool`)
 gets each page quantized in the body from the chunk's own values (one scale per layer and head,
 :func:`pallas_kernels.layout.quantize_pages`; padding slots are zeros and do not move the scale),
-and the page's values and scales are written in place the same way. Semantics and shapes: :func:`pallas_kernels.paged_write.write_chunk`;
+and the page's values and scales are written in place the same way. Semantics and shapes:
+:func:`pallas_kernels.paged_write.write_chunk`;
 why a loop and not a scatter, and the other choices measured on CPU: ``docs/kernels.md`` (Paged
 chunk write).
 """

@@ -245,7 +245,8 @@ def test_malformed_quantized_pools_are_refused():
     with pytest.raises(ValueError, match="k_pool and v_pool must have the same dtype"):
         window_attention(**dict(case, v_pool=quantize_pages(dequantize_pool(vp), "float8_e5m2")), backend="xla")
     k_new, v_new = chunk(jnp.float32)
-    with pytest.raises(ValueError, match=r"k_new dtype \(the compute dtype a quantized pool is written from\) must be one of"):
+    written_from = r"k_new dtype \(the compute dtype a quantized pool is written from\) must be one of"
+    with pytest.raises(ValueError, match=written_from):
         write_chunk(kp, vp, k_new.astype(jnp.int8), v_new, jnp.ones((2, 4), jnp.int32), tokens_per_frame=TPF,
                     backend="xla")
 
