@@ -14,7 +14,10 @@ updates run one after another inside a loop, so the ratios also measure that par
 on 2 cores (2026-11-30): fp32 30 layers 0.42-0.66, bf16 30 layers 0.89-1.17; pinned to one core
 (``taskset -c 0``) every case is 0.87-0.96.
 - ``temp_bytes_fraction``: compiled temp bytes / pool bytes (goal < 0.01);
-- ``aliased_pool_fraction``: aliased bytes / pool bytes (goal 1.0).
+- ``aliased_pool_fraction``: aliased bytes / pool bytes (goal 1.0);
+- ``int8_vs_bf16_write`` / ``fp8_vs_bf16_write``: time of the write into int8 / float8_e4m3fn pages
+  (quantized in the write, one scale per page) over the write into bf16 pages, the same bf16 chunk,
+  timed in alternation (goal <= 1.3), with the quantized writes' own temp and alias fractions.
 
 ``--gpu`` (NVIDIA GPU only; refuses otherwise): at the Wan-1.3B shape (30 layers, 12 KV heads, head
 dim 128, bf16, 3 frames of 1,560 tokens per row, ``--block-size`` 16 by default, i.e. 98 pages per
@@ -37,7 +40,7 @@ import numpy as np
 from jax import lax
 
 from benchmarks.harness import emit, median_seconds, parse_args, print_table, require_gpu
-from pallas_kernels.layout import PAGE_AXIS, pool_geometry, pool_shape, set_pages
+from pallas_kernels.layout import PAGE_AXIS, pool_geometry, pool_shape, set_pages, zero_pool
 from pallas_kernels.paged_write import pages_per_frame, write_chunk
 
 
@@ -117,7 +120,7 @@ def donated_runner(fn: Callable, pools: tuple, rest: tuple) -> Callable[[], Any]
     """A no-argument call of ``fn(*pools, *rest)`` jitted with the pools donated, threading the
     returned pools into the next call (each call is in place, as in a real step)."""
     step = jax.jit(fn, donate_argnums=(0, 1))
-    state = {"pools": tuple(jnp.copy(p) for p in pools)}
+    state = {"pools": jax.tree_util.tree_map(jnp.copy, tuple(pools))}
 
     def call():
         state["pools"] = step(*state["pools"], *rest)
@@ -139,9 +142,10 @@ def interleaved_seconds(runners: dict[str, Callable], reps: int, rounds: int) ->
 
 
 def memory_figures(fn: Callable, args: tuple) -> dict[str, float]:
-    """Aliased and temp bytes of ``fn`` jitted with the pools donated, as fractions of the pools."""
+    """Aliased and temp bytes of ``fn`` jitted with the pools donated, as fractions of the pools
+    (a quantized pool's values and scales)."""
     analysis = jax.jit(fn, donate_argnums=(0, 1)).lower(*args).compile().memory_analysis()
-    pool_bytes = args[0].nbytes + args[1].nbytes
+    pool_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(args[:2]))
     return {"aliased_pool_fraction": analysis.alias_size_in_bytes / pool_bytes,
             "temp_bytes_fraction": analysis.temp_size_in_bytes / pool_bytes}
 
@@ -191,12 +195,42 @@ def bench_cpu(quick: bool, reps: int, rounds: int) -> dict[str, Any]:
           "them while the write's page updates run one after another in a loop; pin the process to "
           "one core (taskset -c 0) to compare like with like.")
     main = figures["bf16_30L_T16"]
-    return {"xla_vs_copy_ratio": main["xla_vs_copy_ratio"],
+    quantized = bench_quantized(num_pages, rows, reps, rounds)
+    return {**quantized, "xla_vs_copy_ratio": main["xla_vs_copy_ratio"],
             "temp_bytes_fraction": main["temp_bytes_fraction"],
             "aliased_pool_fraction": main["aliased_pool_fraction"],
             "cases": figures,
             "shape": {"num_pages": num_pages, "rows": rows, "frames": 3, "block_size": 16,
                       "kv_heads": 12, "head_dim": 128}}
+
+
+#: Quantized page dtypes the CPU benchmark writes, by the prefix of their JSON keys.
+_QUANTIZED = {"int8": "int8", "fp8": "float8_e4m3fn"}
+
+
+def bench_quantized(num_pages: int, rows: int, reps: int, rounds: int) -> dict[str, Any]:
+    """The bf16 chunk of the main CPU case (30 layers, T=16) written into bf16, int8 and fp8 pages,
+    timed in alternation; the quantized writes' times over the bf16 write's, and their memory."""
+    geometry = dict(layers=30, num_pages=num_pages, block_size=16, kv_heads=12, head_dim=128, rows=rows,
+                    frames=3, tokens_per_frame=16)
+    k_pool, v_pool, k_new, v_new, page_ids = make_inputs(**geometry, dtype=jnp.bfloat16)
+    write = functools.partial(write_chunk, tokens_per_frame=16, backend="xla")
+    pools = {"bf16": (k_pool, v_pool)}
+    pools.update({key: (zero_pool(k_pool.shape, dtype), zero_pool(k_pool.shape, dtype))
+                  for key, dtype in _QUANTIZED.items()})
+    seconds = interleaved_seconds({key: donated_runner(write, pair, (k_new, v_new, page_ids))
+                                   for key, pair in pools.items()}, reps, rounds)
+    out, table = {}, []
+    for key in _QUANTIZED:
+        memory = memory_figures(write, (*pools[key], k_new, v_new, page_ids))
+        out[f"{key}_vs_bf16_write"] = seconds[key] / seconds["bf16"]
+        out[f"{key}_write_temp_bytes_fraction"] = memory["temp_bytes_fraction"]
+        out[f"{key}_write_aliased_pool_fraction"] = memory["aliased_pool_fraction"]
+        table.append([_QUANTIZED[key], seconds[key] * 1e3, seconds[key] / seconds["bf16"],
+                      memory["temp_bytes_fraction"], memory["aliased_pool_fraction"]])
+    print(f"bf16 chunk into quantized pages (30 layers, T=16; bf16 pages: {seconds['bf16'] * 1e3:.2f} ms)")
+    print_table(["pages", "write ms", "vs bf16 pages (goal <= 1.3)", "temp frac", "alias frac"], table)
+    return out
 
 
 # Wan-1.3B at 480x832: 30 layers, 12 KV heads of 128, 3 latent frames of 1,560 tokens per chunk.

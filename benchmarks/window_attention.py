@@ -4,7 +4,10 @@ CPU (default): the XLA paged path (``backend="xla"``: history gathered through t
 float32-softmax attention) vs
 ``jax.nn.dot_product_attention`` on the visible history + current chunk laid out contiguously, both
 jitted, timed in the same run (alternating runs, medians). The figure of merit is
-``xla_paged_vs_dense_ratio`` = paged time / dense time (goal <= 1.15).
+``xla_paged_vs_dense_ratio`` = paged time / dense time (goal <= 1.15). Beside them the same history
+in int8 and float8_e4m3fn pages (one scale per page, dequantized after the gather):
+``int8_vs_plain_xla_ratio`` / ``fp8_vs_plain_xla_ratio`` = their time over the plain pool's (the
+shape's dtype, float32 on the CPU shapes: the CPU has no native bf16; goal <= 1.3).
 
 ``--gpu`` (NVIDIA GPU only; refuses otherwise): the Pallas GPU kernel (``backend="pallas_gpu"``)
 vs ``jax.nn.dot_product_attention(..., implementation="cudnn")`` at the Wan-1.3B shape (12 heads,
@@ -30,10 +33,12 @@ import numpy as np
 
 from benchmarks.harness import emit, median_seconds, parse_args, print_table, require_gpu
 from pallas_kernels.common import pages_per_frame
-from pallas_kernels.layout import from_token_major
+from pallas_kernels.layout import from_token_major, quantize_pages
 from pallas_kernels.window_attention import window_attention
 
 H200_PEAK_TFLOPS = 790.0
+#: Quantized page dtypes the CPU benchmark reads, by the prefix of their JSON keys.
+QUANTIZED = {"int8": "int8", "fp8": "float8_e4m3fn"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,17 +165,23 @@ def cpu_benchmark(args) -> dict:
     reps = args.reps or 15
     inputs = make_inputs(shape, args.block_size)
     fns = {"xla_paged": paged_fn(inputs, "xla"), "dense": dense_fn(inputs)}
-    diff = max_abs_diff(fns["xla_paged"], fns["dense"])
+    for key, dtype in QUANTIZED.items():
+        fns[f"xla_paged_{key}"] = paged_fn(dict(inputs, k_pool=quantize_pages(inputs["k_pool"], dtype),
+                                                v_pool=quantize_pages(inputs["v_pool"], dtype)), "xla")
+    diffs = {name: max_abs_diff(fns[name], fns["dense"]) for name in fns if name != "dense"}
     times = interleaved_medians(fns, reps)
     ratio = times["xla_paged"] / times["dense"]
     print(f"shape {shape}, block_size {args.block_size}, {reps} alternating reps")
-    print_table(["path", "median ms", "GFLOP/s"],
-                [[name, t * 1e3, shape.flops() / t / 1e9] for name, t in times.items()])
-    print(f"xla_paged_vs_dense_ratio {ratio:.3f} (goal <= 1.15); max |paged - dense| {diff:.2e}")
+    print_table(["path", "median ms", "GFLOP/s", "max |x - dense|"],
+                [[name, t * 1e3, shape.flops() / t / 1e9, diffs.get(name, 0.0)] for name, t in times.items()])
+    quantized = {f"{key}_vs_plain_xla_ratio": times[f"xla_paged_{key}"] / times["xla_paged"] for key in QUANTIZED}
+    print(f"xla_paged_vs_dense_ratio {ratio:.3f} (goal <= 1.15); max |paged - dense| {diffs['xla_paged']:.2e}; "
+          + ", ".join(f"{k} {v:.3f}" for k, v in quantized.items()) + " (goal <= 1.3)")
     return {"mode": "cpu", "shape": dataclasses.asdict(shape), "block_size": args.block_size,
             "reps": reps, "xla_paged_ms": times["xla_paged"] * 1e3,
             "dense_ms": times["dense"] * 1e3, "xla_paged_vs_dense_ratio": ratio,
-            "max_abs_diff": diff}
+            "max_abs_diff": diffs["xla_paged"], **quantized,
+            **{f"{key}_max_abs_diff": diffs[f"xla_paged_{key}"] for key in QUANTIZED}}
 
 
 def gpu_benchmark(args) -> dict:

@@ -42,7 +42,7 @@ SCALE_ITEMSIZE = int(np.dtype(SCALE_DTYPE).itemsize)
 def dtype_name(dtype) -> str | None:
     """The canonical name of ``dtype`` (a string, NumPy or JAX dtype), or ``None`` where it is not a
     dtype at all."""
-    if dtype is None or isinstance(dtype, bool):
+    if dtype is None:  # jnp.dtype(None) is float64
         return None
     try:
         return jnp.dtype(dtype).name

@@ -6,7 +6,8 @@ inside the loop body and building a frame's padded last page there. 16-bit pools
 bits, bitcast inside the body. A quantized pool (:class:`pallas_kernels.layout.QuantizedPool`)
 gets each page quantized in the body from the chunk's own values (one scale per layer and head,
 :func:`pallas_kernels.layout.quantize_pages`; padding slots are zeros and do not move the scale),
-and the page's values and scales are written in place the same way. Semantics and shapes:
+and the page's values (as uint8 bits: XLA:CPU updates float8 arrays in place hundreds of times
+slower) and scales are written in place the same way. Semantics and shapes:
 :func:`pallas_kernels.paged_write.write_chunk`;
 why a loop and not a scatter, and the other choices measured on CPU: ``docs/kernels.md`` (Paged
 chunk write).
@@ -48,7 +49,10 @@ def write_chunk(k_pool, v_pool, k_frames, v_frames, ids, ppf: int):
         bits, zero-padded if a frame's last; quantized (a one-page ``QuantizedPool``) for a
         quantized pool."""
         page = from_token_major(token_page_at(frames, i))
-        return quantize_pages(page, k_pool.dtype) if quantized else page
+        if not quantized:
+            return page
+        values, scales = quantize_pages(page, k_pool.dtype)  # values as raw bits: XLA:CPU moves
+        return QuantizedPool(lax.bitcast_convert_type(values, jnp.uint8), scales)  # float8 very slowly
 
     def token_page_at(frames, i):
         """Page ``i`` of the chunk, ``[L, 1, S, H, D]`` (raw bits unless quantized)."""
