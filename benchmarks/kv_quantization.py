@@ -22,6 +22,12 @@ with the float32 history: max and mean abs error over all layers, and the mean a
 to the mean output magnitude. The table also gives each layout's bytes per history token per KV
 head (values + scales) at this head dim and at Wan's (128).
 
+Then whole paged rollouts: the ``tiny`` preset's two CFG sessions (float32 model, XLA backend) for
+``--rollout-chunks`` chunks (default 16; 8 with ``--quick``) with the pages stored in float32,
+bfloat16, int8 and each fp8, and each run's latents against the float32 pages' run:
+``bf16_rollout_max_abs_diff``, ``int8_rollout_max_abs_diff``, ``fp8_rollout_max_abs_diff``
+(float8_e4m3fn; e5m2 beside it).
+
 ``--quick`` (the CI form, under a minute on 2 cores) generates 5 chunks (the window is full after
 4); the default 8. Run: ``python -m benchmarks.kv_quantization [--quick]``. The figures and the
 choice they support are in ``docs/kernels.md`` (Quantized pages).
@@ -29,14 +35,21 @@ choice they support are in ``docs/kernels.md`` (Quantized pages).
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from arkv_jax.cache import PagedKVCache
+from arkv_jax.models import MODEL_CONFIGS
 from arkv_jax.models.dit import init_random
 from arkv_jax.nnx import masked_attention
+from arkv_jax.planner import rollout_plan
+from arkv_jax.presets import get_preset
 from arkv_jax.reference import FullRecompute
+from arkv_jax.rollout import Rollout
 from arkv_jax.samplers import Sampler
 from benchmarks import harness
 from benchmarks.rollout import SHAPES, ContiguousHistory, ContiguousRollout
@@ -160,9 +173,42 @@ def bytes_per_token(method: str, head_dim: int, block_size: int) -> float:
     return head_dim + SCALE_ITEMSIZE / per_scale_tokens
 
 
+def tiny_rollout(model, kv_dtype: str | None, chunks: int) -> np.ndarray:
+    """``[2, chunks * F, H, W, C]``: two sessions of the ``tiny`` preset (CFG, 3 steps, XLA backend)
+    over ``chunks`` chunks, their pages stored as ``kv_dtype`` (``None``: the model's dtype)."""
+    preset = get_preset("tiny")
+    geometry = dataclasses.replace(preset.geometry, kv_dtype=kv_dtype)
+    plan = rollout_plan(geometry, preset.window, preset.kv_branches, preset.cross_attention, 2)
+    cache = PagedKVCache(geometry, preset.window, preset.kv_branches, preset.cross_attention, plan=plan,
+                         backend="xla")
+    rollout = Rollout(model, cache, Sampler(num_steps=3, guidance_scale=3.0), max_traces=1)
+    rollout.join("a", "a red fox in the snow", seed=1)
+    rollout.join("b", "a city at night", seed=2)
+    for _ in range(chunks):
+        rollout.step()
+    return np.stack([rollout.leave("a"), rollout.leave("b")])
+
+
+#: Page dtypes of the rollout comparison, by the prefix of their JSON keys.
+ROLLOUT_PAGES = {"bf16": "bfloat16", "int8": "int8", "fp8": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+
+
+def rollout_errors(chunks: int) -> dict:
+    """Max and mean abs difference of each :data:`ROLLOUT_PAGES` rollout's latents from the float32
+    pages' rollout (the tiny model in float32)."""
+    model = init_random(MODEL_CONFIGS["tiny"], seed=0)
+    exact = tiny_rollout(model, None, chunks).astype(np.float64)
+    out = {}
+    for key, dtype in ROLLOUT_PAGES.items():
+        diff = np.abs(tiny_rollout(model, dtype, chunks).astype(np.float64) - exact)
+        out[f"{key}_rollout_max_abs_diff"] = float(diff.max())
+        out[f"{key}_rollout_mean_abs_diff"] = float(diff.mean())
+    out["rollout_mean_abs_latent"] = float(np.abs(exact).mean())
+    return out
+
+
 def main(argv=None) -> None:
-    args = harness.parse_args(__doc__.splitlines()[0], argv, extra=lambda p: p.add_argument(
-        "--chunks", type=int, default=None, help="chunks generated before the measurement (default 8; 5 with --quick)"))
+    args = harness.parse_args(__doc__.splitlines()[0], argv, extra=_extra_flags)
     chunks = args.chunks or (5 if args.quick else 8)
     captured = capture(chunks)
     shape = captured["shape"]
@@ -181,9 +227,24 @@ def main(argv=None) -> None:
                      bytes_per_token(method, 128, 1560 if method.endswith("page") else 1)])
     harness.print_table(["pool", "max abs", "mean abs", "mean rel", "x bf16 mean", f"B/token/head (D={m.head_dim})",
                          "B/token/head (wan)"], rows)
+    rollout_chunks = args.rollout_chunks or (8 if args.quick else 16)
+    rollout = rollout_errors(rollout_chunks)
+    print(f"tiny paged rollouts, 2 sessions x {rollout_chunks} chunks, latents vs float32 pages "
+          f"(mean |latent| {rollout['rollout_mean_abs_latent']:.3f})")
+    harness.print_table(["pages", "max abs", "mean abs"],
+                        [[dtype, rollout[f"{key}_rollout_max_abs_diff"], rollout[f"{key}_rollout_mean_abs_diff"]]
+                         for key, dtype in ROLLOUT_PAGES.items()])
     figures = {"benchmark": "kv_quantization", "chunks": chunks, "errors": result,
-               "mean_abs_vs_bf16": {k: v["mean_abs"] / bf16 for k, v in result.items()}}
+               "mean_abs_vs_bf16": {k: v["mean_abs"] / bf16 for k, v in result.items()},
+               "rollout_chunks": rollout_chunks, **rollout}
     harness.emit(figures)
+
+
+def _extra_flags(parser) -> None:
+    parser.add_argument("--chunks", type=int, default=None,
+                        help="chunks generated before the attention measurement (default 8; 5 with --quick)")
+    parser.add_argument("--rollout-chunks", type=int, default=None,
+                        help="chunks of the rollout comparison (default 16; 8 with --quick)")
 
 
 if __name__ == "__main__":

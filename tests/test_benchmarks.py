@@ -24,13 +24,15 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 #: Benchmarks that run on the CPU: the keys their last JSON line must have.
 CPU_QUICK = {
-    "kv_quantization": ("benchmark", "chunks", "errors", "mean_abs_vs_bf16", "machine"),
+    "kv_quantization": ("benchmark", "chunks", "errors", "mean_abs_vs_bf16", "bf16_rollout_max_abs_diff",
+                        "int8_rollout_max_abs_diff", "fp8_rollout_max_abs_diff", "machine"),
     "orchestration": ("us_per_session_chunk", "us_per_chunk_by_video_length", "length_ratio_100k_vs_100",
                       "facade_us_per_session_chunk", "machine"),
     "paged_write": ("benchmark", "mode", "xla_vs_copy_ratio", "temp_bytes_fraction", "aliased_pool_fraction",
-                    "cases", "machine"),
+                    "cases", "int8_vs_bf16_write", "fp8_vs_bf16_write", "int8_write_aliased_pool_fraction",
+                    "machine"),
     "window_attention": ("mode", "xla_paged_ms", "dense_ms", "xla_paged_vs_dense_ratio", "max_abs_diff",
-                         "machine"),
+                         "int8_vs_plain_xla_ratio", "fp8_vs_plain_xla_ratio", "int8_max_abs_diff", "machine"),
     "rollout": ("benchmark", "ms_per_chunk", "paged_over_contiguous", "recompute_over_paged", "persistent_bytes",
                 "peak_bytes", "paged_contiguous_max_abs_diff", "one_live_in_16_slots_vs_one_slot",
                 "sixteen_live_vs_sixteen_single", "idle_slots", "converted_rollout_max_abs_diff", "machine"),
@@ -111,6 +113,7 @@ def test_quick_form_runs_and_ends_with_json(name):
         assert set(figures["errors"]) == {"bf16"} | {f"{d}/{g}" for d in ("int8", "float8_e4m3fn", "float8_e5m2")
                                                      for g in ("page", "token")}
         assert 0 < figures["mean_abs_vs_bf16"]["int8/page"] < 10
+        assert 0 < figures["int8_rollout_max_abs_diff"] < 1e-2 and 0 < figures["bf16_rollout_max_abs_diff"] < 1e-2
     if name == "sharding":  # both process jobs ran; each process of two holds half the pools, devices alike
         jobs = figures["processes"]
         assert set(jobs) == {"1x8", "2x4"}, jobs

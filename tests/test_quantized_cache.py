@@ -17,8 +17,7 @@ from arkv_jax.config import KV_DTYPES
 from arkv_jax.models import MODEL_CONFIGS, init_random
 from arkv_jax.planner import rollout_plan
 from arkv_jax.presets import get_preset
-from arkv_jax.rollout import Rollout
-from arkv_jax.samplers import Sampler
+from benchmarks.kv_quantization import tiny_rollout
 from pallas_kernels.layout import QuantizedPool, page_mask, pool_geometry
 from tests.test_sharded_cache import CFG, GEOMETRY, TEXT, WINDOW, attention, batch_kv, mesh_of
 
@@ -117,27 +116,13 @@ def test_free_and_foreign_pages_never_reach_the_output_sharded_or_not():
 # The rollout
 
 
-def tiny_rollout(model, kv_dtype, chunks=8):
-    """Two sessions x ``chunks`` chunks of the tiny preset (CFG, 3 steps), XLA backend."""
-    geometry = dataclasses.replace(PRESET.geometry, kv_dtype=kv_dtype)
-    plan = rollout_plan(geometry, PRESET.window, PRESET.kv_branches, PRESET.cross_attention, 2)
-    cache = PagedKVCache(geometry, PRESET.window, PRESET.kv_branches, PRESET.cross_attention, plan=plan,
-                         backend="xla")
-    rollout = Rollout(model, cache, Sampler(num_steps=3, guidance_scale=3.0), max_traces=1)
-    rollout.join("a", "a red fox in the snow", seed=1)
-    rollout.join("b", "a city at night", seed=2)
-    for _ in range(chunks):
-        rollout.step()
-    return np.stack([rollout.leave("a"), rollout.leave("b")])
-
-
 @pytest.mark.slow
 def test_an_int8_rollout_stays_close_to_the_float32_one():
     """8 chunks (the window of 2 sink + 6 frames fills and slides), both sessions: measured max abs
     difference 2.9e-3 (mean 3.7e-4) against the float32 pool's latents (mean |latent| 1.6), below the
     bf16 pool's own 4.3e-3 on the same run; fp8 e4m3fn 1.5e-2, e5m2 2.6e-2."""
     model = init_random(MODEL_CONFIGS["tiny"], seed=0)
-    exact, int8 = tiny_rollout(model, None), tiny_rollout(model, "int8")
+    exact, int8 = tiny_rollout(model, None, 8), tiny_rollout(model, "int8", 8)
     diff = np.abs(int8.astype(np.float64) - exact)
     assert np.all(np.isfinite(int8)) and int8.shape == exact.shape
     assert 0 < diff.max() < 1e-2 and diff.mean() < 1e-3  # quantized (not equal), and close
