@@ -446,6 +446,9 @@ def _add_generate_parser(sub) -> None:
                         "Self-Forcing / CausVid / LongLive generators run)")
     p.add_argument("--fps", type=_positive_int, default=16, help="frames per second of the mp4 (default 16)")
     p.add_argument("--backend", default="auto", choices=BACKEND_NAMES, help="kernel backend (default auto)")
+    p.add_argument("--kv-dtype", choices=KV_DTYPES, default=None,
+                   help="store the K/V pages as int8 or fp8 (one scale per page; the xla backend only) or another "
+                        "float dtype (default: the model's dtype)")
     p.add_argument("--allow-pickle", action="store_true",
                    help="let torch unpickle arbitrary objects from a --generator file (trusted files only)")
     p.set_defaults(run=_run_generate, command_parser=p)
@@ -467,7 +470,7 @@ def _run_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
                               random_tiny=args.random_tiny, prompt_at=switches, frames=args.frames, seed=args.seed,
                               sessions=args.sessions, out=args.out, steps=args.steps, guidance=args.guidance,
                               fps=args.fps, backend=args.backend, allow_pickle=args.allow_pickle,
-                              switch_sink=args.switch_sink)
+                              switch_sink=args.switch_sink, kv_dtype=args.kv_dtype)
     except generate.GenerateError as error:  # refused before the run, or a checkpoint that does not load
         parser.error(str(error))
     return 0

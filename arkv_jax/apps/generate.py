@@ -32,13 +32,15 @@ from arkv_jax.apps.compile_clock import CompileClock, Phase
 from arkv_jax.apps.platforms import check_backend
 from arkv_jax.cache import PagedKVCache
 from arkv_jax.cache.recache import SINK_MODES
-from arkv_jax.config import CacheGeometry, CrossAttentionSpec, KVBranch, WindowPolicy
+from arkv_jax.config import CacheGeometry, CrossAttentionSpec, KVBranch, WindowPolicy, canonical_kv_dtype
 from arkv_jax.models import vae as vae_lib
 from arkv_jax.models.dit import MODEL_CONFIGS, CausalDiT
 from arkv_jax.models.dit import init_random as init_random_dit
 from arkv_jax.planner import format_bytes, rollout_plan
 from arkv_jax.presets import get_preset
 from arkv_jax.rollout import Rollout, Sampler
+from pallas_kernels.backend import check_quantized_pools, resolve_backend
+from pallas_kernels.quantization import is_quantized
 
 #: Frames per second of the written videos (Wan 2.1's 16 fps).
 DEFAULT_FPS = 16
@@ -446,6 +448,7 @@ class Request:
     backend: str
     switch_sink: str
     allow_pickle: bool
+    kv_dtype: str | None = None
 
     @property
     def session_ids(self) -> list[str]:
@@ -455,12 +458,13 @@ class Request:
 def validate_request(*, prompts: Sequence[str], checkpoint, generator, random_tiny: bool,
                      prompt_at: Mapping[int, str] | None, frames: int | None, seed: int, sessions: int, out,
                      steps: int | None, guidance: float | None, fps: int, backend: str, allow_pickle: bool,
-                     switch_sink: str) -> Request:
+                     switch_sink: str, kv_dtype: str | None = None) -> Request:
     """Every check :func:`run_generate` makes before it loads or builds anything.
 
     Raises:
       GenerateError: bad counts, a guidance scale that is not positive and finite, frames not a
         multiple of the chunk, a switch outside the run, a compiled backend for another platform,
+        an unknown ``kv_dtype`` or a quantized one on a backend that does not read quantized pages,
         an incomplete checkpoint, an output that cannot be written, no ffmpeg.
     """
     if random_tiny == (checkpoint is not None):
@@ -473,8 +477,11 @@ def validate_request(*, prompts: Sequence[str], checkpoint, generator, random_ti
         raise GenerateError(f"sessions and fps must be >= 1 and seed >= 0, got {sessions}, {fps}, {seed}")
     if guidance is not None and not 0 < guidance < math.inf:
         raise GenerateError(f"--guidance must be a positive finite number, got {guidance}")
+    platform = jax.devices()[0].platform
     try:
-        check_backend(backend, jax.devices()[0].platform)
+        check_backend(backend, platform)
+        if kv_dtype is not None and is_quantized(canonical_kv_dtype(kv_dtype)):
+            check_quantized_pools("generate", backend, resolve_backend(backend, platform))
     except ValueError as error:
         raise GenerateError(str(error)) from None
     kind = "tiny" if random_tiny else "checkpoint"
@@ -498,7 +505,7 @@ def validate_request(*, prompts: Sequence[str], checkpoint, generator, random_ti
     session_prompts = {f"s{i}": prompts[i % len(prompts)] for i in range(sessions)}
     return Request(kind, files, session_prompts, switches, frames, chunk_frames, chunks, paths,
                    Sampler(num_steps=steps or DEFAULT_STEPS[kind], guidance_scale=guidance), guidance, seed, fps,
-                   backend, switch_sink, allow_pickle)
+                   backend, switch_sink, allow_pickle, kv_dtype)
 
 
 @dataclasses.dataclass
@@ -539,9 +546,10 @@ def build_run(request: Request, clock: CompileClock) -> Run:
                 else (KVBranch("main"),))
     cross = (CrossAttentionSpec("text", model.config.text_tokens),)
     ring_frame_bytes = int(np.prod(model.config.frame_shape)) * jnp.dtype(model.config.dtype).itemsize
-    plan = rollout_plan(pipeline.geometry, pipeline.window, branches, cross, len(request.prompts),
+    geometry = dataclasses.replace(pipeline.geometry, kv_dtype=request.kv_dtype)
+    plan = rollout_plan(geometry, pipeline.window, branches, cross, len(request.prompts),
                         latent_frame_bytes=ring_frame_bytes if request.switches else None)
-    cache = PagedKVCache(pipeline.geometry, pipeline.window, branches, cross, plan=plan, backend=request.backend)
+    cache = PagedKVCache(geometry, pipeline.window, branches, cross, plan=plan, backend=request.backend)
     h, w, _ = model.config.frame_shape
     decoder_caches = {sid: vae_lib.decoder_init_cache(pipeline.vae, h, w) for sid in request.session_ids}
     return Run(pipeline, contexts, encoded, encode, plan, cache, Rollout(model, cache, sampler, max_traces=1),
@@ -553,12 +561,15 @@ def run_generate(*, prompts: Sequence[str], checkpoint: str | pathlib.Path | Non
                  prompt_at: Mapping[int, str] | None = None, frames: int | None = None, seed: int = 0,
                  sessions: int = 1, out: str | pathlib.Path = "video.mp4", steps: int | None = None,
                  guidance: float | None = None, fps: int = DEFAULT_FPS, backend: str = "auto",
-                 allow_pickle: bool = False, switch_sink: str = "keep", stdout: TextIO | None = None,
-                 stderr: TextIO | None = None, progress: bool | None = None) -> GenerateResult:
+                 allow_pickle: bool = False, switch_sink: str = "keep", kv_dtype: str | None = None,
+                 stdout: TextIO | None = None, stderr: TextIO | None = None,
+                 progress: bool | None = None) -> GenerateResult:
     """Runs the command (the module docstring, ``docs/models.md``): :func:`validate_request`, :func:`build_run`,
     the chunk loop, the report. Session ``i`` gets ``prompts[i % len(prompts)]`` and noise seed
     ``seed + i``; ``prompt_at`` switches every session's prompt before the given chunks (1 and
-    later), with KV recache (``switch_sink``: ``"keep"`` or ``"recompute"`` the sink).
+    later), with KV recache (``switch_sink``: ``"keep"`` or ``"recompute"`` the sink). ``kv_dtype``
+    stores the K/V pages as int8 or fp8 (``docs/kernels.md``, Quantized pages; ``None``: the model's
+    dtype).
 
     Raises:
       GenerateError: what :func:`validate_request` refuses (before anything loads), or a checkpoint
@@ -568,7 +579,7 @@ def run_generate(*, prompts: Sequence[str], checkpoint: str | pathlib.Path | Non
     request = validate_request(prompts=prompts, checkpoint=checkpoint, generator=generator, random_tiny=random_tiny,
                                prompt_at=prompt_at, frames=frames, seed=seed, sessions=sessions, out=out,
                                steps=steps, guidance=guidance, fps=fps, backend=backend, allow_pickle=allow_pickle,
-                               switch_sink=switch_sink)
+                               switch_sink=switch_sink, kv_dtype=kv_dtype)
     with CompileClock() as clock:
         run = build_run(request, clock)
         decoder = run.pipeline.vae
