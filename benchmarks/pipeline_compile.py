@@ -76,11 +76,12 @@ def chip_report(generation: str, names, buckets) -> dict:
         price = pl.attention_pricer(pipeline, generation)
         plans[label] = plan = pl.plan_chip(pipeline, generation, buckets=buckets, kernel_seconds=price)
         for b in plan.buckets:
+            decode = pl.decode_seconds(b.decode, b.batch, price)
             row = dict(variant=label, batch=b.batch, fits=b.fits, transient_gib=b.transient_bytes / 2**30,
-                       chunk_xla_s=b.chunk.xla_seconds, decode_s=b.decode.xla_seconds,
+                       chunk_xla_s=b.chunk.xla_seconds, decode_s=decode,
                        unpriced=b.chunk.unpriced + b.decode.unpriced)
             if b.chunk_seconds is not None:
-                attention = b.chunk_seconds - b.chunk.xla_seconds - b.decode.xla_seconds \
+                attention = b.chunk_seconds - b.chunk.xla_seconds - decode \
                     - pl.commit_seconds(pipeline, b.batch, generation)
                 dit = b.chunk.xla_seconds + attention
                 per_stream, per_chip = b.video_fps(plan.frames_per_chunk)

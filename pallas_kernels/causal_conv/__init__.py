@@ -18,12 +18,12 @@ import jax.numpy as jnp
 
 from pallas_kernels.backend import Backend, resolve_backend
 from pallas_kernels.causal_conv import tpu, xla
-from pallas_kernels.causal_conv.geometry import ConvGeometry, geometry_of_kernel, kernel_name
+from pallas_kernels.causal_conv.geometry import KERNEL_PREFIX, ConvGeometry, geometry_of_kernel, kernel_name
 from pallas_kernels.causal_conv.xla import CACHE_FRAMES
 from pallas_kernels.checks import require_int
 from pallas_kernels.common import check_rank, check_supported_dtype
 
-__all__ = ["CACHE_FRAMES", "IMPLEMENTATIONS", "ConvGeometry", "causal_conv3d", "geometry_of_kernel",
+__all__ = ["CACHE_FRAMES", "IMPLEMENTATIONS", "KERNEL_PREFIX", "ConvGeometry", "causal_conv3d", "geometry_of_kernel",
            "kernel_name", "static_validate_inputs"]
 
 
