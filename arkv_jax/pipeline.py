@@ -58,6 +58,11 @@ class Pipeline:
       text_on_device: whether the text encoder's weights stay on the chip (else it runs on the
         host, once per prompt, and only its output moves).
       backend: the window-attention backend the programs use (:mod:`pallas_kernels.backend`).
+      vae_backend: the backend of the VAE decoder's causal convolutions
+        (:func:`arkv_jax.models.vae.decode_chunk`). XLA by default: compiled at Wan 2.1's shape,
+        the TPU kernel made the decode faster but its temporaries larger than this project allows
+        (v6e 2.33 -> 3.23 GiB with the 384-channel convolutions on the kernel; see
+        ``docs/kernels.md``, Causal convolution).
     """
 
     preset: ModelPreset
@@ -67,6 +72,7 @@ class Pipeline:
     sampler: Sampler
     text_on_device: bool = False
     backend: str = "pallas_tpu"
+    vae_backend: str = "xla"
 
     def __post_init__(self):
         require_bool("text_on_device", self.text_on_device)
@@ -178,7 +184,7 @@ def chunk_program(pipeline: Pipeline, sessions: int, num_pages: int, sharding=No
 def decode_program(pipeline: Pipeline, sessions: int, sharding=None):
     """One chunk's streaming VAE decode for ``sessions`` streams past their first chunk
     (``F`` latent frames to ``4 F`` pixel frames each), as :func:`arkv_jax.models.vae.decode_chunk`
-    runs it with the cache donated and the pipeline's backend: ``(fn, args, donate_argnums)``."""
+    runs it with the cache donated and the pipeline's ``vae_backend``: ``(fn, args, donate_argnums)``."""
     require_positive("sessions", sessions)
     graphdef, params = _abstract(vae_model.WanVAEDecoder, pipeline.vae)
     f, h, w, _ = pipeline.latent_shape
@@ -189,7 +195,7 @@ def decode_program(pipeline: Pipeline, sessions: int, sharding=None):
 
     def fn(params, cache, latents):
         return vae_model.decode_chunk(nnx.merge(graphdef, params), cache, latents, donate_cache=True,
-                                      backend=pipeline.backend)
+                                      backend=pipeline.vae_backend)
 
     return fn, args, (1,)
 

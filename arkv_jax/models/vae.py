@@ -562,7 +562,7 @@ _decode_chunk_donating = jax.jit(_decode_chunk_impl, static_argnums=(0, 4, 5), d
 
 
 def decode_chunk(decoder: WanVAEDecoder, cache: DecoderCache, latents, *, per_frame: bool = True,
-                 donate_cache: bool = False, backend: str = "auto") -> tuple[Array, DecoderCache]:
+                 donate_cache: bool = False, backend: str = "xla") -> tuple[Array, DecoderCache]:
     """Jitted :meth:`WanVAEDecoder.__call__`: ``(frames, cache)`` of the next chunk of normalised
     latents ``[F, h, w, z_dim]`` (or ``[B, F, h, w, z_dim]`` with a cache from
     ``decoder_init_cache(..., batch_size=B)``). Compiles once per (started, chunk shape).
@@ -571,8 +571,10 @@ def decode_chunk(decoder: WanVAEDecoder, cache: DecoderCache, latents, *, per_fr
     1.76 GiB in bfloat16: :func:`stream_cache_bytes`, ``WanVAEConfig.cache_dtype``);
     ``donate_cache=True`` lets XLA write the new cache over the old one's buffers (the ``cache``
     passed in is then consumed and must not be used again). ``backend`` (a name of
-    :data:`pallas_kernels.backend.BACKEND_NAMES`; ``"auto"``: the TPU kernel on a TPU, XLA
-    elsewhere) runs the 3x3x3 causal convolutions (:class:`CausalConv3d`)."""
+    :data:`pallas_kernels.backend.BACKEND_NAMES`) runs the 3x3x3 causal convolutions
+    (:class:`CausalConv3d`); the default is ``"xla"`` on every platform: compiled for v5e and v6e
+    at Wan 2.1's shape, the TPU kernel (``"pallas_tpu"``) made the decode faster but its
+    temporaries 30-40 % larger (``docs/kernels.md``, Causal convolution)."""
     latents = jnp.asarray(latents)
     if latents.ndim not in (4, 5) or latents.shape[-1] != decoder.config.z_dim:
         raise ValueError(f"latents must be [F, h, w, {decoder.config.z_dim}] or [B, F, h, w, "
