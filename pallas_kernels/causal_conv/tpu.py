@@ -40,9 +40,10 @@ LANES = 128
 DEFAULT_BLOCK_H = 8
 """Output rows per grid step unless the call says otherwise."""
 MIN_VMEM_LIMIT = 32 << 20
+"""Least scoped-VMEM limit a call asks for (v6e's default)."""
 MAX_VMEM_LIMIT = 100 << 20
-"""The scoped-VMEM limit a call asks for is twice its estimate (:func:`vmem_bytes`), within
-``[MIN_VMEM_LIMIT, MAX_VMEM_LIMIT]`` (both chips have about 128 MiB of VMEM)."""
+"""Most scoped-VMEM limit a call asks for: a call asks for twice its estimate (:func:`vmem_bytes`)
+within ``[MIN_VMEM_LIMIT, MAX_VMEM_LIMIT]`` (both chips have about 128 MiB of VMEM)."""
 
 
 def pack_weights(kernel, dtype):
