@@ -223,3 +223,22 @@ def test_a_loop_carrying_the_cache_keeps_one_copy(gen):
     assert report.pool_copies == 0
     assert report.alias_bytes == cache_bytes
     assert report.temp_bytes < cache_bytes
+
+
+@needs_libtpu
+@pytest.mark.slow
+@pytest.mark.parametrize("gen", ["v5e", "v6e"])
+def test_the_bundle_estimate_prices_the_rows(gen):
+    """The estimate finds the grid loop around the row loop in the kernel's bundles and charges each
+    output row at least the padded product at the MXU's peak, each grid step its overhead."""
+    from pallas_kernels.causal_conv import tpu_estimate as conv_estimate
+    from pallas_kernels.window_attention.tpu_estimate import estimate
+
+    geom = WAN_LOW_RES
+    result = estimate(geom, "bfloat16", gen)
+    chip = tpu_aot.CHIPS[gen]
+    rows = geom.frames * geom.height
+    floor = rows * conv_estimate.row_floor_cycles(geom, 3 * round_up(geom.out_channels, 128), gen) / chip.clock_hz
+    assert result.grid_steps == geom.frames * -(-geom.height // conv_tpu.DEFAULT_BLOCK_H)
+    assert floor + result.grid_steps * tpu_aot.GRID_STEP_SECONDS < result.seconds < 3 * floor
+    assert f"{rows} rows" in result.note
