@@ -32,6 +32,8 @@ from arkv_jax.presets import ModelPreset, get_preset
 from arkv_jax.rollout import ChunkConfig, generate_chunk, recache_kv
 from arkv_jax.samplers import Sampler
 from arkv_jax.step import ChunkInputs
+from pallas_kernels import causal_conv
+from pallas_kernels.causal_conv import ConvGeometry
 from pallas_kernels.context_attention import ContextGeometry
 from pallas_kernels.layout import pool_shape
 from pallas_kernels.window_attention.geometry import WindowGeometry
@@ -56,6 +58,11 @@ class Pipeline:
       text_on_device: whether the text encoder's weights stay on the chip (else it runs on the
         host, once per prompt, and only its output moves).
       backend: the window-attention backend the programs use (:mod:`pallas_kernels.backend`).
+      vae_backend: the backend of the VAE decoder's causal convolutions
+        (:func:`arkv_jax.models.vae.decode_chunk`). XLA by default: compiled at Wan 2.1's shape,
+        the TPU kernel made the decode faster but its temporaries larger than this project allows
+        (v6e 2.33 -> 3.23 GiB with the 384-channel convolutions on the kernel; see
+        ``docs/kernels.md``, Causal convolution).
     """
 
     preset: ModelPreset
@@ -65,6 +72,7 @@ class Pipeline:
     sampler: Sampler
     text_on_device: bool = False
     backend: str = "pallas_tpu"
+    vae_backend: str = "xla"
 
     def __post_init__(self):
         require_bool("text_on_device", self.text_on_device)
@@ -176,7 +184,7 @@ def chunk_program(pipeline: Pipeline, sessions: int, num_pages: int, sharding=No
 def decode_program(pipeline: Pipeline, sessions: int, sharding=None):
     """One chunk's streaming VAE decode for ``sessions`` streams past their first chunk
     (``F`` latent frames to ``4 F`` pixel frames each), as :func:`arkv_jax.models.vae.decode_chunk`
-    runs it with the cache donated: ``(fn, args, donate_argnums)``."""
+    runs it with the cache donated and the pipeline's ``vae_backend``: ``(fn, args, donate_argnums)``."""
     require_positive("sessions", sessions)
     graphdef, params = _abstract(vae_model.WanVAEDecoder, pipeline.vae)
     f, h, w, _ = pipeline.latent_shape
@@ -186,7 +194,8 @@ def decode_program(pipeline: Pipeline, sessions: int, sharding=None):
     args = jax.tree_util.tree_map(_spec(sharding), (params, cache, latents))
 
     def fn(params, cache, latents):
-        return vae_model.decode_chunk(nnx.merge(graphdef, params), cache, latents, donate_cache=True)
+        return vae_model.decode_chunk(nnx.merge(graphdef, params), cache, latents, donate_cache=True,
+                                      backend=pipeline.vae_backend)
 
     return fn, args, (1,)
 
@@ -456,14 +465,17 @@ def context_geometry(pipeline: Pipeline, rows: int) -> ContextGeometry:
 
 
 def attention_pricer(pipeline: Pipeline, generation: str) -> KernelPricer:
-    """Prices the chunk program's Mosaic calls for ``generation``: the paged window-attention
-    kernel at :func:`attention_geometry` and the context-attention kernel at
-    :func:`context_geometry`, each by its bundle estimate
-    (:func:`pallas_kernels.window_attention.tpu_estimate.estimate`, one compile per kernel and row
-    count; the XLA ops around each call are in the program's own cycles)."""
+    """Prices the chunk program's and the VAE decode's Mosaic calls for ``generation``: the paged
+    window-attention kernel at :func:`attention_geometry`, the context-attention kernel at
+    :func:`context_geometry` and each causal convolution at the geometry its kernel name spells
+    (:func:`pallas_kernels.causal_conv.geometry_of_kernel`; ``rows`` is unused), each by its bundle
+    estimate (:func:`pallas_kernels.window_attention.tpu_estimate.estimate`, one compile per kernel
+    and shape; the XLA ops around each call are in the program's own cycles)."""
     geometries = {"window_attention_tpu": attention_geometry, "context_attention_tpu": context_geometry}
 
     def price(name: str, rows: int) -> float:
+        if name.startswith(causal_conv.KERNEL_PREFIX):
+            return _kernel_seconds(causal_conv.geometry_of_kernel(name), pipeline.vae.dtype, generation)
         if name not in geometries:
             raise ValueError(f"no estimate for the Mosaic kernel {name!r}")
         return _kernel_seconds(geometries[name](pipeline, rows), pipeline.dit.dtype, generation)
@@ -472,7 +484,7 @@ def attention_pricer(pipeline: Pipeline, generation: str) -> KernelPricer:
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel_seconds(geom: WindowGeometry | ContextGeometry, dtype: str, generation: str) -> float:
+def _kernel_seconds(geom: WindowGeometry | ContextGeometry | ConvGeometry, dtype: str, generation: str) -> float:
     from pallas_kernels.window_attention import tpu_estimate
 
     return tpu_estimate.estimate(geom, dtype, generation).seconds
@@ -489,14 +501,22 @@ def commit_seconds(pipeline: Pipeline, sessions: int, generation: str) -> float:
     return 2 * chunk * jnp.dtype(g.dtype).itemsize / tpu_aot.CHIPS[generation].hbm_bytes_per_s
 
 
+def decode_seconds(decode: ProgramFigures, sessions: int, kernel_seconds: KernelPricer) -> float:
+    """Estimated seconds of the VAE decode of ``sessions`` streams: XLA's estimate outside its
+    kernels plus each causal-convolution kernel call priced by ``kernel_seconds``."""
+    kernels = decode.kernel_calls.items()
+    return decode.xla_seconds + sum(calls * kernel_seconds(name, sessions) for name, calls in kernels)
+
+
 def chunk_seconds(pipeline: Pipeline, sessions: int, generation: str, chunk: ProgramFigures,
                   decode: ProgramFigures, kernel_seconds: KernelPricer) -> float:
     """Estimated seconds of one chunk of ``sessions`` sessions: XLA's estimate of the chunk program
     outside its kernels, each kernel call priced by ``kernel_seconds``, the commit
-    (:func:`commit_seconds`) and the VAE decode."""
+    (:func:`commit_seconds`) and the VAE decode (:func:`decode_seconds`)."""
     rows = sessions * pipeline.sampler.num_branches
     kernels = sum(calls * kernel_seconds(name, rows) for name, calls in chunk.kernel_calls.items())
-    return chunk.xla_seconds + kernels + commit_seconds(pipeline, sessions, generation) + decode.xla_seconds
+    return (chunk.xla_seconds + kernels + commit_seconds(pipeline, sessions, generation)
+            + decode_seconds(decode, sessions, kernel_seconds))
 
 
 @functools.lru_cache(maxsize=None)

@@ -80,10 +80,11 @@ def chip_report(generation: str, names, buckets) -> dict:
             if b.refused:
                 row.update(refused=b.refused)
             else:
+                decode = pl.decode_seconds(b.decode, b.batch, price)
                 row.update(transient_gib=b.transient_bytes / 2**30, chunk_xla_s=b.chunk.xla_seconds,
-                           decode_s=b.decode.xla_seconds, unpriced=b.chunk.unpriced + b.decode.unpriced)
+                           decode_s=decode, unpriced=b.chunk.unpriced + b.decode.unpriced)
             if b.chunk_seconds is not None:
-                attention = b.chunk_seconds - b.chunk.xla_seconds - b.decode.xla_seconds \
+                attention = b.chunk_seconds - b.chunk.xla_seconds - decode \
                     - pl.commit_seconds(pipeline, b.batch, generation)
                 dit = b.chunk.xla_seconds + attention
                 per_stream, per_chip = b.video_fps(plan.frames_per_chunk)

@@ -97,6 +97,21 @@ def test_the_pricer_knows_the_chunk_programs_kernels():
         pl.attention_pricer(wan, "v5e")("splash", 1)
 
 
+def test_the_pricer_prices_each_causal_convolution_at_its_own_shape(monkeypatch):
+    """A causal-convolution kernel is priced at the geometry its name spells, in the VAE's dtype;
+    the decode's time is XLA's estimate plus its kernel calls, each priced once per shape."""
+    from pallas_kernels.causal_conv import ConvGeometry, kernel_name
+
+    asked = []
+    monkeypatch.setattr(pl, "_kernel_seconds", lambda geom, dtype, gen: asked.append((geom, dtype, gen)) or 1e-3)
+    wan = pl.PIPELINES["self-forcing"]
+    price = pl.attention_pricer(wan, "v6e")
+    small, large = ConvGeometry(1, 60, 104, 384, 384), ConvGeometry(2, 120, 208, 384, 384)
+    decode = dataclasses.replace(_figures(0), kernel_calls={kernel_name(small): 30, kernel_name(large): 15})
+    assert pl.decode_seconds(decode, 1, price) == pytest.approx(0.1 + 45e-3)
+    assert asked == [(small, "bfloat16", "v6e"), (large, "bfloat16", "v6e")]
+
+
 def test_the_flop_count_scales_with_rows_and_steps():
     one = pl.dit_flops(TINY, 1)
     assert pl.dit_flops(TINY, 3) == 3 * one

@@ -31,6 +31,8 @@ from flax import nnx, struct
 
 from arkv_jax.config import require_int
 from arkv_jax.models import io
+from pallas_kernels import causal_conv
+from pallas_kernels.backend import resolve_backend
 
 Array = jax.Array
 
@@ -42,7 +44,16 @@ WAN21_LATENTS_STD = (2.8184, 1.4541, 2.3275, 2.6558, 1.2196, 1.7708, 2.6052, 2.0
                      3.2687, 2.1526, 2.8652, 1.5579, 1.6382, 1.1253, 2.8251, 1.9160)
 
 #: Frames a causal convolution keeps between calls (kernel 3 in time: the last two input frames).
-CACHE_FRAMES = 2
+CACHE_FRAMES = causal_conv.CACHE_FRAMES
+
+#: A 3x3x3 causal convolution runs the TPU kernel (:mod:`pallas_kernels.causal_conv`) under a TPU
+#: backend when its input channels are a multiple of this (Wan 2.1: the 384-channel ones). The
+#: kernel reads its cache entry row-major, and the entries are the decode program's arguments:
+#: XLA:TPU lays an argument ``[2, H, W, C]`` out row-major only when ``C`` fills the 128 lanes (for
+#: 96 or 192 channels it puts ``H`` on the lanes), so a narrower entry would be relaid out at
+#: every decode's entry and exit (compiled for v6e: temporaries 2.4 -> 5.1 GiB). Channels narrower
+#: (``conv_in``'s 16, the 192- and 96-channel stages, ``conv_out``) stay on XLA.
+KERNEL_CHANNEL_MULTIPLE = 128
 
 #: dtype names a :class:`WanVAEConfig` takes for its parameters and compute (``dtype``) and for its
 #: stream cache (``cache_dtype``).
@@ -162,11 +173,13 @@ class _Stream:
     (the reference's ``feat_cache``/``feat_idx``, but functional: ``inputs`` are read, the new
     entries collected in ``outputs``). Entries are stored in ``dtype`` (the config's
     :attr:`~WanVAEConfig.stored_cache_dtype`) and read back in the dtype of the input they extend.
-    With ``inputs=None`` every entry reads as zeros (used to find the cache's shapes)."""
+    With ``inputs=None`` every entry reads as zeros (used to find the cache's shapes). ``backend``
+    (a resolved name of :mod:`pallas_kernels.backend`) is the one the causal convolutions run."""
 
-    def __init__(self, inputs: Sequence[Array] | None, dtype):
+    def __init__(self, inputs: Sequence[Array] | None, dtype, backend: str = "xla"):
         self.inputs = inputs
         self.dtype = jnp.dtype(dtype)
+        self.backend = backend
         self.outputs: list[Array] = []
 
     def take(self, like: Array) -> Array:
@@ -224,8 +237,16 @@ class CausalConv3d(nnx.Module):
 
     def __call__(self, x: Array, stream: _Stream | None = None) -> Array:
         """``x`` ``[T, H, W, in]`` -> ``[T, H, W, out]``; a temporal kernel reads and updates its
-        ``stream`` entry (the last frames of ``[cache, x]``)."""
+        ``stream`` entry (the last frames of ``[cache, x]``). A 3x3x3 kernel runs
+        :func:`pallas_kernels.causal_conv.causal_conv3d` under the stream's backend (the XLA path
+        where its input channels are not a multiple of :data:`KERNEL_CHANNEL_MULTIPLE`)."""
         kt, kh, kw = self.kernel_size
+        if (kt, kh, kw) == (3, 3, 3):
+            backend = stream.backend if self.kernel.shape[-2] % KERNEL_CHANNEL_MULTIPLE == 0 else "xla"
+            y, entry = causal_conv.causal_conv3d(x, stream.take(x), self.kernel[...].astype(x.dtype),
+                                                 self.bias[...].astype(x.dtype), backend=backend)
+            stream.put(entry)
+            return y
         if kt > 1:
             if kt - 1 != CACHE_FRAMES:
                 raise ValueError(f"a causal kernel of {kt} frames needs {kt - 1} cached frames, not {CACHE_FRAMES}")
@@ -421,7 +442,7 @@ class WanVAEDecoder(nnx.Module):
 
         return DecoderCache(tuple(jnp.zeros(s.shape, s.dtype) for s in jax.eval_shape(shapes)), started=False)
 
-    def __call__(self, latents: Array, cache: DecoderCache, *, per_frame: bool = True
+    def __call__(self, latents: Array, cache: DecoderCache, *, per_frame: bool = True, backend: str = "xla"
                  ) -> tuple[Array, DecoderCache]:
         """Decode the next chunk of a stream (unbatched; :func:`decode_chunk` batches and jits).
 
@@ -430,6 +451,8 @@ class WanVAEDecoder(nnx.Module):
           cache: the stream's cache (from :meth:`init_cache` or the previous chunk).
           per_frame: decode one latent frame at a time (``lax.scan``; the reference's order and
             activation memory) rather than the chunk's frames at once.
+          backend: the causal convolutions' backend, a name of
+            :data:`pallas_kernels.backend.BACKENDS` (``"auto"`` is resolved by :func:`decode_chunk`).
 
         Returns:
           ``(frames, cache)``: float32 pixels ``[F', 8h, 8w, 3]`` in ``[-1, 1]``
@@ -440,18 +463,18 @@ class WanVAEDecoder(nnx.Module):
         entries = cache.frames
         outputs = []
         if z.shape[0] and not started:
-            stream = _Stream(entries, self.config.stored_cache_dtype)
+            stream = _Stream(entries, self.config.stored_cache_dtype, backend)
             first = z[:1] if per_frame else z
             outputs.append(self.decode_frames(first, stream, False))
             entries, started = tuple(stream.outputs), True
             z = z[1:] if per_frame else z[:0]
         if z.shape[0] and not per_frame:
-            stream = _Stream(entries, self.config.stored_cache_dtype)
+            stream = _Stream(entries, self.config.stored_cache_dtype, backend)
             outputs.append(self.decode_frames(z, stream, True))
             entries = tuple(stream.outputs)
         elif z.shape[0]:
             def step(carry, frame):
-                stream = _Stream(carry, self.config.stored_cache_dtype)
+                stream = _Stream(carry, self.config.stored_cache_dtype, backend)
                 out = self.decode_frames(frame[None], stream, True)
                 return tuple(stream.outputs), out
 
@@ -506,20 +529,20 @@ def decoder_param_bytes(config: WanVAEConfig) -> int:
     return _nbytes(io.abstract(WanVAEDecoder, config)[1])
 
 
-def _decode_chunk_impl(graphdef, params, cache: DecoderCache, latents: Array, per_frame: bool):
+def _decode_chunk_impl(graphdef, params, cache: DecoderCache, latents: Array, per_frame: bool, backend: str):
     decoder = nnx.merge(graphdef, params)
     if latents.ndim == 5:
-        return _decode_streams(decoder, cache, latents, per_frame)
-    return decoder(latents, cache, per_frame=per_frame)
+        return _decode_streams(decoder, cache, latents, per_frame, backend)
+    return decoder(latents, cache, per_frame=per_frame, backend=backend)
 
 
-def _decode_streams(decoder: WanVAEDecoder, cache: DecoderCache, latents: Array, per_frame: bool):
+def _decode_streams(decoder: WanVAEDecoder, cache: DecoderCache, latents: Array, per_frame: bool, backend: str):
     """A batch of streams ``[B, F, h, w, z_dim]``, one stream after the other in a ``fori_loop``
     whose carry is the batch's cache, updated in place: a batch's temporaries are one stream's
     (``lax.map`` would stack the new caches into a second buffer the size of the batch's)."""
     def stream(i, entries):
         return decoder(latents[i], DecoderCache(tuple(e[i] for e in entries), started=cache.started),
-                       per_frame=per_frame)
+                       per_frame=per_frame, backend=backend)
 
     one = jax.eval_shape(stream, 0, cache.frames)
 
@@ -534,12 +557,12 @@ def _decode_streams(decoder: WanVAEDecoder, cache: DecoderCache, latents: Array,
     return frames, DecoderCache(entries, started=one[1].started)
 
 
-_decode_chunk = jax.jit(_decode_chunk_impl, static_argnums=(0, 4))
-_decode_chunk_donating = jax.jit(_decode_chunk_impl, static_argnums=(0, 4), donate_argnums=(2,))
+_decode_chunk = jax.jit(_decode_chunk_impl, static_argnums=(0, 4, 5))
+_decode_chunk_donating = jax.jit(_decode_chunk_impl, static_argnums=(0, 4, 5), donate_argnums=(2,))
 
 
 def decode_chunk(decoder: WanVAEDecoder, cache: DecoderCache, latents, *, per_frame: bool = True,
-                 donate_cache: bool = False) -> tuple[Array, DecoderCache]:
+                 donate_cache: bool = False, backend: str = "xla") -> tuple[Array, DecoderCache]:
     """Jitted :meth:`WanVAEDecoder.__call__`: ``(frames, cache)`` of the next chunk of normalised
     latents ``[F, h, w, z_dim]`` (or ``[B, F, h, w, z_dim]`` with a cache from
     ``decoder_init_cache(..., batch_size=B)``). Compiles once per (started, chunk shape).
@@ -547,7 +570,11 @@ def decode_chunk(decoder: WanVAEDecoder, cache: DecoderCache, latents, *, per_fr
     The cache is large at full size (Wan 2.1 at 480x832: 32 entries, 3.52 GiB per stream in float32,
     1.76 GiB in bfloat16: :func:`stream_cache_bytes`, ``WanVAEConfig.cache_dtype``);
     ``donate_cache=True`` lets XLA write the new cache over the old one's buffers (the ``cache``
-    passed in is then consumed and must not be used again)."""
+    passed in is then consumed and must not be used again). ``backend`` (a name of
+    :data:`pallas_kernels.backend.BACKEND_NAMES`) runs the 3x3x3 causal convolutions
+    (:class:`CausalConv3d`); the default is ``"xla"`` on every platform: compiled for v5e and v6e
+    at Wan 2.1's shape, the TPU kernel (``"pallas_tpu"``) made the decode faster but its
+    temporaries 30-40 % larger (``docs/kernels.md``, Causal convolution)."""
     latents = jnp.asarray(latents)
     if latents.ndim not in (4, 5) or latents.shape[-1] != decoder.config.z_dim:
         raise ValueError(f"latents must be [F, h, w, {decoder.config.z_dim}] or [B, F, h, w, "
@@ -556,8 +583,10 @@ def decode_chunk(decoder: WanVAEDecoder, cache: DecoderCache, latents, *, per_fr
     if batched != (latents.ndim == 5):
         raise ValueError(f"a {'batched' if batched else 'single'} cache cannot decode latents of shape "
                          f"{latents.shape}")
+    backend = resolve_backend(backend).name
     graphdef, params = nnx.split(decoder)
-    return (_decode_chunk_donating if donate_cache else _decode_chunk)(graphdef, params, cache, latents, per_frame)
+    return (_decode_chunk_donating if donate_cache else _decode_chunk)(graphdef, params, cache, latents, per_frame,
+                                                                       backend)
 
 
 def decode_video(decoder: WanVAEDecoder, latents, *, per_frame: bool = True) -> Array:

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 
+from pallas_kernels.causal_conv.geometry import ConvGeometry
 from pallas_kernels.context_attention import ContextGeometry
 from pallas_kernels.window_attention.geometry import WindowGeometry
 
@@ -145,8 +146,9 @@ def _mxu_children(node) -> bool:
     return any(_with_mxu(c) for c in node["children"])
 
 
-def _span(node) -> int:
-    return node["own"] + sum(_span(c) for c in node["children"])
+def span(node) -> int:
+    """Bundles of a :func:`loop_tree` node, its child loops included."""
+    return node["own"] + sum(span(c) for c in node["children"])
 
 
 def _fast_own(bundles, node, pooled: bool) -> int:
@@ -154,10 +156,10 @@ def _fast_own(bundles, node, pooled: bool) -> int:
     :func:`attention_cycles`): segments cut at ``PF`` markers; segments with MXU ops pair up as
     (unmasked, masked) chunk regions and the unmasked one counts, or for the last pair the masked
     one when ``pooled``; every other segment counts whole."""
-    start, end = node["start"], node["start"] + _span(node)
+    start, end = node["start"], node["start"] + span(node)
     inside = set()
     for child in node["children"]:
-        inside.update(range(child["start"], child["start"] + _span(child)))
+        inside.update(range(child["start"], child["start"] + span(child)))
     own = [i for i in range(start, end) if i not in inside]
     segments, current = [], []
     for i in own:
@@ -234,7 +236,7 @@ def context_estimate_from_dump(geom: ContextGeometry, dtype: str, generation: st
 
     chip = tpu_aot.check_generation(generation)
     grid = loop_tree(parse_bundles(kernel_dump(dump_dir, "context_attention_tpu")))
-    per_step = sum(_span(loop) for loop in grid)
+    per_step = sum(span(loop) for loop in grid)
     block_q = ctx.default_block_q(geom.q_len, geom.group, geom.kv_len)
     steps = geom.rows * geom.kv_heads * -(-geom.q_len // block_q)
     note = f"{steps} grid steps of {per_step} bundles (query blocks of {block_q})"
@@ -258,7 +260,35 @@ def call_specs(geom: WindowGeometry | ContextGeometry, dtype: str) -> list[tuple
     return specs + [((geom.rows, geom.num_extra, h, d), dtype)] * 2 * bool(geom.num_extra)
 
 
-def _compile_and_price(geom: WindowGeometry | ContextGeometry, dtype: str, generation: str,
+def _compile_and_price_conv(geom: ConvGeometry, dtype: str, generation: str, dump_dir: str) -> Estimate:
+    """In the worker process: compiles one causal convolution of ``geom`` (its default row block,
+    the frames and the cache row-major, the cache donated, as the decoder's loop passes them) and
+    prices it (:func:`pallas_kernels.causal_conv.tpu_estimate.estimate_from_dump`)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental.layout import Format, Layout
+
+    from pallas_kernels import tpu_aot
+    from pallas_kernels.causal_conv import causal_conv3d
+    from pallas_kernels.causal_conv import tpu as conv_tpu
+    from pallas_kernels.causal_conv import tpu_estimate as conv_estimate
+
+    device = tpu_aot.compile_only_device(generation)
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    row_major = Format(Layout(major_to_minor=(0, 1, 2, 3)), sharding)
+    g, dt = geom, jnp.dtype(dtype)
+    args = [jax.ShapeDtypeStruct((g.frames, g.height, g.width, g.in_channels), dt, sharding=row_major),
+            jax.ShapeDtypeStruct((2, g.height, g.width, g.in_channels), dt, sharding=row_major),
+            jax.ShapeDtypeStruct((3, 3, 3, g.in_channels, g.out_channels), dt, sharding=sharding),
+            jax.ShapeDtypeStruct((g.out_channels,), dt, sharding=sharding)]
+    with jax.default_device(device):
+        jax.jit(lambda *a: causal_conv3d(*a, backend="pallas_tpu"), donate_argnums=(1,),
+                out_shardings=(row_major, row_major)).trace(*args).lower().compile()
+    block_h = min(conv_tpu.DEFAULT_BLOCK_H, g.height)
+    return conv_estimate.estimate_from_dump(geom, block_h, generation, dump_dir)
+
+
+def _compile_and_price(geom: WindowGeometry | ContextGeometry | ConvGeometry, dtype: str, generation: str,
                        dump_dir: str) -> Estimate:
     """In the worker process: compiles one call of ``geom`` for ``generation`` and prices it."""
     import jax.numpy as jnp
@@ -267,6 +297,8 @@ def _compile_and_price(geom: WindowGeometry | ContextGeometry, dtype: str, gener
     from pallas_kernels.context_attention import context_attention
     from pallas_kernels.window_attention import tpu as twa
 
+    if isinstance(geom, ConvGeometry):
+        return _compile_and_price_conv(geom, dtype, generation, dump_dir)
     specs = [(shape, jnp.dtype(d)) for shape, d in call_specs(geom, dtype)]
     if isinstance(geom, ContextGeometry):
         tpu_aot.compile_for_tpu(lambda q, k, v: context_attention(q, k, v, backend="pallas_tpu"), specs, generation)
@@ -280,13 +312,15 @@ def _compile_and_price(geom: WindowGeometry | ContextGeometry, dtype: str, gener
     return estimate_from_dump(geom, dtype, generation, dump_dir)
 
 
-_GEOMETRIES = {"window": WindowGeometry, "context": ContextGeometry}
+_GEOMETRIES = {"window-attention": WindowGeometry, "context-attention": ContextGeometry,
+               "causal-convolution": ConvGeometry}
 
 
-def estimate(geom: WindowGeometry | ContextGeometry, dtype: str, generation: str) -> Estimate:
+def estimate(geom: WindowGeometry | ContextGeometry | ConvGeometry, dtype: str, generation: str) -> Estimate:
     """Compiles one call of ``geom`` (the paged window-attention kernel for a
     :class:`~pallas_kernels.window_attention.WindowGeometry`, the context-attention kernel for a
-    :class:`~pallas_kernels.context_attention.ContextGeometry`) for ``generation`` (libtpu's
+    :class:`~pallas_kernels.context_attention.ContextGeometry`, the causal-convolution kernel for a
+    :class:`~pallas_kernels.causal_conv.ConvGeometry`) for ``generation`` (libtpu's
     compile-only device, in a child process with its own bundle dump) and prices it.
 
     Raises:
@@ -303,7 +337,7 @@ def estimate(geom: WindowGeometry | ContextGeometry, dtype: str, generation: str
         lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
         if proc.returncode or not lines:
             last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-            raise RuntimeError(f"the {kernel}-attention kernel does not compile for {generation} at {geom}: {last}")
+            raise RuntimeError(f"the {kernel} kernel does not compile for {generation} at {geom}: {last}")
         return Estimate(**json.loads(lines[-1]))
 
 

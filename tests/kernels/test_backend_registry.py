@@ -32,7 +32,8 @@ from tests.kernels.device_backends import compiled
 ATTENTION = importlib.import_module("pallas_kernels.window_attention")
 WRITE = importlib.import_module("pallas_kernels.paged_write")
 CONTEXT = importlib.import_module("pallas_kernels.context_attention")
-KERNELS = {"window_attention": ATTENTION, "paged_write": WRITE, "context_attention": CONTEXT}
+CONV = importlib.import_module("pallas_kernels.causal_conv")
+KERNELS = {"window_attention": ATTENTION, "paged_write": WRITE, "context_attention": CONTEXT, "causal_conv": CONV}
 PLATFORMS = ("cpu", "gpu", "tpu")
 
 
@@ -160,8 +161,8 @@ def _tiny_inputs():
 @pytest.mark.slow
 @pytest.mark.parametrize("name", _registry_params())
 def test_every_registry_name_runs_every_kernel(name):
-    """What the registry says runs here does: each name's attentions match their references, its
-    write the reference bit for bit."""
+    """What the registry says runs here does: each name's attentions and causal convolution match
+    their references, its write the reference bit for bit."""
     inputs = _tiny_inputs()
     out = ATTENTION.window_attention(**inputs, backend=name)
     want = ATTENTION.window_attention_reference(**inputs)
@@ -176,3 +177,10 @@ def test_every_registry_name_runs_every_kernel(name):
     q, k = inputs["q"], inputs["k_cur"]
     np.testing.assert_allclose(np.asarray(CONTEXT.context_attention(q, k, -k, backend=name), np.float32),
                                np.asarray(CONTEXT.xla.attention(q, k, -k), np.float32), atol=3e-2, rtol=3e-2)
+    rng = np.random.default_rng(1)
+    frames, kernel, bias = (jnp.asarray(rng.normal(size=shape) * scale, jnp.bfloat16) for shape, scale in
+                            (((3, 5, 8, 16), 1.0), ((3, 3, 3, 16, 8), 0.05), ((8,), 1.0)))
+    conv = CONV.causal_conv3d(frames[2:], frames[:2], kernel, bias, backend=name)
+    want = CONV.xla.causal_conv3d(frames[2:], frames[:2], kernel, bias)
+    for got, expected in zip(conv, want, strict=True):
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(expected, np.float32), atol=5e-2, rtol=3e-2)

@@ -338,3 +338,34 @@ def test_bfloat16_decoder_streams():
     out = np.concatenate([first, rest])
     assert out.dtype == np.float32 and out.shape == reference.shape
     assert np.abs(out - reference).max() < 0.1
+
+
+@pytest.mark.parametrize("multiple", [1, None], ids=["every-conv-on-the-kernel", "lane-wide-convs-only"])
+def test_tpu_convolution_backend_streams_as_xla(multiple, monkeypatch):
+    """Under a TPU backend the 3x3x3 causal convolutions run the Mosaic kernel (interpreted here;
+    all of them when the channel multiple is 1, conv_in's and conv_out's included; none of this
+    decoder's 4 and 8 channels otherwise), chunk after chunk through a batched cache: the pixels
+    and the cache equal the XLA path's."""
+    if multiple is not None:
+        monkeypatch.setattr(vae, "KERNEL_CHANNEL_MULTIPLE", multiple)
+    calls = []
+    real = vae.causal_conv.IMPLEMENTATIONS["pallas_tpu_interpret"]
+    monkeypatch.setattr(vae.causal_conv, "IMPLEMENTATIONS", {
+        **vae.causal_conv.IMPLEMENTATIONS,
+        "pallas_tpu_interpret": lambda *a, **k: calls.append(k["geom"]) or real(*a, **k)})
+    decoder = vae.init_random(SMALL, seed=4)
+    latents = np.random.default_rng(4).standard_normal((1, 3, 3, 5, 4)).astype(np.float32)
+    outputs = {}
+    for backend in ("xla", "pallas_tpu_interpret"):
+        cache = vae.decoder_init_cache(decoder, 3, 5, batch_size=1)
+        frames = []
+        for chunk in (latents[:, :1], latents[:, 1:]):
+            out, cache = vae.decode_chunk(decoder, cache, chunk, backend=backend)
+            frames.append(np.asarray(out))
+        outputs[backend] = np.concatenate(frames, axis=1), [np.asarray(f) for f in cache.frames]
+    want, got = outputs["xla"], outputs["pallas_tpu_interpret"]
+    np.testing.assert_allclose(got[0], want[0], atol=1e-5, rtol=0)
+    for new, old in zip(got[1], want[1], strict=True):
+        np.testing.assert_allclose(new, old, atol=1e-5, rtol=0)
+    in_kernel = {(g.in_channels, g.out_channels) for g in calls}
+    assert in_kernel == (set() if multiple is None else {(4, 8), (8, 8), (4, 4), (4, 3)})

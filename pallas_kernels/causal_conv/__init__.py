@@ -1,0 +1,116 @@
+"""Causal 3x3x3 convolution over a stream: the Wan VAE decoder's 3-D convolutions, which see two
+cached frames of their input before the current ones and pad zeros "same" in space.
+
+:func:`causal_conv3d` is the entry point (its docstring tables the shapes); it checks the call and
+runs the ``backend=`` name's implementation from :data:`IMPLEMENTATIONS`: plain XLA
+(:mod:`~pallas_kernels.causal_conv.xla`, also the reference) or a Mosaic TPU kernel
+(:mod:`~pallas_kernels.causal_conv.tpu`) that writes the new cache over the old one. Design and
+figures: ``docs/kernels.md`` (Causal convolution).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.backend import Backend, resolve_backend
+from pallas_kernels.causal_conv import tpu, xla
+from pallas_kernels.causal_conv.geometry import KERNEL_PREFIX, ConvGeometry, geometry_of_kernel, kernel_name
+from pallas_kernels.causal_conv.xla import CACHE_FRAMES
+from pallas_kernels.checks import require_int
+from pallas_kernels.common import check_rank, check_supported_dtype
+
+__all__ = ["CACHE_FRAMES", "IMPLEMENTATIONS", "KERNEL_PREFIX", "ConvGeometry", "causal_conv3d", "geometry_of_kernel",
+           "kernel_name", "static_validate_inputs"]
+
+
+def causal_conv3d(x, cache, kernel, bias, *, backend="auto", block_h=None):
+    """One causal 3x3x3 convolution of a stream's next frames.
+
+    ==========  ==============================  ==============
+    ``x``       ``[T, H, W, Cin]``              f32, bf16, f16
+    ``cache``   ``[2, H, W, Cin]``              ``x``'s dtype
+    ``kernel``  ``[3, 3, 3, Cin, Cout]``        ``x``'s dtype
+    ``bias``    ``[Cout]``                      ``x``'s dtype
+    ``y``       ``[T, H, W, Cout]``             ``x``'s dtype
+    new cache   ``[2, H, W, Cin]``              ``x``'s dtype
+    ==========  ==============================  ==============
+
+    ``y[t, h, w] = bias + sum over (dt, dh, dw) of e[t + dt, h + dh - 1, w + dw - 1] @ kernel[dt, dh,
+    dw]`` with ``e = [cache, x]`` (``T + 2`` frames) and zeros outside the image; the new cache is
+    ``e[T:]``, the last two frames. Products accumulate in float32.
+
+    Args:
+      x, cache: the new frames and the two frames before them (zeros at a stream's start).
+      kernel, bias: the convolution's parameters (torch's ``[out, in, kt, kh, kw]`` transposed).
+      backend: a name from :data:`pallas_kernels.backend.BACKEND_NAMES`. The TPU names run the
+        Mosaic kernel (interpreted or simulated as the name says), every other name XLA. Inside a
+        program that does not use ``cache`` afterwards, the TPU kernel writes the new cache over it.
+      block_h: output rows per TPU grid step, in ``[1, H]`` (default ``min(8, H)``); ignored elsewhere.
+
+    Raises:
+      TypeError: an input that is not an array, a ``block_h`` that is not an int.
+      ValueError: mismatched shapes or dtypes, an unknown backend, ``block_h`` out of range.
+    """
+    resolved = resolve_backend(backend)
+    geom = static_validate_inputs(x, cache, kernel, bias, block_h=block_h)
+    block_h = min(tpu.DEFAULT_BLOCK_H, geom.height) if block_h is None else int(block_h)
+    return IMPLEMENTATIONS[resolved.name](x, cache, kernel, bias, geom=geom, block_h=block_h, backend=resolved)
+
+
+def static_validate_inputs(x, cache, kernel, bias, *, block_h=None) -> ConvGeometry:
+    """The call's :class:`ConvGeometry`, or the error :func:`causal_conv3d` raises."""
+    check_rank("x", x, 4, "[T, H, W, Cin]")
+    check_rank("cache", cache, 4, "[2, H, W, Cin]")
+    check_rank("kernel", kernel, 5, "[3, 3, 3, Cin, Cout]")
+    check_rank("bias", bias, 1, "[Cout]")
+    check_supported_dtype("x.dtype", x.dtype)
+    for name, array in (("cache", cache), ("kernel", kernel), ("bias", bias)):
+        if array.dtype != x.dtype:
+            raise ValueError(f"{name}.dtype must equal x.dtype={jnp.dtype(x.dtype).name}, got "
+                             f"{jnp.dtype(array.dtype).name}")
+    frames, height, width, cin = x.shape
+    if min(x.shape) < 1:
+        raise ValueError(f"every dimension of x must be positive, got shape {tuple(x.shape)}")
+    if tuple(cache.shape) != (CACHE_FRAMES, height, width, cin):
+        raise ValueError(f"cache.shape must be {(CACHE_FRAMES, height, width, cin)} (two frames of x's "
+                         f"H, W and Cin), got {tuple(cache.shape)}")
+    if tuple(kernel.shape[:4]) != (3, 3, 3, cin) or kernel.shape[4] < 1:
+        raise ValueError(f"kernel.shape must be (3, 3, 3, {cin}, Cout) with Cout >= 1, got {tuple(kernel.shape)}")
+    if tuple(bias.shape) != (kernel.shape[4],):
+        raise ValueError(f"bias.shape must be ({kernel.shape[4]},) (Cout), got {tuple(bias.shape)}")
+    if block_h is not None:
+        require_int("block_h", block_h, minimum=1, maximum=height, must=f"an int in [1, {height}] (H)")
+    return ConvGeometry(frames, height, width, cin, kernel.shape[4])
+
+
+# The implementations of the registry, one signature (:data:`IMPLEMENTATIONS`).
+
+def _xla(x, cache, kernel, bias, *, geom: ConvGeometry, block_h: int, backend: Backend):
+    return xla.causal_conv3d(x, cache, kernel, bias)
+
+
+def _pallas_tpu(x, cache, kernel, bias, *, geom: ConvGeometry, block_h: int, backend: Backend):
+    return tpu.causal_conv3d(x, cache, kernel, bias, block_h=block_h, interpret=backend.interpret)
+
+
+IMPLEMENTATIONS: Mapping[str, Callable[..., tuple[jax.Array, jax.Array]]] = MappingProxyType({
+    "xla": _xla,
+    "pallas_tpu": _pallas_tpu,
+    "pallas_tpu_interpret": _pallas_tpu,
+    "pallas_tpu_simulate": _pallas_tpu,
+    "pallas_tpu_gather": _pallas_tpu,
+    "pallas_tpu_gather_interpret": _pallas_tpu,
+    "pallas_gpu": _xla,
+    "pallas_gpu_interpret": _xla,
+    "cudnn_gather": _xla,
+    "cudnn_gather_xla": _xla,
+    "pallas_mgpu": _xla,
+})
+"""This kernel's table of the backend registry (:data:`pallas_kernels.backend.BACKENDS`, the same
+names): backend name to implementation, called as ``impl(x, cache, kernel, bias, *, geom, block_h,
+backend)`` on validated inputs. The TPU names run the Mosaic kernel; every GPU name runs XLA
+(cuDNN's convolutions, which XLA already calls on a GPU)."""

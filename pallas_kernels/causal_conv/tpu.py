@@ -1,0 +1,217 @@
+"""Causal 3x3x3 convolution on TPU (``"pallas_tpu*"``): one Mosaic kernel per call that reads the
+stream cache and the input from HBM, convolves, and writes the new cache over the old one in place.
+
+Grid ``(row block i, output frame t)``, sequential. A step holds, in a double-buffered VMEM scratch,
+the three frames ``[cache, x][t : t + 3]`` of the block's ``block_h`` rows and their halo rows (one
+above, one below), copied by DMA from ``cache`` or ``x`` (time concatenation inside the kernel; the
+next step's copies are started before this step's compute). Per output row the nine ``(dt, dh)`` row
+slabs ``[W, Cin]`` are concatenated on lanes into ``[W, 9 Cin]`` and multiplied by the packed weights
+``[9 Cin, 3 CoP]`` (:func:`pack_weights`: the three ``dw`` taps side by side in the output columns,
+each padded to ``CoP``, a multiple of 128 lanes); the taps are summed after two sublane rolls (the W
+shift) with the image edge masked (zero "same" padding, as are the rows above and below the image).
+
+The new cache (``[cache, x][T : T + 2]``, frames ``dt = 1, 2`` of the last step) is written into
+the cache buffer itself (``input_output_aliases``), so a decode loop carrying the cache keeps one
+copy of it. The write must not overwrite a row a later step still reads: block ``i`` writes, at its
+last frame, rows ``[i * block_h - 1, (i + 1) * block_h - 1)`` (its top halo row, which no later block
+reads, and all its rows but the last, which block ``i + 1`` reads as its top halo); the last block
+writes through the image's last row. Blocks run in order, so every row is written after its last
+read. The kernel reads the cache through the aliased output, so the interpreters see any write that
+came too early. Design and figures: ``docs/kernels.md`` (Causal convolution).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels.causal_conv.geometry import ConvGeometry, kernel_name
+from pallas_kernels.common import cdiv, matmul_precision, round_up
+
+LANES = 128
+"""Each ``dw`` tap's output columns are padded to a multiple of this (TPU lanes)."""
+DEFAULT_BLOCK_H = 8
+"""Output rows per grid step unless the call says otherwise."""
+MIN_VMEM_LIMIT = 32 << 20
+"""Least scoped-VMEM limit a call asks for (v6e's default)."""
+MAX_VMEM_LIMIT = 100 << 20
+"""Most scoped-VMEM limit a call asks for: a call asks for twice its estimate (:func:`vmem_bytes`)
+within ``[MIN_VMEM_LIMIT, MAX_VMEM_LIMIT]`` (both chips have about 128 MiB of VMEM)."""
+
+
+def pack_weights(kernel, dtype):
+    """``[3, 3, 3, Cin, Cout]`` -> ``[9 Cin, 3 CoP]`` in ``dtype``: rows ``(dt, dh, cin)``, columns
+    ``(dw, cout)`` with each ``dw`` tap's ``Cout`` columns padded with zeros to ``CoP =
+    round_up(Cout, 128)``."""
+    kt, kh, kw, cin, cout = kernel.shape
+    cop = round_up(cout, LANES)
+    packed = jnp.transpose(kernel.astype(dtype), (0, 1, 3, 2, 4))  # dt, dh, cin, dw, cout
+    packed = jnp.pad(packed, ((0, 0),) * 4 + ((0, cop - cout),))
+    return packed.reshape(kt * kh * cin, kw * cop)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Blocks:
+    """Row blocks ``lo..hi`` (inclusive) that copy the same rows: a block's reads start at image row
+    ``i * block_h + offset`` (``offset`` -1, or 0 for the image's first block, which has no row
+    above it) and land at buffer row ``offset + 1``; ``read_rows`` rows are read per frame and
+    ``write_rows`` written back to the cache from the same place."""
+
+    lo: int
+    hi: int
+    offset: int
+    read_rows: int
+    write_rows: int
+
+
+def row_blocks(height: int, block_h: int) -> tuple[_Blocks, ...]:
+    """The kinds of row block of an image of ``height`` rows in blocks of ``block_h`` (at most
+    ``height``): the only block, or the first, the middle ones and the last (see the module
+    docstring for the write rule)."""
+    nb = cdiv(height, block_h)
+    if nb == 1:
+        return (_Blocks(0, 0, 0, height, height),)
+    last_rows = height - (nb - 1) * block_h
+    kinds = [_Blocks(0, 0, 0, block_h + 1, block_h - 1)]
+    if nb > 2:
+        kinds.append(_Blocks(1, nb - 2, -1, block_h + 2, block_h))
+    kinds.append(_Blocks(nb - 1, nb - 1, -1, last_rows + 1, last_rows + 1))
+    return tuple(kinds)
+
+
+def vmem_bytes(geom: ConvGeometry, block_h: int, itemsize: int) -> int:
+    """VMEM one call needs: the frame buffers, the double-buffered weights and output block, and
+    one row's operands and float32 products."""
+    w, cin, cout = geom.width, geom.in_channels, geom.out_channels
+    cop = round_up(cout, LANES)
+    frames = 2 * 3 * (block_h + 2) * w * cin * itemsize
+    weights = 2 * 9 * cin * 3 * cop * itemsize
+    out = 2 * block_h * w * cout * itemsize
+    row = w * 9 * cin * itemsize + 3 * w * 3 * cop * 4
+    return frames + weights + out + row
+
+
+def _kernel(x_hbm, w_ref, b_ref, _cache_in, y_ref, cache, buf, read_sem, write_sem, *, geom: ConvGeometry,
+            block_h: int):
+    """Refs: ``x_hbm`` ``[T, H, W, Cin]`` and ``cache`` ``[2, H, W, Cin]`` (HBM; ``cache`` is the
+    aliased output, read and written in place, ``_cache_in`` its unused input view), ``w_ref``
+    ``[9 Cin, 3 CoP]``, ``b_ref`` ``[1, Cout]`` float32, ``y_ref`` ``[block_h, W, Cout]`` (the
+    last block's rows past the image are dropped), ``buf`` ``[2, 3, block_h + 2, W, Cin]``."""
+    frames, height, width = geom.frames, geom.height, geom.width
+    cout = geom.out_channels
+    cop = round_up(cout, LANES)
+    kinds = row_blocks(height, block_h)
+    num_blocks = cdiv(height, block_h)
+    i, t = pl.program_id(0), pl.program_id(1)
+    step = i * frames + t
+    slot = step % 2
+
+    def each_kind(block, run):
+        """``run(kind)`` under the condition that ``block`` is of that kind."""
+        for kind in kinds:
+            pl.when(jnp.logical_and(block >= kind.lo, block <= kind.hi))(functools.partial(run, kind))
+
+    def reads(block, frame, into, action):
+        def run(kind):
+            start = block * block_h + kind.offset
+            dst_rows = pl.ds(kind.offset + 1, kind.read_rows)
+            for dt in range(3):
+                s = frame + dt  # frame of [cache, x]
+                for from_cache in (True, False):
+                    src = (cache.at[jnp.minimum(s, 1)] if from_cache
+                           else x_hbm.at[jnp.maximum(s - 2, 0)])
+                    copy = pltpu.make_async_copy(src.at[pl.ds(start, kind.read_rows)],
+                                                 buf.at[into, dt, dst_rows], read_sem.at[into, dt])
+                    pl.when((s < 2) == from_cache)(getattr(copy, action))
+        each_kind(block, run)
+
+    def writes(block, source, action):
+        def run(kind):
+            if kind.write_rows == 0:
+                return
+            start = block * block_h + kind.offset
+            for j in range(2):
+                copy = pltpu.make_async_copy(buf.at[source, 1 + j, pl.ds(kind.offset + 1, kind.write_rows)],
+                                             cache.at[j, pl.ds(start, kind.write_rows)], write_sem.at[j])
+                getattr(copy, action)()
+        each_kind(block, run)
+
+    pl.when(step == 0)(lambda: reads(i, t, slot, "start"))
+    # The previous step wrote the cache from the other slot: finish before refilling it.
+    pl.when(jnp.logical_and(step > 0, t == 0))(lambda: writes(i - 1, 1 - slot, "wait"))
+
+    @pl.when(step + 1 < num_blocks * frames)
+    def _():
+        last = t + 1 == frames
+        reads(jnp.where(last, i + 1, i), jnp.where(last, 0, t + 1), 1 - slot, "start")
+
+    reads(i, t, slot, "wait")
+
+    precision = matmul_precision(x_hbm.dtype)
+    bias = b_ref[...]
+    columns = lax.broadcasted_iota(jnp.int32, (width, cout), 0)
+    first_row = i * block_h
+
+    def row(j, carry):
+        h = first_row + j
+        pieces = []
+        for dt in range(3):
+            for dh in range(3):
+                piece = buf[slot, dt, j + dh]  # image row h + dh - 1
+                if dh != 1:
+                    inside = h >= 1 if dh == 0 else h + 1 < height
+                    piece = jnp.where(inside, piece, jnp.zeros_like(piece))
+                pieces.append(piece)
+        products = jnp.dot(jnp.concatenate(pieces, axis=-1), w_ref[...], precision=precision,
+                           preferred_element_type=jnp.float32)
+        left = pltpu.roll(products[:, 0:cout], 1, 0)  # left[w] = tap dw=0 of column w - 1
+        right = pltpu.roll(products[:, 2 * cop:2 * cop + cout], width - 1, 0)  # tap dw=2 of w + 1
+        y = products[:, cop:cop + cout] + bias
+        y = y + jnp.where(columns > 0, left, 0.0) + jnp.where(columns < width - 1, right, 0.0)
+        y_ref[j] = y.astype(y_ref.dtype)
+        return carry
+
+    lax.fori_loop(0, jnp.minimum(block_h, height - first_row), row, 0)
+
+    pl.when(t == frames - 1)(lambda: writes(i, slot, "start"))
+    pl.when(step == num_blocks * frames - 1)(lambda: writes(i, slot, "wait"))
+
+
+@functools.partial(jax.jit, static_argnames=("block_h", "interpret"))
+def causal_conv3d(x, cache, kernel, bias, *, block_h: int, interpret: Any):
+    """The kernel on validated inputs (:func:`pallas_kernels.causal_conv.causal_conv3d`): ``x``
+    ``[T, H, W, Cin]``, ``cache`` ``[2, H, W, Cin]`` in ``x``'s dtype (aliased to the new cache:
+    inside a program that no longer needs it, XLA writes the new cache over it), ``kernel``
+    ``[3, 3, 3, Cin, Cout]``, ``bias`` ``[Cout]``; ``block_h`` rows per grid step (at most ``H``).
+    Returns ``(y [T, H, W, Cout], new_cache [2, H, W, Cin])``."""
+    frames, height, width, cin = x.shape
+    geom = ConvGeometry(frames, height, width, cin, kernel.shape[-1])
+    cout = geom.out_channels
+    cop = round_up(cout, LANES)
+    weights = pack_weights(kernel, x.dtype)
+    bias = bias.astype(jnp.float32).reshape(1, cout)
+    hbm = pl.BlockSpec(memory_space=pl.ANY)
+    limit = min(MAX_VMEM_LIMIT, max(MIN_VMEM_LIMIT, 2 * vmem_bytes(geom, block_h, x.dtype.itemsize)))
+    return pl.pallas_call(
+        functools.partial(_kernel, geom=geom, block_h=block_h),
+        out_shape=(jax.ShapeDtypeStruct((frames, height, width, cout), x.dtype),
+                   jax.ShapeDtypeStruct(cache.shape, cache.dtype)),
+        grid=(cdiv(height, block_h), frames),
+        in_specs=[hbm, pl.BlockSpec((9 * cin, 3 * cop), lambda i, t: (0, 0)),
+                  pl.BlockSpec((1, cout), lambda i, t: (0, 0)), hbm],
+        out_specs=(pl.BlockSpec((None, block_h, width, cout), lambda i, t: (t, i, 0, 0)), hbm),
+        scratch_shapes=[pltpu.VMEM((2, 3, block_h + 2, width, cin), x.dtype), pltpu.SemaphoreType.DMA((2, 3)),
+                        pltpu.SemaphoreType.DMA((2,))],
+        input_output_aliases={3: 1},
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary", "arbitrary"),
+                                             vmem_limit_bytes=limit),
+        interpret=interpret,
+        name=kernel_name(geom),
+    )(x, weights, bias, cache)

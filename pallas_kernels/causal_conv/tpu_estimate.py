@@ -1,0 +1,59 @@
+"""The TPU causal-convolution kernel's time on the compiler's estimate, read from its final bundles
+(the method and the dump of :mod:`pallas_kernels.window_attention.tpu_estimate`, whose
+:func:`~pallas_kernels.window_attention.tpu_estimate.estimate` compiles a
+:class:`~pallas_kernels.causal_conv.ConvGeometry` in its own process and calls
+:func:`estimate_from_dump`).
+
+The kernel's loops: the grid loop, and inside it the row loop (the only one with MXU ops), run
+once per output row. A row costs the larger of its bundles and its MXU floor (the padded
+``[W, 9 Cin] x [9 Cin, 3 CoP]`` product at the chip's peak: a row of few bundles cannot beat the
+MXU); the rest of the grid loop (DMA issue, waits, the cache write) runs once per grid step.
+"""
+
+from __future__ import annotations
+
+from pallas_kernels.causal_conv.geometry import ConvGeometry, kernel_name
+from pallas_kernels.common import cdiv, round_up
+
+MXU_TILE = {"v5e": 128, "v6e": 256}
+"""The MXU's tile edge per generation: a product's contraction and output sizes are padded to it."""
+
+
+def row_floor_cycles(geom: ConvGeometry, block_cop: int, generation: str) -> float:
+    """Cycles of one output row's product at the chip's bf16 MXU peak, its sizes padded to the MXU
+    tile (``block_cop`` is ``3 CoP``, the packed weights' columns)."""
+    from pallas_kernels import tpu_aot
+
+    chip = tpu_aot.check_generation(generation)
+    tile = MXU_TILE[generation]
+    macs = geom.width * round_up(9 * geom.in_channels, tile) * round_up(block_cop, tile)
+    return macs / (chip.bf16_flops / 2 / chip.clock_hz)
+
+
+def estimate_from_dump(geom: ConvGeometry, block_h: int, generation: str, dump_dir: str):
+    """Prices the kernel of ``geom`` (``block_h`` rows per grid step) from the final bundles of a
+    compile for ``generation`` in ``dump_dir``: an
+    :class:`~pallas_kernels.window_attention.tpu_estimate.Estimate`.
+
+    Raises:
+      ValueError: the bundles do not have the loops described in the module docstring.
+    """
+    from pallas_kernels import tpu_aot
+    from pallas_kernels.causal_conv.tpu import LANES
+    from pallas_kernels.window_attention import tpu_estimate as est
+
+    chip = tpu_aot.check_generation(generation)
+    tree = est.loop_tree(est.parse_bundles(est.kernel_dump(dump_dir, kernel_name(geom))))
+    rows = [c for grid in tree for c in grid["children"] if c["mxu"]]
+    if len(tree) != 1 or len(rows) != 1 or rows[0]["children"]:
+        raise ValueError(f"the causal-convolution kernel's bundles at {geom} do not have one grid loop "
+                         f"around one row loop with MXU ops")
+    grid, row = tree[0], rows[0]
+    per_step = est.span(grid) - est.span(row)
+    floor = row_floor_cycles(geom, 3 * round_up(geom.out_channels, LANES), generation)
+    per_row = max(row["own"], floor)
+    steps = cdiv(geom.height, block_h) * geom.frames
+    cycles = steps * per_step + geom.height * geom.frames * per_row
+    note = (f"{steps} grid steps of {per_step} bundles outside the row loop; {geom.height * geom.frames} rows "
+            f"of max({row['own']} bundles, MXU floor {floor:.0f} cycles)")
+    return est.Estimate(cycles / chip.clock_hz + steps * tpu_aot.GRID_STEP_SECONDS, 0.0, steps, note)

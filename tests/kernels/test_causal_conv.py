@@ -1,0 +1,244 @@
+"""The causal 3x3x3 convolution (the Wan VAE decoder's): the TPU kernel against the XLA path, its
+in-place cache write, its kernel name and the argument checks.
+
+The TPU kernel runs interpreted and under the TPU simulator here (races detected, uninitialised
+VMEM reads as NaN, out-of-bounds reads raise); both read the cache through the aliased output, so
+a cache row written before its last read changes ``y``. The libtpu compiles (skipped without
+libtpu) check a real Wan VAE shape for v5e and v6e: no copy of the frames or the cache, the cache
+aliased, and a loop carrying the cache keeps one copy of it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import tpu_aot
+from pallas_kernels.backend import BACKENDS
+from pallas_kernels.causal_conv import (
+    IMPLEMENTATIONS,
+    ConvGeometry,
+    causal_conv3d,
+    geometry_of_kernel,
+    kernel_name,
+)
+from pallas_kernels.causal_conv import tpu as conv_tpu
+from pallas_kernels.checks import ArgumentTypeError
+from pallas_kernels.common import round_up
+from tests.kernels.device_backends import compiled
+
+needs_libtpu = pytest.mark.skipif(not tpu_aot.libtpu_available(),
+                                  reason="libtpu is not installed (pip install -e '.[tpu]')")
+TOLERANCE = {jnp.float32: 2e-5, jnp.bfloat16: 3e-2}
+
+
+def inputs(geom: ConvGeometry, dtype, seed=0):
+    """``x, cache, kernel, bias`` of ``geom``: a nonzero cache, weights scaled to unit outputs."""
+    rng = np.random.default_rng(seed)
+
+    def normal(*shape, scale=1.0):
+        return jnp.asarray(scale * rng.standard_normal(shape), dtype)
+
+    g = geom
+    return (normal(g.frames, g.height, g.width, g.in_channels), normal(2, g.height, g.width, g.in_channels),
+            normal(3, 3, 3, g.in_channels, g.out_channels, scale=(27 * g.in_channels) ** -0.5),
+            normal(g.out_channels))
+
+
+def check_against_xla(geom: ConvGeometry, dtype, backend: str, block_h):
+    x, cache, kernel, bias = inputs(geom, dtype)
+    y, new_cache = causal_conv3d(x, cache, kernel, bias, backend=backend, block_h=block_h)
+    want_y, want_cache = causal_conv3d(x.astype(jnp.float32), cache.astype(jnp.float32),
+                                       kernel.astype(jnp.float32), bias.astype(jnp.float32), backend="xla")
+    assert y.shape == want_y.shape and y.dtype == x.dtype
+    np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(want_y), atol=TOLERANCE[dtype],
+                               rtol=TOLERANCE[dtype])
+    np.testing.assert_array_equal(np.asarray(new_cache, np.float32), np.asarray(want_cache))
+
+
+#: (geometry, block_h): one block, first/middle/last blocks, a partial last block (H not a multiple
+#: of block_h), T = 1 (the new cache mixes cache and x) and T > 2, 3 output channels (conv_out).
+CASES = [
+    (ConvGeometry(2, 10, 16, 8, 3), 4),
+    (ConvGeometry(1, 9, 8, 4, 6), 3),
+    (ConvGeometry(1, 7, 8, 16, 8), None),
+    (ConvGeometry(4, 12, 8, 8, 8), 5),
+    (ConvGeometry(3, 5, 16, 12, 20), 1),
+]
+
+
+@pytest.mark.parametrize("geom,block_h", CASES, ids=lambda c: str(c))
+@pytest.mark.parametrize("backend", ["pallas_tpu_interpret", compiled("pallas_tpu")])
+def test_tpu_kernel_matches_xla(geom, block_h, backend):
+    check_against_xla(geom, jnp.float32, backend, block_h)
+
+
+@pytest.mark.parametrize("geom,block_h", [CASES[1], CASES[3]], ids=lambda c: str(c))
+def test_tpu_kernel_under_the_simulator(geom, block_h):
+    check_against_xla(geom, jnp.float32, "pallas_tpu_simulate", block_h)
+
+
+def test_bfloat16():
+    check_against_xla(ConvGeometry(2, 6, 16, 16, 16), jnp.bfloat16, "pallas_tpu_interpret", 4)
+
+
+@pytest.mark.parametrize("frames", [1, 2])
+def test_a_cache_row_written_too_early_is_caught(frames, monkeypatch):
+    """The rule that keeps the in-place write safe is what the tests check: writing each block's
+    last row too (read later as the next block's halo) changes ``y``."""
+    original = conv_tpu.row_blocks
+
+    def too_eager(height, block_h):
+        last = -(-height // block_h) - 1
+        return tuple(dataclasses.replace(k, write_rows=k.write_rows + 1) if k.hi < last else k
+                     for k in original(height, block_h))
+
+    monkeypatch.setattr(conv_tpu, "row_blocks", too_eager)
+    with pytest.raises(AssertionError):
+        check_against_xla(ConvGeometry(frames, 9, 8, 4, 4), jnp.float32, "pallas_tpu_simulate", 3)
+
+
+def test_row_blocks_write_every_row_once():
+    for height, block_h in [(9, 3), (10, 4), (7, 7), (5, 1), (13, 5)]:
+        written = []
+        for kind in conv_tpu.row_blocks(height, block_h):
+            for block in range(kind.lo, kind.hi + 1):
+                start = block * block_h + kind.offset
+                written += range(start, start + kind.write_rows)
+                assert start >= 0 and start + kind.read_rows <= height
+        assert sorted(written) == list(range(height)), (height, block_h)
+
+
+def test_every_registry_name_has_an_implementation():
+    assert list(IMPLEMENTATIONS) == list(BACKENDS)
+    for name, entry in BACKENDS.items():
+        assert (IMPLEMENTATIONS[name].__name__ == "_pallas_tpu") == (entry.kind == "pallas_tpu"), name
+
+
+def test_kernel_name_spells_the_geometry():
+    geom = ConvGeometry(4, 480, 832, 96, 96)
+    assert kernel_name(geom) == "causal_conv3d_tpu_t4_h480_w832_i96_o96"
+    assert geometry_of_kernel(kernel_name(geom)) == geom
+    with pytest.raises(ValueError, match="is not a causal-convolution kernel name"):
+        geometry_of_kernel("window_attention_tpu")
+
+
+def test_arguments_are_checked():
+    x, cache, kernel, bias = inputs(ConvGeometry(1, 4, 8, 4, 6), jnp.float32)
+    with pytest.raises(TypeError, match="x must be an array"):
+        causal_conv3d([1.0], cache, kernel, bias)
+    with pytest.raises(ValueError, match=r"cache.shape must be \(2, 4, 8, 4\)"):
+        causal_conv3d(x, cache[:1], kernel, bias)
+    with pytest.raises(ValueError, match=r"kernel.shape must be \(3, 3, 3, 4, Cout\)"):
+        causal_conv3d(x, cache, kernel[:2], bias)
+    with pytest.raises(ValueError, match=r"bias.shape must be \(6,\)"):
+        causal_conv3d(x, cache, kernel, bias[:3])
+    with pytest.raises(ValueError, match="cache.dtype must equal x.dtype=float32, got bfloat16"):
+        causal_conv3d(x, cache.astype(jnp.bfloat16), kernel, bias)
+    with pytest.raises(ValueError, match=r"block_h must be an int in \[1, 4\] \(H\), got 5"):
+        causal_conv3d(x, cache, kernel, bias, block_h=5)
+    with pytest.raises(ArgumentTypeError, match="block_h must be"):
+        causal_conv3d(x, cache, kernel, bias, block_h=2.0)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        causal_conv3d(x, cache, kernel, bias, backend="fast")
+
+
+# ------------------------------------------------------------------------------------------------
+# libtpu compile-only: a real Wan VAE shape on v5e and v6e
+# ------------------------------------------------------------------------------------------------
+
+WAN_FULL_RES = ConvGeometry(4, 480, 832, 96, 96)
+"""The decoder's last stage (480x832, 96 channels, 4 frames per latent frame): its largest calls."""
+WAN_LOW_RES = ConvGeometry(1, 60, 104, 384, 384)
+"""The decoder's first stage (one latent frame per step of its per-frame scan)."""
+
+
+def _specs(geom: ConvGeometry):
+    g, bf16 = geom, jnp.bfloat16
+    return [((g.frames, g.height, g.width, g.in_channels), bf16), ((2, g.height, g.width, g.in_channels), bf16),
+            ((3, 3, 3, g.in_channels, g.out_channels), bf16), ((g.out_channels,), bf16)]
+
+
+def _conv(x, cache, kernel, bias):
+    return causal_conv3d(x, cache, kernel, bias, backend="pallas_tpu")
+
+
+def _compile_row_major(fn, specs, gen: str):
+    """``fn`` compiled for ``gen`` with the cache (argument 1) donated and every array argument
+    and output of rank 4 or more in the row-major HBM layout the kernel reads (XLA's default for
+    96 channels puts H on the lanes: a caller that keeps the frames row-major, as the decoder's
+    own activations are, passes them without a relayout)."""
+    from jax.experimental.layout import Format, Layout
+
+    device = tpu_aot.compile_only_device(gen)
+    sharding = jax.sharding.SingleDeviceSharding(device)
+
+    def fmt(rank):
+        return Format(Layout(major_to_minor=tuple(range(rank))), sharding) if rank >= 4 else sharding
+
+    args = [jax.ShapeDtypeStruct(shape, dtype, sharding=fmt(len(shape))) for shape, dtype in specs]
+    outs = jax.eval_shape(fn, *args)
+    with jax.default_device(device):
+        return jax.jit(fn, donate_argnums=(1,), out_shardings=jax.tree.map(lambda o: fmt(o.ndim), outs)
+                       ).trace(*args).lower().compile()
+
+
+@needs_libtpu
+@pytest.mark.slow
+@pytest.mark.parametrize("gen", ["v5e", "v6e"])
+def test_compiles_with_the_cache_in_place(gen):
+    """The donated cache is the new cache's buffer; neither the frames nor the cache is copied."""
+    geom = WAN_FULL_RES
+    specs = _specs(geom)
+    report = tpu_aot.report(_compile_row_major(_conv, specs, gen), [shape for shape, _ in specs[:2]])
+    cache_bytes = 2 * geom.height * geom.width * round_up(geom.in_channels, 128) * 2  # 96 lanes of 128 in HBM
+    assert report.pool_copies == 0
+    assert report.alias_bytes == cache_bytes
+    assert report.temp_bytes < 0.05 * cache_bytes
+    assert kernel_name(geom) in report.hlo
+
+
+@needs_libtpu
+@pytest.mark.slow
+@pytest.mark.parametrize("gen", ["v5e", "v6e"])
+def test_a_loop_carrying_the_cache_keeps_one_copy(gen):
+    """A ``scan`` over frames whose carry is the cache (the decoder's per-frame loop): the kernel's
+    new cache is the carry itself, not a second buffer copied into it."""
+    geom = WAN_LOW_RES
+    specs = _specs(geom)
+    frames = (3, *specs[0][0])
+
+    def loop(xs, cache, kernel, bias):
+        def step(cache, x):
+            y, cache = _conv(x, cache, kernel, bias)
+            return cache, y
+        return jax.lax.scan(step, cache, xs)
+
+    report = tpu_aot.report(_compile_row_major(loop, [(frames, jnp.bfloat16), *specs[1:]], gen), [specs[1][0]])
+    cache_bytes = 2 * geom.height * geom.width * geom.in_channels * 2
+    assert report.pool_copies == 0
+    assert report.alias_bytes == cache_bytes
+    assert report.temp_bytes < cache_bytes
+
+
+@needs_libtpu
+@pytest.mark.slow
+@pytest.mark.parametrize("gen", ["v5e", "v6e"])
+def test_the_bundle_estimate_prices_the_rows(gen):
+    """The estimate finds the grid loop around the row loop in the kernel's bundles and charges each
+    output row at least the padded product at the MXU's peak, each grid step its overhead."""
+    from pallas_kernels.causal_conv import tpu_estimate as conv_estimate
+    from pallas_kernels.window_attention.tpu_estimate import estimate
+
+    geom = WAN_LOW_RES
+    result = estimate(geom, "bfloat16", gen)
+    chip = tpu_aot.CHIPS[gen]
+    rows = geom.frames * geom.height
+    floor = rows * conv_estimate.row_floor_cycles(geom, 3 * round_up(geom.out_channels, 128), gen) / chip.clock_hz
+    assert result.grid_steps == geom.frames * -(-geom.height // conv_tpu.DEFAULT_BLOCK_H)
+    assert floor + result.grid_steps * tpu_aot.GRID_STEP_SECONDS < result.seconds < 3 * floor
+    assert f"{rows} rows" in result.note
