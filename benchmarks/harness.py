@@ -23,6 +23,10 @@ import jax
 #: Exit status of a benchmark that cannot run on this machine (:func:`refuse`).
 UNAVAILABLE = 1
 
+#: The quantized page dtypes the CPU benchmarks compare with plain pages, by the prefix of their
+#: JSON keys (``int8_...``, ``fp8_...``).
+QUANTIZED_PAGES = {"int8": "int8", "fp8": "float8_e4m3fn"}
+
 
 def parse_args(description: str, argv: Sequence[str] | None = None,
                extra: Callable[[argparse.ArgumentParser], None] | None = None) -> argparse.Namespace:

@@ -190,7 +190,7 @@ def tiny_rollout(model, kv_dtype: str | None, chunks: int) -> np.ndarray:
 
 
 #: Page dtypes of the rollout comparison, by the prefix of their JSON keys.
-ROLLOUT_PAGES = {"bf16": "bfloat16", "int8": "int8", "fp8": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+ROLLOUT_PAGES = {"bf16": "bfloat16", **harness.QUANTIZED_PAGES, "fp8_e5m2": "float8_e5m2"}
 
 
 def rollout_errors(chunks: int) -> dict:

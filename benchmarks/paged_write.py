@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from benchmarks.harness import emit, median_seconds, parse_args, print_table, require_gpu
+from benchmarks.harness import QUANTIZED_PAGES, emit, median_seconds, parse_args, print_table, require_gpu
 from pallas_kernels.layout import PAGE_AXIS, pool_geometry, pool_shape, set_pages, zero_pool
 from pallas_kernels.paged_write import pages_per_frame, write_chunk
 
@@ -204,10 +204,6 @@ def bench_cpu(quick: bool, reps: int, rounds: int) -> dict[str, Any]:
                       "kv_heads": 12, "head_dim": 128}}
 
 
-#: Quantized page dtypes the CPU benchmark writes, by the prefix of their JSON keys.
-_QUANTIZED = {"int8": "int8", "fp8": "float8_e4m3fn"}
-
-
 def bench_quantized(num_pages: int, rows: int, reps: int, rounds: int) -> dict[str, Any]:
     """The bf16 chunk of the main CPU case (30 layers, T=16) written into bf16, int8 and fp8 pages,
     timed in alternation; the quantized writes' times over the bf16 write's, and their memory."""
@@ -217,16 +213,16 @@ def bench_quantized(num_pages: int, rows: int, reps: int, rounds: int) -> dict[s
     write = functools.partial(write_chunk, tokens_per_frame=16, backend="xla")
     pools = {"bf16": (k_pool, v_pool)}
     pools.update({key: (zero_pool(k_pool.shape, dtype), zero_pool(k_pool.shape, dtype))
-                  for key, dtype in _QUANTIZED.items()})
+                  for key, dtype in QUANTIZED_PAGES.items()})
     seconds = interleaved_seconds({key: donated_runner(write, pair, (k_new, v_new, page_ids))
                                    for key, pair in pools.items()}, reps, rounds)
     out, table = {}, []
-    for key in _QUANTIZED:
+    for key in QUANTIZED_PAGES:
         memory = memory_figures(write, (*pools[key], k_new, v_new, page_ids))
         out[f"{key}_vs_bf16_write"] = seconds[key] / seconds["bf16"]
         out[f"{key}_write_temp_bytes_fraction"] = memory["temp_bytes_fraction"]
         out[f"{key}_write_aliased_pool_fraction"] = memory["aliased_pool_fraction"]
-        table.append([_QUANTIZED[key], seconds[key] * 1e3, seconds[key] / seconds["bf16"],
+        table.append([QUANTIZED_PAGES[key], seconds[key] * 1e3, seconds[key] / seconds["bf16"],
                       memory["temp_bytes_fraction"], memory["aliased_pool_fraction"]])
     print(f"bf16 chunk into quantized pages (30 layers, T=16; bf16 pages: {seconds['bf16'] * 1e3:.2f} ms)")
     print_table(["pages", "write ms", "vs bf16 pages (goal <= 1.3)", "temp frac", "alias frac"], table)

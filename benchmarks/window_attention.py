@@ -31,14 +31,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.harness import emit, median_seconds, parse_args, print_table, require_gpu
+from benchmarks.harness import QUANTIZED_PAGES, emit, median_seconds, parse_args, print_table, require_gpu
 from pallas_kernels.common import pages_per_frame
 from pallas_kernels.layout import from_token_major, quantize_pages
 from pallas_kernels.window_attention import window_attention
 
 H200_PEAK_TFLOPS = 790.0
-#: Quantized page dtypes the CPU benchmark reads, by the prefix of their JSON keys.
-QUANTIZED = {"int8": "int8", "fp8": "float8_e4m3fn"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,7 +163,7 @@ def cpu_benchmark(args) -> dict:
     reps = args.reps or 15
     inputs = make_inputs(shape, args.block_size)
     fns = {"xla_paged": paged_fn(inputs, "xla"), "dense": dense_fn(inputs)}
-    for key, dtype in QUANTIZED.items():
+    for key, dtype in QUANTIZED_PAGES.items():
         fns[f"xla_paged_{key}"] = paged_fn(dict(inputs, k_pool=quantize_pages(inputs["k_pool"], dtype),
                                                 v_pool=quantize_pages(inputs["v_pool"], dtype)), "xla")
     diffs = {name: max_abs_diff(fns[name], fns["dense"]) for name in fns if name != "dense"}
@@ -174,14 +172,14 @@ def cpu_benchmark(args) -> dict:
     print(f"shape {shape}, block_size {args.block_size}, {reps} alternating reps")
     print_table(["path", "median ms", "GFLOP/s", "max |x - dense|"],
                 [[name, t * 1e3, shape.flops() / t / 1e9, diffs.get(name, 0.0)] for name, t in times.items()])
-    quantized = {f"{key}_vs_plain_xla_ratio": times[f"xla_paged_{key}"] / times["xla_paged"] for key in QUANTIZED}
+    quantized = {f"{key}_vs_plain_xla_ratio": times[f"xla_paged_{key}"] / times["xla_paged"] for key in QUANTIZED_PAGES}
     print(f"xla_paged_vs_dense_ratio {ratio:.3f} (goal <= 1.15); max |paged - dense| {diffs['xla_paged']:.2e}; "
           + ", ".join(f"{k} {v:.3f}" for k, v in quantized.items()) + " (goal <= 1.3)")
     return {"mode": "cpu", "shape": dataclasses.asdict(shape), "block_size": args.block_size,
             "reps": reps, "xla_paged_ms": times["xla_paged"] * 1e3,
             "dense_ms": times["dense"] * 1e3, "xla_paged_vs_dense_ratio": ratio,
             "max_abs_diff": diffs["xla_paged"], **quantized,
-            **{f"{key}_max_abs_diff": diffs[f"xla_paged_{key}"] for key in QUANTIZED}}
+            **{f"{key}_max_abs_diff": diffs[f"xla_paged_{key}"] for key in QUANTIZED_PAGES}}
 
 
 def gpu_benchmark(args) -> dict:

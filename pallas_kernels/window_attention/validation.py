@@ -78,7 +78,7 @@ def static_validate_inputs(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, l
     """
     geom = check_arrays(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, layer=layer,
                         extra_k=extra_k, extra_v=extra_v, tokens_per_frame=tokens_per_frame,
-                        quantized_reader="window_attention")
+                        reads_quantized=True)
     resolved = resolve_backend(backend, dtype=q.dtype, head_dim=geom.head_dim)
     if is_quantized_pool(k_pool):
         check_quantized_pools("window_attention", backend, resolved)
@@ -183,20 +183,19 @@ def _check_values(geom: WindowGeometry, pages, lengths, layer, mode_of) -> None:
 
 
 def check_arrays(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, layer=0, extra_k=None,
-                 extra_v=None, tokens_per_frame=None, quantized_reader=None) -> WindowGeometry:
+                 extra_v=None, tokens_per_frame=None, reads_quantized: bool = False) -> WindowGeometry:
     """The array part of :func:`static_validate_inputs` (no backend options); returns the geometry.
 
-    ``quantized_reader`` names the caller when it reads quantized pools (the public
-    ``window_attention``, which then checks the backend, and the reference); ``None`` (the TPU
-    kernels' own entry points) refuses them.
+    ``reads_quantized``: whether the caller reads quantized pools (the public ``window_attention``,
+    which then checks the backend, and the reference); the TPU kernels' own entry points refuse them.
 
     Raises:
       ValueError: a bad rank, shape, dtype, head count, frame size or layer rank; a Python-int
-        ``layer`` out of ``[0, num_layers)``; quantized pools where ``quantized_reader`` is
-        ``None``, or malformed ones.
+        ``layer`` out of ``[0, num_layers)``; quantized pools without ``reads_quantized``, or
+        malformed ones.
       TypeError: a non-array input; a ``layer`` that is not an integer (``1.9``, ``True``).
     """
-    if check_pool_pair(k_pool, v_pool) and quantized_reader is None:
+    if check_pool_pair(k_pool, v_pool) and not reads_quantized:
         raise ValueError("this backend's kernel does not read quantized pools (k_pool and v_pool are "
                          "QuantizedPools); only the 'xla' backend reads/writes quantized pools so far: call "
                          "pallas_kernels.window_attention.window_attention(..., backend='xla')")

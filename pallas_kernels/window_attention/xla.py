@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.common import cdiv, round_up
-from pallas_kernels.layout import is_quantized_pool, read_tokens, read_tokens_as
+from pallas_kernels.layout import read_tokens, read_tokens_as
 from pallas_kernels.window_attention.geometry import (
     WindowGeometry,
     history_token_slot,
@@ -178,10 +178,6 @@ def gather_history(pool, pages: jax.Array, lengths: jax.Array, layer: jax.Array,
     table = layer_page_table(pages, lengths, 0, geom)
     slot = history_token_slot(jnp.arange(geom.capacity, dtype=jnp.int32), geom)
     page, offset = table[:, slot // geom.block_size], slot % geom.block_size
-    if dtype is None or not is_quantized_pool(pool):
-        tokens = read_tokens(pool, layer, page, offset)
-    else:
-        tokens = read_tokens_as(pool, layer, page, offset, dtype)
-    tokens = jnp.where(history_valid(lengths, geom)[:, :, None, None], tokens,
-                       jnp.zeros((), tokens.dtype))
-    return tokens if dtype is None else tokens.astype(dtype)
+    tokens = (read_tokens(pool, layer, page, offset) if dtype is None
+              else read_tokens_as(pool, layer, page, offset, dtype))
+    return jnp.where(history_valid(lengths, geom)[:, :, None, None], tokens, jnp.zeros((), tokens.dtype))
