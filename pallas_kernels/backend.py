@@ -26,9 +26,17 @@ them."""
 CUDNN_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 """Dtypes cuDNN attention takes."""
 
-QUANTIZED_POOL_BACKENDS = ("xla",)
-"""The backends that read and write quantized pools (:class:`pallas_kernels.layout.QuantizedPool`)
-so far; every other one refuses them (:func:`check_quantized_pools`)."""
+QUANTIZED_POOL_KERNELS: Mapping[str, tuple[str, ...]] = MappingProxyType({
+    "write_chunk": ("xla",),
+    "window_attention": ("xla",),
+})
+"""For each kernel, the backends whose implementation of it reads or writes quantized pools
+(:class:`pallas_kernels.layout.QuantizedPool`); every other one refuses them
+(:func:`check_quantized_pools`)."""
+
+QUANTIZED_POOL_BACKENDS = tuple(name for name in QUANTIZED_POOL_KERNELS["write_chunk"]
+                                if all(name in names for names in QUANTIZED_POOL_KERNELS.values()))
+"""The backends that run a whole cache on quantized pools: both kernels take them."""
 
 MODES = ("compiled", "interpret", "simulate")
 """How a backend's Pallas kernels run (:attr:`Backend.mode`)."""
@@ -169,7 +177,7 @@ def resolve_backend(name: str = "auto", platform: str | None = None, *, dtype=No
 
 
 def check_quantized_pools(kernel: str, requested: str, resolved: Backend) -> None:
-    """Refuses a quantized pool on a backend outside :data:`QUANTIZED_POOL_BACKENDS`.
+    """Refuses a quantized pool on a backend that does not take it for ``kernel``.
 
     ``"auto"`` is not downgraded to ``"xla"`` on a TPU or GPU (that would silently trade the
     platform's kernel for the plain XLA path): it refuses there too, and a caller that wants the XLA
@@ -177,17 +185,18 @@ def check_quantized_pools(kernel: str, requested: str, resolved: Backend) -> Non
     ``"xla"`` already.
 
     Args:
-      kernel: the kernel's (or the cache's) name, for the message (``"write_chunk"``,
-        ``"window_attention"``, ``"PagedKVCache"``).
+      kernel: a key of :data:`QUANTIZED_POOL_KERNELS` (the backends of that kernel), or the name of
+        a whole run (``"PagedKVCache"``, ``"the demo"``): then :data:`QUANTIZED_POOL_BACKENDS`.
       requested: the ``backend=`` argument as given.
       resolved: what it resolved to.
 
     Raises:
-      ValueError: ``resolved`` does not read or write quantized pools.
+      ValueError: ``resolved`` does not read or write quantized pools for ``kernel``.
     """
-    if resolved.name in QUANTIZED_POOL_BACKENDS:
+    allowed = QUANTIZED_POOL_KERNELS.get(kernel, QUANTIZED_POOL_BACKENDS)
+    if resolved.name in allowed:
         return
     via = " (what backend='auto' resolves to here)" if requested == "auto" else ""
     raise ValueError(f"{kernel}: backend {resolved.name!r}{via} does not read or write quantized pools (int8/fp8 "
-                     f"pages); only the {' and '.join(map(repr, QUANTIZED_POOL_BACKENDS))} backend reads/writes "
-                     "quantized pools so far: pass backend='xla'")
+                     f"pages); only {', '.join(map(repr, allowed))} read/write quantized pools so far: pass "
+                     "backend='xla'")

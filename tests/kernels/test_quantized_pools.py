@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.backend import BACKENDS, QUANTIZED_POOL_BACKENDS
+from pallas_kernels.backend import BACKENDS, QUANTIZED_POOL_KERNELS
 from pallas_kernels.layout import (
     QuantizedPool,
     dequantize_pool,
@@ -198,15 +198,17 @@ def test_one_trace_while_window_fills_and_pages_are_rewritten(fresh_trace_counte
 # Refusals and validation
 # ------------------------------------------------------------------------------------------------
 
-OTHER_BACKENDS = [name for name in BACKENDS if name not in QUANTIZED_POOL_BACKENDS]
-
-
-@pytest.mark.parametrize("backend", OTHER_BACKENDS)
-def test_other_backends_refuse_quantized_pools(backend):
+@pytest.mark.parametrize("backend", [name for name in BACKENDS
+                                     if name not in QUANTIZED_POOL_KERNELS["window_attention"]])
+def test_other_backends_refuse_quantized_pools_in_attention(backend):
     case, _ = quantized_case("int8")
     with pytest.raises(ValueError, match=f"window_attention: backend '{backend}' does not read or write quantized "
-                                         "pools.*only the 'xla' backend reads/writes quantized pools so far"):
+                                         "pools.*only 'xla'.* read/write quantized pools so far"):
         window_attention(**case, backend=backend)
+
+
+@pytest.mark.parametrize("backend", [name for name in BACKENDS if name not in QUANTIZED_POOL_KERNELS["write_chunk"]])
+def test_other_backends_refuse_quantized_pools_in_the_write(backend):
     pools = [empty_pool(LAYERS, NUM_PAGES, BLOCK, KV_HEADS, HEAD_DIM, "int8") for _ in range(2)]
     k_new, v_new = chunk()
     with pytest.raises(ValueError, match=f"write_chunk: backend '{backend}' does not read or write quantized pools"):
