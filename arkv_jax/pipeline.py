@@ -35,7 +35,7 @@ from arkv_jax.step import ChunkInputs
 from pallas_kernels import causal_conv
 from pallas_kernels.causal_conv import ConvGeometry
 from pallas_kernels.context_attention import ContextGeometry
-from pallas_kernels.layout import pool_shape
+from pallas_kernels.layout import empty_pool
 from pallas_kernels.window_attention.geometry import WindowGeometry
 
 Array = jax.Array
@@ -98,6 +98,12 @@ class Pipeline:
         """A copy with ``changes`` (``sampler=``, ``text_on_device=``, ...)."""
         return dataclasses.replace(self, **changes)
 
+    def with_kv_dtype(self, kv_dtype: str | None) -> "Pipeline":
+        """A copy whose K/V pages are stored as ``kv_dtype`` (:attr:`arkv_jax.config.CacheGeometry.kv_dtype`;
+        ``None``: the compute dtype)."""
+        geometry = dataclasses.replace(self.preset.geometry, kv_dtype=kv_dtype)
+        return self.with_(preset=dataclasses.replace(self.preset, geometry=geometry))
+
 
 #: The generators of the Wan-2.1-T2V-1.3B family at 480x832 in bfloat16: Self-Forcing's and
 #: CausVid's samplers over the same DiT, VAE and umT5-XXL text encoder.
@@ -156,6 +162,14 @@ def _spec(sharding):
     return lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
 
 
+def _pool(pipeline: Pipeline, num_pages: int):
+    """One abstract K (or V) pool of ``num_pages`` pages in the pages' storage dtype: an array, or
+    a :class:`~pallas_kernels.layout.QuantizedPool` of values and scales."""
+    g = pipeline.preset.geometry
+    return jax.eval_shape(lambda: empty_pool(g.num_layers, num_pages, g.block_size, g.num_kv_heads,
+                                             g.head_dim, g.page_dtype))
+
+
 def chunk_program(pipeline: Pipeline, sessions: int, num_pages: int, sharding=None):
     """:func:`arkv_jax.rollout.generate_chunk` as ``Rollout.step()`` runs it for ``sessions``
     sessions over pools of ``num_pages`` pages: ``(fn, args)`` with ``args`` abstract
@@ -171,8 +185,7 @@ def chunk_program(pipeline: Pipeline, sessions: int, num_pages: int, sharding=No
     visible = w.sink_frames + w.window_frames
     inputs = ChunkInputs(rows=i32, pages=table(visible * ppf), lengths=i32, history_frames=table(visible),
                          first_frame=i32, write_pages=table(frames * ppf))
-    pool = jax.ShapeDtypeStruct(pool_shape(g.num_layers, num_pages, g.block_size, g.num_kv_heads, g.head_dim),
-                                jnp.dtype(g.dtype))
+    pool = _pool(pipeline, num_pages)
     text = jax.ShapeDtypeStruct((rows, g.num_layers, pipeline.dit.text_tokens, g.num_kv_heads, g.head_dim),
                                 jnp.dtype(pipeline.dit.dtype))
     noise = jax.ShapeDtypeStruct((sessions, pipeline.sampler.noise_draws, *pipeline.latent_shape), jnp.float32)
@@ -229,8 +242,7 @@ def recache_program(pipeline: Pipeline, num_pages: int, sharding=None):
     inputs = ChunkInputs(rows=i32, pages=table(visible * g.pages_per_frame), lengths=i32,
                          history_frames=table(visible), first_frame=i32,
                          write_pages=table(frames * g.pages_per_frame))
-    pool = jax.ShapeDtypeStruct(pool_shape(g.num_layers, num_pages, g.block_size, g.num_kv_heads, g.head_dim),
-                                jnp.dtype(g.dtype))
+    pool = _pool(pipeline, num_pages)
     text = jax.ShapeDtypeStruct((g.num_layers, rows, pipeline.dit.text_tokens, g.num_kv_heads, g.head_dim),
                                 jnp.dtype(pipeline.dit.dtype))
     latents = jax.ShapeDtypeStruct((1, frames, *pipeline.dit.frame_shape), jnp.dtype(pipeline.dit.dtype))
@@ -399,7 +411,8 @@ class ChipPlan:
                                 pool_bytes=b.plan.pool_bytes if b.fits else None,
                                 chunk_seconds=b.chunk_seconds, fps_per_stream=fps[0] if fps else None,
                                 fps_per_chip=fps[1] if fps else None))
-        return dict(preset=self.pipeline.preset.name, generation=self.generation, memory_bytes=self.memory_bytes,
+        return dict(preset=self.pipeline.preset.name, kv_dtype=self.pipeline.preset.geometry.page_dtype,
+                    generation=self.generation, memory_bytes=self.memory_bytes,
                     budget_bytes=self.budget_bytes, weights=self.weights, session_state=self.session_state,
                     streams_per_chip=self.streams_per_chip, best_batch=best.batch if best else None,
                     buckets=buckets)
@@ -412,7 +425,8 @@ class ChipPlan:
         """A readable account of what every byte of the chip is for, per batch bucket."""
         fb = format_bytes
         lines = [f"arkv-jax whole-chip plan: {self.pipeline.preset.name} on {self.generation}, "
-                 f"{fb(self.budget_bytes)} planned of {fb(self.memory_bytes)}"]
+                 f"{fb(self.budget_bytes)} planned of {fb(self.memory_bytes)}, "
+                 f"K/V pages in {self.pipeline.preset.geometry.page_dtype}"]
         lines += [f"  weights: {name}: {fb(n)}" for name, n in self.weights.items()]
         lines += [f"  per session: {name}: {fb(n)}" for name, n in self.session_state.items()]
         for b in self.buckets:
@@ -491,14 +505,16 @@ def _kernel_seconds(geom: WindowGeometry | ContextGeometry | ConvGeometry, dtype
 
 
 def commit_seconds(pipeline: Pipeline, sessions: int, generation: str) -> float:
-    """The paged write of one chunk's K/V, at HBM bandwidth: it reads the chunk and writes its pages
-    (:mod:`pallas_kernels.paged_write`; its DMA issue hides under that, ``benchmarks/tpu_compile.py``)."""
+    """The paged write of one chunk's K/V, at HBM bandwidth: it reads the chunk in the compute dtype
+    and writes its pages at their stored width (:mod:`pallas_kernels.paged_write`; its DMA issue
+    hides under that, ``benchmarks/tpu_compile.py``)."""
     from pallas_kernels import tpu_aot
 
     g = pipeline.preset.geometry
     rows = sessions * pipeline.sampler.num_branches
     chunk = 2 * rows * g.num_layers * g.frames_per_forward * g.tokens_per_frame * g.num_kv_heads * g.head_dim
-    return 2 * chunk * jnp.dtype(g.dtype).itemsize / tpu_aot.CHIPS[generation].hbm_bytes_per_s
+    width = jnp.dtype(g.dtype).itemsize + jnp.dtype(g.page_dtype).itemsize
+    return chunk * width / tpu_aot.CHIPS[generation].hbm_bytes_per_s
 
 
 def decode_seconds(decode: ProgramFigures, sessions: int, kernel_seconds: KernelPricer) -> float:

@@ -65,6 +65,29 @@ def test_a_pipeline_refuses_parts_that_do_not_fit_together():
         TINY.with_(text_on_device=1)
 
 
+def test_quantized_pages_reach_the_chunk_program_and_its_bytes():
+    """With int8 pages the chunk program takes the cache's own quantized pools (values and scales,
+    the shapes a real cache allocates) and reads them, giving the commit's K/V in the compute dtype;
+    the commit moves the chunk's compute width in and the stored width out."""
+    from arkv_jax.cache import PagedKVCache
+    from arkv_jax.planner import rollout_plan
+    from pallas_kernels.layout import QuantizedPool
+
+    quantized = TINY.with_kv_dtype("int8")
+    p = quantized.preset
+    assert p.geometry.quantized and TINY.preset.geometry.page_dtype == TINY.dit.dtype
+    plan = rollout_plan(p.geometry, p.window, quantized.kv_branches, p.cross_attention, 1)
+    cache = PagedKVCache(p.geometry, p.window, quantized.kv_branches, p.cross_attention, plan=plan, backend="xla")
+    fn, args = pl.chunk_program(quantized, 1, plan.managed_num_blocks)
+    real = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), cache.pools[0])
+    assert isinstance(args[1][0], QuantizedPool) and args[1][0] == real
+    out = jax.eval_shape(fn, *args)
+    assert out[1].dtype == out[2].dtype == np.dtype(TINY.dit.dtype)
+    wide, narrow = (pl.commit_seconds(x, 1, "v5e") for x in (TINY.with_kv_dtype("float32"), quantized))
+    assert narrow / wide == pytest.approx((4 + 1) / (4 + 4))
+    assert quantized.with_kv_dtype(None) == TINY
+
+
 def _figures(transient: int) -> pl.ProgramFigures:
     return pl.ProgramFigures(argument_bytes=0, output_bytes=transient, temp_bytes=0, alias_bytes=0,
                              xla_seconds=0.1, kernel_calls={})

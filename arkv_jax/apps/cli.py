@@ -259,7 +259,7 @@ def _run_pipeline_plan(args: argparse.Namespace, parser: argparse.ArgumentParser
         parser.error("--pipeline compiles for the TPU and needs libtpu: pip install 'arkv-jax[tpu]'")
     if args.guidance is not None:
         chosen = chosen.with_(sampler=dataclasses.replace(chosen.sampler, guidance_scale=args.guidance))
-    chosen = chosen.with_(text_on_device=args.text_on_device)
+    chosen = chosen.with_(text_on_device=args.text_on_device).with_kv_dtype(args.kv_dtype)
     plan = pipeline.plan_chip(chosen, generation, memory_bytes=None,  # the HBM the compiler allows
                               memory_fraction=1.0 if args.fraction is None else args.fraction,
                               buckets=args.buckets, kernel_seconds=pipeline.attention_pricer(chosen, generation))
