@@ -36,6 +36,8 @@ choice they support are in ``docs/kernels.md`` (Quantized pages).
 from __future__ import annotations
 
 import dataclasses
+import os
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -43,8 +45,10 @@ import numpy as np
 from flax import struct
 
 from arkv_jax.cache import PagedKVCache
+from arkv_jax.config import CacheGeometry, CrossAttentionSpec, KVBranch, WindowPolicy
 from arkv_jax.models import MODEL_CONFIGS
 from arkv_jax.models.dit import init_random
+from arkv_jax.models.loader import load_wan
 from arkv_jax.nnx import masked_attention
 from arkv_jax.planner import rollout_plan
 from arkv_jax.presets import get_preset
@@ -144,11 +148,12 @@ def _attend(current, k_history, v_history) -> np.ndarray:
 
 def errors(captured: dict, methods) -> dict:
     """Per method: max and mean abs attention-output error over all layers against the float32
-    history, and the mean error relative to the mean output magnitude."""
+    history, the mean error relative to the mean output magnitude, and each layer's mean abs error
+    (``per_layer_mean_abs``, layer order)."""
     shape = captured["shape"]
     tpf, block = shape.model.tokens_per_frame, shape.block_size
     k_hist, v_hist = captured["history"]
-    out = {m: {"max": 0.0, "sum": 0.0, "count": 0, "scale_sum": 0.0} for m in methods}
+    out = {m: {"max": 0.0, "sum": 0.0, "count": 0, "scale_sum": 0.0, "layers": []} for m in methods}
     for layer, current in sorted(captured["current"].items()):
         exact = _attend(current, k_hist[layer], v_hist[layer])
         for method in methods:
@@ -160,8 +165,9 @@ def errors(captured: dict, methods) -> dict:
             acc["sum"] += float(diff.sum())
             acc["count"] += diff.size
             acc["scale_sum"] += float(np.abs(exact).sum())
-    return {m: {"max_abs": a["max"], "mean_abs": a["sum"] / a["count"],
-                "mean_rel": a["sum"] / a["scale_sum"]} for m, a in out.items()}
+            acc["layers"].append(float(diff.mean()))
+    return {m: {"max_abs": a["max"], "mean_abs": a["sum"] / a["count"], "mean_rel": a["sum"] / a["scale_sum"],
+                "per_layer_mean_abs": a["layers"]} for m, a in out.items()}
 
 
 def bytes_per_token(method: str, head_dim: int, block_size: int) -> float:
@@ -173,38 +179,117 @@ def bytes_per_token(method: str, head_dim: int, block_size: int) -> float:
     return head_dim + SCALE_ITEMSIZE / per_scale_tokens
 
 
-def tiny_rollout(model, kv_dtype: str | None, chunks: int) -> np.ndarray:
-    """``[2, chunks * F, H, W, C]``: two sessions of the ``tiny`` preset (CFG, 3 steps, XLA backend)
-    over ``chunks`` chunks, their pages stored as ``kv_dtype`` (``None``: the model's dtype)."""
-    preset = get_preset("tiny")
-    geometry = dataclasses.replace(preset.geometry, kv_dtype=kv_dtype)
-    plan = rollout_plan(geometry, preset.window, preset.kv_branches, preset.cross_attention, 2)
-    cache = PagedKVCache(geometry, preset.window, preset.kv_branches, preset.cross_attention, plan=plan,
-                         backend="xla")
-    rollout = Rollout(model, cache, Sampler(num_steps=3, guidance_scale=3.0), max_traces=1)
-    rollout.join("a", "a red fox in the snow", seed=1)
-    rollout.join("b", "a city at night", seed=2)
+def paged_rollout(model, setup: "RolloutSetup", kv_dtype: str | None, chunks: int) -> np.ndarray:
+    """``[2, chunks * F, H, W, C]``: two CFG sessions of ``setup`` over ``chunks`` chunks (XLA
+    backend), their pages stored as ``kv_dtype`` (``None``: the model's dtype)."""
+    geometry = dataclasses.replace(setup.geometry, kv_dtype=kv_dtype)
+    plan = rollout_plan(geometry, setup.window, CFG_BRANCHES, setup.cross_attention, 2)
+    cache = PagedKVCache(geometry, setup.window, CFG_BRANCHES, setup.cross_attention, plan=plan, backend="xla")
+    rollout = Rollout(model, cache, setup.sampler, max_traces=1)
+    for sid, (prompt, seed) in ROLLOUT_PROMPTS.items():
+        rollout.join(sid, prompt, seed=seed)
     for _ in range(chunks):
         rollout.step()
-    return np.stack([rollout.leave("a"), rollout.leave("b")])
+    return np.stack([rollout.leave(sid) for sid in ROLLOUT_PROMPTS])
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutSetup:
+    """A cache shape and sampler for :func:`paged_rollout` (two CFG branches per session)."""
+
+    geometry: CacheGeometry
+    window: WindowPolicy
+    cross_attention: tuple[CrossAttentionSpec, ...]
+    sampler: Sampler
+
+
+CFG_BRANCHES = (KVBranch("positive", 0), KVBranch("negative", 1))
+ROLLOUT_PROMPTS = {"a": ("a red fox in the snow", 1), "b": ("a city at night", 2)}
+"""Session id -> (prompt, seed) of the rollout comparisons."""
+
+_TINY = get_preset("tiny")
+TINY_SETUP = RolloutSetup(_TINY.geometry, _TINY.window, _TINY.cross_attention, Sampler(num_steps=3, guidance_scale=3.0))
+"""The ``tiny`` preset's cache (float32 model): the random ``tiny`` model's rollouts."""
+
+#: A small random diffusers ``WanTransformer3DModel`` (Wan 2.1's architecture: 2 layers, 4 heads of
+#: 16, 4 latent channels) and the cache its converted model streams through (24-token frames in
+#: 16-token pages, sink 2 + window 4, 2-frame chunks).
+DIFFUSERS_CONFIG = dict(patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=16, in_channels=4,
+                        out_channels=4, text_dim=32, freq_dim=64, ffn_dim=128, num_layers=2, cross_attn_norm=True,
+                        qk_norm="rms_norm_across_heads", eps=1e-6)
+DIFFUSERS_GRID, DIFFUSERS_TEXT_TOKENS = (4, 6), 7
+DIFFUSERS_SETUP = RolloutSetup(
+    CacheGeometry(num_layers=2, num_kv_heads=4, head_dim=16, dtype="float32", tokens_per_frame=24,
+                  block_size=16, frames_per_forward=2),
+    WindowPolicy(window_frames=4, sink_frames=2), (CrossAttentionSpec("text", DIFFUSERS_TEXT_TOKENS),),
+    Sampler(num_steps=2, guidance_scale=3.0))
+
+
+def converted_diffusers_model(folder):
+    """A random diffusers ``WanTransformer3DModel`` (:data:`DIFFUSERS_CONFIG`, seeded, its norm
+    weights and biases perturbed from their initial values) saved to ``folder`` and loaded back
+    through :func:`arkv_jax.models.loader.load_wan` in float32; ``None`` without torch and
+    diffusers."""
+    try:
+        import diffusers
+        import torch
+    except ImportError:
+        return None
+    torch.manual_seed(0)
+    model = diffusers.WanTransformer3DModel(**DIFFUSERS_CONFIG).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_((1.0 if name.endswith("weight") else 0.0) + 0.1 * torch.randn_like(param))
+            elif name.endswith("bias"):
+                param.copy_(0.1 * torch.randn_like(param))
+    model.save_pretrained(folder)
+    return load_wan(folder, dtype="float32", grid=DIFFUSERS_GRID, text_tokens=DIFFUSERS_TEXT_TOKENS)
 
 
 #: Page dtypes of the rollout comparison, by the prefix of their JSON keys.
 ROLLOUT_PAGES = {"bf16": "bfloat16", **harness.QUANTIZED_PAGES, "fp8_e5m2": "float8_e5m2"}
 
 
-def rollout_errors(chunks: int) -> dict:
+def rollout_errors(model, setup: RolloutSetup, chunks: int, recompute: bool = False) -> dict:
     """Max and mean abs difference of each :data:`ROLLOUT_PAGES` rollout's latents from the float32
-    pages' rollout (the tiny model in float32)."""
-    model = init_random(MODEL_CONFIGS["tiny"], seed=0)
-    exact = tiny_rollout(model, None, chunks).astype(np.float64)
-    out = {}
-    for key, dtype in ROLLOUT_PAGES.items():
-        diff = np.abs(tiny_rollout(model, dtype, chunks).astype(np.float64) - exact)
-        out[f"{key}_rollout_max_abs_diff"] = float(diff.max())
-        out[f"{key}_rollout_mean_abs_diff"] = float(diff.mean())
-    out["rollout_mean_abs_latent"] = float(np.abs(exact).mean())
+    pages' rollout of the same (float32) ``model``; with ``recompute`` also every run's (the
+    float32 pages' too) from full recompute (:class:`arkv_jax.reference.FullRecompute`), keys
+    ``*_vs_recompute_*``."""
+    runs = {"fp32": paged_rollout(model, setup, None, chunks).astype(np.float64)}
+    runs.update({key: paged_rollout(model, setup, dtype, chunks).astype(np.float64)
+                 for key, dtype in ROLLOUT_PAGES.items()})
+    out = {"rollout_mean_abs_latent": float(np.abs(runs["fp32"]).mean())}
+    references = {"": runs["fp32"]}
+    if recompute:
+        full = FullRecompute(model, setup.window, setup.sampler, chunk_frames=setup.geometry.frames_per_forward)
+        prompts, seeds = zip(*ROLLOUT_PROMPTS.values())
+        references["_vs_recompute"] = np.asarray(full.rollout(list(prompts), list(seeds), chunks), np.float64)
+    for suffix, reference in references.items():
+        for key, latents in runs.items():
+            if key == "fp32" and not suffix:
+                continue
+            diff = np.abs(latents - reference)
+            out[f"{key}_rollout{suffix}_max_abs_diff"] = float(diff.max())
+            out[f"{key}_rollout{suffix}_mean_abs_diff"] = float(diff.mean())
     return out
+
+
+def _rollout_table(title: str, rollout: dict, chunks: int) -> None:
+    recompute = "fp32_rollout_vs_recompute_max_abs_diff" in rollout
+    against = " and vs full recompute" if recompute else ""
+    print(f"{title}, 2 CFG sessions x {chunks} chunks, latents vs float32 pages{against} "
+          f"(mean |latent| {rollout['rollout_mean_abs_latent']:.3f})")
+    keys = ({"fp32": "float32"} if recompute else {}) | ROLLOUT_PAGES
+    rows = []
+    for key, dtype in keys.items():
+        row = [dtype, rollout.get(f"{key}_rollout_max_abs_diff", 0.0), rollout.get(f"{key}_rollout_mean_abs_diff", 0.0)]
+        if recompute:
+            row += [rollout[f"{key}_rollout_vs_recompute_max_abs_diff"],
+                    rollout[f"{key}_rollout_vs_recompute_mean_abs_diff"]]
+        rows.append(row)
+    harness.print_table(["pages", "max abs", "mean abs"] + (["max abs vs recompute", "mean abs vs recompute"]
+                                                            if recompute else []), rows)
 
 
 def main(argv=None) -> None:
@@ -224,19 +309,25 @@ def main(argv=None) -> None:
         r = result[method]
         rows.append([method, r["max_abs"], r["mean_abs"], r["mean_rel"], r["mean_abs"] / bf16,
                      bytes_per_token(method, m.head_dim, shape.block_size),
-                     bytes_per_token(method, 128, 1560 if method.endswith("page") else 1)])
+                     bytes_per_token(method, 128, 1560 if method.endswith("page") else 1),
+                     " ".join(f"{x:.1e}" for x in r["per_layer_mean_abs"])])
     harness.print_table(["pool", "max abs", "mean abs", "mean rel", "x bf16 mean", f"B/token/head (D={m.head_dim})",
-                         "B/token/head (wan)"], rows)
+                         "B/token/head (wan)", "mean abs per layer"], rows)
     rollout_chunks = args.rollout_chunks or (8 if args.quick else 16)
-    rollout = rollout_errors(rollout_chunks)
-    print(f"tiny paged rollouts, 2 sessions x {rollout_chunks} chunks, latents vs float32 pages "
-          f"(mean |latent| {rollout['rollout_mean_abs_latent']:.3f})")
-    harness.print_table(["pages", "max abs", "mean abs"],
-                        [[dtype, rollout[f"{key}_rollout_max_abs_diff"], rollout[f"{key}_rollout_mean_abs_diff"]]
-                         for key, dtype in ROLLOUT_PAGES.items()])
+    rollout = rollout_errors(init_random(MODEL_CONFIGS["tiny"], seed=0), TINY_SETUP, rollout_chunks)
+    _rollout_table("tiny paged rollouts (random tiny model)", rollout, rollout_chunks)
     figures = {"benchmark": "kv_quantization", "chunks": chunks, "errors": result,
                "mean_abs_vs_bf16": {k: v["mean_abs"] / bf16 for k, v in result.items()},
                "rollout_chunks": rollout_chunks, **rollout}
+    with tempfile.TemporaryDirectory() as folder:
+        converted = converted_diffusers_model(os.path.join(folder, "transformer"))
+        if converted is None:
+            print("converted diffusers model: skipped (needs torch and diffusers)")
+        else:
+            diffusers_rollout = rollout_errors(converted, DIFFUSERS_SETUP, rollout_chunks, recompute=True)
+            _rollout_table("converted diffusers WanTransformer3DModel (random, 2 layers)", diffusers_rollout,
+                           rollout_chunks)
+            figures["converted_diffusers"] = diffusers_rollout
     harness.emit(figures)
 
 

@@ -114,6 +114,10 @@ def test_quick_form_runs_and_ends_with_json(name):
                                                      for g in ("page", "token")}
         assert 0 < figures["mean_abs_vs_bf16"]["int8/page"] < 10
         assert 0 < figures["int8_rollout_max_abs_diff"] < 1e-2 and 0 < figures["bf16_rollout_max_abs_diff"] < 1e-2
+        converted = figures.get("converted_diffusers")  # with torch and diffusers (the parity stack)
+        if converted is not None:  # float32 pages equal full recompute; int8 within 2x the bf16 pages' error
+            assert converted["fp32_rollout_vs_recompute_max_abs_diff"] < 1e-4
+            assert 0 < converted["int8_rollout_max_abs_diff"] < 2 * converted["bf16_rollout_max_abs_diff"]
     if name == "sharding":  # both process jobs ran; each process of two holds half the pools, devices alike
         jobs = figures["processes"]
         assert set(jobs) == {"1x8", "2x4"}, jobs

@@ -17,7 +17,7 @@ from arkv_jax.config import KV_DTYPES
 from arkv_jax.models import MODEL_CONFIGS, init_random
 from arkv_jax.planner import rollout_plan
 from arkv_jax.presets import get_preset
-from benchmarks.kv_quantization import tiny_rollout
+from benchmarks.kv_quantization import TINY_SETUP, paged_rollout
 from pallas_kernels.layout import QuantizedPool, page_mask, pool_geometry
 from tests.test_sharded_cache import CFG, GEOMETRY, TEXT, WINDOW, attention, batch_kv, mesh_of
 
@@ -122,7 +122,7 @@ def test_an_int8_rollout_stays_close_to_the_float32_one():
     difference 2.9e-3 (mean 3.7e-4) against the float32 pool's latents (mean |latent| 1.6), below the
     bf16 pool's own 4.3e-3 on the same run; fp8 e4m3fn 1.5e-2, e5m2 2.6e-2."""
     model = init_random(MODEL_CONFIGS["tiny"], seed=0)
-    exact, int8 = tiny_rollout(model, None, 8), tiny_rollout(model, "int8", 8)
+    exact, int8 = (paged_rollout(model, TINY_SETUP, dtype, 8) for dtype in (None, "int8"))
     diff = np.abs(int8.astype(np.float64) - exact)
     assert np.all(np.isfinite(int8)) and int8.shape == exact.shape
     assert 0 < diff.max() < 1e-2 and diff.mean() < 1e-3  # quantized (not equal), and close
