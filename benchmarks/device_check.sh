@@ -10,15 +10,17 @@
 #    gather path (backend="cudnn_gather", the GPU default) and the Triton kernels
 #    (backend="pallas_gpu": attention and the paged write), the scatter paged write (run under
 #    "cudnn_gather"): bit-identical writes, untouched pages, skipped ids, donation in place,
-#    attention against the reference with NaN-poisoned pages.
+#    attention against the reference with NaN-poisoned pages; the same for quantized pools (int8,
+#    fp8 e4m3fn and e5m2 pages: tests/kernels/test_quantized_pools.py and the quantized wide cases).
 # 3. benchmarks/gpu_window_attention.py --gpu: Mosaic GPU, Triton and cuDNN gather against cuDNN on
 #    the same tokens held contiguously, Wan-1.3B shape, rows 1 and 4, TFLOP/s against the bf16 peak
-#    measured in the same run.
+#    measured in the same run; Triton and cuDNN gather also over int8 and fp8 pages.
 # 4. benchmarks/paged_write.py --gpu at 128- and 1,664-token pages: the scatter write (auto), the
-#    Triton write and XLA's own scatter against a device-to-device copy.
+#    Triton write and XLA's own scatter against a device-to-device copy; the Triton write and the
+#    scatter also into int8 and fp8 pages.
 #
 # Needs jax with CUDA, pytest, chex and numpy; not flax (nothing here imports arkv_jax). Timeouts:
-# 30 + 90 + 150 + 120 + 2 x 25 = 440 s, under 8 minutes. Everything goes to $OUT (default
+# 30 + 90 + 200 + 180 + 2 x 40 = 580 s, under 10 minutes. Everything goes to $OUT (default
 # ./device_check_out); the last lines of each log are printed at the end. On a machine without a
 # GPU the compiled tests are reported as skipped and the benchmarks refuse to run.
 set -u
@@ -37,17 +39,17 @@ timeout 90 python -m pytest -p no:cacheprovider -rs -x tests/kernels/test_window
   -k "pallas_mgpu or mosaic_tilings_on_gpu" > "$out/tests_mosaic.txt" 2>&1
 echo "exit status $?" >> "$out/tests_mosaic.txt"
 
-timeout 150 python -m pytest -p no:cacheprovider -rs tests/kernels \
+timeout 200 python -m pytest -p no:cacheprovider -rs tests/kernels \
   -k "(pallas_gpu or cudnn_gather) and not interpret and not cudnn_gather_xla" \
   > "$out/tests_other.txt" 2>&1
 echo "exit status $?" >> "$out/tests_other.txt"
 
-timeout 120 python -m benchmarks.gpu_window_attention --gpu --reps 15 \
+timeout 180 python -m benchmarks.gpu_window_attention --gpu --reps 15 \
   > "$out/gpu_window_attention.txt" 2>&1
 echo "exit status $?" >> "$out/gpu_window_attention.txt"
 
 for block in 128 1664; do
-  timeout 25 python -m benchmarks.paged_write --gpu --block-size "$block" --rows 4 \
+  timeout 40 python -m benchmarks.paged_write --gpu --block-size "$block" --rows 4 \
     > "$out/paged_write_gpu_$block.txt" 2>&1
   echo "exit status $?" >> "$out/paged_write_gpu_$block.txt"
 done

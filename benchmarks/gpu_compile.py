@@ -9,7 +9,9 @@ sink 3 + window 9 frames of history, rows 1):
   Triton IR Pallas emits captured, and compiled by the ``triton`` wheel from PyPI for
   ``GPUTarget("cuda", 90, 32)`` down to cubin; ``cuobjdump -res-usage`` (shipped in the wheel) gives
   registers, shared memory, stack and spills; the TTGIR gives the pipelining (asynchronous copies
-  and their waits) and the matmul instructions (``warp_group_dot`` = wgmma). The wheel's Triton is
+  and their waits) and the matmul instructions (``warp_group_dot`` = wgmma), the PTX the 128-bit
+  global loads and stores. Each is compiled for bf16 pools and for each quantized pool dtype
+  (int8, fp8 e4m3fn, fp8 e5m2: :data:`POOL_DTYPES`), keys suffixed with the dtype. The wheel's Triton is
   not the one XLA bundles, so the figures describe the same IR compiled by a neighbouring Triton
   release.
 * **The scatter paged write** (:mod:`pallas_kernels.paged_write.xla_gpu`, the write under
@@ -45,7 +47,8 @@ import jax.numpy as jnp
 from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 
 from benchmarks import harness
-from pallas_kernels.layout import pool_shape
+from pallas_kernels.layout import QuantizedPool, pool_shape, scale_shape
+from pallas_kernels.quantization import QUANTIZED_DTYPES, SCALE_DTYPE
 
 H200 = dict(device_kind="NVIDIA H200", num_cores=132)
 SM90 = 90
@@ -161,6 +164,8 @@ def compile_triton(ttir: str, num_warps: int, num_stages: int, out_dir: str | No
         async_copies=ttgir.count("async_copy_global_to_local"),
         async_waits=re.findall(r"async_wait .*?\{num = (\d+) : i32\}", ttgir),
         exp2_approx=ptx.count("ex2.approx"),
+        vector_loads=ptx.count("ld.global.v4."),
+        vector_stores=ptx.count("st.global.v4."),
         ptx_lines=ptx.count("\n"),
         triton_wheel=triton.__version__,
     )
@@ -170,9 +175,19 @@ def _sds(shape, dtype):
     return jax.ShapeDtypeStruct(shape, dtype)
 
 
-def wan_attention_specs(rows: int, block_size: int, dtype=jnp.bfloat16, layers: int = 1):
+def _pool_spec(shape, dtype, kv_dtype):
+    """The spec of a pool of ``shape``: ``dtype`` values, or for a quantized ``kv_dtype`` a
+    :class:`~pallas_kernels.layout.QuantizedPool` of ``kv_dtype`` values and float32 scales."""
+    if kv_dtype is None:
+        return _sds(shape, dtype)
+    return QuantizedPool(_sds(shape, kv_dtype), _sds(scale_shape(shape), SCALE_DTYPE))
+
+
+def wan_attention_specs(rows: int, block_size: int, dtype=jnp.bfloat16, layers: int = 1,
+                        kv_dtype=None):
     """Argument specs of one window-attention call at the Wan-1.3B shape: ``(q, k_cur, v_cur,
-    k_pool, v_pool, pages, lengths)`` with the pool holding ``rows`` rows' history pages."""
+    k_pool, v_pool, pages, lengths)`` with the pool holding ``rows`` rows' history pages, stored in
+    ``dtype`` or, with a quantized ``kv_dtype``, as :class:`~pallas_kernels.layout.QuantizedPool` s."""
     heads, head_dim, tpf = WAN["heads"], WAN["head_dim"], WAN["tokens_per_frame"]
     ppf = -(-tpf // block_size)
     max_pages = WAN["history_frames"] * ppf
@@ -180,8 +195,8 @@ def wan_attention_specs(rows: int, block_size: int, dtype=jnp.bfloat16, layers: 
     pool = pool_shape(layers, 1 + rows * max_pages, block_size, heads, head_dim)
     kv = (rows, q_len, heads, head_dim)
     return (_sds((rows, q_len, heads, head_dim), dtype), _sds(kv, dtype), _sds(kv, dtype),
-            _sds(pool, dtype), _sds(pool, dtype), _sds((rows, max_pages), jnp.int32),
-            _sds((rows,), jnp.int32))
+            _pool_spec(pool, dtype, kv_dtype), _pool_spec(pool, dtype, kv_dtype),
+            _sds((rows, max_pages), jnp.int32), _sds((rows,), jnp.int32))
 
 
 def attention_at_tiling(module, validate_as: str, **tiling):
@@ -203,41 +218,59 @@ def attention_at_tiling(module, validate_as: str, **tiling):
 TRITON_MISSING = "the triton wheel is not installed (pip install triton)"
 
 
+POOL_DTYPES = (None, *QUANTIZED_DTYPES)
+"""The pool storage the Triton kernels are compiled for: the compute dtype (``None``, bf16) and
+each quantized dtype (:data:`pallas_kernels.quantization.QUANTIZED_DTYPES`)."""
+
+
+def _pool_suffix(kv_dtype) -> str:
+    return "" if kv_dtype is None else f"_{kv_dtype}"
+
+
 def triton_attention_reports(out_dir: str | None, quick: bool = False) -> dict:
     """Compile reports of the Triton window attention at its default tiling, at the Wan shape on
-    1,560-token (one page per frame) and, unless ``quick``, 128-token pages."""
+    1,560-token (one page per frame) and, unless ``quick``, 128-token pages, for bf16 pools and
+    each quantized pool dtype (:data:`POOL_DTYPES`)."""
     from pallas_kernels.window_attention import window_attention
 
     reports = {}
     for block_size in (1560,) if quick else (1560, 128):
-        fn = jax.jit(lambda *a: window_attention(*a, tokens_per_frame=WAN["tokens_per_frame"],
-                                                 backend="pallas_gpu"))
-        key = f"triton_attention_pages{block_size}"
-        reports[key] = compile_lowered(fn, wan_attention_specs(1, block_size), out_dir, key)
+        for kv_dtype in POOL_DTYPES:
+            fn = jax.jit(lambda *a: window_attention(*a, tokens_per_frame=WAN["tokens_per_frame"],
+                                                     backend="pallas_gpu"))
+            key = f"triton_attention_pages{block_size}{_pool_suffix(kv_dtype)}"
+            specs = wan_attention_specs(1, block_size, kv_dtype=kv_dtype)
+            reports[key] = compile_lowered(fn, specs, out_dir, key)
     return reports
 
 
 def wan_write_specs(rows: int, num_pages: int, block_size: int = 128, layers: int = 30,
-                    dtype=jnp.bfloat16):
+                    dtype=jnp.bfloat16, kv_dtype=None):
     """Argument specs of one paged write at the Wan-1.3B shape: ``(k_pool, v_pool, k_new, v_new,
-    page_ids)``, ``rows`` rows' 3-frame chunks into a pool of ``num_pages`` pages of ``block_size``."""
+    page_ids)``, ``rows`` rows' 3-frame chunks in ``dtype`` into a pool of ``num_pages`` pages of
+    ``block_size`` (stored in ``dtype`` or, with a quantized ``kv_dtype``, as
+    :class:`~pallas_kernels.layout.QuantizedPool` s)."""
     heads, head_dim, tpf = WAN["heads"], WAN["head_dim"], WAN["tokens_per_frame"]
     frames, ppf = WAN["chunk_frames"], -(-tpf // block_size)
     pool = pool_shape(layers, num_pages, block_size, heads, head_dim)
     chunk = (layers, rows, frames * tpf, heads, head_dim)
-    return (_sds(pool, dtype), _sds(pool, dtype), _sds(chunk, dtype), _sds(chunk, dtype),
-            _sds((rows, frames * ppf), jnp.int32))
+    return (_pool_spec(pool, dtype, kv_dtype), _pool_spec(pool, dtype, kv_dtype), _sds(chunk, dtype),
+            _sds(chunk, dtype), _sds((rows, frames * ppf), jnp.int32))
 
 
 def triton_write_report(out_dir: str | None, quick: bool = False) -> dict:
-    """Compile report of the Triton paged write at Wan's shape (30 layers, 128-token pages, one
-    row's 3-frame chunk)."""
+    """Compile reports of the Triton paged write at Wan's shape (30 layers, 128-token pages, one
+    row's 3-frame chunk), for bf16 pools and each quantized pool dtype (:data:`POOL_DTYPES`)."""
     from pallas_kernels.paged_write import write_chunk
 
     fn = jax.jit(lambda *a: write_chunk(*a, tokens_per_frame=WAN["tokens_per_frame"], backend="pallas_gpu"),
                  donate_argnums=(0, 1))
-    specs = wan_write_specs(rows=1, num_pages=64)
-    return {"triton_paged_write": compile_lowered(fn, specs, out_dir, "triton_paged_write")}
+    reports = {}
+    for kv_dtype in POOL_DTYPES:
+        key = f"triton_paged_write{_pool_suffix(kv_dtype)}"
+        specs = wan_write_specs(rows=1, num_pages=64, kv_dtype=kv_dtype)
+        reports[key] = compile_lowered(fn, specs, out_dir, key)
+    return reports
 
 
 def compile_lowered(fn, specs, out_dir, name) -> dict:
@@ -256,20 +289,24 @@ def compile_lowered(fn, specs, out_dir, name) -> dict:
 
 def scatter_write_report() -> dict:
     """What the lowered scatter write hands XLA:GPU, at Wan's shape (30 layers, 128-token pages, 4
-    rows' 3-frame chunks, donated pools)."""
+    rows' 3-frame chunks, donated pools), for bf16 pools and each quantized pool dtype (values and
+    scales scattered: twice the scatters and aliased outputs)."""
     from pallas_kernels.paged_write import write_chunk
 
     fn = jax.jit(lambda *a: write_chunk(*a, tokens_per_frame=WAN["tokens_per_frame"], backend="cudnn_gather"),
                  donate_argnums=(0, 1))
-    text = lower_for_cuda(fn, *wan_write_specs(rows=4, num_pages=256)).as_text()
-    return {"scatter_paged_write": dict(
-        scatters=text.count("\"stablehlo.scatter\"("),
-        unique_indices=text.count("unique_indices = true"),
-        while_loops=text.count("stablehlo.while"),
-        conditionals=text.count("stablehlo.case"),
-        aliased_outputs=text.count("tf.aliasing_output"),
-        pads=text.count("stablehlo.pad"),
-    )}
+    reports = {}
+    for kv_dtype in POOL_DTYPES:
+        text = lower_for_cuda(fn, *wan_write_specs(rows=4, num_pages=256, kv_dtype=kv_dtype)).as_text()
+        reports[f"scatter_paged_write{_pool_suffix(kv_dtype)}"] = dict(
+            scatters=text.count("\"stablehlo.scatter\"("),
+            unique_indices=text.count("unique_indices = true"),
+            while_loops=text.count("stablehlo.while"),
+            conditionals=text.count("stablehlo.case"),
+            aliased_outputs=text.count("tf.aliasing_output"),
+            pads=text.count("stablehlo.pad"),
+        )
+    return reports
 
 
 MOSAIC_TILINGS = ((128, 2), (128, 3), (64, 4))

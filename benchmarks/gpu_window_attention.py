@@ -12,6 +12,10 @@ history frames, bf16), for rows 1 and 4, in one run with alternating timed repet
   :mod:`pallas_kernels.window_attention.cudnn_gather`),
 * ``cudnn_dense``: ``jax.nn.dot_product_attention(implementation="cudnn")`` on the visible history
   + chunk laid out contiguously (the yardstick),
+* ``triton``, ``triton_<int8|fp8>``, ``cudnn_gather_<int8|fp8>``: the Triton kernel at its default
+  tiling over bf16 pages and, like ``cudnn_gather``, over the same tokens in int8 and float8_e4m3fn
+  pages (one scale per page; ``<path>_<key>_vs_bf16`` is the quantized call's time over the same
+  path's on bf16 pages; their max |diff| includes the quantization error),
 
 on a pool of ``--block-size``-token pages (default 1,664 = 13 x 128, one page per frame: what the
 Mosaic GPU kernel requires). TFLOP/s count the QK^T and PV matmuls over the valid keys and are
@@ -42,6 +46,7 @@ from benchmarks.window_attention import (
     make_inputs,
     max_abs_diff,
     paged_fn,
+    quantized_inputs,
 )
 
 ARGS = ("q", "k_cur", "v_cur", "k_pool", "v_pool", "pages", "lengths")
@@ -126,6 +131,11 @@ def main(argv=None) -> int:
             fns[f"triton_{text}"] = at_tiling(inputs, gpu, "pallas_gpu", backend="pallas_gpu",
                                               **parse_tiling(text, ("block_q", "block_k",
                                                                     "num_warps", "num_stages")))
+        fns["triton"] = paged_fn(inputs, "pallas_gpu")
+        for key, kv_dtype in harness.QUANTIZED_PAGES.items():
+            pages = quantized_inputs(inputs, kv_dtype)
+            fns[f"triton_{key}"] = paged_fn(pages, "pallas_gpu")
+            fns[f"cudnn_gather_{key}"] = paged_fn(pages, "cudnn_gather")
         errors, diffs = {}, {}
         for name in list(fns):
             try:
@@ -149,6 +159,10 @@ def main(argv=None) -> int:
                             tflops={n: flops / t / 1e12 for n, t in times.items()},
                             speed_vs_cudnn_dense={n: times["cudnn_dense"] / t
                                                   for n, t in times.items()},
+                            quantized_vs_bf16={f"{path}_{key}_vs_bf16": times[f"{path}_{key}"] / times[path]
+                                               for path in ("triton", "cudnn_gather")
+                                               for key in harness.QUANTIZED_PAGES
+                                               if f"{path}_{key}" in times and path in times},
                             max_abs_diff=diffs, errors=errors))
     print(harness.json_line(dict(mode="gpu", device=jax.devices()[0].device_kind, jax=jax.__version__,
                                  block_size=args.block_size, reps=args.reps, quick=args.quick,

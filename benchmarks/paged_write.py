@@ -22,7 +22,10 @@ on 2 cores (2026-11-30): fp32 30 layers 0.42-0.66, bf16 30 layers 0.89-1.17; pin
 ``--gpu`` (NVIDIA GPU only; refuses otherwise): at the Wan-1.3B shape (30 layers, 12 KV heads, head
 dim 128, bf16, 3 frames of 1,560 tokens per row, ``--block-size`` 16 by default, i.e. 98 pages per
 frame with 8 padding tokens), the Pallas GPU kernel's bandwidth against a device-to-device copy of
-the same bytes, an XLA scatter (``unique_indices``, ``mode="drop"``) and the library's XLA path.
+the same bytes, an XLA scatter (``unique_indices``, ``mode="drop"``) and the library's XLA path; and
+the same bf16 chunk written by the Pallas GPU kernel and the scatter (``"auto"``) into int8 and
+float8_e4m3fn pages (quantized in the write), ``<case>_<int8|fp8>_vs_bf16`` their times over the
+same write into bf16 pages.
 Without a GPU it says so in one line on stderr and exits with status 1.
 
 Bandwidth counts the K/V bytes written to the pools (padding included), once; a copy also reads
@@ -256,11 +259,19 @@ def bench_gpu(block_size: int, rows: int, reps: int, rounds: int) -> dict[str, A
     }
     runners = {name: donated_runner(fn, (k_pool, v_pool), rest) for name, fn in cases.items()}
     runners["d2d_copy"] = donated_runner(contiguous_copy, (k_pool, v_pool), (slab, slab))
+    for key, kv_dtype in QUANTIZED_PAGES.items():  # The same bf16 chunk into 8-bit pages.
+        pools = (zero_pool(k_pool.shape, kv_dtype), zero_pool(k_pool.shape, kv_dtype))
+        for name in ("pallas_gpu", "auto_gpu_scatter"):
+            runners[f"{name}_{key}"] = donated_runner(cases[name], pools, rest)
     seconds = interleaved_seconds(runners, reps, rounds)
     memory = memory_figures(cases["pallas_gpu"], (k_pool, v_pool, *rest))
+    into_8_bit = {f"{name}_{key}": name for name in ("pallas_gpu", "auto_gpu_scatter") for key in QUANTIZED_PAGES}
+    quantized = {f"{run}_vs_bf16": seconds[run] / seconds[bf16] for run, bf16 in into_8_bit.items()}
     print_table(["case", "ms", "GB/s written", "vs d2d copy"],
                 [[n, s * 1e3, nbytes / s / 1e9, seconds["d2d_copy"] / s]
-                 for n, s in seconds.items()])
+                 for n, s in seconds.items() if n not in into_8_bit])
+    print("into 8-bit pages, time over the same write into bf16 pages: "
+          + ", ".join(f"{name} {ratio:.3f}" for name, ratio in quantized.items()))
     return {
         "pallas_gpu_gbps": nbytes / seconds["pallas_gpu"] / 1e9,
         "pallas_gpu_vs_d2d_copy": seconds["d2d_copy"] / seconds["pallas_gpu"],
@@ -268,6 +279,7 @@ def bench_gpu(block_size: int, rows: int, reps: int, rounds: int) -> dict[str, A
         "pallas_gpu_vs_xla_path": seconds["xla_path"] / seconds["pallas_gpu"],
         "auto_gpu_scatter_gbps": nbytes / seconds["auto_gpu_scatter"] / 1e9,
         "auto_gpu_scatter_vs_d2d_copy": seconds["d2d_copy"] / seconds["auto_gpu_scatter"],
+        **quantized,
         "seconds": seconds,
         "written_bytes": nbytes,
         **memory,

@@ -122,6 +122,13 @@ def make_inputs(shape: Shape, block_size: int, seed: int = 0) -> dict:
     )
 
 
+def quantized_inputs(inputs: dict, kv_dtype) -> dict:
+    """``inputs`` with both pools quantized to ``kv_dtype``, one scale per page
+    (:func:`pallas_kernels.layout.quantize_pages`)."""
+    return dict(inputs, k_pool=quantize_pages(inputs["k_pool"], kv_dtype),
+                v_pool=quantize_pages(inputs["v_pool"], kv_dtype))
+
+
 def paged_fn(inputs: dict, backend: str, **tiles):
     """A jitted paged call (layer passed as a traced scalar, as in a scan over layers)."""
     tpf = inputs["tokens_per_frame"]
@@ -164,8 +171,7 @@ def cpu_benchmark(args) -> dict:
     inputs = make_inputs(shape, args.block_size)
     fns = {"xla_paged": paged_fn(inputs, "xla"), "dense": dense_fn(inputs)}
     for key, dtype in QUANTIZED_PAGES.items():
-        fns[f"xla_paged_{key}"] = paged_fn(dict(inputs, k_pool=quantize_pages(inputs["k_pool"], dtype),
-                                                v_pool=quantize_pages(inputs["v_pool"], dtype)), "xla")
+        fns[f"xla_paged_{key}"] = paged_fn(quantized_inputs(inputs, dtype), "xla")
     diffs = {name: max_abs_diff(fns[name], fns["dense"]) for name in fns if name != "dense"}
     times = interleaved_medians(fns, reps)
     ratio = times["xla_paged"] / times["dense"]

@@ -27,8 +27,10 @@ CUDNN_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 """Dtypes cuDNN attention takes."""
 
 QUANTIZED_POOL_KERNELS: Mapping[str, tuple[str, ...]] = MappingProxyType({
-    "write_chunk": ("xla",),
-    "window_attention": ("xla",),
+    "write_chunk": ("xla", "pallas_gpu", "pallas_gpu_interpret", "cudnn_gather", "cudnn_gather_xla",
+                    "pallas_mgpu"),
+    "window_attention": ("xla", "pallas_gpu", "pallas_gpu_interpret", "cudnn_gather",
+                         "cudnn_gather_xla"),
 })
 """For each kernel, the backends whose implementation of it reads or writes quantized pools
 (:class:`pallas_kernels.layout.QuantizedPool`); every other one refuses them

@@ -249,9 +249,17 @@ def layer_pages(pool, layer, pages):
 def set_pages(pool, ids, pages, **scatter_options):
     """``pool`` with token-major ``pages`` ``[num_layers, n, block_size, kv_heads, head_dim]``
     written at page ids ``ids`` (int ``[n]``) of every layer and head: one scatter
-    (``scatter_options`` go to ``.at[...].set``, e.g. ``mode="drop", unique_indices=True``)."""
+    (``scatter_options`` go to ``.at[...].set``, e.g. ``mode="drop", unique_indices=True``).
+
+    For a :class:`QuantizedPool`, ``pages`` (a float dtype) are quantized first, one scale per page
+    of each layer and head (:func:`quantize_pages`), and values and scales are scattered alike
+    (two scatters)."""
     index = tuple(ids if axis == PAGE_AXIS else slice(None) for axis in range(PAGE_AXIS + 1))
     # Advanced indices after basic slices keep their axis: the update is in the pool's layout.
+    if is_quantized_pool(pool):  # The scales' axes are the pool's first three: the same index.
+        new = quantize_pages(from_token_major(pages), pool.dtype)
+        return QuantizedPool(pool.values.at[index].set(new.values, **scatter_options),
+                             pool.scales.at[index].set(new.scales, **scatter_options))
     return pool.at[index].set(from_token_major(pages), **scatter_options)
 
 

@@ -473,12 +473,12 @@ def run_demo(*, sessions: int = 4, chunks: int = 12, preset: str = "tiny", backe
     ``"model"``. ``progress``: whether to show the progress bar on ``stderr`` (default
     ``sys.stderr``); ``None`` shows it when both streams are terminals. ``kv_dtype``: the K/V pages'
     storage dtype (``None``: the model's; ``"int8"``, ``"float8_e4m3fn"``, ``"float8_e5m2"`` are
-    quantized pages, which only the ``"xla"`` backend reads so far: another backend, ``"auto"`` on a
-    TPU or GPU included, is refused before the run).
+    quantized pages, which only the backends of :data:`pallas_kernels.backend.QUANTIZED_POOL_BACKENDS`
+    read: another backend, what ``"auto"`` resolves to included, is refused before the run).
 
     Raises:
       ValueError, before anything runs: unknown preset or ``kv_dtype``, ``sessions``/``chunks`` below 1,
-        quantized pages on a backend other than ``"xla"``, an ``out``
+        quantized pages on a backend that does not read them, an ``out``
         that cannot be created or written, a compiled backend for another platform, a run the
         device cannot hold (:func:`check_fits`), heads not divisible by the mesh's ``"model"``
         size, or ``check`` with a mesh that spans processes. On several processes (a ``mesh`` over

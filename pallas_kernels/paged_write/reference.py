@@ -69,11 +69,16 @@ def chunk_frames(new: jax.Array, tokens_per_frame: int) -> jax.Array:
 def chunk_to_pages(new: jax.Array, block_size: int, tokens_per_frame: int) -> jax.Array:
     """``[L, R, F * T, H, D]`` -> ``[L, R * F * ppf, S, H, D]``, each frame's last page zero-padded
     (the reference's layout; the kernels read the unpadded chunk directly)."""
-    frames = chunk_frames(new, tokens_per_frame)
-    ppf = pages_per_frame(tokens_per_frame, block_size)
-    pad = ppf * block_size - tokens_per_frame
-    frames = jnp.pad(frames, ((0, 0), (0, 0), (0, pad), (0, 0), (0, 0)))
-    num_layers, _, _, kv_heads, head_dim = new.shape
+    return frame_pages(chunk_frames(new, tokens_per_frame), block_size)
+
+
+def frame_pages(frames: jax.Array, block_size: int) -> jax.Array:
+    """Frames ``[L, N, T, H, D]`` -> token-major pages ``[L, N * ppf, S, H, D]`` (``ppf =
+    ceil(T / S)``), each frame's last page zero-padded: one pad of the chunk, then a free reshape."""
+    num_layers, _, tokens_per_frame, kv_heads, head_dim = frames.shape
+    pad = pages_per_frame(tokens_per_frame, block_size) * block_size - tokens_per_frame
+    if pad:
+        frames = jnp.pad(frames, ((0, 0), (0, 0), (0, pad), (0, 0), (0, 0)))
     return frames.reshape(num_layers, -1, block_size, kv_heads, head_dim)
 
 

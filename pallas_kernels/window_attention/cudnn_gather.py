@@ -4,7 +4,9 @@ jax's XLA attention (``"cudnn_gather_xla"``): gather the visible history, then o
 
 The history is gathered with zeros (selected) at and past each row's length, and the keys are laid
 out ``[current chunk, extras, history]``, so every row's valid keys are a prefix that
-``key_value_seq_lengths`` expresses; cuDNN does GQA itself. ``"cudnn_gather"`` needs an NVIDIA GPU
+``key_value_seq_lengths`` expresses; cuDNN does GQA itself. A quantized pool
+(:class:`pallas_kernels.layout.QuantizedPool`) is gathered at its 8-bit width and dequantized to
+the compute dtype right after the gather, as the ``"xla"`` path does. ``"cudnn_gather"`` needs an NVIDIA GPU
 with cuDNN, bf16 or f16, ``head_dim % 8 == 0`` and ``head_dim <= 256``; ``"cudnn_gather_xla"`` runs
 anywhere. Semantics and shapes: :func:`pallas_kernels.window_attention.window_attention`; why not
 cuDNN's paged attention, and costs: ``docs/kernels.md`` (Paged window attention).
@@ -36,8 +38,8 @@ def window_attention(q, k_cur, v_cur, extra_k, extra_v, k_pool, v_pool, pages, l
     """
     implementation = IMPLEMENTATION_OF[backend]
     k_tail, v_tail = tail_kv(k_cur, v_cur, extra_k, extra_v, geom.tail_len)
-    k = jnp.concatenate([k_tail, gather_history(k_pool, pages, lengths, layer, geom)], axis=1)
-    v = jnp.concatenate([v_tail, gather_history(v_pool, pages, lengths, layer, geom)], axis=1)
+    k, v = (jnp.concatenate([tail, gather_history(pool, pages, lengths, layer, geom, tail.dtype)], axis=1)
+            for tail, pool in ((k_tail, k_pool), (v_tail, v_pool)))
     kv_lengths = lengths.astype(jnp.int32) + geom.tail_len
     if implementation != "cudnn" and q.dtype == jnp.float16:
         # jax's XLA attention asks for F16_F16_F32 dots, which XLA:CPU rejects: compute in f32.

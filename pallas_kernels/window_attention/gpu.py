@@ -5,7 +5,10 @@ NVIDIA GPUs Mosaic GPU does not serve (Ampere and Ada); on Hopper and later the 
 One program per ``(row, KV head, query block)``, GQA folded onto the query axis. The key loop walks
 history tokens through a token-to-pool-row map computed outside the kernel
 (:func:`history_pool_rows`), so a row's valid keys are a prefix: full blocks run unmasked and only
-the boundary block and the tail's last block mask. Base-2 softmax, float32 statistics. Requires
+the boundary block and the tail's last block mask. Base-2 softmax, float32 statistics. Quantized
+pools (:class:`pallas_kernels.layout.QuantizedPool`) are loaded at their 8-bit width and converted
+to the compute dtype in registers; each key's page scale multiplies its logits and each value's
+the probabilities before ``P @ V``. Requires
 ``head_dim`` a power of two >= 16 and tiles that are powers of two in ``[16, 256]``. JAX deprecates
 the Triton backend, so it is imported only when this backend runs. Semantics and shapes:
 :func:`pallas_kernels.window_attention.window_attention`; design: ``docs/kernels.md``.
@@ -22,7 +25,13 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.backend import resolve_backend
 from pallas_kernels.common import LOG2_E, MASK_VALUE, matmul_precision, round_up
-from pallas_kernels.layout import PoolGeometry, head_row_stride, token_row, token_rows
+from pallas_kernels.layout import (
+    PoolGeometry,
+    head_row_stride,
+    is_quantized_pool,
+    token_row,
+    token_rows,
+)
 from pallas_kernels.window_attention.geometry import (
     WindowGeometry,
     history_token_slot,
@@ -54,13 +63,16 @@ def default_num_warps(block_q: int, head_dim: int) -> int:
     return 4 if block_q * head_dim <= 64 * 128 else 8
 
 
-def _attend(carry, q, k, v, valid, c: float):
+def _attend(carry, q, k, v, valid, c, value_scale=None):
     """One online-softmax update in base 2 over a key block.
 
     ``carry`` is ``(m [bq, 1], l [bq, 1], acc [bq, D])`` float32 with ``m`` in base-2 units; ``q``
     ``[bq, D]``; ``k``/``v`` ``[bk, D]``; ``valid`` None (all keys valid) or bool ``[1, bk]``;
-    ``c = scale * log2(e)`` scales the f32 scores once (``q`` stays unscaled: scaling it in its own
-    dtype would round it). Masked keys must hold finite values (their ``p`` is exactly 0).
+    ``c`` scales the f32 scores once: ``scale * log2(e)``, or for keys of a quantized pool that
+    times each key's page scale, float32 ``[1, bk]`` (``q`` stays unscaled: scaling it in its own
+    dtype would round it). ``value_scale``: None, or float32 ``[1, bk]``, each value's page scale,
+    applied to the probabilities before ``P @ V`` (the sum ``l`` takes them unscaled). Masked keys
+    must hold finite values and scales (their ``p`` is exactly 0).
     """
     m_prev, l_prev, acc_prev = carry
     precision = matmul_precision(q.dtype)
@@ -71,13 +83,14 @@ def _attend(carry, q, k, v, valid, c: float):
     m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
     p = jnp.exp2(s - m_new)
     alpha = jnp.exp2(m_prev - m_new)
-    pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision,
+    weights = p if value_scale is None else p * value_scale
+    pv = lax.dot_general(weights.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision,
                          preferred_element_type=jnp.float32)
     return m_new, alpha * l_prev + jnp.sum(p, axis=1, keepdims=True), alpha * acc_prev + pv
 
 
-def _kernel(rows_ref, len_ref, q_ref, kp_ref, vp_ref, kt_ref, vt_ref, o_ref, *,
-            geom: WindowGeometry, scale: float, block_k: int):
+def _kernel(rows_ref, len_ref, q_ref, kp_ref, vp_ref, kt_ref, vt_ref, *refs,
+            geom: WindowGeometry, scale: float, block_k: int, quantized: bool):
     """Program ``(row, kv head, query block)``.
 
     Refs: ``q_ref``/``o_ref`` ``[bq, D]``; ``kp_ref``/``vp_ref`` the head-major pool as token rows
@@ -85,7 +98,12 @@ def _kernel(rows_ref, len_ref, q_ref, kp_ref, vp_ref, kt_ref, vt_ref, o_ref, *,
     ``[rows, round_up(capacity, block_k)]``: the pool row of each history token of KV head 0
     (:func:`history_pool_rows`; KV head ``h`` is :func:`pallas_kernels.layout.head_row_stride`
     rows further); ``len_ref`` ``[rows]``; ``kt_ref``/``vt_ref`` ``[rows, tail_pad, kv_heads, D]``.
+    ``refs``: ``(o_ref,)``, or for ``quantized`` pools (8-bit token rows) ``(ks_ref, vs_ref,
+    o_ref)``, the pools' scales flat float32 ``[L * H * P]``: the scale of pool row ``r`` is entry
+    ``r // block_size``. History K/V are converted to ``q``'s dtype after the load; K's scales
+    multiply the logits, V's the probabilities; the tail stays in ``q``'s dtype.
     """
+    *scale_refs, o_ref = refs
     row, kv_head = pl.program_id(0), pl.program_id(1)
     head_offset = kv_head * head_row_stride(_pool_geometry(geom))
     q = q_ref[...]
@@ -96,7 +114,13 @@ def _kernel(rows_ref, len_ref, q_ref, kp_ref, vp_ref, kt_ref, vt_ref, o_ref, *,
     def history_block(b, carry, masked: bool):
         pool_row = rows_ref[row, pl.ds(pl.multiple_of(b * block_k, block_k), block_k)] + head_offset
         valid = (b * block_k + lane < length)[None, :] if masked else None
-        return _attend(carry, q, kp_ref[pool_row, :], vp_ref[pool_row, :], valid, c)
+        k, v = kp_ref[pool_row, :], vp_ref[pool_row, :]
+        if not quantized:
+            return _attend(carry, q, k, v, valid, c)
+        ks_ref, vs_ref = scale_refs
+        page = lax.div(pool_row, geom.block_size)
+        return _attend(carry, q, k.astype(q.dtype), v.astype(q.dtype), valid,
+                       (c * ks_ref[page])[None, :], vs_ref[page][None, :])
 
     def tail_block(b, carry, masked: bool):
         start = b * block_k if isinstance(b, int) else pl.multiple_of(b * block_k, block_k)
@@ -165,18 +189,21 @@ def window_attention(q, k_cur, v_cur, extra_k, extra_v, k_pool, v_pool, pages, l
     qf = jnp.pad(qf, ((0, 0), (0, 0), (0, q_pad - folded), (0, 0)))
     k_tail, v_tail = tail_kv(k_cur, v_cur, extra_k, extra_v, round_up(geom.tail_len, block_k))
     pool_rows = history_pool_rows(pages, lengths, layer, geom, round_up(geom.capacity, block_k))
+    quantized = is_quantized_pool(k_pool)
+    pools = ([token_rows(k_pool.values), token_rows(v_pool.values), k_tail, v_tail,
+              k_pool.scales.reshape(-1), v_pool.scales.reshape(-1)] if quantized
+             else [token_rows(k_pool), token_rows(v_pool), k_tail, v_tail])
     io_spec = pl.BlockSpec((None, None, block_q, d), lambda row, head, qb: (row, head, qb, 0))
     whole = pl.BlockSpec()
     out = pl.pallas_call(
-        functools.partial(_kernel, geom=geom, scale=scale, block_k=block_k),
+        functools.partial(_kernel, geom=geom, scale=scale, block_k=block_k, quantized=quantized),
         out_shape=jax.ShapeDtypeStruct(qf.shape, q.dtype),
         grid=(rows, hkv, q_pad // block_q),
-        in_specs=[whole, whole, io_spec, whole, whole, whole, whole],
+        in_specs=[whole, whole, io_spec, *[whole] * len(pools)],
         out_specs=io_spec,
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=resolve_backend(backend).interpret,
         name="window_attention_gpu",
-    )(pool_rows, lengths.astype(jnp.int32), qf, token_rows(k_pool), token_rows(v_pool), k_tail,
-      v_tail)
+    )(pool_rows, lengths.astype(jnp.int32), qf, *pools)
     out = out[:, :, :folded].reshape(rows, hkv, g, geom.q_len, d)
     return out.transpose(0, 3, 1, 2, 4).reshape(q.shape)

@@ -17,7 +17,13 @@ import functools
 
 import jax.numpy as jnp
 
-from pallas_kernels.backend import CUDNN_DTYPES, check_quantized_pools, cudnn_supports, resolve_backend
+from pallas_kernels.backend import (
+    CUDNN_DTYPES,
+    QUANTIZED_POOL_KERNELS,
+    check_quantized_pools,
+    cudnn_supports,
+    resolve_backend,
+)
 from pallas_kernels.checks import ArgumentTypeError, argument_error, is_int, require_int, require_real
 from pallas_kernels.common import (
     check_entries,
@@ -66,14 +72,15 @@ def static_validate_inputs(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, l
     Returns:
       the call's :class:`WindowGeometry`.
 
-    Quantized pools (:class:`pallas_kernels.layout.QuantizedPool`) are read by the ``"xla"``
-    backend only (:func:`pallas_kernels.backend.check_quantized_pools`; ``"auto"`` refuses them on
-    a TPU or GPU).
+    Quantized pools (:class:`pallas_kernels.layout.QuantizedPool`) are read by the backends of
+    :data:`pallas_kernels.backend.QUANTIZED_POOL_KERNELS` only
+    (:func:`pallas_kernels.backend.check_quantized_pools`; ``"auto"`` is not downgraded to
+    ``"xla"`` for them: what it resolves to takes them or refuses).
 
     Raises:
       ValueError: a bad rank, shape, dtype, head count, frame size, layer rank, a Python-int
         ``layer`` out of ``[0, num_layers)``, scale, backend name or tile size; quantized pools on
-        a backend other than ``"xla"``.
+        a backend that does not read them.
       TypeError: a non-array input or a ``layer`` that is not an integer.
     """
     geom = check_arrays(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, layer=layer,
@@ -197,7 +204,8 @@ def check_arrays(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, layer=0, ex
     """
     if check_pool_pair(k_pool, v_pool) and not reads_quantized:
         raise ValueError("this backend's kernel does not read quantized pools (k_pool and v_pool are "
-                         "QuantizedPools); only the 'xla' backend reads/writes quantized pools so far: call "
+                         "QuantizedPools); only "
+                         f"{', '.join(map(repr, QUANTIZED_POOL_KERNELS['window_attention']))} read them: call "
                          "pallas_kernels.window_attention.window_attention(..., backend='xla')")
     geom = _check_shapes(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, extra_k, extra_v,
                          tokens_per_frame)

@@ -17,7 +17,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.layout import from_token_major, pool_geometry, pool_shape, to_token_major
+from pallas_kernels.backend import QUANTIZED_POOL_KERNELS
+from pallas_kernels.layout import (
+    QuantizedPool,
+    from_token_major,
+    pool_geometry,
+    pool_shape,
+    scale_shape,
+    to_token_major,
+)
 from pallas_kernels.paged_write import (
     dynamic_validate_inputs,
     pages_per_frame,
@@ -413,11 +421,17 @@ def test_new_page_id_values_do_not_retrace(backend, fresh_trace_counter):
     ("cuda", "cudnn_gather", "stablehlo.scatter"),
 ])
 @pytest.mark.parametrize("tokens_per_frame", [16, 24])
-def test_lowers_for_device(platform, backend, call, tokens_per_frame, lower_for_device):
+@pytest.mark.parametrize("kv_dtype", [None, "float8_e5m2"])
+def test_lowers_for_device(platform, backend, call, tokens_per_frame, kv_dtype, lower_for_device):
     """The kernels lower to a Mosaic TPU / Triton custom call (Pallas' own lowering rules), for
-    full and padded frames; the device compiler itself is not run here."""
+    full and padded frames, into bf16 or (where the backend writes them) quantized pools; the device
+    compiler itself is not run here."""
+    if kv_dtype is not None and backend not in QUANTIZED_POOL_KERNELS["write_chunk"]:
+        pytest.skip(f"{backend} does not write quantized pools")
     ppf = pages_per_frame(tokens_per_frame, BLOCK)
-    pool = jax.ShapeDtypeStruct(pool_shape(2, 64, BLOCK, HEADS, HEAD_DIM), jnp.bfloat16)
+    shape = pool_shape(2, 64, BLOCK, HEADS, HEAD_DIM)
+    pool = (jax.ShapeDtypeStruct(shape, jnp.bfloat16) if kv_dtype is None else
+            QuantizedPool(jax.ShapeDtypeStruct(shape, kv_dtype), jax.ShapeDtypeStruct(scale_shape(shape), jnp.float32)))
     new = jax.ShapeDtypeStruct((2, 2, 2 * tokens_per_frame, HEADS, HEAD_DIM), jnp.bfloat16)
     ids = jax.ShapeDtypeStruct((2, 2 * ppf), jnp.int32)
     write = functools.partial(write_chunk, tokens_per_frame=tokens_per_frame, backend=backend)

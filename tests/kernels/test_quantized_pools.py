@@ -1,9 +1,14 @@
 """Quantized pools (:class:`pallas_kernels.layout.QuantizedPool`, int8 and fp8 pages with float32
-scales per (layer, KV head, page)) through both kernels' XLA path: the paged write against its
-reference, attention against the reference on the dequantized values, isolation of pages a row must
-not read, no retracing, and the other backends' refusal."""
+scales per (layer, KV head, page)) through every backend that takes them
+(:data:`pallas_kernels.backend.QUANTIZED_POOL_KERNELS`: here the XLA path, the Triton kernels
+interpreted and the cuDNN gather path through XLA's attention and the scatter write; compiled on
+their device): the paged write against its reference, attention against the reference on the
+dequantized values, isolation of pages a row must not read, no retracing, and the other backends'
+refusal."""
 
 from __future__ import annotations
+
+import re
 
 import chex
 import jax
@@ -11,7 +16,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.backend import BACKENDS, QUANTIZED_POOL_KERNELS
+from pallas_kernels.backend import (
+    BACKENDS,
+    QUANTIZED_POOL_BACKENDS,
+    QUANTIZED_POOL_KERNELS,
+    cudnn_supports,
+    resolve_backend,
+)
 from pallas_kernels.layout import (
     QuantizedPool,
     dequantize_pool,
@@ -28,10 +39,31 @@ from pallas_kernels.window_attention import (
     window_attention_reference,
 )
 from pallas_kernels.window_attention import tpu as tpu_attention
-from tests.kernels.test_window_attention import HEAD_DIM, KV_HEADS, LAYERS, NUM_PAGES, Window, make_case, poisoned
+from tests.kernels.device_backends import compiled
+from tests.kernels.test_window_attention import (
+    HEAD_DIM,
+    KV_HEADS,
+    LAYERS,
+    NUM_PAGES,
+    TOLERANCE,
+    Window,
+    make_case,
+    poisoned,
+)
 
 BLOCK = 16
 TPF = 24  # two pages per frame, the second one half padding
+
+
+def quantized_backends(kernel: str) -> list:
+    """The backends whose ``kernel`` takes quantized pools, as test parameters: the compiled ones
+    skipped off their device (:func:`tests.kernels.device_backends.compiled`)."""
+    return [compiled(name) if BACKENDS[name].platform else name for name in QUANTIZED_POOL_KERNELS[kernel]]
+
+
+def attention_dtype(backend: str, dtype=jnp.float32):
+    """``dtype``, or bf16 where the compiled cuDNN path does not take it."""
+    return dtype if backend != "cudnn_gather" or cudnn_supports(dtype, HEAD_DIM) else jnp.bfloat16
 
 
 def quantized_case(kv_dtype, **kw):
@@ -59,12 +91,13 @@ def chunk(dtype=jnp.bfloat16, rows=2, frames=2, seed=0):
     return (jnp.asarray(rng.standard_normal(shape) * 3, dtype), jnp.asarray(rng.standard_normal(shape), dtype))
 
 
+@pytest.mark.parametrize("backend", quantized_backends("write_chunk"))
 @pytest.mark.parametrize("kv_dtype", QUANTIZED_DTYPES)
-def test_write_quantizes_each_page_from_the_chunk(kv_dtype):
+def test_write_quantizes_each_page_from_the_chunk(kv_dtype, backend):
     pools = [empty_pool(LAYERS, NUM_PAGES, BLOCK, KV_HEADS, HEAD_DIM, kv_dtype) for _ in range(2)]
     k_new, v_new = chunk()
     ids = jnp.asarray([[3, 4, 9, 10], [0, 0, 17, 5]], jnp.int32)  # row 1's first frame skipped
-    out = write_chunk(*pools, k_new, v_new, ids, tokens_per_frame=TPF, backend="xla")
+    out = write_chunk(*pools, k_new, v_new, ids, tokens_per_frame=TPF, backend=backend)
     ref = write_chunk_reference(*pools, k_new, v_new, ids, tokens_per_frame=TPF)
     for got, want in zip(out, ref):
         assert isinstance(got, QuantizedPool) and got.dtype == jnp.dtype(kv_dtype)
@@ -91,31 +124,38 @@ def test_write_quantizes_each_page_from_the_chunk(kv_dtype):
     assert np.all(np.abs(back - want) <= tol * 1.001 + 1e-7)
 
 
-def test_write_leaves_other_pages_bit_identical():
+@pytest.mark.parametrize("backend", quantized_backends("write_chunk"))
+def test_write_leaves_other_pages_bit_identical(backend):
     k_pool, v_pool = (quantize_pages(jnp.asarray(np.random.default_rng(s).standard_normal(
         (LAYERS, KV_HEADS, NUM_PAGES, BLOCK, HEAD_DIM)), jnp.float32), "int8") for s in (1, 2))
     k_new, v_new = chunk(jnp.float32)
     ids = jnp.asarray([[2, 3, 4, 5], [6, 7, 8, 9]], jnp.int32)
-    out_k, _ = write_chunk(k_pool, v_pool, k_new, v_new, ids, tokens_per_frame=TPF, backend="xla")
+    out = write_chunk(k_pool, v_pool, k_new, v_new, ids, tokens_per_frame=TPF, backend=backend)
     keep = np.ones(NUM_PAGES, bool)
     keep[2:10] = False
-    np.testing.assert_array_equal(np.asarray(out_k.values)[:, :, keep], np.asarray(k_pool.values)[:, :, keep])
-    np.testing.assert_array_equal(np.asarray(out_k.scales)[:, :, keep], np.asarray(k_pool.scales)[:, :, keep])
+    for got, before in zip(out, (k_pool, v_pool)):
+        np.testing.assert_array_equal(np.asarray(got.values)[:, :, keep], np.asarray(before.values)[:, :, keep])
+        np.testing.assert_array_equal(np.asarray(got.scales)[:, :, keep], np.asarray(before.scales)[:, :, keep])
+        assert not np.array_equal(np.asarray(got.scales)[:, :, 2:10], np.asarray(before.scales)[:, :, 2:10])
 
 
-def test_write_is_in_place_when_donated():
+@pytest.mark.parametrize("backend", quantized_backends("write_chunk"))
+def test_write_is_in_place_when_donated(backend):
+    """Values and scales of both donated pools aliased. The temporaries stay under a quarter of the
+    pools for the XLA loop and the compiled kernels; Pallas' interpreter and the scatter on XLA:CPU
+    carry a pool-sized copy that the compiled GPU code does not (``tests/kernels/test_paged_write.py``)."""
     pools = [empty_pool(LAYERS, NUM_PAGES, BLOCK, KV_HEADS, HEAD_DIM, "int8") for _ in range(2)]
     k_new, v_new = chunk()
     ids = jnp.asarray([[3, 4, 9, 10], [0, 0, 17, 5]], jnp.int32)
-    step = jax.jit(lambda kp, vp, kn, vn, i: write_chunk(kp, vp, kn, vn, i, tokens_per_frame=TPF, backend="xla"),
+    step = jax.jit(lambda kp, vp, kn, vn, i: write_chunk(kp, vp, kn, vn, i, tokens_per_frame=TPF, backend=backend),
                    donate_argnums=(0, 1))
-    compiled = step.lower(*pools, k_new, v_new, ids).compile()
+    memory = step.lower(*pools, k_new, v_new, ids).compile().memory_analysis()
     pool_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(pools))
-    memory = compiled.memory_analysis()
     if memory is None:
         pytest.skip("no memory analysis on this backend")
     assert memory.alias_size_in_bytes == pool_bytes  # values and scales of both pools aliased
-    assert memory.temp_size_in_bytes < pool_bytes // 4
+    if backend == "xla" or BACKENDS[backend].platform is not None:
+        assert memory.temp_size_in_bytes < pool_bytes // 4
 
 
 # ------------------------------------------------------------------------------------------------
@@ -123,11 +163,14 @@ def test_write_is_in_place_when_donated():
 # ------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("backend", quantized_backends("window_attention"))
 @pytest.mark.parametrize("kv_dtype", QUANTIZED_DTYPES)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_attention_matches_the_reference_on_dequantized_values(kv_dtype, dtype):
+def test_attention_matches_the_reference_on_dequantized_values(kv_dtype, dtype, backend):
+    if attention_dtype(backend, dtype) != dtype:
+        pytest.skip(f"{backend} does not take {jnp.dtype(dtype).name}")
     case, _ = quantized_case(kv_dtype, dtype=dtype, extra=3, window=Window(tokens_per_frame=TPF))
-    out = window_attention(**case, backend="xla")
+    out = window_attention(**case, backend=backend)
     want = window_attention_reference(**dequantized(case))
     assert out.dtype == dtype and out.shape == case["q"].shape
     tol = 1e-5 if dtype == jnp.float32 else 3e-2
@@ -138,15 +181,22 @@ def test_attention_matches_the_reference_on_dequantized_values(kv_dtype, dtype):
 
 
 def poisoned_quantized(case: dict, owned, kv_dtype) -> dict:
-    """``case`` (float32 pools) quantized, with every page a row must not read poisoned in its scale
-    (NaN) and every unreadable slot of a readable page holding the dtype's NaN (fp8 e4m3fn) or its
-    largest value (int8 and e5m2: an int has no NaN), which would change the output if it were read."""
-    nan_case = poisoned(case, owned)  # NaN wherever a row must not read, at slot granularity
+    """``case`` (float pools) quantized, with every page a row must not read poisoned
+    (:func:`quantize_poisoned` of :func:`tests.kernels.test_window_attention.poisoned`)."""
+    return quantize_poisoned(case, poisoned(case, owned), kv_dtype)
+
+
+def quantize_poisoned(clean: dict, nan_case: dict, kv_dtype) -> dict:
+    """``nan_case`` (``clean`` with NaN in every pool slot a row must not read, and its stale page
+    lists) with the pools quantized from ``clean``'s: every page no row reads is poisoned in its
+    scale (NaN) and every unreadable slot of a readable page holds the dtype's NaN (fp8 e4m3fn) or
+    its largest value (int8 and e5m2: an int has no NaN), which would change the output if it were
+    read."""
     hidden = jnp.isnan(nan_case["k_pool"])  # [L, H, P, S, D]
     page_hidden = jnp.all(hidden, axis=(3, 4))  # [L, H, P]: whole pages no row reads
     quantized = {}
     for name in ("k_pool", "v_pool"):
-        pool = quantize_pages(case[name], kv_dtype)
+        pool = quantize_pages(clean[name], kv_dtype)
         garbage = jnp.asarray(jnp.nan if kv_dtype == "float8_e4m3fn" else MAX_VALUES[kv_dtype], kv_dtype)
         values = jnp.where(hidden, garbage, pool.values)
         scales = jnp.where(page_hidden, jnp.nan, pool.scales)
@@ -154,39 +204,49 @@ def poisoned_quantized(case: dict, owned, kv_dtype) -> dict:
     return dict(nan_case, **quantized)
 
 
+@pytest.mark.parametrize("backend", quantized_backends("window_attention"))
 @pytest.mark.parametrize("kv_dtype", QUANTIZED_DTYPES)
-def test_pages_a_row_must_not_read_never_reach_the_output(kv_dtype):
-    case, owned = make_case(committed=(0, 2, 6, 3), extra=2, window=Window(sink=1, recent=2, tokens_per_frame=TPF))
+def test_pages_a_row_must_not_read_never_reach_the_output(kv_dtype, backend):
+    dtype = attention_dtype(backend)
+    case, owned = make_case(committed=(0, 2, 6, 3), extra=2, window=Window(sink=1, recent=2, tokens_per_frame=TPF),
+                            dtype=dtype)
     bad = poisoned_quantized(case, owned, kv_dtype)
     # Poison is there: NaN scales on free, foreign and evicted pages; garbage in padding and past lengths.
     assert bool(jnp.any(jnp.isnan(bad["k_pool"].scales)))
     clean = dict(case, k_pool=quantize_pages(case["k_pool"], kv_dtype),
                  v_pool=quantize_pages(case["v_pool"], kv_dtype))
-    out = window_attention(**bad, backend="xla")
+    out = window_attention(**bad, backend=backend)
     assert bool(jnp.all(jnp.isfinite(out))), "poison reached the output"
-    np.testing.assert_allclose(out, window_attention_reference(**dict(clean, pages=bad["pages"])), atol=1e-5, rtol=1e-5)
+    tol = TOLERANCE[jnp.dtype(dtype).type]
+    np.testing.assert_allclose(np.asarray(out, np.float32),
+                               np.asarray(window_attention_reference(**dict(clean, pages=bad["pages"])), np.float32),
+                               atol=tol, rtol=tol)
     np.testing.assert_allclose(window_attention_reference(**bad), window_attention_reference(**clean),
                                atol=1e-6, rtol=1e-6)
 
 
-def test_one_trace_while_window_fills_and_pages_are_rewritten(fresh_trace_counter):
-    """Write, then attend, over a quantized pool: lengths, pages, page ids and the layer are values."""
+@pytest.mark.parametrize("backend", [
+    compiled(name) if BACKENDS[name].platform else name for name in QUANTIZED_POOL_BACKENDS])
+def test_one_trace_while_window_fills_and_pages_are_rewritten(backend, fresh_trace_counter):
+    """Write, then attend, over a quantized pool, on every backend that runs a whole quantized
+    cache: lengths, pages, page ids and the layer are values."""
     @jax.jit
     @chex.assert_max_traces(n=1)
     def step(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, layer, k_new, v_new, ids):
-        k_pool, v_pool = write_chunk(k_pool, v_pool, k_new, v_new, ids, tokens_per_frame=TPF, backend="xla")
+        k_pool, v_pool = write_chunk(k_pool, v_pool, k_new, v_new, ids, tokens_per_frame=TPF, backend=backend)
         out = window_attention(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, layer=layer,
-                               tokens_per_frame=TPF, backend="xla")
+                               tokens_per_frame=TPF, backend=backend)
         return out, k_pool, v_pool
 
     window = Window(tokens_per_frame=TPF)
+    dtype = attention_dtype(backend)
     k_pool = v_pool = None
     for frames in range(4):
         case, _ = quantized_case("int8", committed=(frames, max(frames - 2, 0)), window=window,
-                                 layer=frames % LAYERS, seed=frames)
+                                 layer=frames % LAYERS, seed=frames, dtype=dtype)
         k_pool = case["k_pool"] if k_pool is None else k_pool
         v_pool = case["v_pool"] if v_pool is None else v_pool
-        k_new, v_new = chunk(jnp.float32, rows=2, frames=1, seed=frames)
+        k_new, v_new = chunk(dtype, rows=2, frames=1, seed=frames)
         ids = jnp.asarray([[NUM_PAGES - 2 - 2 * frames, NUM_PAGES - 1 - 2 * frames], [0, 0]], jnp.int32)
         args = [case[k] for k in ("q", "k_cur", "v_cur")]
         out, k_pool, v_pool = step(*args, k_pool, v_pool, case["pages"], case["lengths"], jnp.int32(case["layer"]),
@@ -202,8 +262,9 @@ def test_one_trace_while_window_fills_and_pages_are_rewritten(fresh_trace_counte
                                      if name not in QUANTIZED_POOL_KERNELS["window_attention"]])
 def test_other_backends_refuse_quantized_pools_in_attention(backend):
     case, _ = quantized_case("int8")
+    listed = ", ".join(map(repr, QUANTIZED_POOL_KERNELS["window_attention"]))
     with pytest.raises(ValueError, match=f"window_attention: backend '{backend}' does not read or write quantized "
-                                         "pools.*only 'xla'.* read/write quantized pools so far"):
+                                         f"pools.*only {re.escape(listed)} read/write quantized pools so far"):
         window_attention(**case, backend=backend)
 
 
@@ -216,13 +277,24 @@ def test_other_backends_refuse_quantized_pools_in_the_write(backend):
 
 
 @pytest.mark.parametrize("platform", ["tpu", "gpu"])
-def test_auto_refuses_quantized_pools_on_a_device(platform, monkeypatch):
-    """"auto" is not silently downgraded to the XLA path on a TPU or GPU: it refuses, naming what it
-    resolved to; on the CPU it is "xla"."""
+def test_auto_is_not_downgraded_for_quantized_pools_on_a_device(platform, monkeypatch):
+    """"auto" is not silently downgraded to the XLA path on a TPU or GPU: it resolves to the
+    platform's kernel, which takes quantized pools (on a GPU: the Triton kernel for this f32 case, and
+    cuDNN gather for bf16) or refuses them, naming what it resolved to; on the CPU it is "xla"."""
     case, _ = quantized_case("float8_e4m3fn")
     monkeypatch.setattr(jax, "default_backend", lambda: platform)
-    with pytest.raises(ValueError, match=r"window_attention: backend '\w+' \(what backend='auto' resolves to here\)"):
-        static_validate_inputs(**case)
+    resolved = resolve_backend("auto", dtype=case["q"].dtype, head_dim=HEAD_DIM).name
+    assert resolved == {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}[platform]
+    if resolved in QUANTIZED_POOL_KERNELS["window_attention"]:
+        assert static_validate_inputs(**case).num_pages == NUM_PAGES
+    else:
+        with pytest.raises(ValueError, match=rf"window_attention: backend '{resolved}' \(what backend='auto' "
+                                             r"resolves to here\)"):
+            static_validate_inputs(**case)
+    if platform == "gpu":
+        bf16, _ = quantized_case("int8", dtype=jnp.bfloat16)
+        assert resolve_backend("auto", dtype=jnp.bfloat16, head_dim=HEAD_DIM).name == "cudnn_gather"
+        assert static_validate_inputs(**bf16).num_pages == NUM_PAGES
     monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
     assert static_validate_inputs(**case).num_pages == NUM_PAGES
 

@@ -6,9 +6,12 @@
   through ``cudnn_gather_xla`` here and ``cudnn_gather`` / ``pallas_mgpu`` compiled on a GPU.
 * The Mosaic GPU kernel lowered for ``cuda`` under an abstract H200 (Pallas' Mosaic GPU lowering and
   MLIR verification; it has no CPU interpreter) and its tiling rules.
-* The scatter paged write lowered for ``cuda``: one aliased scatter per pool, no loop.
-* The sm_90 compile check of the Triton kernel (registers, shared memory, spills), where the
-  ``triton`` wheel is installed.
+* Quantized pools (int8, fp8 e4m3fn and e5m2 pages with per-page scales) on kernel-sized cases
+  with poison wherever a row must not look, through the GPU backends that read them.
+* The scatter paged write lowered for ``cuda``: one aliased scatter per pool (per values and
+  scales of a quantized pool), no loop; the Triton write's quantized pools aliased.
+* The sm_90 compile check of the Triton kernels (registers, shared memory, spills) for bf16 and
+  quantized pools, where the ``triton`` wheel is installed.
 """
 
 from __future__ import annotations
@@ -21,15 +24,18 @@ import numpy as np
 import pytest
 
 from benchmarks.gpu_compile import (
+    POOL_DTYPES,
     attention_at_tiling,
     compile_lowered,
     lower_for_cuda,
     triton_wheel_bin,
     wan_attention_specs,
+    wan_write_specs,
 )
 from pallas_kernels.backend import resolve_backend
-from pallas_kernels.layout import from_token_major, layer_token_major, pool_shape
+from pallas_kernels.layout import from_token_major, layer_token_major, quantize_pages
 from pallas_kernels.paged_write import write_chunk
+from pallas_kernels.quantization import QUANTIZED_DTYPES
 from pallas_kernels.window_attention import (
     mosaic_gpu,
     static_validate_inputs,
@@ -43,8 +49,10 @@ from tests.kernels.device_backends import (
     CUDNN_GATHER,
     IGNORE_TRITON_DEPRECATION,
     MOSAIC_GPU,
+    compiled,
     skip_unless_here,
 )
+from tests.kernels.test_quantized_pools import quantize_poisoned
 from tests.kernels.test_window_attention import (
     HEAD_DIM,
     KV_HEADS,
@@ -209,6 +217,22 @@ def test_wide_cases(name, backend):
     assert_matches_reference(window_attention(**inputs, backend=backend), expected)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["cudnn_gather_xla", "pallas_gpu_interpret", CUDNN_GATHER,
+                                     compiled("pallas_gpu")])
+@pytest.mark.parametrize("kv_dtype", QUANTIZED_DTYPES)
+@pytest.mark.parametrize("name", ["ragged_lengths", "full_after_eviction_gqa_extras3"])
+def test_quantized_wide_cases(name, kv_dtype, backend):
+    """Quantized pools on kernel-sized tiles: NaN scales on every page no row reads, the dtype's NaN
+    or largest value in every unreadable slot of a readable page (padding, past the length)."""
+    bad, clean = make_wide_case(**WIDE_SPECS[name])
+    inputs = quantize_poisoned(clean, bad, kv_dtype)
+    assert bool(jnp.any(jnp.isnan(inputs["k_pool"].scales)))
+    expected = dict(clean, k_pool=quantize_pages(clean["k_pool"], kv_dtype),
+                    v_pool=quantize_pages(clean["v_pool"], kv_dtype))
+    assert_matches_reference(window_attention(**inputs, backend=backend), expected)
+
+
 @skip_unless_here("pallas_mgpu")  # plgpu.kernel has no CPU interpreter.
 @pytest.mark.parametrize("block_kv,stages", [(64, 2), (64, 4), (128, 3)])
 @pytest.mark.parametrize("name", WIDE_SPECS)
@@ -288,32 +312,61 @@ def test_mosaic_dtype_head_dim_and_smem_validation():
 # ------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("kv_dtype", [None, "int8"])
 @pytest.mark.parametrize("backend", ["cudnn_gather", "pallas_mgpu"])
-def test_gpu_write_lowers_to_one_aliased_scatter_per_pool(backend):
-    """For ``cuda``: two scatters with unique indices, no while loop or conditional, and both pools
-    aliased to the outputs when donated (the StableHLO that XLA:GPU receives)."""
-    sds = jax.ShapeDtypeStruct
-    pool, chunk = pool_shape(30, 64, 128, 12, 128), (30, 4, 3 * 1560, 12, 128)
+def test_gpu_write_lowers_to_one_aliased_scatter_per_pool(backend, kv_dtype):
+    """For ``cuda``: one scatter with unique indices per pool (per values and scales of a quantized
+    pool), no while loop or conditional, and every pool array aliased to its output when donated
+    (the StableHLO that XLA:GPU receives)."""
+    arrays = 2 if kv_dtype is None else 4
     fn = jax.jit(functools.partial(write_chunk, tokens_per_frame=1560, backend=backend),
                  donate_argnums=(0, 1))
-    text = lower_for_cuda(fn, sds(pool, jnp.bfloat16), sds(pool, jnp.bfloat16),
-                          sds(chunk, jnp.bfloat16), sds(chunk, jnp.bfloat16),
-                          sds((4, 39), jnp.int32)).as_text()
-    assert text.count('"stablehlo.scatter"(') == 2
-    assert "unique_indices = true" in text
+    text = lower_for_cuda(fn, *wan_write_specs(rows=4, num_pages=64, kv_dtype=kv_dtype)).as_text()
+    assert text.count('"stablehlo.scatter"(') == arrays
+    assert text.count("unique_indices = true") == arrays
     assert "stablehlo.while" not in text and "stablehlo.case" not in text
-    assert text.count("tf.aliasing_output") == 2
+    assert text.count("tf.aliasing_output") == arrays
 
 
 @IGNORE_TRITON_DEPRECATION
-@pytest.mark.skipif(triton_wheel_bin() is None, reason="the sm_90 compile check needs the triton "
-                    "wheel from PyPI (pip install triton), which this environment lacks")
-def test_triton_attention_compiles_for_sm90_without_spills():
+@pytest.mark.parametrize("kv_dtype", QUANTIZED_DTYPES)
+def test_triton_write_lowers_with_quantized_pools_aliased(kv_dtype):
+    """For ``cuda``: one Triton call, the values and scales of both donated pools aliased to its
+    outputs."""
+    fn = jax.jit(functools.partial(write_chunk, tokens_per_frame=1560, backend="pallas_gpu"),
+                 donate_argnums=(0, 1))
+    text = lower_for_cuda(fn, *wan_write_specs(rows=1, num_pages=64, kv_dtype=kv_dtype)).as_text()
+    assert text.count("__gpu$xla.gpu.triton(") == 1
+    assert text.count("tf.aliasing_output") == 4
+
+
+TRITON_WHEEL = pytest.mark.skipif(triton_wheel_bin() is None, reason="the sm_90 compile check needs the "
+                                  "triton wheel from PyPI (pip install triton), which this environment lacks")
+
+
+@IGNORE_TRITON_DEPRECATION
+@TRITON_WHEEL
+@pytest.mark.parametrize("kv_dtype", POOL_DTYPES)
+def test_triton_attention_compiles_for_sm90_without_spills(kv_dtype):
     """Lowered under an abstract H200, compiled to cubin by the wheel: wgmma, no spills, one CTA's
-    shared memory, at most 255 registers."""
+    shared memory, at most 255 registers, for bf16 pools and for 8-bit pools converted in registers
+    (the history tiles are loaded as 8-bit and converted before the wgmma)."""
     fn = jax.jit(lambda *a: window_attention(*a, tokens_per_frame=1560, backend="pallas_gpu"))
-    report = compile_lowered(fn, wan_attention_specs(1, 1560), None, "triton_sm90")
+    report = compile_lowered(fn, wan_attention_specs(1, 1560, kv_dtype=kv_dtype), None, "triton_sm90")
     assert report["local_bytes"] == 0 and report["stack_bytes"] == 0, report
     assert report["wgmma"] > 0, report
     assert report["shared_bytes"] <= 227 * 1024, report
     assert report["registers"] <= 255, report
+
+
+@IGNORE_TRITON_DEPRECATION
+@TRITON_WHEEL
+@pytest.mark.parametrize("kv_dtype", POOL_DTYPES)
+def test_triton_write_compiles_for_sm90_to_vector_copies(kv_dtype):
+    """The page copy compiles to 128-bit global loads and stores, no spills and no shared memory,
+    for bf16 and for quantized pages (quantized in XLA before the kernel)."""
+    fn = jax.jit(functools.partial(write_chunk, tokens_per_frame=1560, backend="pallas_gpu"),
+                 donate_argnums=(0, 1))
+    report = compile_lowered(fn, wan_write_specs(rows=1, num_pages=64, kv_dtype=kv_dtype), None, "write_sm90")
+    assert report["local_bytes"] == 0 and report["shared_bytes"] == 0, report
+    assert report["vector_loads"] > 0 and report["vector_stores"] > 0, report
