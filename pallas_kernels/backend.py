@@ -27,7 +27,8 @@ CUDNN_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 """Dtypes cuDNN attention takes."""
 
 QUANTIZED_POOL_KERNELS: Mapping[str, tuple[str, ...]] = MappingProxyType({
-    "write_chunk": ("xla",),
+    "write_chunk": ("xla", "pallas_tpu", "pallas_tpu_interpret", "pallas_tpu_simulate", "pallas_tpu_gather",
+                    "pallas_tpu_gather_interpret"),
     "window_attention": ("xla",),
 })
 """For each kernel, the backends whose implementation of it reads or writes quantized pools

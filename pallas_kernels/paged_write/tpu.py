@@ -32,7 +32,15 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.layout import pool_geometry
+from pallas_kernels.layout import (
+    PAGE_AXIS,
+    QuantizedPool,
+    from_token_major,
+    is_quantized_pool,
+    pool_geometry,
+)
+from pallas_kernels.paged_write.reference import chunk_to_pages
+from pallas_kernels.quantization import quantize
 
 DMAS_IN_FLIGHT = 8
 """Pages whose DMAs (K and V each) are in flight at once on the ``"head"`` view."""
@@ -134,16 +142,20 @@ def _head_kernel(ids_ref, k_src, v_src, *refs, ppf: int, padding: int):
         pl.when(done >= 0)(lambda: on_page(done, "wait"))
 
 
-def _write_head_view(k_pool, v_pool, k_frames, v_frames, ids, ppf: int, interpret: Any):
+def _head_major(frames):
+    """``[L, R * F, T, H, D]`` -> ``[L, H, R * F, T, D]`` (free where XLA lays the chunk out with
+    the tokens second-minor)."""
+    return frames.transpose(0, 3, 1, 2, 4)
+
+
+def _write_head_view(k_pool, v_pool, k_heads, v_heads, ids, ppf: int, interpret: Any):
+    """The head view's call: ``k_heads``/``v_heads`` the chunk head-major ``[L, H, R * F, T, D]``
+    in the pools' dtype."""
     geom = pool_geometry(k_pool)
-    padding = ppf * geom.block_size - k_frames.shape[2]
-
-    def head_major(frames):  # [L, R * F, T, H, D] -> [L, H, R * F, T, D]
-        return frames.transpose(0, 3, 1, 2, 4)
-
+    padding = ppf * geom.block_size - k_heads.shape[3]
     zeros = ([jnp.zeros((geom.num_layers, geom.kv_heads, padding, geom.head_dim), k_pool.dtype)]
              if padding else [])
-    operands = [head_major(k_frames), head_major(v_frames), *zeros, k_pool, v_pool]
+    operands = [k_heads, v_heads, *zeros, k_pool, v_pool]
     return _call(functools.partial(_head_kernel, ppf=ppf, padding=padding), ids, operands,
                  [pltpu.SemaphoreType.DMA((2,))], interpret)
 
@@ -322,6 +334,44 @@ def _write_token_view(k_pool, v_pool, k_frames, v_frames, ids, ppf: int, interpr
 
 
 # ------------------------------------------------------------------------------------------------
+# Quantized pools: the chunk quantized in XLA, its pages moved by the head view
+# ------------------------------------------------------------------------------------------------
+
+
+def quantized_chunk(frames, pool) -> QuantizedPool:
+    """The chunk ``frames`` ``[L, R * F, T, H, D]`` as quantized pages of ``pool``'s dtype in the
+    pool's layout: values ``[L, H, R * F * ppf, S, D]`` (each frame's last page zero-padded) and
+    float32 scales ``[L, H, R * F * ppf]``, one per page of each layer and KV head (the rule of
+    :func:`pallas_kernels.layout.quantize_pages`, as the XLA path quantizes each page)."""
+    pages = chunk_to_pages(frames, pool_geometry(pool).block_size, frames.shape[2])  # [L, N, S, H, D]
+    values, scales = quantize(pages, pool.dtype, (2, 4))  # Token-major: read as XLA lays it out.
+    return QuantizedPool(from_token_major(values), scales.transpose(0, 2, 1))
+
+
+def put_scales(scales, new, ids):
+    """``scales`` ``[L, H, P]`` with ``new[:, :, i]`` written at page ``ids[i]`` (0 skips): a loop
+    of one-page updates, in place on donated scales whatever their HBM layout."""
+    def body(i, scales):
+        page = lax.dynamic_slice_in_dim(new, i, 1, axis=PAGE_AXIS)
+        return lax.cond(ids[i] != 0,
+                        lambda s: lax.dynamic_update_slice_in_dim(s, page, ids[i], axis=PAGE_AXIS),
+                        lambda s: s, scales)
+
+    return lax.fori_loop(0, ids.shape[0], body, scales)
+
+
+def _write_quantized(k_pool, v_pool, k_frames, v_frames, ids, interpret: Any):
+    """Quantized pools: each chunk quantized into whole pages (:func:`quantized_chunk`, O(chunk)
+    XLA fusions), their values moved by the head view's page DMAs (one page per id, nothing to
+    pad) and their scales written by :func:`put_scales`."""
+    k_new, v_new = quantized_chunk(k_frames, k_pool), quantized_chunk(v_frames, v_pool)
+    k_values, v_values = _write_head_view(k_pool.values, v_pool.values, k_new.values, v_new.values,
+                                          ids, 1, interpret)
+    return (QuantizedPool(k_values, put_scales(k_pool.scales, k_new.scales, ids)),
+            QuantizedPool(v_values, put_scales(v_pool.scales, v_new.scales, ids)))
+
+
+# ------------------------------------------------------------------------------------------------
 # Entry
 # ------------------------------------------------------------------------------------------------
 
@@ -356,9 +406,14 @@ def write_chunk(k_pool, v_pool, k_frames, v_frames, ids, ppf: int, interpret: An
     ``view`` ``"head"`` or ``"token"`` (default :func:`chunk_view`; ``"token"`` needs ``H`` and
     the block size multiples of :data:`TOKEN_ROWS`). The outputs alias the pool operands.
 
+    Quantized pools (:class:`~pallas_kernels.layout.QuantizedPool`, the chunk in a compute dtype)
+    take :func:`_write_quantized` whatever ``view`` says.
+
     Raises:
       ValueError: an unknown ``view``, or ``"token"`` at a shape it does not take.
     """
+    if is_quantized_pool(k_pool):
+        return _write_quantized(k_pool, v_pool, k_frames, v_frames, ids, interpret)
     block_size = pool_geometry(k_pool).block_size
     view = chunk_view(k_frames.shape, k_frames.dtype, block_size) if view is None else view
     if view == "token":
@@ -368,4 +423,5 @@ def write_chunk(k_pool, v_pool, k_frames, v_frames, ids, ppf: int, interpret: An
         return _write_token_view(k_pool, v_pool, k_frames, v_frames, ids, ppf, interpret)
     if view != "head":
         raise ValueError(f"view must be 'head' or 'token', got {view!r}")
-    return _write_head_view(k_pool, v_pool, k_frames, v_frames, ids, ppf, interpret)
+    return _write_head_view(k_pool, v_pool, _head_major(k_frames), _head_major(v_frames), ids, ppf,
+                            interpret)

@@ -5,6 +5,8 @@ not read, no retracing, and the other backends' refusal."""
 
 from __future__ import annotations
 
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -28,6 +30,7 @@ from pallas_kernels.window_attention import (
     window_attention_reference,
 )
 from pallas_kernels.window_attention import tpu as tpu_attention
+from tests.kernels.device_backends import compiled
 from tests.kernels.test_window_attention import HEAD_DIM, KV_HEADS, LAYERS, NUM_PAGES, Window, make_case, poisoned
 
 BLOCK = 16
@@ -258,3 +261,41 @@ def test_quantized_pool_masks_are_the_layout_helpers():
     mask = page_mask(jnp.arange(NUM_PAGES) == 3, 3)
     assert mask.shape == (1, 1, NUM_PAGES)
     assert slot_mask(jnp.zeros((LAYERS, NUM_PAGES, BLOCK), bool)).shape == (LAYERS, 1, NUM_PAGES, BLOCK, 1)
+
+
+# ------------------------------------------------------------------------------------------------
+# The TPU kernel's write of quantized pools, against the XLA path
+# ------------------------------------------------------------------------------------------------
+
+TPU_WRITES = ("pallas_tpu_interpret", "pallas_tpu_simulate", "pallas_tpu_gather_interpret", compiled("pallas_tpu"))
+
+
+def random_quantized_pool(kv_dtype, seed):
+    """A quantized pool of random pages (page 0 zeros, scale 0), so untouched pages are checked."""
+    pages = np.random.default_rng(seed).standard_normal((LAYERS, KV_HEADS, NUM_PAGES, BLOCK, HEAD_DIM))
+    pages[:, :, 0] = 0.0
+    return quantize_pages(jnp.asarray(pages, jnp.float32), kv_dtype)
+
+
+def assert_same_pool(got: QuantizedPool, want: QuantizedPool):
+    """Values and scales bit for bit (values compared as their uint8 bits)."""
+    assert isinstance(got, QuantizedPool) and got.dtype == want.dtype
+    np.testing.assert_array_equal(np.asarray(got.values).view(np.uint8), np.asarray(want.values).view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(got.scales).view(np.uint32), np.asarray(want.scales).view(np.uint32))
+
+
+@pytest.mark.parametrize("kv_dtype", QUANTIZED_DTYPES)
+@pytest.mark.parametrize("backend", TPU_WRITES)
+def test_tpu_write_matches_the_xla_path_bit_for_bit(backend, kv_dtype):
+    """Two 24-token frames per row in 16-slot pages (each frame's second page half padding), a bf16
+    chunk, skipped ids (row 1's first frame, and unchecked out-of-range ids under jit), random pages
+    elsewhere: values and scales equal the XLA path's bit for bit."""
+    pools = [random_quantized_pool(kv_dtype, seed) for seed in (3, 4)]
+    k_new, v_new = chunk(seed=5)
+    ids = jnp.asarray([[3, 4, 9, 10], [0, 0, 17, NUM_PAGES + 2]], jnp.int32)
+    step = jax.jit(functools.partial(write_chunk, tokens_per_frame=TPF, validate=False), static_argnames="backend")
+    out = step(*pools, k_new, v_new, ids, backend=backend)
+    want = step(*pools, k_new, v_new, ids, backend="xla")
+    for got, expected, before in zip(out, want, pools):
+        assert_same_pool(got, expected)
+        assert not np.array_equal(np.asarray(got.scales), np.asarray(before.scales))  # pages were written
