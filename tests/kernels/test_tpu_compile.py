@@ -101,6 +101,26 @@ def test_write_takes_the_chunk_in_xlas_layout(gen, heads):
     assert_in_place(gen, *write_call(PRESETS["wan-1.3b"], layers=30, heads=heads))
 
 
+@needs_libtpu
+@pytest.mark.slow
+@pytest.mark.parametrize("gen", GENERATIONS)
+@pytest.mark.parametrize("kv_dtype", ["int8", "float8_e4m3fn", "float8_e5m2"])
+def test_quantized_write_compiles_in_place(gen, kv_dtype):
+    """Quantized pools at wan-1.3b (30 layers, 12 KV heads, 1,560-slot pages), a bf16 chunk: no copy
+    of the pools' values or scales nor of the chunk, both pools' values and scales aliased, and the
+    temporaries are the chunk's quantized pages (K and V, one byte a value) and little more: the
+    fusions that quantize the chunk write them before the kernel moves them."""
+    p = PRESETS["wan-1.3b"]
+    fn, specs, donate, shape = tpu_compile._write_call(p, 1, kv_dtype)
+    leaves = [spec for spec, _ in specs[:2]]
+    rep = tpu_aot.report(tpu_aot.compile_for_tpu(fn, specs, gen, donate_argnums=donate), leaves)
+    quantized_pages = 2 * math.prod(shape) // shape[2] * (shape[2] - 1)  # K and V, the null page aside
+    assert rep.pool_copies == 0
+    assert tpu_aot.copies_of(rep.hlo, [specs[-2][0]]) == 0
+    assert rep.alias_bytes >= 2 * (math.prod(leaves[0]) + 4 * math.prod(leaves[1]))
+    assert quantized_pages <= rep.temp_bytes < 1.01 * quantized_pages, (rep.temp_bytes, quantized_pages)
+
+
 def token_view_case(seed: int, dtype, *, block=32, tpf=40, heads=8, layers=2, rows=2, frames=2,
                     num_pages=24):
     """Random pools (NaN pages), a random chunk and distinct page ids, one skipped."""
