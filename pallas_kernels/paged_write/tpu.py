@@ -16,6 +16,9 @@ precedes the kernel:
   page are DMA'd into VMEM, reordered there to head-major (sublane-strided loads) and DMA'd into
   the page, double-buffered, the next piece in flight while one is reordered.
 
+Quantized pools take the head view on the chunk quantized into whole pages by XLA first
+(:func:`quantized_chunk`), their scales written by :func:`put_scales`.
+
 A skipped page (id 0) moves nothing. The compiled kernel needs a block size that is a multiple of 8
 (:func:`pallas_kernels.layout.check_tpu_block_size`). Design and temporaries: ``docs/kernels.md``
 (Paged chunk write).

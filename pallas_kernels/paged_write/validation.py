@@ -44,7 +44,7 @@ def static_validate_inputs(k_pool, v_pool, k_new, v_new, page_ids, *, tokens_per
       ValueError: an unknown backend; bad ranks, shapes or dtypes; a ``tokens_per_frame`` that is
         not a positive int or does not divide the chunk; ``page_ids`` not ``[rows, num_frames *
         pages_per_frame]`` integers; quantized pools that are malformed, mixed with a plain one or
-        on a backend other than ``"xla"`` (:func:`pallas_kernels.backend.check_quantized_pools`).
+        on a backend that does not write them (:func:`pallas_kernels.backend.check_quantized_pools`).
       TypeError: an input that is not an array (``write_chunk`` itself takes ``page_ids`` as a list
         of ints).
     """
