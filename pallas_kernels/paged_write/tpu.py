@@ -16,8 +16,8 @@ precedes the kernel:
   page are DMA'd into VMEM, reordered there to head-major (sublane-strided loads) and DMA'd into
   the page, double-buffered, the next piece in flight while one is reordered.
 
-Quantized pools take the head view on the chunk quantized into whole pages by XLA first
-(:func:`quantized_chunk`), their scales written by :func:`put_scales`.
+Quantized pools take :mod:`pallas_kernels.paged_write.tpu_quantized` (the chunk quantized in the
+kernel), which shares :func:`chunk_view` and :func:`paged_write_call`.
 
 A skipped page (id 0) moves nothing. The compiled kernel needs a block size that is a multiple of 8
 (:func:`pallas_kernels.layout.check_tpu_block_size`). Design and temporaries: ``docs/kernels.md``
@@ -35,15 +35,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.layout import (
-    PAGE_AXIS,
-    QuantizedPool,
-    from_token_major,
-    is_quantized_pool,
-    pool_geometry,
-)
-from pallas_kernels.paged_write.reference import chunk_to_pages
-from pallas_kernels.quantization import quantize
+from pallas_kernels.layout import pool_geometry
 
 DMAS_IN_FLIGHT = 8
 """Pages whose DMAs (K and V each) are in flight at once on the ``"head"`` view."""
@@ -66,28 +58,36 @@ def _target_device():
     return jax.devices()[0] if target is None else target
 
 
+def hbm_order(shape: tuple[int, ...], dtype, device=None) -> tuple[int, ...] | None:
+    """The axes of an array of ``shape`` and ``dtype`` from major to minor in XLA:TPU's default HBM
+    layout on ``device`` (default the device the program is built for); ``None`` off TPU, where
+    every array is row-major."""
+    device = _target_device() if device is None else device
+    if device.platform != "tpu":
+        return None
+    from jax.experimental.layout import Layout
+
+    layout = Layout.from_pjrt_layout(
+        device.client.get_default_layout(jnp.dtype(dtype), tuple(shape), device))
+    return tuple(layout.major_to_minor)
+
+
 def chunk_view(frames_shape: tuple[int, ...], dtype, block_size: int, device=None) -> str:
     """``"token"`` or ``"head"``: how the kernel takes a chunk of frames ``[L, R * F, T, H, D]``.
 
     ``"token"`` needs ``H`` and ``block_size`` multiples of :data:`TOKEN_ROWS` (a token's heads are
     then whole HBM tile rows, so ``[L, R * F, T * H, D]`` is the same bytes); it is chosen when
     XLA:TPU's default HBM layout of the chunk, asked of ``device`` (default the device the program
-    is built for), is row-major. Any other layout (XLA puts the tokens second-minor when ``H``
-    would pad its tile) takes ``"head"``, whose transpose is then free. Off TPU (interpreted)
-    both views are exact; ``"token"`` is taken wherever it applies, as a TPU would take it for a
-    row-major chunk.
+    is built for, :func:`hbm_order`), is row-major. Any other layout (XLA puts the tokens
+    second-minor when ``H`` would pad its tile) takes ``"head"``, whose transpose is then free. Off
+    TPU (interpreted) both views are exact; ``"token"`` is taken wherever it applies, as a TPU
+    would take it for a row-major chunk.
     """
     heads = frames_shape[3]
     if heads % TOKEN_ROWS or block_size % TOKEN_ROWS:
         return "head"
-    device = _target_device() if device is None else device
-    if device.platform != "tpu":
-        return "token"
-    from jax.experimental.layout import Layout
-
-    layout = Layout.from_pjrt_layout(
-        device.client.get_default_layout(jnp.dtype(dtype), tuple(frames_shape), device))
-    return "token" if layout.major_to_minor == tuple(range(len(frames_shape))) else "head"
+    order = hbm_order(frames_shape, dtype, device)
+    return "token" if order in (None, tuple(range(len(frames_shape)))) else "head"
 
 
 def token_piece(block_size: int, heads: int, head_dim: int, itemsize: int) -> int:
@@ -145,22 +145,20 @@ def _head_kernel(ids_ref, k_src, v_src, *refs, ppf: int, padding: int):
         pl.when(done >= 0)(lambda: on_page(done, "wait"))
 
 
-def _head_major(frames):
+def head_major(frames):
     """``[L, R * F, T, H, D]`` -> ``[L, H, R * F, T, D]`` (free where XLA lays the chunk out with
     the tokens second-minor)."""
     return frames.transpose(0, 3, 1, 2, 4)
 
 
-def _write_head_view(k_pool, v_pool, k_heads, v_heads, ids, ppf: int, interpret: Any):
-    """The head view's call: ``k_heads``/``v_heads`` the chunk head-major ``[L, H, R * F, T, D]``
-    in the pools' dtype."""
+def _write_head_view(k_pool, v_pool, k_frames, v_frames, ids, ppf: int, interpret: Any):
     geom = pool_geometry(k_pool)
-    padding = ppf * geom.block_size - k_heads.shape[3]
+    padding = ppf * geom.block_size - k_frames.shape[2]
     zeros = ([jnp.zeros((geom.num_layers, geom.kv_heads, padding, geom.head_dim), k_pool.dtype)]
              if padding else [])
-    operands = [k_heads, v_heads, *zeros, k_pool, v_pool]
-    return _call(functools.partial(_head_kernel, ppf=ppf, padding=padding), ids, operands,
-                 [pltpu.SemaphoreType.DMA((2,))], interpret)
+    operands = [head_major(k_frames), head_major(v_frames), *zeros, k_pool, v_pool]
+    return paged_write_call(functools.partial(_head_kernel, ppf=ppf, padding=padding), ids, operands,
+                            [pltpu.SemaphoreType.DMA((2,))], interpret)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -173,7 +171,7 @@ def _reorder(src, dst, valid: int, heads: int, strided: bool):
 
     ``src`` VMEM ``[piece * heads, D]`` (a piece's token rows), ``dst`` VMEM ``[heads, piece, D]``.
     ``strided`` (compiled, and Pallas' generic interpreter where it takes a bitcast ref,
-    :func:`_interpreter_bitcasts_refs`): sublane-strided loads pick one head of
+    :func:`interpreter_bitcasts_refs`): sublane-strided loads pick one head of
     every token; a 16-bit pair of heads (rows ``2k`` and ``2k + 1``) shares a 32-bit row, as a
     pair of tokens does in ``dst``, so both are read and written as uint32 and the 16-bit halves
     of an even and an odd token are swapped with shifts and masks. Otherwise (the TPU simulator and
@@ -302,7 +300,7 @@ def _token_kernel(ids_ref, k_src, v_src, k_in, v_in, k_pool, v_pool, inbuf, outb
 
 
 @functools.cache
-def _interpreter_bitcasts_refs() -> bool:
+def interpreter_bitcasts_refs() -> bool:
     """Whether Pallas' generic interpreter takes a bitcast ref (jax 0.12 does; 0.10.2 raises
     ``NotImplementedError`` discharging it): the ``"token"`` view's strided reorder needs one."""
     def kernel(x_ref, o_ref):
@@ -330,48 +328,10 @@ def _write_token_view(k_pool, v_pool, k_frames, v_frames, ids, ppf: int, interpr
                pltpu.SemaphoreType.DMA((2,)), pltpu.SemaphoreType.DMA((2,)),
                pltpu.SMEM((2,), jnp.int32)]
     vmem = 4 * piece * heads * dim * k_pool.dtype.itemsize
-    strided = not interpret or (interpret is True and _interpreter_bitcasts_refs())
+    strided = not interpret or (interpret is True and interpreter_bitcasts_refs())
     kernel = functools.partial(_token_kernel, ppf=ppf, tokens_per_frame=tokens, piece=piece, strided=strided)
-    return _call(kernel, ids, [rows(k_frames), rows(v_frames), k_pool, v_pool], scratch, interpret,
-                 vmem_limit=vmem + (8 << 20))
-
-
-# ------------------------------------------------------------------------------------------------
-# Quantized pools: the chunk quantized in XLA, its pages moved by the head view
-# ------------------------------------------------------------------------------------------------
-
-
-def quantized_chunk(frames, pool) -> QuantizedPool:
-    """The chunk ``frames`` ``[L, R * F, T, H, D]`` as quantized pages of ``pool``'s dtype in the
-    pool's layout: values ``[L, H, R * F * ppf, S, D]`` (each frame's last page zero-padded) and
-    float32 scales ``[L, H, R * F * ppf]``, one per page of each layer and KV head (the rule of
-    :func:`pallas_kernels.layout.quantize_pages`, as the XLA path quantizes each page)."""
-    pages = chunk_to_pages(frames, pool_geometry(pool).block_size, frames.shape[2])  # [L, N, S, H, D]
-    values, scales = quantize(pages, pool.dtype, (2, 4))  # Token-major: read as XLA lays it out.
-    return QuantizedPool(from_token_major(values), scales.transpose(0, 2, 1))
-
-
-def put_scales(scales, new, ids):
-    """``scales`` ``[L, H, P]`` with ``new[:, :, i]`` written at page ``ids[i]`` (0 skips): a loop
-    of one-page updates, in place on donated scales whatever their HBM layout."""
-    def body(i, scales):
-        page = lax.dynamic_slice_in_dim(new, i, 1, axis=PAGE_AXIS)
-        return lax.cond(ids[i] != 0,
-                        lambda s: lax.dynamic_update_slice_in_dim(s, page, ids[i], axis=PAGE_AXIS),
-                        lambda s: s, scales)
-
-    return lax.fori_loop(0, ids.shape[0], body, scales)
-
-
-def _write_quantized(k_pool, v_pool, k_frames, v_frames, ids, interpret: Any):
-    """Quantized pools: each chunk quantized into whole pages (:func:`quantized_chunk`, O(chunk)
-    XLA fusions), their values moved by the head view's page DMAs (one page per id, nothing to
-    pad) and their scales written by :func:`put_scales`."""
-    k_new, v_new = quantized_chunk(k_frames, k_pool), quantized_chunk(v_frames, v_pool)
-    k_values, v_values = _write_head_view(k_pool.values, v_pool.values, k_new.values, v_new.values,
-                                          ids, 1, interpret)
-    return (QuantizedPool(k_values, put_scales(k_pool.scales, k_new.scales, ids)),
-            QuantizedPool(v_values, put_scales(v_pool.scales, v_new.scales, ids)))
+    return paged_write_call(kernel, ids, [rows(k_frames), rows(v_frames), k_pool, v_pool], scratch,
+                            interpret, vmem_limit=vmem + (8 << 20))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -379,21 +339,23 @@ def _write_quantized(k_pool, v_pool, k_frames, v_frames, ids, interpret: Any):
 # ------------------------------------------------------------------------------------------------
 
 
-def _call(kernel, ids, operands, scratch, interpret: Any, vmem_limit: int | None = None):
-    """The grid-less ``pallas_call`` of ``kernel``: ``ids`` scalar-prefetched, every operand in
-    HBM, the last two (the pools) aliased to the two outputs."""
-    k_pool = operands[-2]
+def paged_write_call(kernel, ids, operands, scratch, interpret: Any, vmem_limit: int | None = None,
+                     outputs: int = 2):
+    """The grid-less ``pallas_call`` of ``kernel`` named ``paged_write_tpu``: ``ids``
+    scalar-prefetched, every operand in HBM, the last ``outputs`` (the pools' arrays) aliased to
+    the outputs, in order."""
+    pools = operands[-outputs:]
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
-    first_pool = len(operands) - 1  # Operand indices count the prefetched ids (operand 0).
+    first_pool = len(operands) - outputs + 1  # Operand indices count the prefetched ids (operand 0).
     params = {} if vmem_limit is None else dict(
         compiler_params=pltpu.CompilerParams(vmem_limit_bytes=vmem_limit))
     return pl.pallas_call(
         kernel,  # Fresh per call (jax #40847).
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1, grid=(), in_specs=[any_spec] * len(operands),
-            out_specs=[any_spec] * 2, scratch_shapes=scratch),
-        out_shape=[jax.ShapeDtypeStruct(k_pool.shape, k_pool.dtype)] * 2,
-        input_output_aliases={first_pool: 0, first_pool + 1: 1},
+            out_specs=[any_spec] * outputs, scratch_shapes=scratch),
+        out_shape=[jax.ShapeDtypeStruct(pool.shape, pool.dtype) for pool in pools],
+        input_output_aliases={first_pool + n: n for n in range(outputs)},
         interpret=interpret,
         name="paged_write_tpu",
         **params,
@@ -409,14 +371,9 @@ def write_chunk(k_pool, v_pool, k_frames, v_frames, ids, ppf: int, interpret: An
     ``view`` ``"head"`` or ``"token"`` (default :func:`chunk_view`; ``"token"`` needs ``H`` and
     the block size multiples of :data:`TOKEN_ROWS`). The outputs alias the pool operands.
 
-    Quantized pools (:class:`~pallas_kernels.layout.QuantizedPool`, the chunk in a compute dtype)
-    take :func:`_write_quantized` whatever ``view`` says.
-
     Raises:
       ValueError: an unknown ``view``, or ``"token"`` at a shape it does not take.
     """
-    if is_quantized_pool(k_pool):
-        return _write_quantized(k_pool, v_pool, k_frames, v_frames, ids, interpret)
     block_size = pool_geometry(k_pool).block_size
     view = chunk_view(k_frames.shape, k_frames.dtype, block_size) if view is None else view
     if view == "token":
@@ -426,5 +383,4 @@ def write_chunk(k_pool, v_pool, k_frames, v_frames, ids, ppf: int, interpret: An
         return _write_token_view(k_pool, v_pool, k_frames, v_frames, ids, ppf, interpret)
     if view != "head":
         raise ValueError(f"view must be 'head' or 'token', got {view!r}")
-    return _write_head_view(k_pool, v_pool, _head_major(k_frames), _head_major(v_frames), ids, ppf,
-                            interpret)
+    return _write_head_view(k_pool, v_pool, k_frames, v_frames, ids, ppf, interpret)
