@@ -170,14 +170,18 @@ def splash_cycles(bundles, tree) -> tuple[float, float, str]:
                           f"{pf[1] - pf[0]}), init + finalisation {once} once per query block")
 
 
-def write_cycles(tree, trips: int) -> int:
-    """Issue cycles of the paged write: every bundle of its top-level loops (nested loops and both
-    page kinds' predicated regions included: an upper bound) times ``trips``, the loop's trip
-    count (pages + ``DMAS_IN_FLIGHT`` on the head view, pages x layers on the token view)."""
-    def total(node) -> int:
-        return node["own"] + sum(total(c) for c in node["children"])
+def write_cycles(tree, trips: tuple[int, ...]) -> int:
+    """Issue cycles of the paged write: every bundle of its loops (both page kinds' predicated
+    regions included: an upper bound), a loop nested ``d`` deep (0 the top level) run
+    ``trips[d]`` times per run of its parent (1 past the tuple): pages + ``DMAS_IN_FLIGHT`` on the
+    bf16 head view, pages x layers on the bf16 token view; the quantizing kernel's jobs (2 x pages
+    x layers), then its head loop (``H`` on the head view, where it is a loop) and its slab loops
+    (``S // SLAB_ROWS``)."""
+    def total(node, depth: int) -> int:
+        runs = trips[depth] if depth < len(trips) else 1
+        return runs * (node["own"] + sum(total(c, depth + 1) for c in node["children"]))
 
-    return sum(total(n) for n in tree) * trips
+    return sum(total(n, 0) for n in tree)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -285,11 +289,11 @@ def jnp_itemsize(dtype) -> int:
     return jnp.dtype(dtype).itemsize
 
 
-def _write_call(p: dict, rows: int, kv_dtype: str = "bfloat16"):
+def _write_call(p: dict, rows: int, kv_dtype: str = "bfloat16", num_pages: int | None = None):
     """``(fn, specs, donate, pool shape)`` of the donated write of one bf16 chunk per row at ``p``
-    (pools just large enough: the chunk's pages and the null page) into pools of ``kv_dtype``;
-    a quantized pool is passed as its values and scales (specs and donated arguments: the pools'
-    leaves, then the chunk and the ids)."""
+    into pools of ``kv_dtype`` with ``num_pages`` pages (default just enough: the chunk's pages and
+    the null page); a quantized pool is passed as its values and scales (specs and donated
+    arguments: the pools' leaves, then the chunk and the ids)."""
     import functools
 
     import jax.numpy as jnp
@@ -299,8 +303,8 @@ def _write_call(p: dict, rows: int, kv_dtype: str = "bfloat16"):
     from pallas_kernels.quantization import SCALE_DTYPE, is_quantized
 
     ppf = -(-p["tokens_per_frame"] // p["block_size"])
-    shape = pool_shape(p["layers"], rows * p["cur_frames"] * ppf + 1, p["block_size"], p["kv_heads"],
-                       p["head_dim"])
+    num_pages = rows * p["cur_frames"] * ppf + 1 if num_pages is None else num_pages
+    shape = pool_shape(p["layers"], num_pages, p["block_size"], p["kv_heads"], p["head_dim"])
     new = (p["layers"], rows, p["cur_frames"] * p["tokens_per_frame"], p["kv_heads"], p["head_dim"])
     bf = jnp.bfloat16
     tail = [(new, bf)] * 2 + [((rows, p["cur_frames"] * ppf), jnp.int32)]
@@ -316,27 +320,31 @@ def _write_call(p: dict, rows: int, kv_dtype: str = "bfloat16"):
 
 
 def _write_figures(p: dict, rows: int, kv_dtype: str, specs, rep, dump: str, chip) -> dict:
-    """The write's kernel time (the larger of its page bytes, read and written, over the HBM
-    bandwidth and its bundles' issue time) plus, for quantized pools, XLA:TPU's cycles of every op
-    outside the kernel (the chunk's quantization and the scales' updates)."""
+    """The write's kernel time (the larger of its bytes, the chunk read and the pages written, over
+    the HBM bandwidth and its bundles' issue time) plus XLA:TPU's cycles of every op outside the
+    kernel."""
     from pallas_kernels import tpu_cost
     from pallas_kernels.paged_write import tpu as write_tpu
+    from pallas_kernels.paged_write import tpu_quantized
     from pallas_kernels.quantization import is_quantized
     from pallas_kernels.window_attention.tpu_estimate import kernel_dump, loop_tree, parse_bundles
 
-    quantized = is_quantized(kv_dtype)
     frames_shape = (p["layers"], rows * p["cur_frames"], p["tokens_per_frame"], p["kv_heads"],
                     p["head_dim"])
-    view = "head" if quantized else write_tpu.chunk_view(frames_shape, "bfloat16", p["block_size"],
-                                                         _chip_device(chip))
+    view = write_tpu.chunk_view(frames_shape, "bfloat16", p["block_size"], _chip_device(chip))
     ppf = -(-p["tokens_per_frame"] // p["block_size"])
     pages = rows * p["cur_frames"] * ppf
-    moved = 2 * p["layers"] * p["kv_heads"] * pages * p["block_size"] * p["head_dim"] * jnp_itemsize(kv_dtype)
+    values = 2 * p["layers"] * p["kv_heads"] * pages * p["block_size"] * p["head_dim"]  # K and V.
+    moved = values * jnp_itemsize(kv_dtype)
     chunk_bytes = 2 * math.prod(specs[-2][0]) * 2
-    trips = pages + write_tpu.DMAS_IN_FLIGHT if view == "head" else pages * p["layers"]
+    if is_quantized(kv_dtype):
+        slabs = p["block_size"] // tpu_quantized.SLAB_ROWS
+        trips = (2 * pages * p["layers"], p["kv_heads"], slabs) if view == "head" else (2 * pages * p["layers"], slabs)
+    else:
+        trips = (pages + write_tpu.DMAS_IN_FLIGHT if view == "head" else pages * p["layers"],)
     issue = write_cycles(loop_tree(parse_bundles(kernel_dump(dump, "paged_write_tpu"))), trips) / chip.clock_hz
-    hbm = 2 * moved / chip.hbm_bytes_per_s  # Read the chunk's pages, write them.
-    xla = tpu_cost.program_cycles(rep.hlo).cycles / chip.clock_hz if quantized else 0.0
+    hbm = (values * 2 + moved) / chip.hbm_bytes_per_s  # Read the bf16 chunk's pages, write them.
+    xla = tpu_cost.program_cycles(rep.hlo).cycles / chip.clock_hz
     kernel = max(hbm, issue)
     return dict(view=view, kv_heads=p["kv_heads"], kv_dtype=kv_dtype, bytes_moved=moved,
                 temp_chunk_fraction=rep.temp_bytes / chunk_bytes, hbm_ms=hbm * 1e3,

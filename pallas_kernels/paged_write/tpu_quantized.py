@@ -67,10 +67,15 @@ def scale_order(shape: tuple[int, int, int], device=None) -> tuple[int, int, int
     return order
 
 
-def _window_shape(scales_shape: tuple[int, ...], order: tuple[int, ...]) -> tuple[int, ...]:
-    """The VMEM scale window of scales ``[L, H, P]`` taken in ``order``: all their axes, the page
-    axis cut to :data:`SCALE_LANES`."""
-    return tuple(min(SCALE_LANES, scales_shape[a]) if a == PAGE_AXIS else scales_shape[a] for a in order)
+def _windows(scales_shape: tuple[int, ...], order: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """The VMEM scale windows of scales ``[L, H, P]`` taken in ``order``: all their axes with the
+    page axis cut to :data:`SCALE_LANES`; and, where more pages than that are not a multiple of it,
+    the whole scales too (a DMA cannot move the last, narrower window: it moves 512-byte words, or
+    whole rows)."""
+    num_pages = scales_shape[PAGE_AXIS]
+    window = tuple(min(SCALE_LANES, num_pages) if a == PAGE_AXIS else scales_shape[a] for a in order)
+    whole = tuple(scales_shape[a] for a in order)
+    return [window] + ([whole] if num_pages > SCALE_LANES and num_pages % SCALE_LANES else [])
 
 
 def _tile_rows(rows: int) -> int:
@@ -80,13 +85,12 @@ def _tile_rows(rows: int) -> int:
 
 
 def vmem_bytes(heads: int, block_size: int, head_dim: int, chunk_itemsize: int,
-               window: tuple[int, ...]) -> int:
+               windows: list[tuple[int, ...]]) -> int:
     """VMEM of the kernel's buffers: two chunk pages of one layer (K and V), two 8-bit pages and
-    two float32 scale windows of shape ``window``, rounded up to whole tiles."""
+    two of each float32 scale window (:func:`_windows`), rounded up to whole tiles."""
     rows = _tile_rows(block_size)
-    lead, sub, lanes = window
     return (2 * heads * rows * head_dim * (chunk_itemsize + 1)
-            + 2 * lead * -(-sub // 8) * 8 * -(-lanes // 128) * 128 * 4)
+            + sum(2 * lead * -(-sub // 8) * 8 * -(-lanes // 128) * 128 * 4 for lead, sub, lanes in windows))
 
 
 def _kernel(ids_ref, k_src, v_src, *refs, view: str, ppf: int, tokens_per_frame: int,
@@ -95,9 +99,10 @@ def _kernel(ids_ref, k_src, v_src, *refs, view: str, ppf: int, tokens_per_frame:
     ``[L, H, R * F, T, D]``, ``"token"``: ``[L, R * F, T * H, D]``), the four pool inputs (aliased,
     unused) and outputs (K values, K scales, V values, V scales; the scales' axes in ``order``);
     scratch ``inbuf`` (``[2, H, S, D]`` or ``[2, S * H, D]``, slot 0 K, 1 V), ``outbuf`` ``[2, H,
-    S, D]`` 8-bit, ``sbuf`` ``[2, *window]`` float32 (:func:`_window_shape`), DMA semaphores
-    ``in_sems``/``out_sems``/``scale_sems`` ``[2]`` and SMEM ``pending`` ``[2]`` (an out DMA of
-    that slot not yet waited for).
+    S, D]`` 8-bit, ``sbuf`` ``[2, *window]`` float32 (:func:`_windows`), DMA semaphores
+    ``in_sems``/``out_sems``/``scale_sems`` ``[2]``, SMEM ``pending`` ``[2]`` (an out DMA of that
+    slot not yet waited for), and ``whole`` ``[2, *scales]`` float32 where :func:`_windows` has it
+    (pages past the last whole window read and write all the scales).
 
     Job ``j`` is page ``j // (2 L)`` of the chunk at layer ``(j // 2) % L``, K (``j`` even) or V.
     A written job waits for its page, starts the next job's (a skipped job starts the next one's),
@@ -105,14 +110,14 @@ def _kernel(ids_ref, k_src, v_src, *refs, view: str, ppf: int, tokens_per_frame:
     starts its out DMA, and writes the scale window back at the last layer.
     """
     k_vals, k_scales, v_vals, v_scales = refs[4:8]
-    inbuf, outbuf, sbuf, in_sems, out_sems, scale_sems, pending = refs[8:]
+    inbuf, outbuf, sbuf, in_sems, out_sems, scale_sems, pending, *whole = refs[8:]
     num_layers, heads, num_pages, block_size, dim = k_vals.shape
     dtype = k_vals.dtype
     srcs, pools, scales = (k_src, v_src), (k_vals, v_vals), (k_scales, v_scales)
     jobs = 2 * ids_ref.shape[0] * num_layers
     last_valid = tokens_per_frame - (ppf - 1) * block_size
     lanes = sbuf.shape[1 + order.index(PAGE_AXIS)]
-    tail_start = num_pages - num_pages % lanes  # Pages of a last, narrower scale window.
+    tail_start = num_pages - num_pages % lanes  # Pages past the last whole 128-page window.
     pending[0], pending[1] = 0, 0
 
     def where(j):
@@ -159,42 +164,46 @@ def _kernel(ids_ref, k_src, v_src, *refs, view: str, ppf: int, tokens_per_frame:
 
     def scale_window(page, kv: int, action: str):
         """Starts and waits for the DMA of ``page``'s scale window (``"in"`` or ``"out"``)."""
-        def move(start, width: int):
-            def cut(first):
-                return tuple(pl.ds(first, width) if a == PAGE_AXIS else slice(None) for a in order)
-
-            hbm, vmem = scales[kv].at[cut(start)], sbuf.at[(kv, *cut(0))]
+        def move(hbm, vmem):
             copy = pltpu.make_async_copy(*((hbm, vmem) if action == "in" else (vmem, hbm)),
                                          scale_sems.at[kv])
             copy.start()
             copy.wait()
 
         if lanes == num_pages:  # One window: all the scales.
-            move(0, lanes)
+            move(scales[kv], sbuf.at[kv])
             return
-        if tail_start == num_pages:  # Every window full.
-            move(pl.multiple_of(lax.div(page, lanes) * lanes, lanes), lanes)
+        cut = tuple(pl.ds(pl.multiple_of(lax.div(page, lanes) * lanes, lanes), lanes) if a == PAGE_AXIS
+                    else slice(None) for a in order)
+        if tail_start == num_pages:  # Every page in a whole window.
+            move(scales[kv].at[cut], sbuf.at[kv])
             return
-        pl.when(page < tail_start)(
-            lambda: move(pl.multiple_of(lax.div(page, lanes) * lanes, lanes), lanes))
-        pl.when(page >= tail_start)(lambda: move(tail_start, num_pages - tail_start))
+        pl.when(page < tail_start)(lambda: move(scales[kv].at[cut], sbuf.at[kv]))
+        pl.when(page >= tail_start)(lambda: move(scales[kv], whole[0].at[kv]))
 
-    def put_scale(kv, layer, head, at, scale):
-        """Sets the window's scale of ``(layer, head)`` at page ``at`` of the window to ``scale``
-        ``[1, 1]``: a select on the 2-D tile of the window's leading index."""
-        value = {LAYER_AXIS: layer, KV_HEAD_AXIS: head, PAGE_AXIS: at}
-        lead, row, col = (value[a] for a in order)
-        tile = sbuf[kv, lead]
-        rows = lax.broadcasted_iota(jnp.int32, tile.shape, 0)
-        cols = lax.broadcasted_iota(jnp.int32, tile.shape, 1)
-        sbuf[kv, lead] = jnp.where((rows == row) & (cols == col), scale, tile)
+    def put_scale(kv, layer, head, page, scale):
+        """Sets the scale of ``(layer, head)`` at ``page`` in its window to ``scale`` ``[1, 1]``: a
+        select on the 2-D tile of the window's leading index."""
+        def put(window, at):
+            value = {LAYER_AXIS: layer, KV_HEAD_AXIS: head, PAGE_AXIS: at}
+            lead, row, col = (value[a] for a in order)
+            tile = window[kv, lead]
+            rows = lax.broadcasted_iota(jnp.int32, tile.shape, 0)
+            cols = lax.broadcasted_iota(jnp.int32, tile.shape, 1)
+            window[kv, lead] = jnp.where((rows == row) & (cols == col), scale, tile)
+
+        if tail_start == num_pages:
+            put(sbuf, page - lax.div(page, lanes) * lanes)
+            return
+        pl.when(page < tail_start)(lambda: put(sbuf, page - lax.div(page, lanes) * lanes))
+        pl.when(page >= tail_start)(lambda: put(whole[0], page))
 
     def quantize_page(i, layer, kv, page):
         valid = last_valid if len(kinds(i)) == 1 else jnp.where(kinds(i)[0][0], last_valid, block_size)
         load, per = _head_loader(inbuf, kv, view, heads, strided)
 
-        @pl.loop(0, heads // per)
-        def _(g):
+        def group(g):
+            """Heads ``g * per`` to ``g * per + per - 1``: absmax, scale, stored page rows."""
             def rows(start, n: int):
                 xs = load(g, start, n)
                 if last_valid == block_size:
@@ -203,7 +212,6 @@ def _kernel(ids_ref, k_src, v_src, *refs, view: str, ppf: int, tokens_per_frame:
                 return [jnp.where(keep, x, 0.0) for x in xs]
 
             group_scales = [scale_of(amax, dtype) for amax in _absmax(rows, block_size, per, dim)]
-
             inverses = [inverse_of(scale) for scale in group_scales]
 
             def store(start, n: int):
@@ -211,9 +219,14 @@ def _kernel(ids_ref, k_src, v_src, *refs, view: str, ppf: int, tokens_per_frame:
                     outbuf[kv, g * per + t, pl.ds(start, n)] = to_stored(x, inverse, dtype)
 
             _for_slabs(block_size, store)
-            at = page - jnp.where(page < tail_start, lax.div(page, lanes) * lanes, tail_start)
             for t, scale in enumerate(group_scales):
-                put_scale(kv, layer, g * per + t, at, scale)
+                put_scale(kv, layer, g * per + t, page, scale)
+
+        if view == "token" and strided:  # A strided load's first row must be static.
+            for g in range(heads // per):
+                group(g)
+        else:
+            pl.loop(0, heads // per)(group)
 
     start_in(0)
 
@@ -250,11 +263,11 @@ def _head_loader(inbuf, kv, view: str, heads: int, strided: bool):
             return [lax.dynamic_index_in_dim(x, g, 1, keepdims=False).astype(jnp.float32)]
         return load_rows, 1
     if jnp.dtype(inbuf.dtype).itemsize == 4:
-        return (lambda g, start, n: [inbuf[kv, pl.ds(start * heads + g, n, stride=heads)]]), 1
+        return (lambda g, start, n: [inbuf.at[kv, pl.ds(start * heads, n * heads)][pl.ds(g, n, stride=heads)]]), 1
     words, half = inbuf.bitcast(jnp.uint32), heads // 2  # [2, S * H / 2, D]: heads 2k, 2k+1 a row
 
-    def load_pair(g, start, n):
-        w = words[kv, pl.ds(start * half + g, n, stride=half)]
+    def load_pair(g, start, n):  # The slab's words first (an aligned slice), then the pair's rows.
+        w = words.at[kv, pl.ds(start * half, n * half)][pl.ds(g, n, stride=half)]
         return [lax.bitcast_convert_type(w << 16, jnp.float32),
                 lax.bitcast_convert_type(w & jnp.uint32(0xFFFF0000), jnp.float32)]
     return load_pair, 2
@@ -320,8 +333,8 @@ def write_chunk(k_pool: QuantizedPool, v_pool: QuantizedPool, k_frames, v_frames
         raise ValueError(f"order must be a permutation of (0, 1, 2) with the page axis ({PAGE_AXIS}) "
                          f"last when there are more than {SCALE_LANES} pages, got {order} for "
                          f"{geom.num_pages} pages")
-    window = _window_shape(k_pool.scales.shape, order)
-    vmem = vmem_bytes(heads, geom.block_size, dim, k_frames.dtype.itemsize, window)
+    windows = _windows(k_pool.scales.shape, order)
+    vmem = vmem_bytes(heads, geom.block_size, dim, k_frames.dtype.itemsize, windows)
     if vmem > VMEM_BUDGET:
         raise ValueError(f"a quantized pool's page of one layer (kv_heads={heads}, block_size="
                          f"{geom.block_size}, head_dim={dim}) needs {vmem} bytes of VMEM, more than "
@@ -335,9 +348,10 @@ def write_chunk(k_pool: QuantizedPool, v_pool: QuantizedPool, k_frames, v_frames
     strided = not interpret or (interpret is True and interpreter_bitcasts_refs())
     scratch = [pltpu.VMEM((2, *page_in), k_frames.dtype),
                pltpu.VMEM((2, heads, _tile_rows(geom.block_size), dim), k_pool.dtype),
-               pltpu.VMEM((2, *window), SCALE_DTYPE),
+               pltpu.VMEM((2, *windows[0]), SCALE_DTYPE),
                pltpu.SemaphoreType.DMA((2,)), pltpu.SemaphoreType.DMA((2,)),
-               pltpu.SemaphoreType.DMA((2,)), pltpu.SMEM((2,), jnp.int32)]
+               pltpu.SemaphoreType.DMA((2,)), pltpu.SMEM((2,), jnp.int32),
+               *[pltpu.VMEM((2, *whole), SCALE_DTYPE) for whole in windows[1:]]]
     kernel = functools.partial(_kernel, view=view, ppf=ppf, tokens_per_frame=tokens, order=order,
                                strided=strided)
     operands = [*chunks, k_pool.values, k_pool.scales.transpose(order), v_pool.values,
