@@ -19,8 +19,8 @@ K then V):
   ``[H, S, D]`` that one DMA writes into the pool; rows past a frame's last token are read as
   zeros (they do not move the scale);
 * the scales of a page (all layers and heads, the 128 pages around it: a DMA moves whole 512-byte
-  words, :func:`scale_order` for their layout) are read at the page's first job, updated in VMEM
-  and written back after its last.
+  words, :func:`scale_order` for their layout; all the scales for a page past the last whole
+  128 pages) are read at the page's first job, updated in VMEM and written back after its last.
 
 A skipped page (id 0) moves nothing. Design and compiled figures: ``docs/kernels.md`` (Quantized
 pages).
