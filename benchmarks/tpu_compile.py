@@ -170,14 +170,18 @@ def splash_cycles(bundles, tree) -> tuple[float, float, str]:
                           f"{pf[1] - pf[0]}), init + finalisation {once} once per query block")
 
 
-def write_cycles(tree, trips: int) -> int:
-    """Issue cycles of the paged write: every bundle of its top-level loops (nested loops and both
-    page kinds' predicated regions included: an upper bound) times ``trips``, the loop's trip
-    count (pages + ``DMAS_IN_FLIGHT`` on the head view, pages x layers on the token view)."""
-    def total(node) -> int:
-        return node["own"] + sum(total(c) for c in node["children"])
+def write_cycles(tree, trips: tuple[int, ...]) -> int:
+    """Issue cycles of the paged write: every bundle of its loops (both page kinds' predicated
+    regions included: an upper bound), a loop nested ``d`` deep (0 the top level) run
+    ``trips[d]`` times per run of its parent (1 past the tuple): pages + ``DMAS_IN_FLIGHT`` on the
+    bf16 head view, pages x layers on the bf16 token view; the quantizing kernel's jobs (2 x pages
+    x layers), then its head loop (``H`` on the head view, where it is a loop) and its slab loops
+    (``S // SLAB_ROWS``)."""
+    def total(node, depth: int) -> int:
+        runs = trips[depth] if depth < len(trips) else 1
+        return runs * (node["own"] + sum(total(c, depth + 1) for c in node["children"]))
 
-    return sum(total(n) for n in tree) * trips
+    return sum(total(n, 0) for n in tree)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -194,23 +198,25 @@ def worker(gen: str, kind: str, rows: int, preset: str, dump: str) -> dict:
     out: dict = dict(gen=gen, kind=kind, rows=rows, preset=preset)
     if kind in CONTEXT_KINDS:
         return {**out, **_context_figures(gen, kind, preset, rows, dump)}
-    if kind == "write":
-        fn, specs, donate, shape = _write_call(p, rows)
+    kv_dtype = WRITE_KINDS.get(kind)
+    if kv_dtype:
+        fn, specs, donate, shape = _write_call(p, rows, kv_dtype)
     else:
         fn, specs, donate, shape = _attention_call(gen, kind, p, rows, out)
-    pool_bytes = 2 * 2 * math.prod(int(d) for d in shape)
+    leaves = specs[:len(donate) // 2] if kv_dtype else [(shape, "bfloat16")]  # One pool's arrays.
+    pool_bytes = 2 * sum(math.prod(spec) * jnp_itemsize(dtype) for spec, dtype in leaves)
     try:
         compiled = tpu_aot.compile_for_tpu(fn, specs, gen, donate_argnums=donate)
     except Exception as e:  # Report a failed compile as data.
         out.update(compiles=False, error=str(e).splitlines()[0][:300])
         return out
-    rep = tpu_aot.report(compiled, [shape])
+    rep = tpu_aot.report(compiled, [spec for spec, _ in leaves])
     out.update(compiles=True, pool_copies=rep.pool_copies, pool_bytes=pool_bytes,
                temp_bytes=rep.temp_bytes, temp_fraction=rep.temp_bytes / pool_bytes,
                alias_fraction=rep.alias_bytes / pool_bytes)
     chip = tpu_aot.CHIPS[gen]
-    if kind == "write":
-        out.update(_write_figures(p, rows, specs, rep, dump, chip))
+    if kv_dtype:
+        out.update(_write_figures(p, rows, kv_dtype, specs, rep, dump, chip))
         return out
     xla_cycles = tpu_cost.program_cycles(rep.hlo).cycles  # Every op but the Mosaic kernel.
     out.update(flops=attention_flops(p, rows), xla_ms=xla_cycles / chip.clock_hz * 1e3)
@@ -272,28 +278,55 @@ def _context_line(gen: str, kind: str, r: dict) -> str:
             f"{r['xla_ms']:.3f}), {r['fraction_of_peak']:.1%} of bf16 peak")
 
 
-def _write_call(p: dict, rows: int):
-    """``(fn, specs, donate, pool shape)`` of the donated write of one chunk per row at ``p``
-    (pools just large enough: the chunk's pages and the null page)."""
+WRITE_KINDS = {"write": "bfloat16", "write_int8": "int8", "write_float8_e4m3fn": "float8_e4m3fn",
+               "write_float8_e5m2": "float8_e5m2"}
+"""Write jobs and their pools' dtype: bf16 pools, or quantized pools written from a bf16 chunk."""
+
+
+def jnp_itemsize(dtype) -> int:
+    import jax.numpy as jnp
+
+    return jnp.dtype(dtype).itemsize
+
+
+def _write_call(p: dict, rows: int, kv_dtype: str = "bfloat16", num_pages: int | None = None):
+    """``(fn, specs, donate, pool shape)`` of the donated write of one bf16 chunk per row at ``p``
+    into pools of ``kv_dtype`` with ``num_pages`` pages (default just enough: the chunk's pages and
+    the null page); a quantized pool is passed as its values and scales (specs and donated
+    arguments: the pools' leaves, then the chunk and the ids)."""
     import functools
 
     import jax.numpy as jnp
 
-    from pallas_kernels.layout import pool_shape
+    from pallas_kernels.layout import QuantizedPool, pool_shape, scale_shape
     from pallas_kernels.paged_write import write_chunk
+    from pallas_kernels.quantization import SCALE_DTYPE, is_quantized
 
     ppf = -(-p["tokens_per_frame"] // p["block_size"])
-    shape = pool_shape(p["layers"], rows * p["cur_frames"] * ppf + 1, p["block_size"], p["kv_heads"],
-                       p["head_dim"])
+    num_pages = rows * p["cur_frames"] * ppf + 1 if num_pages is None else num_pages
+    shape = pool_shape(p["layers"], num_pages, p["block_size"], p["kv_heads"], p["head_dim"])
     new = (p["layers"], rows, p["cur_frames"] * p["tokens_per_frame"], p["kv_heads"], p["head_dim"])
     bf = jnp.bfloat16
-    specs = [(shape, bf)] * 2 + [(new, bf)] * 2 + [((rows, p["cur_frames"] * ppf), jnp.int32)]
-    fn = functools.partial(write_chunk, tokens_per_frame=p["tokens_per_frame"], backend="pallas_tpu")
-    return fn, specs, (0, 1), shape
+    tail = [(new, bf)] * 2 + [((rows, p["cur_frames"] * ppf), jnp.int32)]
+    write = functools.partial(write_chunk, tokens_per_frame=p["tokens_per_frame"], backend="pallas_tpu")
+    if not is_quantized(kv_dtype):
+        return write, [(shape, jnp.dtype(kv_dtype))] * 2 + tail, (0, 1), shape
+
+    def fn(k_values, k_scales, v_values, v_scales, *rest):
+        return write(QuantizedPool(k_values, k_scales), QuantizedPool(v_values, v_scales), *rest)
+
+    leaves = [(shape, jnp.dtype(kv_dtype)), (scale_shape(shape), SCALE_DTYPE)] * 2
+    return fn, leaves + tail, (0, 1, 2, 3), shape
 
 
-def _write_figures(p: dict, rows: int, specs, rep, dump: str, chip) -> dict:
+def _write_figures(p: dict, rows: int, kv_dtype: str, specs, rep, dump: str, chip) -> dict:
+    """The write's kernel time (the larger of its bytes, the chunk read and the pages written, over
+    the HBM bandwidth and its bundles' issue time) plus XLA:TPU's cycles of every op outside the
+    kernel."""
+    from pallas_kernels import tpu_cost
     from pallas_kernels.paged_write import tpu as write_tpu
+    from pallas_kernels.paged_write import tpu_quantized
+    from pallas_kernels.quantization import is_quantized
     from pallas_kernels.window_attention.tpu_estimate import kernel_dump, loop_tree, parse_bundles
 
     frames_shape = (p["layers"], rows * p["cur_frames"], p["tokens_per_frame"], p["kv_heads"],
@@ -301,15 +334,22 @@ def _write_figures(p: dict, rows: int, specs, rep, dump: str, chip) -> dict:
     view = write_tpu.chunk_view(frames_shape, "bfloat16", p["block_size"], _chip_device(chip))
     ppf = -(-p["tokens_per_frame"] // p["block_size"])
     pages = rows * p["cur_frames"] * ppf
-    moved = 2 * p["layers"] * p["kv_heads"] * pages * p["block_size"] * p["head_dim"] * 2  # K, V pages.
-    chunk_bytes = 2 * math.prod(specs[2][0]) * 2
-    trips = pages + write_tpu.DMAS_IN_FLIGHT if view == "head" else pages * p["layers"]
+    values = 2 * p["layers"] * p["kv_heads"] * pages * p["block_size"] * p["head_dim"]  # K and V.
+    moved = values * jnp_itemsize(kv_dtype)
+    chunk_bytes = 2 * math.prod(specs[-2][0]) * 2
+    if is_quantized(kv_dtype):
+        slabs = p["block_size"] // tpu_quantized.SLAB_ROWS
+        trips = (2 * pages * p["layers"], p["kv_heads"], slabs) if view == "head" else (2 * pages * p["layers"], slabs)
+    else:
+        trips = (pages + write_tpu.DMAS_IN_FLIGHT if view == "head" else pages * p["layers"],)
     issue = write_cycles(loop_tree(parse_bundles(kernel_dump(dump, "paged_write_tpu"))), trips) / chip.clock_hz
-    hbm = 2 * moved / chip.hbm_bytes_per_s  # Read the chunk, write the pages.
-    return dict(view=view, kv_heads=p["kv_heads"], bytes_moved=moved,
+    hbm = (values * 2 + moved) / chip.hbm_bytes_per_s  # Read the bf16 chunk's pages, write them.
+    xla = tpu_cost.program_cycles(rep.hlo).cycles / chip.clock_hz
+    kernel = max(hbm, issue)
+    return dict(view=view, kv_heads=p["kv_heads"], kv_dtype=kv_dtype, bytes_moved=moved,
                 temp_chunk_fraction=rep.temp_bytes / chunk_bytes, hbm_ms=hbm * 1e3,
-                issue_ms=issue * 1e3, est_ms=max(hbm, issue) * 1e3,
-                fraction_of_hbm=hbm / max(hbm, issue))
+                issue_ms=issue * 1e3, xla_ms=xla * 1e3, est_ms=(kernel + xla) * 1e3,
+                fraction_of_hbm=hbm / kernel)
 
 
 def _chip_device(chip):
@@ -426,12 +466,25 @@ def _attention_line(gen: str, kind: str, rows: int, r: dict) -> str:
 
 def _write_line(gen: str, w: dict) -> str:
     if not w.get("compiles"):
-        return f"{gen} write {w['preset']}: DOES NOT COMPILE: {w.get('error')}"
-    return (f"{gen} write {w['preset']} ({w['kv_heads']} heads, {w['view']} view) rows=1: compiles, "
-            f"pool copies {w['pool_copies']}, temp {w['temp_chunk_fraction']:.4%} of the chunk, "
-            f"aliased {w['alias_fraction']:.3f} of both pools; {w['bytes_moved'] / 2**20:.1f} MiB of "
-            f"pages per commit, HBM time {w['hbm_ms']:.3f} ms, issue {w['issue_ms']:.4f} ms -> "
-            f"{w['fraction_of_hbm']:.1%} of HBM bandwidth")
+        return f"{gen} {w['kind']} {w['preset']}: DOES NOT COMPILE: {w.get('error')}"
+    return (f"{gen} write {w['preset']} ({w['kv_dtype']} pools, {w['kv_heads']} heads, {w['view']} view) "
+            f"rows=1: compiles, pool copies {w['pool_copies']}, temp {w['temp_chunk_fraction']:.4%} of the "
+            f"chunk ({w['temp_fraction']:.2%} of the pools), aliased {w['alias_fraction']:.3f} of both "
+            f"pools; {w['bytes_moved'] / 2**20:.1f} MiB of pages per commit, HBM time {w['hbm_ms']:.3f} "
+            f"ms, issue {w['issue_ms']:.4f} ms -> {w['fraction_of_hbm']:.1%} of HBM bandwidth; XLA ops "
+            f"{w['xla_ms']:.3f} ms; est {w['est_ms']:.3f} ms")
+
+
+def _quantized_write_summary(bf16: dict, writes: dict) -> dict:
+    """Per quantized dtype: the write's figures at :data:`ATTENTION_PRESET` and its estimated time
+    over the bf16 write's."""
+    return {WRITE_KINDS[kind]: dict(pool_copies=_figure(w, "pool_copies", int),
+                                    alias_fraction=_figure(w, "alias_fraction"),
+                                    temp_fraction=_figure(w, "temp_fraction"),
+                                    est_ms=_figure(w, "est_ms"), xla_ms=_figure(w, "xla_ms"),
+                                    vs_bf16=w["est_ms"] / bf16["est_ms"]
+                                    if w.get("compiles") and bf16.get("compiles") else None)
+            for kind, w in writes.items()}
 
 
 def _summary(att: dict, base: dict, writes: dict) -> dict:
@@ -470,6 +523,8 @@ def main(argv=None) -> int:
     parser.add_argument("--generations", default="v5e,v6e")
     parser.add_argument("--baseline-blocks", metavar="BQ,BKV,BKVC",
                         help="compile only the baseline, rows 1, with these splash blocks (a sweep)")
+    parser.add_argument("--writes", action="store_true",
+                        help="compile only the writes (bf16 and quantized pools) at wan-1.3b")
     parser.add_argument("--worker", nargs=5, metavar=("GEN", "KIND", "ROWS", "PRESET", "DUMP"),
                         help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -495,6 +550,8 @@ def main(argv=None) -> int:
         for r in results:
             print(harness.json_line(r))
         return 0 if all(r.get("compiles") for r in results) else 1
+    if args.writes:
+        return _writes_main(generations, shape)
     rows_list = (1,) if args.quick else (1, 4)
     summary, failed = dict(shape=shape), []
     print(f"{ATTENTION_PRESET}: {shape['visible_frames']} history frames + a {shape['cur_frames']}-frame "
@@ -518,6 +575,9 @@ def main(argv=None) -> int:
             if not w.get("compiles"):
                 failed.append(f"{gen} write {name}")
         summary[gen] = _summary(results[("attention", 1)], results[("baseline", 1)], writes)
+        quantized, failed_writes = _quantized_writes(gen, writes[ATTENTION_PRESET])
+        summary[gen]["write_quantized"] = quantized
+        failed += failed_writes
         context = {kind: run_job(gen, kind, 1) for kind in CONTEXT_KINDS}
         for kind, r in context.items():
             print(_context_line(gen, kind, r))
@@ -533,6 +593,30 @@ def main(argv=None) -> int:
                 summary[gen][f"{kind}_rows4_est_ms"] = _figure(results[(kind, 4)], "est_ms")
     if failed:
         print(f"{len(failed)} compile(s) failed: {', '.join(failed)}", file=sys.stderr)
+    print(harness.json_line(summary))
+    return 1 if failed else 0
+
+
+def _quantized_writes(gen: str, bf16: dict) -> tuple[dict, list[str]]:
+    """Compiles and prints the quantized writes at :data:`ATTENTION_PRESET`: ``(summary, failed)``."""
+    writes = {kind: run_job(gen, kind, 1) for kind in WRITE_KINDS if kind != "write"}
+    for w in writes.values():
+        print(_write_line(gen, w))
+    return (_quantized_write_summary(bf16, writes),
+            [f"{gen} {kind}" for kind, w in writes.items() if not w.get("compiles")])
+
+
+def _writes_main(generations, shape: dict) -> int:
+    """``--writes``: the bf16 and quantized writes at :data:`ATTENTION_PRESET` only."""
+    from benchmarks import harness
+
+    summary, failed = dict(shape=shape), []
+    for gen in generations:
+        bf16 = run_job(gen, "write", 1)
+        print(_write_line(gen, bf16))
+        quantized, failed_writes = _quantized_writes(gen, bf16)
+        summary[gen] = dict(write_est_ms=_figure(bf16, "est_ms"), write_quantized=quantized)
+        failed += failed_writes + ([] if bf16.get("compiles") else [f"{gen} write"])
     print(harness.json_line(summary))
     return 1 if failed else 0
 

@@ -3,13 +3,18 @@ values and scales, and back. The one source every module takes it from (the page
 attention's XLA path and reference, the cache, the planner through ``arkv_jax.config``).
 
 Symmetric absmax quantization with float32 scales: over a group of values (the axes a caller
-reduces, e.g. one page of one layer and KV head), ``scale = max|x| / max_value(dtype)`` and the stored
-value is ``x / scale`` rounded to the storage dtype (int8: round half to even, then clipped to
-``[-127, 127]``, so the range is symmetric and -128 is never stored; fp8: clipped to
-``[-max_value, max_value]`` before the cast, so an out-of-range value saturates instead of becoming
-NaN or inf). A group of zeros gets scale 0 and stored zeros (no division by zero, no NaN), which is
-what the null page and padding slots hold. Dequantizing is ``stored * scale`` in float32, then a cast
-to the compute dtype. Why these dtypes and this granularity: ``docs/kernels.md`` (Quantized pages).
+reduces, e.g. one page of one layer and KV head), ``scale = max|x| * (1 / max_value(dtype))`` (the
+reciprocal a float32 constant, :func:`scale_of`) and the stored value is ``x * (1 / scale)``
+(:func:`inverse_of`, :func:`to_stored`) rounded to the storage dtype (int8: round half to even,
+then clipped to ``[-127, 127]``, so the range is symmetric and -128 is never stored; fp8: clipped
+to ``[-max_value, max_value]`` before the cast, so an out-of-range value saturates instead of
+becoming NaN or inf). Multiplies, and one division per group: a kernel computes the group's
+reciprocal once and multiplies by it, exactly the rule on every backend (per value, ``x / scale``
+rounds exactly on XLA:CPU but as ``x`` times a refined reciprocal on a TPU, and XLA:TPU folds a
+division by a constant into a multiply that Mosaic does not). A group of zeros gets scale 0 and
+stored zeros (no division by zero, no NaN), which is what the null page and padding slots hold.
+Dequantizing is ``stored * scale`` in float32, then a cast to the compute dtype. Why these
+dtypes and this granularity: ``docs/kernels.md`` (Quantized pages).
 """
 
 from __future__ import annotations
@@ -78,23 +83,52 @@ def quantize(values: jax.Array, dtype, axes: Sequence[int]) -> tuple[jax.Array, 
 
     Returns:
       ``(stored, scale)``: ``stored`` of ``values``' shape in ``dtype``; ``scale`` float32 of
-      ``values``' shape without ``axes`` (``max|x| / max_value(dtype)`` per group, 0 for an all-zero
-      group). ``dequantize(stored, scale, axes)`` approximates ``values`` within half a step,
-      ``scale / 2`` for int8, and within fp8's relative rounding for fp8; values are never NaN or
-      inf where ``values`` is finite.
+      ``values``' shape without ``axes`` (:func:`scale_of`: ``max|x| / max_value(dtype)`` to a
+      float32 rounding, per group; 0 for an all-zero group). ``dequantize(stored, scale, axes)``
+      approximates ``values`` within half a step, ``scale / 2`` for int8, and within fp8's
+      relative rounding for fp8; values are never NaN or inf where ``values`` is finite.
+
+    Raises:
+      ValueError: ``dtype`` is not a quantized dtype.
+    """
+    x = jnp.asarray(values).astype(jnp.float32)
+    scale = scale_of(jnp.max(jnp.abs(x), axis=tuple(axes), keepdims=True), dtype)
+    return to_stored(x, inverse_of(scale), dtype), jnp.squeeze(scale, axis=tuple(axes)).astype(SCALE_DTYPE)
+
+
+def scale_of(amax: jax.Array, dtype) -> jax.Array:
+    """The float32 scale of a group whose largest magnitude is ``amax`` (float32, any shape):
+    ``amax * (1 / max_value(dtype))``, the reciprocal rounded to float32 once, 0 for an all-zero
+    group. :func:`quantize`'s scale; kernels that reduce a group in pieces call it on their own
+    ``amax``.
+
+    Raises:
+      ValueError: ``dtype`` is not a quantized dtype.
+    """
+    return amax * np.float32(1.0 / max_value(dtype))
+
+
+def inverse_of(scale: jax.Array) -> jax.Array:
+    """``1 / scale`` (float32), 1 where ``scale`` is 0 (an all-zero group, which then stores zeros):
+    what :func:`to_stored` multiplies by. One division per group; a kernel computes it once per
+    group, outside its loop over the group's values."""
+    return 1.0 / jnp.where(scale == 0, 1.0, scale)
+
+
+def to_stored(x: jax.Array, inverse: jax.Array, dtype) -> jax.Array:
+    """``x`` (float32) times its group's ``inverse`` scale (:func:`inverse_of`, float32,
+    broadcastable to ``x``) rounded to storage dtype ``dtype``: int8 rounds half to even, then clips
+    to ``[-127, 127]``; fp8 clips to ``[-max, max]``, then casts. :func:`quantize`'s stored values;
+    kernels call it on pieces of a group once its scale is known.
 
     Raises:
       ValueError: ``dtype`` is not a quantized dtype.
     """
     limit = max_value(dtype)
-    x = jnp.asarray(values).astype(jnp.float32)
-    amax = jnp.max(jnp.abs(x), axis=tuple(axes), keepdims=True)
-    scale = amax / limit
-    scaled = x / jnp.where(scale == 0, 1.0, scale)
+    scaled = x * inverse
     if jnp.issubdtype(jnp.dtype(dtype), jnp.integer):
         scaled = jnp.round(scaled)
-    stored = jnp.clip(scaled, -limit, limit).astype(dtype)
-    return stored, jnp.squeeze(scale, axis=tuple(axes)).astype(SCALE_DTYPE)
+    return jnp.clip(scaled, -limit, limit).astype(dtype)
 
 
 def dequantize(stored: jax.Array, scale: jax.Array, axes: Sequence[int], dtype=jnp.float32

@@ -19,8 +19,8 @@ import jax
 
 from pallas_kernels.backend import Backend, resolve_backend
 from pallas_kernels.common import as_index_array, check_validate, pages_per_frame
-from pallas_kernels.layout import pool_geometry
-from pallas_kernels.paged_write import gpu, tpu, xla, xla_gpu
+from pallas_kernels.layout import is_quantized_pool, pool_geometry
+from pallas_kernels.paged_write import gpu, tpu, tpu_quantized, xla, xla_gpu
 from pallas_kernels.paged_write.reference import (
     chunk_frames,
     valid_page_ids,
@@ -130,7 +130,8 @@ def _xla(k_pool, v_pool, k_frames, v_frames, ids, ppf: int, backend: Backend):
 
 
 def _pallas_tpu(k_pool, v_pool, k_frames, v_frames, ids, ppf: int, backend: Backend):
-    return tpu.write_chunk(k_pool, v_pool, k_frames, v_frames, ids, ppf, backend.interpret)
+    write = tpu_quantized.write_chunk if is_quantized_pool(k_pool) else tpu.write_chunk
+    return write(k_pool, v_pool, k_frames, v_frames, ids, ppf, backend.interpret)
 
 
 def _pallas_gpu(k_pool, v_pool, k_frames, v_frames, ids, ppf: int, backend: Backend):

@@ -16,6 +16,9 @@ precedes the kernel:
   page are DMA'd into VMEM, reordered there to head-major (sublane-strided loads) and DMA'd into
   the page, double-buffered, the next piece in flight while one is reordered.
 
+Quantized pools take :mod:`pallas_kernels.paged_write.tpu_quantized` (the chunk quantized in the
+kernel), which shares :func:`chunk_view` and :func:`paged_write_call`.
+
 A skipped page (id 0) moves nothing. The compiled kernel needs a block size that is a multiple of 8
 (:func:`pallas_kernels.layout.check_tpu_block_size`). Design and temporaries: ``docs/kernels.md``
 (Paged chunk write).
@@ -55,28 +58,36 @@ def _target_device():
     return jax.devices()[0] if target is None else target
 
 
+def hbm_order(shape: tuple[int, ...], dtype, device=None) -> tuple[int, ...] | None:
+    """The axes of an array of ``shape`` and ``dtype`` from major to minor in XLA:TPU's default HBM
+    layout on ``device`` (default the device the program is built for); ``None`` off TPU, where
+    every array is row-major."""
+    device = _target_device() if device is None else device
+    if device.platform != "tpu":
+        return None
+    from jax.experimental.layout import Layout
+
+    layout = Layout.from_pjrt_layout(
+        device.client.get_default_layout(jnp.dtype(dtype), tuple(shape), device))
+    return tuple(layout.major_to_minor)
+
+
 def chunk_view(frames_shape: tuple[int, ...], dtype, block_size: int, device=None) -> str:
     """``"token"`` or ``"head"``: how the kernel takes a chunk of frames ``[L, R * F, T, H, D]``.
 
     ``"token"`` needs ``H`` and ``block_size`` multiples of :data:`TOKEN_ROWS` (a token's heads are
     then whole HBM tile rows, so ``[L, R * F, T * H, D]`` is the same bytes); it is chosen when
     XLA:TPU's default HBM layout of the chunk, asked of ``device`` (default the device the program
-    is built for), is row-major. Any other layout (XLA puts the tokens second-minor when ``H``
-    would pad its tile) takes ``"head"``, whose transpose is then free. Off TPU (interpreted)
-    both views are exact; ``"token"`` is taken wherever it applies, as a TPU would take it for a
-    row-major chunk.
+    is built for, :func:`hbm_order`), is row-major. Any other layout (XLA puts the tokens
+    second-minor when ``H`` would pad its tile) takes ``"head"``, whose transpose is then free. Off
+    TPU (interpreted) both views are exact; ``"token"`` is taken wherever it applies, as a TPU
+    would take it for a row-major chunk.
     """
     heads = frames_shape[3]
     if heads % TOKEN_ROWS or block_size % TOKEN_ROWS:
         return "head"
-    device = _target_device() if device is None else device
-    if device.platform != "tpu":
-        return "token"
-    from jax.experimental.layout import Layout
-
-    layout = Layout.from_pjrt_layout(
-        device.client.get_default_layout(jnp.dtype(dtype), tuple(frames_shape), device))
-    return "token" if layout.major_to_minor == tuple(range(len(frames_shape))) else "head"
+    order = hbm_order(frames_shape, dtype, device)
+    return "token" if order in (None, tuple(range(len(frames_shape)))) else "head"
 
 
 def token_piece(block_size: int, heads: int, head_dim: int, itemsize: int) -> int:
@@ -134,18 +145,20 @@ def _head_kernel(ids_ref, k_src, v_src, *refs, ppf: int, padding: int):
         pl.when(done >= 0)(lambda: on_page(done, "wait"))
 
 
+def head_major(frames):
+    """``[L, R * F, T, H, D]`` -> ``[L, H, R * F, T, D]`` (free where XLA lays the chunk out with
+    the tokens second-minor)."""
+    return frames.transpose(0, 3, 1, 2, 4)
+
+
 def _write_head_view(k_pool, v_pool, k_frames, v_frames, ids, ppf: int, interpret: Any):
     geom = pool_geometry(k_pool)
     padding = ppf * geom.block_size - k_frames.shape[2]
-
-    def head_major(frames):  # [L, R * F, T, H, D] -> [L, H, R * F, T, D]
-        return frames.transpose(0, 3, 1, 2, 4)
-
     zeros = ([jnp.zeros((geom.num_layers, geom.kv_heads, padding, geom.head_dim), k_pool.dtype)]
              if padding else [])
     operands = [head_major(k_frames), head_major(v_frames), *zeros, k_pool, v_pool]
-    return _call(functools.partial(_head_kernel, ppf=ppf, padding=padding), ids, operands,
-                 [pltpu.SemaphoreType.DMA((2,))], interpret)
+    return paged_write_call(functools.partial(_head_kernel, ppf=ppf, padding=padding), ids, operands,
+                            [pltpu.SemaphoreType.DMA((2,))], interpret)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -158,7 +171,7 @@ def _reorder(src, dst, valid: int, heads: int, strided: bool):
 
     ``src`` VMEM ``[piece * heads, D]`` (a piece's token rows), ``dst`` VMEM ``[heads, piece, D]``.
     ``strided`` (compiled, and Pallas' generic interpreter where it takes a bitcast ref,
-    :func:`_interpreter_bitcasts_refs`): sublane-strided loads pick one head of
+    :func:`interpreter_bitcasts_refs`): sublane-strided loads pick one head of
     every token; a 16-bit pair of heads (rows ``2k`` and ``2k + 1``) shares a 32-bit row, as a
     pair of tokens does in ``dst``, so both are read and written as uint32 and the 16-bit halves
     of an even and an odd token are swapped with shifts and masks. Otherwise (the TPU simulator and
@@ -287,7 +300,7 @@ def _token_kernel(ids_ref, k_src, v_src, k_in, v_in, k_pool, v_pool, inbuf, outb
 
 
 @functools.cache
-def _interpreter_bitcasts_refs() -> bool:
+def interpreter_bitcasts_refs() -> bool:
     """Whether Pallas' generic interpreter takes a bitcast ref (jax 0.12 does; 0.10.2 raises
     ``NotImplementedError`` discharging it): the ``"token"`` view's strided reorder needs one."""
     def kernel(x_ref, o_ref):
@@ -315,10 +328,10 @@ def _write_token_view(k_pool, v_pool, k_frames, v_frames, ids, ppf: int, interpr
                pltpu.SemaphoreType.DMA((2,)), pltpu.SemaphoreType.DMA((2,)),
                pltpu.SMEM((2,), jnp.int32)]
     vmem = 4 * piece * heads * dim * k_pool.dtype.itemsize
-    strided = not interpret or (interpret is True and _interpreter_bitcasts_refs())
+    strided = not interpret or (interpret is True and interpreter_bitcasts_refs())
     kernel = functools.partial(_token_kernel, ppf=ppf, tokens_per_frame=tokens, piece=piece, strided=strided)
-    return _call(kernel, ids, [rows(k_frames), rows(v_frames), k_pool, v_pool], scratch, interpret,
-                 vmem_limit=vmem + (8 << 20))
+    return paged_write_call(kernel, ids, [rows(k_frames), rows(v_frames), k_pool, v_pool], scratch,
+                            interpret, vmem_limit=vmem + (8 << 20))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -326,21 +339,23 @@ def _write_token_view(k_pool, v_pool, k_frames, v_frames, ids, ppf: int, interpr
 # ------------------------------------------------------------------------------------------------
 
 
-def _call(kernel, ids, operands, scratch, interpret: Any, vmem_limit: int | None = None):
-    """The grid-less ``pallas_call`` of ``kernel``: ``ids`` scalar-prefetched, every operand in
-    HBM, the last two (the pools) aliased to the two outputs."""
-    k_pool = operands[-2]
+def paged_write_call(kernel, ids, operands, scratch, interpret: Any, vmem_limit: int | None = None,
+                     outputs: int = 2):
+    """The grid-less ``pallas_call`` of ``kernel`` named ``paged_write_tpu``: ``ids``
+    scalar-prefetched, every operand in HBM, the last ``outputs`` (the pools' arrays) aliased to
+    the outputs, in order."""
+    pools = operands[-outputs:]
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
-    first_pool = len(operands) - 1  # Operand indices count the prefetched ids (operand 0).
+    first_pool = len(operands) - outputs + 1  # Operand indices count the prefetched ids (operand 0).
     params = {} if vmem_limit is None else dict(
         compiler_params=pltpu.CompilerParams(vmem_limit_bytes=vmem_limit))
     return pl.pallas_call(
         kernel,  # Fresh per call (jax #40847).
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1, grid=(), in_specs=[any_spec] * len(operands),
-            out_specs=[any_spec] * 2, scratch_shapes=scratch),
-        out_shape=[jax.ShapeDtypeStruct(k_pool.shape, k_pool.dtype)] * 2,
-        input_output_aliases={first_pool: 0, first_pool + 1: 1},
+            out_specs=[any_spec] * outputs, scratch_shapes=scratch),
+        out_shape=[jax.ShapeDtypeStruct(pool.shape, pool.dtype) for pool in pools],
+        input_output_aliases={first_pool + n: n for n in range(outputs)},
         interpret=interpret,
         name="paged_write_tpu",
         **params,

@@ -8,6 +8,7 @@ refusal."""
 
 from __future__ import annotations
 
+import functools
 import re
 
 import chex
@@ -330,3 +331,117 @@ def test_quantized_pool_masks_are_the_layout_helpers():
     mask = page_mask(jnp.arange(NUM_PAGES) == 3, 3)
     assert mask.shape == (1, 1, NUM_PAGES)
     assert slot_mask(jnp.zeros((LAYERS, NUM_PAGES, BLOCK), bool)).shape == (LAYERS, 1, NUM_PAGES, BLOCK, 1)
+
+
+# ------------------------------------------------------------------------------------------------
+# The TPU kernel's write of quantized pools, against the XLA path
+# ------------------------------------------------------------------------------------------------
+
+TPU_WRITES = ("pallas_tpu_interpret", "pallas_tpu_simulate", "pallas_tpu_gather_interpret", compiled("pallas_tpu"))
+
+
+def random_quantized_pool(kv_dtype, seed):
+    """A quantized pool of random pages (page 0 zeros, scale 0), so untouched pages are checked."""
+    pages = np.random.default_rng(seed).standard_normal((LAYERS, KV_HEADS, NUM_PAGES, BLOCK, HEAD_DIM))
+    pages[:, :, 0] = 0.0
+    return quantize_pages(jnp.asarray(pages, jnp.float32), kv_dtype)
+
+
+def assert_same_pool(got: QuantizedPool, want: QuantizedPool):
+    """Values and scales bit for bit (values compared as their uint8 bits)."""
+    assert isinstance(got, QuantizedPool) and got.dtype == want.dtype
+    np.testing.assert_array_equal(np.asarray(got.values).view(np.uint8), np.asarray(want.values).view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(got.scales).view(np.uint32), np.asarray(want.scales).view(np.uint32))
+
+
+@pytest.mark.parametrize("kv_dtype", QUANTIZED_DTYPES)
+@pytest.mark.parametrize("backend", TPU_WRITES)
+def test_tpu_write_matches_the_xla_path_bit_for_bit(backend, kv_dtype):
+    """Two 24-token frames per row in 16-slot pages (each frame's second page half padding), a bf16
+    chunk, skipped ids (row 1's first frame, and unchecked out-of-range ids under jit), random pages
+    elsewhere: values and scales equal the XLA path's bit for bit."""
+    pools = [random_quantized_pool(kv_dtype, seed) for seed in (3, 4)]
+    k_new, v_new = chunk(seed=5)
+    ids = jnp.asarray([[3, 4, 9, 10], [0, 0, 17, NUM_PAGES + 2]], jnp.int32)
+    step = jax.jit(functools.partial(write_chunk, tokens_per_frame=TPF, validate=False), static_argnames="backend")
+    out = step(*pools, k_new, v_new, ids, backend=backend)
+    want = step(*pools, k_new, v_new, ids, backend="xla")
+    for got, expected, before in zip(out, want, pools):
+        assert_same_pool(got, expected)
+        assert not np.array_equal(np.asarray(got.scales), np.asarray(before.scales))  # pages were written
+
+
+def kernel_case(kv_dtype, num_pages: int, heads: int, chunk_dtype, seed: int):
+    """Random quantized pools ``[2, heads, num_pages, 16, 128]`` (page 0 zeros), a chunk of two
+    24-token frames (each frame's second page 8 tokens and 8 padding slots) and ids in
+    ``[1, P)`` (one skipped, two sharing a 128-page scale window, one in the last window)."""
+    rng = np.random.default_rng(seed)
+
+    def pool():
+        pages = rng.standard_normal((2, heads, num_pages, BLOCK, 128))
+        pages[:, :, 0] = 0.0
+        return quantize_pages(jnp.asarray(pages, jnp.float32), kv_dtype)
+
+    frames = [jnp.asarray(rng.standard_normal((2, 2, TPF, heads, 128)) * 3, chunk_dtype) for _ in range(2)]
+    ids = jnp.asarray([num_pages - 1, 0, 5, 7], jnp.int32)
+    return pool(), pool(), *frames, ids
+
+
+@pytest.mark.parametrize("kv_dtype", QUANTIZED_DTYPES)
+@pytest.mark.parametrize("view, order, num_pages, heads, chunk_dtype", [
+    ("head", (1, 0, 2), 300, 4, jnp.bfloat16),  # [H, L, P]: XLA:TPU's layout at 12 heads
+    ("token", (0, 1, 2), 300, 8, jnp.bfloat16),  # 128-page windows, the last one 44 pages
+    ("token", (1, 2, 0), 40, 8, jnp.float32),  # [H, P, L]: few pages, moved whole
+    ("head", (2, 0, 1), 40, 2, jnp.float32),
+], ids=lambda v: jnp.dtype(v).name if isinstance(v, type) else str(v))
+def test_tpu_quantizing_kernel_matches_the_xla_path(view, order, num_pages, heads, chunk_dtype, kv_dtype):
+    """The kernel's two views of the chunk and its scale windows in several HBM orders, under Pallas'
+    interpreter: values and scales bit for bit the XLA path's (padding slots zeros that leave the
+    scale alone, the skipped id untouched)."""
+    from pallas_kernels.paged_write import tpu_quantized
+    from pallas_kernels.paged_write import xla as xla_write
+
+    k_pool, v_pool, k_frames, v_frames, ids = kernel_case(kv_dtype, num_pages, heads, chunk_dtype, seed=7)
+    out = jax.jit(functools.partial(tpu_quantized.write_chunk, ppf=2, interpret=True, view=view, order=order))(
+        k_pool, v_pool, k_frames, v_frames, ids)
+    want = jax.jit(functools.partial(xla_write.write_chunk, ppf=2))(k_pool, v_pool, k_frames, v_frames, ids)
+    for got, expected, before in zip(out, want, (k_pool, v_pool)):
+        assert_same_pool(got, expected)
+        assert not np.array_equal(np.asarray(got.scales[:, :, 5]), np.asarray(before.scales[:, :, 5]))
+        np.testing.assert_array_equal(np.asarray(got.values[:, :, 1:5]).view(np.uint8),
+                                      np.asarray(before.values[:, :, 1:5]).view(np.uint8))
+
+
+def test_tpu_quantizing_kernel_refuses_what_it_cannot_take():
+    """An order that puts a page axis of more than 128 pages second-minor, an order that is no
+    permutation, and the token view at 2 heads, each a ValueError naming the parameter."""
+    from pallas_kernels.paged_write import tpu_quantized
+
+    k_pool, v_pool, k_frames, v_frames, ids = kernel_case("int8", 300, 2, jnp.bfloat16, seed=0)
+    write = functools.partial(tpu_quantized.write_chunk, k_pool, v_pool, k_frames, v_frames, ids, 2, True)
+    with pytest.raises(ValueError, match="order must be"):
+        write(order=(2, 0, 1))
+    with pytest.raises(ValueError, match="order must be"):
+        write(order=(0, 0, 2))
+    with pytest.raises(ValueError, match="token view needs kv_heads"):
+        write(view="token")
+
+
+@pytest.mark.slow
+def test_tpu_quantizing_kernel_under_the_simulator():
+    """The token view with 128-page scale windows under the TPU simulator: DMAs and semaphores
+    emulated, no race found, bit for bit the XLA path."""
+    from jax._src.pallas.mosaic.interpret import interpret_pallas_call as mosaic_interpret
+
+    from pallas_kernels.backend import resolve_backend
+    from pallas_kernels.paged_write import tpu_quantized
+    from pallas_kernels.paged_write import xla as xla_write
+
+    k_pool, v_pool, k_frames, v_frames, ids = kernel_case("float8_e4m3fn", 300, 8, jnp.bfloat16, seed=1)
+    interpret = resolve_backend("pallas_tpu_simulate").interpret
+    out = jax.jit(functools.partial(tpu_quantized.write_chunk, ppf=2, interpret=interpret, view="token"))(
+        k_pool, v_pool, k_frames, v_frames, ids)
+    want = jax.jit(functools.partial(xla_write.write_chunk, ppf=2))(k_pool, v_pool, k_frames, v_frames, ids)
+    for got, expected in zip(out, want):
+        assert_same_pool(got, expected)
+    assert not mosaic_interpret.races.races_found

@@ -101,6 +101,47 @@ def test_write_takes_the_chunk_in_xlas_layout(gen, heads):
     assert_in_place(gen, *write_call(PRESETS["wan-1.3b"], layers=30, heads=heads))
 
 
+QUANTIZED_SESSIONS = 4
+"""Sessions whose pool (:func:`arkv_jax.planner.rollout_plan`) the quantized writes are compiled
+with: wan-1.3b 65 pages, lingbot-v2 89, dreamzero-14b 310 (128-page scale windows, the last one
+narrower)."""
+
+
+def rollout_pages(preset: str) -> int:
+    """Pages of the pool :func:`arkv_jax.planner.rollout_plan` lays out for
+    :data:`QUANTIZED_SESSIONS` sessions of ``preset``."""
+    from arkv_jax.planner import rollout_plan
+    from arkv_jax.presets import get_preset
+
+    m = get_preset(preset)
+    return rollout_plan(m.geometry, m.window, m.kv_branches, m.cross_attention, QUANTIZED_SESSIONS).num_blocks_total
+
+
+@needs_libtpu
+@pytest.mark.slow
+@pytest.mark.parametrize("gen", GENERATIONS)
+@pytest.mark.parametrize("kv_dtype", ["int8", "float8_e4m3fn", "float8_e5m2"])
+@pytest.mark.parametrize("preset, layers, heads, view", [
+    ("wan-1.3b", 30, 12, "head"), ("wan-1.3b", 30, 16, "token"), ("lingbot-v2", 4, 40, "token"),
+    ("dreamzero-14b", 8, 40, "token")])
+def test_quantized_write_compiles_in_place(gen, kv_dtype, preset, layers, heads, view):
+    """Quantized pools of a rollout's size (:func:`rollout_pages`; lingbot-v2 and dreamzero-14b with
+    fewer layers, to fit the chip's HBM), a bf16 chunk quantized inside the kernel: the view XLA's
+    layout of the chunk asks for, no copy of the pools' values or scales nor of the chunk, values
+    and scales aliased, temporaries under 1 % of the pools."""
+    p = dict(PRESETS[preset], layers=layers, kv_heads=heads)
+    fn, specs, donate, shape = tpu_compile._write_call(p, 1, kv_dtype, num_pages=rollout_pages(preset))
+    frames = (layers, p["cur_frames"], p["tokens_per_frame"], heads, p["head_dim"])
+    assert write_tpu.chunk_view(frames, BF16, p["block_size"], tpu_aot.compile_only_device(gen)) == view
+    leaves = [spec for spec, _ in specs[:2]]
+    rep = tpu_aot.report(tpu_aot.compile_for_tpu(fn, specs, gen, donate_argnums=donate), leaves)
+    pools = 2 * (math.prod(leaves[0]) + 4 * math.prod(leaves[1]))
+    assert rep.pool_copies == 0
+    assert tpu_aot.copies_of(rep.hlo, [specs[-2][0], frames]) == 0
+    assert rep.alias_bytes >= pools
+    assert rep.temp_bytes < 0.01 * pools, (rep.temp_bytes, pools)
+
+
 def token_view_case(seed: int, dtype, *, block=32, tpf=40, heads=8, layers=2, rows=2, frames=2,
                     num_pages=24):
     """Random pools (NaN pages), a random chunk and distinct page ids, one skipped."""
