@@ -28,7 +28,8 @@ CUDNN_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 QUANTIZED_POOL_KERNELS: Mapping[str, tuple[str, ...]] = MappingProxyType({
     "write_chunk": ("xla",),
-    "window_attention": ("xla",),
+    "window_attention": ("xla", "pallas_tpu", "pallas_tpu_interpret", "pallas_tpu_simulate", "pallas_tpu_gather",
+                         "pallas_tpu_gather_interpret"),
 })
 """For each kernel, the backends whose implementation of it reads or writes quantized pools
 (:class:`pallas_kernels.layout.QuantizedPool`); every other one refuses them

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.backend import BACKENDS, QUANTIZED_POOL_KERNELS
+from pallas_kernels.backend import BACKENDS, QUANTIZED_POOL_KERNELS, resolve_backend
 from pallas_kernels.layout import (
     QuantizedPool,
     dequantize_pool,
@@ -27,8 +27,8 @@ from pallas_kernels.window_attention import (
     window_attention,
     window_attention_reference,
 )
-from pallas_kernels.window_attention import tpu as tpu_attention
 from tests.kernels.test_window_attention import HEAD_DIM, KV_HEADS, LAYERS, NUM_PAGES, Window, make_case, poisoned
+from tests.tiers import slow_except
 
 BLOCK = 16
 TPF = 24  # two pages per frame, the second one half padding
@@ -137,11 +137,12 @@ def test_attention_matches_the_reference_on_dequantized_values(kv_dtype, dtype):
                                atol=tol / 3, rtol=tol / 3)
 
 
-def poisoned_quantized(case: dict, owned, kv_dtype) -> dict:
+def poisoned_quantized(case: dict, owned, kv_dtype, poison=poisoned) -> dict:
     """``case`` (float32 pools) quantized, with every page a row must not read poisoned in its scale
     (NaN) and every unreadable slot of a readable page holding the dtype's NaN (fp8 e4m3fn) or its
-    largest value (int8 and e5m2: an int has no NaN), which would change the output if it were read."""
-    nan_case = poisoned(case, owned)  # NaN wherever a row must not read, at slot granularity
+    largest value (int8 and e5m2: an int has no NaN), which would change the output if it were read.
+    ``poison(case, owned)`` puts NaN wherever a row must not read (its test module's ``poisoned``)."""
+    nan_case = poison(case, owned)  # NaN wherever a row must not read, at slot granularity
     hidden = jnp.isnan(nan_case["k_pool"])  # [L, H, P, S, D]
     page_hidden = jnp.all(hidden, axis=(3, 4))  # [L, H, P]: whole pages no row reads
     quantized = {}
@@ -154,19 +155,42 @@ def poisoned_quantized(case: dict, owned, kv_dtype) -> dict:
     return dict(nan_case, **quantized)
 
 
-@pytest.mark.parametrize("kv_dtype", QUANTIZED_DTYPES)
-def test_pages_a_row_must_not_read_never_reach_the_output(kv_dtype):
+CPU_QUANTIZED_BACKENDS = [name for name in QUANTIZED_POOL_KERNELS["window_attention"]
+                          if BACKENDS[name].platform is None]
+"""The backends that read quantized pools in attention and run on a CPU (the XLA path and the TPU
+kernels' interpreters)."""
+
+
+@pytest.mark.parametrize("backend,kv_dtype", slow_except(
+    [(name, kv_dtype) for name in CPU_QUANTIZED_BACKENDS for kv_dtype in QUANTIZED_DTYPES],
+    fast=[("xla", kv_dtype) for kv_dtype in QUANTIZED_DTYPES] + [("pallas_tpu_interpret", "float8_e4m3fn")]))
+def test_pages_a_row_must_not_read_never_reach_the_output(backend, kv_dtype):
+    """Sink and window frames, frames of 1.5 pages (a half-padding page each), ragged rows (no
+    history, sink only, after eviction), GQA and extras, poison wherever a row must not read."""
     case, owned = make_case(committed=(0, 2, 6, 3), extra=2, window=Window(sink=1, recent=2, tokens_per_frame=TPF))
     bad = poisoned_quantized(case, owned, kv_dtype)
     # Poison is there: NaN scales on free, foreign and evicted pages; garbage in padding and past lengths.
     assert bool(jnp.any(jnp.isnan(bad["k_pool"].scales)))
     clean = dict(case, k_pool=quantize_pages(case["k_pool"], kv_dtype),
                  v_pool=quantize_pages(case["v_pool"], kv_dtype))
-    out = window_attention(**bad, backend="xla")
+    out = window_attention(**bad, backend=backend)
     assert bool(jnp.all(jnp.isfinite(out))), "poison reached the output"
     np.testing.assert_allclose(out, window_attention_reference(**dict(clean, pages=bad["pages"])), atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(window_attention_reference(**bad), window_attention_reference(**clean),
                                atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("backend", slow_except([name for name in CPU_QUANTIZED_BACKENDS if name != "xla"],
+                                                fast=("pallas_tpu_interpret",)))
+def test_bf16_attention_over_quantized_pages_matches_the_xla_path(backend):
+    """bf16 compute over int8 pages: every backend dequantizes to bf16 as the XLA path does (the
+    current chunk and extras stay bf16)."""
+    case, owned = quantized_case("int8", dtype=jnp.bfloat16, committed=(1, 5), extra=3,
+                                 window=Window(tokens_per_frame=TPF))
+    out = window_attention(**case, backend=backend)
+    want = window_attention(**case, backend="xla")
+    assert out.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want, np.float32), atol=2e-2, rtol=2e-2)
 
 
 def test_one_trace_while_window_fills_and_pages_are_rewritten(fresh_trace_counter):
@@ -194,6 +218,29 @@ def test_one_trace_while_window_fills_and_pages_are_rewritten(fresh_trace_counte
         assert bool(jnp.all(jnp.isfinite(out)))
 
 
+@pytest.mark.parametrize("kv_dtype", QUANTIZED_DTYPES)
+def test_the_tpu_kernels_tile_dequantization_is_the_rule(kv_dtype):
+    """Every stored byte through the TPU kernel's in-VMEM dequantization (float8_e4m3fn read as the
+    TPU's native float8_e4m3b11fnuz) equals :func:`dequantize`, bit for bit after the cast to bf16
+    and in float32, but for e4m3fn's NaN bytes (never stored: quantize clips), which read as
+    +-480 x the scale, and -0, which reads as +0."""
+    from pallas_kernels.quantization import dequantize
+    from pallas_kernels.window_attention.tpu import dequantize_tile
+
+    stored = jax.lax.bitcast_convert_type(jnp.arange(256, dtype=jnp.uint8), jnp.dtype(kv_dtype))
+    scale = jnp.float32(0.0123)
+    for dtype in (jnp.float32, jnp.bfloat16):
+        got = np.asarray(dequantize_tile(stored, scale, dtype), np.float32)
+        want = np.asarray(dequantize(stored, scale, (), dtype), np.float32)
+        nan = np.isnan(want)
+        assert nan.sum() == {"int8": 0, "float8_e4m3fn": 2, "float8_e5m2": 6}[kv_dtype]
+        if kv_dtype == "float8_e4m3fn":
+            np.testing.assert_array_equal(got[nan], (jnp.asarray([480.0, -480.0]) * scale).astype(dtype))
+        else:
+            assert np.all(np.isnan(got[nan]))
+        np.testing.assert_array_equal(got[~nan], want[~nan])
+
+
 # ------------------------------------------------------------------------------------------------
 # Refusals and validation
 # ------------------------------------------------------------------------------------------------
@@ -215,22 +262,21 @@ def test_other_backends_refuse_quantized_pools_in_the_write(backend):
         write_chunk(*pools, k_new, v_new, jnp.ones((2, 4), jnp.int32), tokens_per_frame=TPF, backend=backend)
 
 
-@pytest.mark.parametrize("platform", ["tpu", "gpu"])
-def test_auto_refuses_quantized_pools_on_a_device(platform, monkeypatch):
-    """"auto" is not silently downgraded to the XLA path on a TPU or GPU: it refuses, naming what it
-    resolved to; on the CPU it is "xla"."""
+@pytest.mark.parametrize("platform", ["tpu", "gpu", "cpu"])
+def test_auto_is_never_downgraded_for_quantized_pools(platform, monkeypatch):
+    """"auto" takes quantized pools where the platform's backend reads them (the TPU kernel on a
+    TPU, "xla" on the CPU) and is not silently downgraded to the XLA path where it does not: it
+    refuses, naming what it resolved to."""
     case, _ = quantized_case("float8_e4m3fn")
     monkeypatch.setattr(jax, "default_backend", lambda: platform)
-    with pytest.raises(ValueError, match=r"window_attention: backend '\w+' \(what backend='auto' resolves to here\)"):
-        static_validate_inputs(**case)
-    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
-    assert static_validate_inputs(**case).num_pages == NUM_PAGES
-
-
-def test_the_tpu_kernels_own_entry_refuses_quantized_pools():
-    case, _ = quantized_case("int8")
-    with pytest.raises(ValueError, match="does not read quantized pools.*backend='xla'"):
-        tpu_attention.window_attention(**case, interpret=True)
+    resolved = resolve_backend("auto", dtype=case["q"].dtype, head_dim=HEAD_DIM).name
+    assert (resolved == "pallas_tpu") == (platform == "tpu")
+    if resolved in QUANTIZED_POOL_KERNELS["window_attention"]:
+        assert static_validate_inputs(**case).num_pages == NUM_PAGES
+    else:
+        with pytest.raises(ValueError, match=rf"window_attention: backend '{resolved}' \(what backend='auto' "
+                                             r"resolves to here\)"):
+            static_validate_inputs(**case)
 
 
 def test_malformed_quantized_pools_are_refused():
