@@ -6,7 +6,10 @@ chunk see, ``max_history``, and its extra tokens). At ``wan-1.3b`` (30 layers, 1
 1,560-token frames in 1,560-slot pages, a 3-frame chunk over 9 history frames: 18,720 keys) for
 each generation it compiles, each in its own process (so each has its own bundle dump):
 
-* the paged window attention (:mod:`pallas_kernels.window_attention.tpu`), rows 1 and 4;
+* the paged window attention (:mod:`pallas_kernels.window_attention.tpu`), rows 1 and 4, and over
+  quantized pages (int8, float8_e4m3fn, float8_e5m2: :data:`ATTENTION_KV_DTYPES`), rows 1, whose
+  estimates over the bf16 pages' are the summary's ``int8_vs_bf16_attention_est``,
+  ``fp8_vs_bf16_attention_est`` (e4m3fn) and ``fp8_e5m2_vs_bf16_attention_est``;
 * the gather + splash baseline (:mod:`pallas_kernels.window_attention.tpu_gather`), rows 1 and 4,
   under the scoped VMEM limit the paged kernel sets at this shape (``LIBTPU_INIT_ARGS=
   --xla_tpu_scoped_vmem_limit_kib=N`` in its process: splash takes no VMEM option), with the
@@ -58,6 +61,9 @@ BLOCKS_ENV = "TPU_COMPILE_SPLASH_BLOCKS"
 ATTENTION_PRESET = "wan-1.3b"
 WRITE_PRESETS = ("wan-1.3b", "lingbot-v2")
 """Presets whose write is compiled: 12 KV heads (head view) and 40 (token view)."""
+ATTENTION_KV_DTYPES = {"attention": None, "attention_int8": "int8", "attention_fp8": "float8_e4m3fn",
+                       "attention_fp8_e5m2": "float8_e5m2"}
+"""The paged kernel's jobs and the dtype their pools store pages in (``None``: bf16, unquantized)."""
 
 
 def _importable_checkout() -> None:
@@ -86,15 +92,18 @@ def preset_shape(name: str, block_size: int | None = None) -> dict:
                 extra_tokens=model.max_scratch_tokens_per_branch)
 
 
-def attention_shapes(p: dict, rows: int, layers: int | None = None):
+def attention_shapes(p: dict, rows: int, layers: int | None = None, kv_dtype: str | None = None):
     """``(WindowGeometry, pool shape, specs)`` of one layer's attention call at shape ``p``
     (:func:`preset_shape`) for ``rows`` rows, bf16, with ``layers`` pool layers (default the
-    preset's): specs are ``(shape, dtype)`` of ``q, k_cur, v_cur, k_pool, v_pool, pages, lengths,
-    layer`` then, if the preset has extra tokens, ``extra_k, extra_v``; ``q`` holds the chunk and
-    the extras."""
+    preset's) and pages stored as ``kv_dtype`` (default bf16; a quantized dtype gives
+    :class:`~pallas_kernels.layout.QuantizedPool` s): specs are ``(shape, dtype)`` of ``q, k_cur,
+    v_cur``, each pool's arrays (``k_pool, v_pool``, or for quantized pools ``k_values, k_scales,
+    v_values, v_scales``: see :func:`with_pool_arrays`), ``pages, lengths, layer`` then, if the
+    preset has extra tokens, ``extra_k, extra_v``; ``q`` holds the chunk and the extras."""
     import jax.numpy as jnp
 
-    from pallas_kernels.layout import PAGE_AXIS, pool_shape
+    from pallas_kernels.layout import PAGE_AXIS, pool_shape, scale_shape
+    from pallas_kernels.quantization import SCALE_DTYPE, is_quantized
     from pallas_kernels.window_attention import WindowGeometry
 
     h, d, tpf, block = p["kv_heads"], p["head_dim"], p["tokens_per_frame"], p["block_size"]
@@ -104,12 +113,32 @@ def attention_shapes(p: dict, rows: int, layers: int | None = None):
     cur, extra = p["cur_frames"] * tpf, p["extra_tokens"]
     kv = (rows, cur, h, d)
     bf = jnp.bfloat16
-    specs = [((rows, cur + extra, h, d), bf), (kv, bf), (kv, bf), (shape, bf), (shape, bf),
+    pool = [(shape, bf)]
+    if is_quantized(kv_dtype):
+        pool = [(shape, jnp.dtype(kv_dtype)), (scale_shape(shape), SCALE_DTYPE)]
+    specs = [((rows, cur + extra, h, d), bf), (kv, bf), (kv, bf), *pool, *pool,
              ((rows, max_pages), jnp.int32), ((rows,), jnp.int32), ((), jnp.int32)]
     specs += [((rows, extra, h, d), bf)] * 2 if extra else []
     geom = WindowGeometry(rows, cur + extra, h, h, d, cur, extra, layers, shape[PAGE_AXIS], block,
                           max_pages, tpf)
     return geom, shape, specs
+
+
+def with_pool_arrays(fn, kv_dtype: str | None = None):
+    """``fn(q, k_cur, v_cur, k_pool, v_pool, *rest)`` as a function of the flat arrays
+    :func:`attention_shapes` specifies for ``kv_dtype``: ``fn`` itself for plain pools, else a
+    function of ``(q, k_cur, v_cur, k_values, k_scales, v_values, v_scales, *rest)`` that passes
+    :class:`~pallas_kernels.layout.QuantizedPool` s."""
+    from pallas_kernels.layout import QuantizedPool
+    from pallas_kernels.quantization import is_quantized
+
+    if not is_quantized(kv_dtype):
+        return fn
+
+    def flat(q, kc, vc, k_values, k_scales, v_values, v_scales, *rest):
+        return fn(q, kc, vc, QuantizedPool(k_values, k_scales), QuantizedPool(v_values, v_scales), *rest)
+
+    return flat
 
 
 def attention_flops(p: dict, rows: int) -> int:
@@ -204,7 +233,7 @@ def worker(gen: str, kind: str, rows: int, preset: str, dump: str) -> dict:
     else:
         fn, specs, donate, shape = _attention_call(gen, kind, p, rows, out)
     leaves = specs[:len(donate) // 2] if kv_dtype else [(shape, "bfloat16")]  # One pool's arrays.
-    pool_bytes = 2 * sum(math.prod(spec) * jnp_itemsize(dtype) for spec, dtype in leaves)
+    pool_bytes = pools_bytes(shape, kv_dtype or ATTENTION_KV_DTYPES.get(kind))
     try:
         compiled = tpu_aot.compile_for_tpu(fn, specs, gen, donate_argnums=donate)
     except Exception as e:  # Report a failed compile as data.
@@ -220,11 +249,24 @@ def worker(gen: str, kind: str, rows: int, preset: str, dump: str) -> dict:
         return out
     xla_cycles = tpu_cost.program_cycles(rep.hlo).cycles  # Every op but the Mosaic kernel.
     out.update(flops=attention_flops(p, rows), xla_ms=xla_cycles / chip.clock_hz * 1e3)
-    out.update(_paged_figures(gen, p, rows, dump) if kind == "attention"
+    out.update(_paged_figures(gen, p, rows, dump, ATTENTION_KV_DTYPES[kind]) if kind in ATTENTION_KV_DTYPES
                else _baseline_figures(p, rows, out["blocks"], dump, chip))
     out["est_ms"] = out["kernel_ms"] + out.get("dma_ms", 0.0) + out["xla_ms"]
     out["fraction_of_peak"] = out["flops"] / (out["est_ms"] * 1e-3) / chip.bf16_flops
     return out
+
+
+def pools_bytes(shape, kv_dtype: str | None) -> int:
+    """Bytes of a K and a V pool of ``shape`` storing pages as ``kv_dtype`` (``None``: bf16): the
+    values, and for quantized pages their scales."""
+    import jax.numpy as jnp
+
+    from pallas_kernels.layout import scale_shape
+    from pallas_kernels.quantization import SCALE_ITEMSIZE, is_quantized
+
+    if not is_quantized(kv_dtype):
+        return 2 * math.prod(shape) * 2
+    return 2 * (math.prod(shape) * jnp.dtype(kv_dtype).itemsize + math.prod(scale_shape(shape)) * SCALE_ITEMSIZE)
 
 
 CONTEXT_KINDS = {"context": "pallas_tpu", "context_xla": "xla"}
@@ -359,16 +401,20 @@ def _chip_device(chip):
 
 
 def _attention_call(gen: str, kind: str, p: dict, rows: int, out: dict):
-    """``(fn, specs, donate, pool shape)`` of the paged kernel or the baseline at ``p``; records
-    the baseline's splash tiles and scoped VMEM limit in ``out``."""
-    geom, shape, specs = attention_shapes(p, rows)
-    if kind == "attention":
+    """``(fn, specs, donate, pool shape)`` of the paged kernel (over the pages of ``kind``'s
+    :data:`ATTENTION_KV_DTYPES`) or the baseline at ``p``; records the baseline's splash tiles and
+    scoped VMEM limit in ``out``."""
+    if kind in ATTENTION_KV_DTYPES:
         from pallas_kernels.window_attention import tpu as twa
+
+        kv_dtype = ATTENTION_KV_DTYPES[kind]
+        geom, shape, specs = attention_shapes(p, rows, kv_dtype=kv_dtype)
 
         def fn(q, kc, vc, kp, vp, pg, ln, layer, ek=None, ev=None):
             return twa.window_attention(q, kc, vc, kp, vp, pg, ln, layer=layer, extra_k=ek, extra_v=ev,
                                         tokens_per_frame=geom.tokens_per_frame, generation=gen)
-        return fn, specs, (), shape
+        return with_pool_arrays(fn, kv_dtype), specs, (), shape
+    geom, shape, specs = attention_shapes(p, rows)
     from pallas_kernels.window_attention import tpu_gather
 
     blocks = tpu_gather.resolve_blocks(gen, **json.loads(os.environ.get(BLOCKS_ENV, "{}")))
@@ -381,16 +427,17 @@ def _attention_call(gen: str, kind: str, p: dict, rows: int, out: dict):
     return fn, specs, (), shape
 
 
-def _paged_figures(gen: str, p: dict, rows: int, dump: str) -> dict:
+def _paged_figures(gen: str, p: dict, rows: int, dump: str, kv_dtype: str | None) -> dict:
     """The paged kernel's bundle estimate and exposed first-block DMA
-    (:func:`pallas_kernels.window_attention.tpu_estimate.estimate_from_dump`), VMEM and tiling."""
+    (:func:`pallas_kernels.window_attention.tpu_estimate.estimate_from_dump`), VMEM and tiling, over
+    pages stored as ``kv_dtype`` (``None``: bf16)."""
     from pallas_kernels.window_attention import tpu as twa
     from pallas_kernels.window_attention import tpu_estimate
 
     window = attention_shapes(p, rows)[0]
-    geom = twa.Geometry.of(window, "bfloat16")
+    geom = twa.Geometry.of(window, "bfloat16", kv_dtype)
     plan, vmem_limit = twa.plan_call(geom, gen)
-    est = tpu_estimate.estimate_from_dump(window, "bfloat16", gen, dump)
+    est = tpu_estimate.estimate_from_dump(window, "bfloat16", gen, dump, kv_dtype)
     return dict(vmem_estimate=twa.vmem_estimate_bytes(geom, plan), vmem_limit=vmem_limit,
                 temp_bound=twa.temp_bound_bytes(geom, plan), grid_steps=est.grid_steps,
                 kernel_ms=est.kernel_seconds * 1e3, dma_ms=est.dma_seconds * 1e3, note=est.note)
@@ -451,7 +498,7 @@ def _figure(result: dict, key: str, kind=float):
 def _attention_line(gen: str, kind: str, rows: int, r: dict) -> str:
     if not r.get("compiles"):
         return f"{gen} {kind:9s} rows={rows}: DOES NOT COMPILE: {r.get('error')}"
-    if kind == "attention":
+    if kind in ATTENTION_KV_DTYPES:
         extra = (f"kernel {r['kernel_ms']:.3f} + exposed DMA {r['dma_ms']:.3f} + XLA ops "
                  f"{r['xla_ms']:.3f} ms; vmem est {r['vmem_estimate'] / 2**20:.1f} MiB (limit "
                  f"{r['vmem_limit'] / 2**20:.0f} MiB)")
@@ -517,6 +564,23 @@ def _summary(att: dict, base: dict, writes: dict) -> dict:
     return summary
 
 
+QUANTIZED_RATIO_KEYS = {"attention_int8": "int8_vs_bf16_attention_est", "attention_fp8": "fp8_vs_bf16_attention_est",
+                        "attention_fp8_e5m2": "fp8_e5m2_vs_bf16_attention_est"}
+"""The summary key of each quantized-page job's estimate over the bf16 pages' (rows 1)."""
+
+
+def _quantized_summary(att: dict, quantized: dict) -> dict:
+    """Per quantized-page job (:data:`QUANTIZED_RATIO_KEYS`): its estimate over bf16 pages' (both
+    ``est_ms``: kernel bundles + exposed DMA + XLA ops), its estimate and its pool copies."""
+    out = {}
+    for kind, key in QUANTIZED_RATIO_KEYS.items():
+        r = quantized[kind]
+        ok = att.get("compiles") and r.get("compiles")
+        out.update({key: float(r["est_ms"] / att["est_ms"]) if ok else None,
+                    f"{kind}_est_ms": _figure(r, "est_ms"), f"{kind}_pool_copies": _figure(r, "pool_copies", int)})
+    return out
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="rows 1 only")
@@ -578,6 +642,12 @@ def main(argv=None) -> int:
         quantized, failed_writes = _quantized_writes(gen, writes[ATTENTION_PRESET])
         summary[gen]["write_quantized"] = quantized
         failed += failed_writes
+        quantized = {kind: run_job(gen, kind, 1) for kind in QUANTIZED_RATIO_KEYS}
+        for kind, r in quantized.items():
+            print(_attention_line(gen, kind, 1, r))
+            if not r.get("compiles"):
+                failed.append(f"{gen} {kind}")
+        summary[gen].update(_quantized_summary(results[("attention", 1)], quantized))
         context = {kind: run_job(gen, kind, 1) for kind in CONTEXT_KINDS}
         for kind, r in context.items():
             print(_context_line(gen, kind, r))

@@ -30,7 +30,8 @@ QUANTIZED_POOL_KERNELS: Mapping[str, tuple[str, ...]] = MappingProxyType({
     "write_chunk": ("xla", "pallas_tpu", "pallas_tpu_interpret", "pallas_tpu_simulate", "pallas_tpu_gather",
                     "pallas_tpu_gather_interpret", "pallas_gpu", "pallas_gpu_interpret", "cudnn_gather",
                     "cudnn_gather_xla", "pallas_mgpu"),
-    "window_attention": ("xla", "pallas_gpu", "pallas_gpu_interpret", "cudnn_gather",
+    "window_attention": ("xla", "pallas_tpu", "pallas_tpu_interpret", "pallas_tpu_simulate", "pallas_tpu_gather",
+                         "pallas_tpu_gather_interpret", "pallas_gpu", "pallas_gpu_interpret", "cudnn_gather",
                          "cudnn_gather_xla"),
 })
 """For each kernel, the backends whose implementation of it reads or writes quantized pools

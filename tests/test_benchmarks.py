@@ -175,7 +175,7 @@ def test_tpu_compile_quick_compiles_every_kernel():
     assert proc.returncode == 0, f"exit {proc.returncode}; stdout:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     figures = last_json_line(proc)
     assert set(figures) == {"shape", "v5e", "v6e"}, figures
-    from benchmarks.tpu_compile import ATTENTION_PRESET, preset_shape
+    from benchmarks.tpu_compile import ATTENTION_PRESET, QUANTIZED_RATIO_KEYS, preset_shape
     assert figures["shape"] == preset_shape(ATTENTION_PRESET)  # the preset's, not a hand-made shape
     for gen in ("v5e", "v6e"):
         summary = figures[gen]
@@ -187,6 +187,10 @@ def test_tpu_compile_quick_compiles_every_kernel():
         # The baseline compiles under the paged kernel's scoped VMEM limit (the fair yardstick).
         assert summary["baseline_scoped_vmem_mib"] == pytest.approx(summary["attention_vmem_limit_mib"], abs=1 / 1024)
         assert all(f is not None and f < 0.01 for f in summary["write_temp_chunk_fraction"].values()), summary
+        # Quantized pages: 8-bit DMAs, no pool copied, within 5 % of the bf16 pages' estimate.
+        for kind, key in QUANTIZED_RATIO_KEYS.items():
+            assert summary[f"{kind}_pool_copies"] == 0, (gen, kind, summary)
+            assert 0 < summary[key] <= 1.05, (gen, key, summary)
 
 
 @pytest.mark.skipif(tpu_aot.libtpu_available(), reason="libtpu is installed: the quick compile runs instead")

@@ -226,9 +226,10 @@ class DiTBlock(nnx.Module):
         x = x + _gate(y, gate_sa, frames)
         x = x + self.cross_attn(self.norm3(x), text_k, text_v, history)
         hidden = jax.nn.gelu(self.ffn_in(_modulate(self.norm2(x), shift_ff, scale_ff, frames)), approximate=True)
-        # XLA:TPU otherwise fuses both FFN matmuls, the GELU, gate and residual into one fusion that
-        # runs far below MXU peak (docs/planning.md, "The whole chip"); the barrier keeps them apart.
-        y = self.ffn_out(jax.lax.optimization_barrier(hidden))
+        # XLA:TPU otherwise fuses the FFN-out matmul with the GELU before it (and the gate and residual
+        # after it) into fusions far below MXU peak (docs/planning.md, "The whole chip"): the barriers
+        # keep the matmul alone.
+        y = jax.lax.optimization_barrier(self.ffn_out(jax.lax.optimization_barrier(hidden)))
         return x + _gate(y, gate_ff, frames), kv
 
 

@@ -26,8 +26,7 @@ def window_attention_reference(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, 
       ValueError: what :func:`~pallas_kernels.window_attention.validation.check_arrays` rejects.
     """
     geom = check_arrays(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, layer=layer,
-                        extra_k=extra_k, extra_v=extra_v, tokens_per_frame=tokens_per_frame,
-                        reads_quantized=True)
+                        extra_k=extra_k, extra_v=extra_v, tokens_per_frame=tokens_per_frame)
     scale = geom.head_dim ** -0.5 if scale is None else scale
     f32 = jnp.float32
     tokens = jnp.arange(geom.max_pages * geom.block_size, dtype=jnp.int32)

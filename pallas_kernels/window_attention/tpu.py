@@ -6,8 +6,11 @@ dispatcher calls ``_attention`` here (``block_k`` is ``keys_per_block``); :func:
 here takes every tiling knob and the TPU generation (compile tests, benchmarks). The grid is
 ``(rows, kv_heads, query blocks)`` with GQA folded into the matmul's M; history pages are DMA'd by
 hand into double-buffered VMEM and an online softmax with lane-dense statistics runs over chunks of
-keys, unmasked where every slot is valid. Block sizes come from :data:`TUNED_BLOCKS`, the VMEM limit
-from :func:`vmem_estimate_bytes`. The kernel's design: ``docs/kernels.md`` (Paged window attention).
+keys, unmasked where every slot is valid. Quantized pools (:class:`~pallas_kernels.layout.QuantizedPool`)
+are DMA'd at their stored 8-bit width and each compute chunk is dequantized in VMEM as it is loaded,
+with its page's scale from SMEM (:func:`dequantize_tile`); the matmuls run in the compute dtype.
+Block sizes come from :data:`TUNED_BLOCKS`, the VMEM limit from :func:`vmem_estimate_bytes`. The
+kernel's design: ``docs/kernels.md`` (Paged window attention).
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels.backend import resolve_backend
 from pallas_kernels.checks import require_int
 from pallas_kernels.common import MASK_VALUE
-from pallas_kernels.layout import check_tpu_block_size, page_index
+from pallas_kernels.layout import QuantizedPool, check_tpu_block_size, page_index
+from pallas_kernels.quantization import dequantize, is_quantized
 from pallas_kernels.window_attention.geometry import WindowGeometry, visible_page_count
 from pallas_kernels.window_attention.validation import check_arrays, check_scale
 
@@ -74,14 +78,21 @@ VMEM_BUDGET = {"v5e": 100 << 20, "v6e": 100 << 20}
 
 @dataclasses.dataclass(frozen=True)
 class Geometry(WindowGeometry):
-    """:class:`~pallas_kernels.window_attention.geometry.WindowGeometry` plus the dtype's name
-    (hashable): the static sizes of one TPU call."""
+    """:class:`~pallas_kernels.window_attention.geometry.WindowGeometry` plus the names of the
+    compute dtype and of the pools' page dtype (hashable): the static sizes of one TPU call.
+
+    ``kv_dtype`` is ``dtype`` for plain pools, a quantized dtype
+    (:data:`pallas_kernels.quantization.QUANTIZED_DTYPES`) for :class:`QuantizedPool` s."""
 
     dtype: str
+    kv_dtype: str
 
     @classmethod
-    def of(cls, geom: WindowGeometry, dtype) -> "Geometry":
-        return cls(**dataclasses.asdict(geom), dtype=jnp.dtype(dtype).name)
+    def of(cls, geom: WindowGeometry, dtype, kv_dtype=None) -> "Geometry":
+        """``geom`` computed in ``dtype`` over pages of ``kv_dtype`` (default ``dtype``)."""
+        name = jnp.dtype(dtype).name
+        return cls(**dataclasses.asdict(geom), dtype=name,
+                   kv_dtype=name if kv_dtype is None else jnp.dtype(kv_dtype).name)
 
     @property
     def itemsize(self) -> int:
@@ -89,8 +100,18 @@ class Geometry(WindowGeometry):
 
     @property
     def sublanes(self) -> int:
-        """Rows of one VMEM tile (8 for 32-bit, 16 for 16-bit types)."""
+        """Rows of one VMEM tile of the compute dtype (8 for 32-bit, 16 for 16-bit types)."""
         return 8 * 4 // self.itemsize
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the pages are quantized (8-bit values and a float32 scale per page)."""
+        return is_quantized(self.kv_dtype)
+
+    @property
+    def kv_itemsize(self) -> int:
+        """Bytes of one stored page value (what the page DMAs move)."""
+        return jnp.dtype(self.kv_dtype).itemsize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,15 +161,21 @@ def make_plan(geom: Geometry, blocks: Blocks) -> Plan:
 
 def vmem_estimate_bytes(geom: Geometry, plan: Plan) -> int:
     """Scoped VMEM the kernel needs: double-buffered q, output and tail blocks, the double-buffered
-    K and V page blocks, the scaled queries, the ``m``/``l``/accumulator scratch, the widened tail
-    and pooled remainders where used, and one compute chunk's float32 logits and probabilities
-    (with their cast copy), in bytes."""
+    K and V page blocks (8-bit for quantized pages, plus one compute chunk dequantized), the scaled
+    queries, the ``m``/``l``/accumulator scratch, the widened tail and pooled remainders where
+    used, and one compute chunk's float32 logits and probabilities (with their cast copy), in
+    bytes."""
     isz, d = geom.itemsize, geom.head_dim
     m = geom.group * plan.block_q
     slots = _round_up(geom.block_size, geom.sublanes)
     v_lanes = plan_v_lanes(geom, plan)
     blocks = 2 * 2 * m * d * isz + 2 * 2 * plan.tail_pad * d * isz
-    pages = 2 * plan.pages_per_block * slots * (d + v_lanes) * isz
+    if geom.quantized:  # 8-bit pages, and one chunk dequantized (float32, then K and V cast).
+        stored = _round_up(geom.block_size, 32 // geom.kv_itemsize)
+        pages = 2 * plan.pages_per_block * stored * 2 * d * geom.kv_itemsize \
+            + plan.block_kv_compute * (d * 4 + (d + v_lanes) * isz)
+    else:
+        pages = 2 * plan.pages_per_block * slots * (d + v_lanes) * isz
     wide_tail = plan.tail_pad * v_lanes * isz if plan.mxu_row_sums else 0
     pooled = plan.pages_per_block * plan_remainder(geom, plan)[1] * (d + v_lanes) * isz
     scratch = 2 * m * LANES * 4 + m * _round_up(d, LANES) * (4 + isz)
@@ -176,11 +203,13 @@ def plan_v_lanes(geom: Geometry, plan: Plan) -> int:
 def temp_bound_bytes(geom: Geometry, plan: Plan) -> int:
     """Upper bound of the compiled call's temporaries (outside the pools), bytes: the head-major
     queries and output, the head-major tail (copies where XLA lays them out token-major), the
-    tables, and 1 MiB for XLA's small buffers."""
+    tables (with quantized pages the K and V scales of every row's visible pages), and 1 MiB for
+    XLA's small buffers."""
     isz = geom.itemsize
     q = 2 * geom.rows * plan.q_pad * geom.num_q_heads * geom.head_dim * isz
     tail = 2 * geom.rows * geom.kv_heads * plan.tail_pad * geom.head_dim * isz
-    return q + tail + 4 * geom.rows * (geom.max_pages + 2) + (1 << 20)
+    scales = 2 * geom.rows * geom.kv_heads * geom.max_pages * 4 if geom.quantized else 0
+    return q + tail + 4 * geom.rows * (geom.max_pages + 2) + scales + (1 << 20)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -197,7 +226,7 @@ def window_attention(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, layer=0
     Args:
       q, k_cur, v_cur, k_pool, v_pool, pages, lengths, layer, extra_k, extra_v, scale,
         tokens_per_frame: as :func:`pallas_kernels.window_attention.window_attention` (pools in
-        :func:`pallas_kernels.layout.pool_shape`).
+        :func:`pallas_kernels.layout.pool_shape`, plain or :class:`QuantizedPool` s).
       generation: ``"v5e"`` or ``"v6e"``: which :data:`TUNED_BLOCKS` row and VMEM budget; default
         the default device's generation, ``"v5e"`` off TPU.
       block_q, block_q_compute, block_kv_compute, keys_per_block, mxu_row_sums: override the
@@ -219,7 +248,7 @@ def window_attention(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, layer=0
     if interpret is False:
         check_tpu_block_size(geom.block_size)
     scale = check_scale(geom.head_dim ** -0.5 if scale is None else scale)
-    geom = Geometry.of(geom, q.dtype)
+    geom = Geometry.of(geom, q.dtype, k_pool.dtype)
     plan, vmem_limit = plan_call(geom, generation, block_q=block_q,
                                  block_q_compute=block_q_compute,
                                  block_kv_compute=block_kv_compute, keys_per_block=keys_per_block,
@@ -234,7 +263,7 @@ def _attention(q, k_cur, v_cur, extra_k, extra_v, k_pool, v_pool, pages, lengths
                backend: str):
     """The dispatcher's entry, private to the package (inputs already validated): ``block_k`` is
     ``keys_per_block``, the history keys of one DMA block; ``backend`` a ``pallas_tpu*`` name."""
-    geom = Geometry.of(geom, q.dtype)
+    geom = Geometry.of(geom, q.dtype, k_pool.dtype)
     plan, vmem_limit = plan_call(geom, None, block_q=block_q, keys_per_block=block_k)
     return _window_attention(q, k_cur, v_cur, extra_k, extra_v, k_pool, v_pool, pages, lengths,
                              layer, geom=geom, plan=plan, scale=scale, vmem_limit=vmem_limit,
@@ -338,24 +367,52 @@ def _prefix_masks(n: int, limits):
     return masks
 
 
-def _kernel(table_ref, nvis_ref, len_ref, layer_ref, q_in, kt_ref, vt_ref, k_hbm, v_hbm, o_ref,
-            kbuf, vbuf, sems, q_ref, m_ref, l_ref, acc_ref, *extra, geom: Geometry, plan: Plan,
-            q_scale: float):
+E4M3FN_AS_B11 = 16.0
+"""float8_e4m3fn bytes read as float8_e4m3b11fnuz (the TPU's native fp8 unpack) are the e4m3fn
+values divided by this (2**(11 - 7), the exponent biases' difference), except bytes 0x80 (e4m3fn
+-0, b11fnuz NaN) and 0x7f/0xff (e4m3fn NaN, b11fnuz +-30)."""
+
+
+def dequantize_tile(x, scale, dtype):
+    """Stored values ``x`` times ``scale`` in float32, cast to ``dtype``
+    (:func:`pallas_kernels.quantization.dequantize`). float8_e4m3fn is read as float8_e4m3b11fnuz
+    (a bitcast; the TPU unpacks that natively) with the scale times :data:`E4M3FN_AS_B11`, and the
+    b11fnuz NaN byte 0x80 (an e4m3fn -0) becomes 0; e4m3fn's NaN bytes, which
+    :func:`~pallas_kernels.quantization.quantize` never stores (it clips to +-448), read as +-480
+    times the scale."""
+    if x.dtype != jnp.float8_e4m3fn:
+        return dequantize(x, scale, (), dtype)
+    y = dequantize(lax.bitcast_convert_type(x, jnp.float8_e4m3b11fnuz), scale * E4M3FN_AS_B11, (),
+                   jnp.float32)
+    return jnp.where(jnp.isnan(y), 0.0, y).astype(dtype)
+
+
+def _kernel(table_ref, nvis_ref, len_ref, layer_ref, q_in, kt_ref, vt_ref, k_hbm, v_hbm, *refs,
+            geom: Geometry, plan: Plan, q_scale: float):
     """Grid step ``(row, kv head, query block)``; see ``docs/kernels.md`` (the Mosaic TPU kernel).
 
     Refs: SMEM ``table_ref`` ``[rows * max_pages]`` (0 past the visible pages), ``nvis_ref``
     ``[rows]``, ``len_ref`` ``[rows]``, ``layer_ref`` ``[1]``; VMEM ``q_in``/``o_ref``
     ``[group, block_q, D]`` (the last query block may hold rows past ``q_len``: their outputs are
     dropped), ``kt_ref``/``vt_ref`` ``[tail_pad, D]`` (rows past ``tail_len`` unspecified, masked);
-    HBM pools ``[L, H, P, S, D]``; scratch ``kbuf``/``vbuf`` ``[2, pages_per_block, S, D]``, DMA
-    ``sems`` ``[2, 2]`` (K/V x buffer), ``q_ref`` ``[M, D]`` (the queries times ``q_scale``),
-    ``m_ref``/``l_ref`` ``[M, 128]`` and ``acc_ref`` ``[M, D]`` float32. Under ``mxu_row_sums``
-    ``vbuf`` rows are ``D + 128`` lanes (V, then ones) and the first ``extra`` ref holds the
-    tail's V so widened, ``[tail_pad, D + 128]``, both filled at a (row, head)'s first query block.
-    Where pages are cut into pieces with a remainder pooled per DMA block (:func:`plan_remainder`)
-    the last two ``extra`` refs are its K and V, ``[pages_per_block * rest_rows, D]`` and
-    ``[..., V lanes]``.
+    HBM pools ``[L, H, P, S, D]`` (the stored values of quantized pools); scratch ``kbuf``/``vbuf``
+    ``[2, pages_per_block, S, D]``, DMA ``sems`` ``[2, 2]`` (K/V x buffer), ``q_ref`` ``[M, D]``
+    (the queries times ``q_scale``), ``m_ref``/``l_ref`` ``[M, 128]`` and ``acc_ref`` ``[M, D]``
+    float32. Under ``mxu_row_sums`` ``vbuf`` rows are ``D + 128`` lanes (V, then ones) and the
+    first ``extra`` ref holds the tail's V so widened, ``[tail_pad, D + 128]``, both filled at a
+    (row, head)'s first query block. Where pages are cut into pieces with a remainder pooled per
+    DMA block (:func:`plan_remainder`) the last two ``extra`` refs are its K and V,
+    ``[pages_per_block * rest_rows, D]`` and ``[..., V lanes]``.
+
+    Quantized pages (``geom.quantized``): an SMEM input ``scale_ref`` ``[2, max_pages]`` (the K and
+    V scales of this (row, head)'s page-list entries) comes right after ``v_hbm``; ``kbuf`` and
+    ``vbuf`` hold the pages' stored values (``D`` lanes, DMA'd at their stored width), and each
+    compute chunk is dequantized as it is loaded (:func:`pallas_kernels.quantization.dequantize`
+    with its page's scale, then widened under ``mxu_row_sums``), in the basic block of its
+    matmuls, where the scheduler overlaps it with them.
     """
+    scale_ref, refs = (refs[0], refs[1:]) if geom.quantized else (None, refs)
+    o_ref, kbuf, vbuf, sems, q_ref, m_ref, l_ref, acc_ref, *extra = refs
     wide_tail, rest_refs = extra[:1] if plan.mxu_row_sums else (), extra[-2:]
     row, head = pl.program_id(0), pl.program_id(1)
     size, ppb, bkc, bqc = geom.block_size, plan.pages_per_block, plan.block_kv_compute, \
@@ -370,9 +427,10 @@ def _kernel(table_ref, nvis_ref, len_ref, layer_ref, q_in, kt_ref, vt_ref, k_hbm
     k_rest, v_rest = rest_refs if rest_rows else (None, None)
 
     def widen():
-        vbuf[:, :, :, pl.ds(d, LANES)] = jnp.ones(vbuf.shape[:-1] + (LANES,), vbuf.dtype)
+        if not geom.quantized:  # Quantized pages are widened as they are dequantized.
+            vbuf[:, :, :, pl.ds(d, LANES)] = jnp.ones(vbuf.shape[:-1] + (LANES,), vbuf.dtype)
         v_tail[:, pl.ds(0, d)] = vt_ref[...]
-        v_tail[:, pl.ds(d, LANES)] = jnp.ones((plan.tail_pad, LANES), vbuf.dtype)
+        v_tail[:, pl.ds(d, LANES)] = jnp.ones((plan.tail_pad, LANES), v_tail.dtype)
 
     if plan.mxu_row_sums:
         pl.when(pl.program_id(2) == 0)(widen)
@@ -447,15 +505,33 @@ def _kernel(table_ref, nvis_ref, len_ref, layer_ref, q_in, kt_ref, vt_ref, k_hbm
         pl.when(block + 1 < num_blocks)(lambda: for_block(block + 1, 1 - slot, "start"))
         for_block(block, slot, "wait")
         first = block * ppb
+
+        def load(buf, kind: int, i, keys):
+            """Slots ``keys`` of the block's page ``i`` of K (``kind`` 0, ``kbuf``) or V (1,
+            ``vbuf``) in the compute dtype: quantized pages dequantized with their scale, V widened
+            by 128 lanes of ones under ``mxu_row_sums``."""
+            x = buf[slot, i, keys]
+            if not geom.quantized:
+                return x
+            x = dequantize_tile(x, scale_ref[kind, jnp.minimum(first + i, geom.max_pages - 1)],
+                                 q_ref.dtype)
+            if kind and plan.mxu_row_sums:
+                x = jnp.concatenate([x, jnp.ones((x.shape[0], LANES), x.dtype)], axis=1)
+            return x
+
         if plan.pages_per_chunk:
             g = plan.pages_per_chunk
             n = g * size
 
+            def pages(buf, kind: int, c):
+                """Pages ``c * g ..`` of the block, ``g`` of them, as one chunk ``[n, lanes]``."""
+                if not geom.quantized:
+                    return buf[slot, pl.ds(pl.multiple_of(c * g, g), g)].reshape(n, buf.shape[-1])
+                return jnp.concatenate([load(buf, kind, c * g + i, pl.ds(0, size)) for i in range(g)])
+
             def page_chunk(c, carry):
-                pages_ = pl.ds(pl.multiple_of(c * g, g), g)
                 limits = [valid_slots(first + c * g + i) for i in range(g)]
-                chunk(lambda: kbuf[slot, pages_].reshape(n, d),
-                      lambda: vbuf[slot, pages_].reshape(n, vbuf.shape[-1]), limits, n)
+                chunk(lambda: pages(kbuf, 0, c), lambda: pages(vbuf, 1, c), limits, n)
                 return carry
 
             lax.fori_loop(0, ppb // g, page_chunk, 0)
@@ -467,12 +543,12 @@ def _kernel(table_ref, nvis_ref, len_ref, layer_ref, q_in, kt_ref, vt_ref, k_hbm
                 for start in range(0, body, bkc):
                     n = min(bkc, body - start)
                     keys = pl.ds(start, n)
-                    chunk(lambda keys=keys: kbuf[slot, i, keys], lambda keys=keys: vbuf[slot, i, keys],
+                    chunk(lambda keys=keys: load(kbuf, 0, i, keys), lambda keys=keys: load(vbuf, 1, i, keys),
                           [jnp.clip(limit - start, 0, n)], n)
                 if rest_rows:  # This page's remainder joins the block's pooled remainder chunk.
                     pooled = pl.ds(pl.multiple_of(i * rest_rows, rest_rows), rest)
-                    k_rest[pooled] = kbuf[slot, i, pl.ds(body, rest)]
-                    v_rest[pooled] = vbuf[slot, i, pl.ds(body, rest)]
+                    k_rest[pooled] = load(kbuf, 0, i, pl.ds(body, rest))
+                    v_rest[pooled] = load(vbuf, 1, i, pl.ds(body, rest))
                 return carry
 
             lax.fori_loop(0, ppb, page, 0)
@@ -517,7 +593,9 @@ def _window_attention(q, k_cur, v_cur, extra_k, extra_v, k_pool, v_pool, pages, 
     tail (chunk, then extras) as ``[rows, kv_heads, tail_len, D]``, transposes only (no padding,
     no scaling: the kernel scales each query block, and the last query block and tail chunk may
     run past the arrays' ends), builds the page table and the visible counts. The transposes are
-    free where XLA lays the token-major arrays out head-major (as it does for 12 KV heads)."""
+    free where XLA lays the token-major arrays out head-major (as it does for 12 KV heads). For
+    quantized pools the kernel takes the stored values as they are and the visible pages' scales
+    (:func:`visible_scales`), one ``[2, max_pages]`` SMEM block per (row, head)."""
     rows, hkv, g, d, bq = geom.rows, geom.kv_heads, geom.group, geom.head_dim, plan.block_q
     nqb, m = plan.num_q_blocks, geom.group * plan.block_q
     qh = q.reshape(rows, geom.q_len, hkv, g, d).transpose(0, 2, 3, 1, 4)
@@ -534,8 +612,15 @@ def _window_attention(q, k_cur, v_cur, extra_k, extra_v, k_pool, v_pool, pages, 
     q_spec = pl.BlockSpec((None, None, g, bq, d), lambda r, h, b, *_: (r, h, 0, b, 0))
     tail_spec = pl.BlockSpec((None, None, plan.tail_pad, d), lambda r, h, b, *_: (r, h, 0, 0))
     hbm = pl.BlockSpec(memory_space=pl.ANY)
-    k_buf = pltpu.VMEM((2, plan.pages_per_block, geom.block_size, d), q.dtype)
-    v_buf = pltpu.VMEM((2, plan.pages_per_block, geom.block_size, plan_v_lanes(geom, plan)), q.dtype)
+    pools, in_specs = [k_pool, v_pool], [q_spec, tail_spec, tail_spec, hbm, hbm]
+    pages_shape = (2, plan.pages_per_block, geom.block_size)
+    k_buf = pltpu.VMEM((*pages_shape, d), q.dtype)
+    v_buf = pltpu.VMEM((*pages_shape, plan_v_lanes(geom, plan)), q.dtype)
+    if geom.quantized:  # Pages stay 8-bit in VMEM; the scales of the visible pages go to SMEM.
+        pools = [k_pool.values, v_pool.values, visible_scales(k_pool, v_pool, table, layer, geom)]
+        in_specs.append(pl.BlockSpec((None, None, 2, geom.max_pages), lambda r, h, b, *_: (r, h, 0, 0),
+                                     memory_space=pltpu.SMEM))
+        k_buf = v_buf = pltpu.VMEM((*pages_shape, d), k_pool.dtype)
     wide_tail = ([pltpu.VMEM((plan.tail_pad, plan_v_lanes(geom, plan)), q.dtype)]
                  if plan.mxu_row_sums else [])
     rest_rows = plan.pages_per_block * plan_remainder(geom, plan)[1]
@@ -547,7 +632,7 @@ def _window_attention(q, k_cur, v_cur, extra_k, extra_v, k_pool, v_pool, pages, 
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=4,
             grid=(rows, hkv, nqb),
-            in_specs=[q_spec, tail_spec, tail_spec, hbm, hbm],
+            in_specs=in_specs,
             out_specs=q_spec,
             scratch_shapes=[k_buf, v_buf, pltpu.SemaphoreType.DMA((2, 2)),
                             pltpu.VMEM((m, d), q.dtype),
@@ -559,5 +644,16 @@ def _window_attention(q, k_cur, v_cur, extra_k, extra_v, k_pool, v_pool, pages, 
             vmem_limit_bytes=vmem_limit),
         interpret=interpret,
         name="window_attention_tpu",
-    )(table, nvis, lengths, layer.reshape(1), qh, k_tail, v_tail, k_pool, v_pool)
+    )(table, nvis, lengths, layer.reshape(1), qh, k_tail, v_tail, *pools)
     return out.transpose(0, 3, 1, 2, 4).reshape(rows, geom.q_len, geom.num_q_heads, d)
+
+
+def visible_scales(k_pool: QuantizedPool, v_pool: QuantizedPool, table: jax.Array, layer: jax.Array,
+                   geom: Geometry) -> jax.Array:
+    """float32 ``[rows, kv_heads, 2, max_pages]``: the K (index 0) and V (1) scales of ``layer``'s
+    pages at each row's page-list entries (``table``, flat ``[rows * max_pages]``, 0 past the
+    visible pages, so those read the null page's scale)."""
+    pages = table.reshape(geom.rows, geom.max_pages)
+    # Advanced indices around a slice put their broadcast shape first: [rows, max_pages, kv_heads].
+    scales = jnp.stack([k_pool.scales[layer, :, pages], v_pool.scales[layer, :, pages]], axis=-1)
+    return scales.transpose(0, 2, 3, 1)

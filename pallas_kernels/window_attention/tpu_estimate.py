@@ -209,20 +209,24 @@ def loop_trips(geom, plan) -> dict:
                 pooled_masked=bool(rest_rows and rest_rows != rest))
 
 
-def estimate_from_dump(geom: WindowGeometry, dtype: str, generation: str, dump_dir: str) -> Estimate:
-    """Prices the paged kernel of ``geom`` from the final bundles of a compile for ``generation``
-    in ``dump_dir`` (its tiling is the one :func:`~pallas_kernels.window_attention.tpu.plan_call`
-    gives that chip)."""
+def estimate_from_dump(geom: WindowGeometry, dtype: str, generation: str, dump_dir: str,
+                       kv_dtype: str | None = None) -> Estimate:
+    """Prices the paged kernel of ``geom`` computing in ``dtype`` over pages stored as ``kv_dtype``
+    (default ``dtype``; a quantized dtype for quantized pools) from the final bundles of a compile
+    for ``generation`` in ``dump_dir`` (its tiling is the one
+    :func:`~pallas_kernels.window_attention.tpu.plan_call` gives that chip). Quantized pages'
+    dequantization loop, a child of the history-block loop without MXU ops, counts once per page
+    of a block, like the DMA loops; their DMAs move the stored bytes."""
     from pallas_kernels import tpu_aot
     from pallas_kernels.window_attention import tpu as twa
 
     chip = tpu_aot.check_generation(generation)
-    geom = twa.Geometry.of(geom, dtype)
+    geom = twa.Geometry.of(geom, dtype, kv_dtype)
     plan, _ = twa.plan_call(geom, generation)
     bundles = parse_bundles(kernel_dump(dump_dir, "window_attention_tpu"))
     per_step, tail, note = attention_cycles(loop_tree(bundles), loop_trips(geom, plan), bundles)
     steps = geom.rows * geom.kv_heads * plan.num_q_blocks
-    first = 2 * min(plan.pages_per_block, geom.max_pages) * geom.block_size * geom.head_dim * geom.itemsize
+    first = 2 * min(plan.pages_per_block, geom.max_pages) * geom.block_size * geom.head_dim * geom.kv_itemsize
     exposed = max(0.0, first / chip.hbm_bytes_per_s - tail / chip.clock_hz)
     return Estimate(steps * (per_step / chip.clock_hz + tpu_aot.GRID_STEP_SECONDS), steps * exposed, steps, note)
 

@@ -3,7 +3,8 @@ yardstick of the paged kernel (:mod:`~pallas_kernels.window_attention.tpu`), and
 
 Same arguments, shapes and semantics as :func:`pallas_kernels.window_attention.window_attention`.
 For one layer it gathers each row's visible history tokens into contiguous head-major K/V (frame
-padding skipped, slots past the length selected to 0), appends the current chunk and extras, and
+padding skipped, slots past the length selected to 0; quantized pages gathered at their stored width,
+then dequantized to the compute dtype), appends the current chunk and extras, and
 runs jax's splash attention per KV head (MQA form) with padded and invalid keys removed by segment
 ids. Never a pool is copied. Block sizes: :data:`TUNED_BLOCKS`; details: ``docs/kernels.md`` (Paged
 window attention).
@@ -23,7 +24,7 @@ import jax.numpy as jnp
 from pallas_kernels.backend import resolve_backend
 from pallas_kernels.checks import argument_error, require_int
 from pallas_kernels.common import round_up
-from pallas_kernels.layout import read_tokens
+from pallas_kernels.layout import read_tokens_as
 from pallas_kernels.window_attention.geometry import WindowGeometry
 from pallas_kernels.window_attention.tpu import default_generation
 from pallas_kernels.window_attention.validation import check_arrays, check_scale
@@ -141,17 +142,19 @@ def _attention(q, k_cur, v_cur, extra_k, extra_v, k_pool, v_pool, pages, lengths
                              interpret=bool(resolve_backend(backend).interpret))
 
 
-def gather_history(pool, pages, lengths, layer, geom):
-    """Each row's history tokens of ``layer`` by position: ``[rows, kv_heads, capacity, head_dim]``
-    (slots past ``lengths`` selected to 0) and their validity ``[rows, capacity]``."""
+def gather_history(pool, pages, lengths, layer, geom, dtype):
+    """Each row's history tokens of ``layer`` by position as ``dtype``: ``[rows, kv_heads,
+    capacity, head_dim]`` (slots past ``lengths`` selected to 0) and their validity ``[rows,
+    capacity]``. A :class:`~pallas_kernels.layout.QuantizedPool` is gathered at its stored width,
+    then dequantized (:func:`~pallas_kernels.layout.read_tokens_as`)."""
     tpf = geom.tokens_per_frame
     token = jnp.arange(geom.capacity, dtype=jnp.int32)
     valid = token[None, :] < lengths.astype(jnp.int32)[:, None]
     slot = (token // tpf) * geom.pages_per_frame * geom.block_size + token % tpf
     page = jnp.where(valid, pages.astype(jnp.int32)[:, slot // geom.block_size], 0)
     offset = jnp.where(valid, slot % geom.block_size, 0)
-    hist = read_tokens(pool, layer, page, offset)  # [rows, capacity, kv_heads, head_dim]
-    hist = jnp.where(valid[:, :, None, None], hist, jnp.zeros((), pool.dtype))
+    hist = read_tokens_as(pool, layer, page, offset, dtype)  # [rows, capacity, kv_heads, head_dim]
+    hist = jnp.where(valid[:, :, None, None], hist, jnp.zeros((), dtype))
     return hist.transpose(0, 2, 1, 3), valid
 
 
@@ -168,10 +171,10 @@ def _gather_attention(q, k_cur, v_cur, extra_k, extra_v, k_pool, v_pool, pages, 
     kv_pad = -(-kv_len // b["block_kv"]) * b["block_kv"]
 
     def keys(pool, cur, extra):
-        hist, valid = gather_history(pool, pages, lengths, layer, geom)
+        hist, valid = gather_history(pool, pages, lengths, layer, geom, q.dtype)
         tail = [cur] + ([] if extra is None else [extra])
         tail = jnp.concatenate(tail, axis=1).transpose(0, 2, 1, 3)
-        pad = jnp.zeros((rows, hkv, kv_pad - kv_len, d), pool.dtype)
+        pad = jnp.zeros((rows, hkv, kv_pad - kv_len, d), q.dtype)
         return jnp.concatenate([hist, tail, pad], axis=2), valid
 
     k, valid = keys(k_pool, k_cur, extra_k)

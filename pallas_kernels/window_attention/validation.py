@@ -19,7 +19,6 @@ import jax.numpy as jnp
 
 from pallas_kernels.backend import (
     CUDNN_DTYPES,
-    QUANTIZED_POOL_KERNELS,
     check_quantized_pools,
     cudnn_supports,
     resolve_backend,
@@ -72,10 +71,10 @@ def static_validate_inputs(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, l
     Returns:
       the call's :class:`WindowGeometry`.
 
-    Quantized pools (:class:`pallas_kernels.layout.QuantizedPool`) are read by the backends of
-    :data:`pallas_kernels.backend.QUANTIZED_POOL_KERNELS` only
-    (:func:`pallas_kernels.backend.check_quantized_pools`; ``"auto"`` is not downgraded to
-    ``"xla"`` for them: what it resolves to takes them or refuses).
+    Quantized pools (:class:`pallas_kernels.layout.QuantizedPool`) are read by the backends
+    ``QUANTIZED_POOL_KERNELS["window_attention"]`` lists and refused by the others
+    (:func:`pallas_kernels.backend.check_quantized_pools`; ``"auto"`` is never downgraded to
+    ``"xla"`` for them).
 
     Raises:
       ValueError: a bad rank, shape, dtype, head count, frame size, layer rank, a Python-int
@@ -84,8 +83,7 @@ def static_validate_inputs(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, l
       TypeError: a non-array input or a ``layer`` that is not an integer.
     """
     geom = check_arrays(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, layer=layer,
-                        extra_k=extra_k, extra_v=extra_v, tokens_per_frame=tokens_per_frame,
-                        reads_quantized=True)
+                        extra_k=extra_k, extra_v=extra_v, tokens_per_frame=tokens_per_frame)
     resolved = resolve_backend(backend, dtype=q.dtype, head_dim=geom.head_dim)
     if is_quantized_pool(k_pool):
         check_quantized_pools("window_attention", backend, resolved)
@@ -190,23 +188,16 @@ def _check_values(geom: WindowGeometry, pages, lengths, layer, mode_of) -> None:
 
 
 def check_arrays(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, layer=0, extra_k=None,
-                 extra_v=None, tokens_per_frame=None, reads_quantized: bool = False) -> WindowGeometry:
+                 extra_v=None, tokens_per_frame=None) -> WindowGeometry:
     """The array part of :func:`static_validate_inputs` (no backend options); returns the geometry.
-
-    ``reads_quantized``: whether the caller reads quantized pools (the public ``window_attention``,
-    which then checks the backend, and the reference); the TPU kernels' own entry points refuse them.
+    Pools may be plain arrays or :class:`~pallas_kernels.layout.QuantizedPool` s (both alike).
 
     Raises:
       ValueError: a bad rank, shape, dtype, head count, frame size or layer rank; a Python-int
-        ``layer`` out of ``[0, num_layers)``; quantized pools without ``reads_quantized``, or
-        malformed ones.
+        ``layer`` out of ``[0, num_layers)``; a malformed pair of quantized pools.
       TypeError: a non-array input; a ``layer`` that is not an integer (``1.9``, ``True``).
     """
-    if check_pool_pair(k_pool, v_pool) and not reads_quantized:
-        raise ValueError("this backend's kernel does not read quantized pools (k_pool and v_pool are "
-                         "QuantizedPools); only "
-                         f"{', '.join(map(repr, QUANTIZED_POOL_KERNELS['window_attention']))} read them: call "
-                         "pallas_kernels.window_attention.window_attention(..., backend='xla')")
+    check_pool_pair(k_pool, v_pool)
     geom = _check_shapes(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, extra_k, extra_v,
                          tokens_per_frame)
     _check_dtypes(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, extra_k, extra_v)

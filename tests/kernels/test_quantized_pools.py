@@ -39,7 +39,6 @@ from pallas_kernels.window_attention import (
     window_attention,
     window_attention_reference,
 )
-from pallas_kernels.window_attention import tpu as tpu_attention
 from tests.kernels.device_backends import compiled
 from tests.kernels.test_window_attention import (
     HEAD_DIM,
@@ -51,6 +50,7 @@ from tests.kernels.test_window_attention import (
     make_case,
     poisoned,
 )
+from tests.tiers import slow_except
 
 BLOCK = 16
 TPF = 24  # two pages per frame, the second one half padding
@@ -181,10 +181,11 @@ def test_attention_matches_the_reference_on_dequantized_values(kv_dtype, dtype, 
                                atol=tol / 3, rtol=tol / 3)
 
 
-def poisoned_quantized(case: dict, owned, kv_dtype) -> dict:
+def poisoned_quantized(case: dict, owned, kv_dtype, poison=poisoned) -> dict:
     """``case`` (float pools) quantized, with every page a row must not read poisoned
-    (:func:`quantize_poisoned` of :func:`tests.kernels.test_window_attention.poisoned`)."""
-    return quantize_poisoned(case, poisoned(case, owned), kv_dtype)
+    (:func:`quantize_poisoned` of ``poison(case, owned)``, which puts NaN wherever a row must not
+    read: its test module's ``poisoned``)."""
+    return quantize_poisoned(case, poison(case, owned), kv_dtype)
 
 
 def quantize_poisoned(clean: dict, nan_case: dict, kv_dtype) -> dict:
@@ -205,9 +206,14 @@ def quantize_poisoned(clean: dict, nan_case: dict, kv_dtype) -> dict:
     return dict(nan_case, **quantized)
 
 
-@pytest.mark.parametrize("backend", quantized_backends("window_attention"))
-@pytest.mark.parametrize("kv_dtype", QUANTIZED_DTYPES)
-def test_pages_a_row_must_not_read_never_reach_the_output(kv_dtype, backend):
+@pytest.mark.parametrize("backend,kv_dtype", slow_except(
+    [compiled(name, kv_dtype) if BACKENDS[name].platform else (name, kv_dtype)
+     for name in QUANTIZED_POOL_KERNELS["window_attention"] for kv_dtype in QUANTIZED_DTYPES],
+    fast=[("xla", kv_dtype) for kv_dtype in QUANTIZED_DTYPES]
+    + [("pallas_tpu_interpret", "float8_e4m3fn"), ("pallas_gpu_interpret", "int8")]))
+def test_pages_a_row_must_not_read_never_reach_the_output(backend, kv_dtype):
+    """Sink and window frames, frames of 1.5 pages (a half-padding page each), ragged rows (no
+    history, sink only, after eviction), GQA and extras, poison wherever a row must not read."""
     dtype = attention_dtype(backend)
     case, owned = make_case(committed=(0, 2, 6, 3), extra=2, window=Window(sink=1, recent=2, tokens_per_frame=TPF),
                             dtype=dtype)
@@ -226,8 +232,9 @@ def test_pages_a_row_must_not_read_never_reach_the_output(kv_dtype, backend):
                                atol=1e-6, rtol=1e-6)
 
 
-@pytest.mark.parametrize("backend", [
-    compiled(name) if BACKENDS[name].platform else name for name in QUANTIZED_POOL_BACKENDS])
+@pytest.mark.parametrize("backend", slow_except(
+    [compiled(name) if BACKENDS[name].platform else name for name in QUANTIZED_POOL_BACKENDS],
+    fast=("xla", "pallas_tpu_interpret", "pallas_gpu_interpret")))
 def test_one_trace_while_window_fills_and_pages_are_rewritten(backend, fresh_trace_counter):
     """Write, then attend, over a quantized pool, on every backend that runs a whole quantized
     cache: lengths, pages, page ids and the layer are values."""
@@ -255,6 +262,29 @@ def test_one_trace_while_window_fills_and_pages_are_rewritten(backend, fresh_tra
         assert bool(jnp.all(jnp.isfinite(out)))
 
 
+@pytest.mark.parametrize("kv_dtype", QUANTIZED_DTYPES)
+def test_the_tpu_kernels_tile_dequantization_is_the_rule(kv_dtype):
+    """Every stored byte through the TPU kernel's in-VMEM dequantization (float8_e4m3fn read as the
+    TPU's native float8_e4m3b11fnuz) equals :func:`dequantize`, bit for bit after the cast to bf16
+    and in float32, but for e4m3fn's NaN bytes (never stored: quantize clips), which read as
+    +-480 x the scale, and -0, which reads as +0."""
+    from pallas_kernels.quantization import dequantize
+    from pallas_kernels.window_attention.tpu import dequantize_tile
+
+    stored = jax.lax.bitcast_convert_type(jnp.arange(256, dtype=jnp.uint8), jnp.dtype(kv_dtype))
+    scale = jnp.float32(0.0123)
+    for dtype in (jnp.float32, jnp.bfloat16):
+        got = np.asarray(dequantize_tile(stored, scale, dtype), np.float32)
+        want = np.asarray(dequantize(stored, scale, (), dtype), np.float32)
+        nan = np.isnan(want)
+        assert nan.sum() == {"int8": 0, "float8_e4m3fn": 2, "float8_e5m2": 6}[kv_dtype]
+        if kv_dtype == "float8_e4m3fn":
+            np.testing.assert_array_equal(got[nan], (jnp.asarray([480.0, -480.0]) * scale).astype(dtype))
+        else:
+            assert np.all(np.isnan(got[nan]))
+        np.testing.assert_array_equal(got[~nan], want[~nan])
+
+
 # ------------------------------------------------------------------------------------------------
 # Refusals and validation
 # ------------------------------------------------------------------------------------------------
@@ -277,15 +307,16 @@ def test_other_backends_refuse_quantized_pools_in_the_write(backend):
         write_chunk(*pools, k_new, v_new, jnp.ones((2, 4), jnp.int32), tokens_per_frame=TPF, backend=backend)
 
 
-@pytest.mark.parametrize("platform", ["tpu", "gpu"])
-def test_auto_is_not_downgraded_for_quantized_pools_on_a_device(platform, monkeypatch):
+@pytest.mark.parametrize("platform", ["tpu", "gpu", "cpu"])
+def test_auto_is_never_downgraded_for_quantized_pools(platform, monkeypatch):
     """"auto" is not silently downgraded to the XLA path on a TPU or GPU: it resolves to the
-    platform's kernel, which takes quantized pools (on a GPU: the Triton kernel for this f32 case, and
-    cuDNN gather for bf16) or refuses them, naming what it resolved to; on the CPU it is "xla"."""
+    platform's kernel, which takes quantized pools (the TPU kernel; on a GPU the Triton kernel for
+    this f32 case, and cuDNN gather for bf16) or would refuse them, naming what it resolved to; on
+    the CPU it is "xla"."""
     case, _ = quantized_case("float8_e4m3fn")
     monkeypatch.setattr(jax, "default_backend", lambda: platform)
     resolved = resolve_backend("auto", dtype=case["q"].dtype, head_dim=HEAD_DIM).name
-    assert resolved == {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}[platform]
+    assert resolved == {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cpu": "xla"}[platform]
     if resolved in QUANTIZED_POOL_KERNELS["window_attention"]:
         assert static_validate_inputs(**case).num_pages == NUM_PAGES
     else:
@@ -296,14 +327,6 @@ def test_auto_is_not_downgraded_for_quantized_pools_on_a_device(platform, monkey
         bf16, _ = quantized_case("int8", dtype=jnp.bfloat16)
         assert resolve_backend("auto", dtype=jnp.bfloat16, head_dim=HEAD_DIM).name == "cudnn_gather"
         assert static_validate_inputs(**bf16).num_pages == NUM_PAGES
-    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
-    assert static_validate_inputs(**case).num_pages == NUM_PAGES
-
-
-def test_the_tpu_kernels_own_entry_refuses_quantized_pools():
-    case, _ = quantized_case("int8")
-    with pytest.raises(ValueError, match="does not read quantized pools.*backend='xla'"):
-        tpu_attention.window_attention(**case, interpret=True)
 
 
 def test_malformed_quantized_pools_are_refused():

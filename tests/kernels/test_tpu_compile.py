@@ -7,8 +7,10 @@ Each case compiles (Mosaic + XLA:TPU, VMEM against the kernel's limit), no pool 
 temporaries under 1 % of the pools and of the chunk (no copy of the chunk at 12, 16 or 40 KV
 heads), and attention's temporaries stay within ``temp_bound_bytes``. The ``xla`` backend (the
 fallback) is compiled too, at wan-1.3b: its temporaries stay within a small multiple of one layer's
-K/V. The gather + splash baseline compiles with its default tiles in this process and with its
-raised-VMEM tiles under the limit the paged kernel sets (in a subprocess, which sets the limit).
+K/V. Attention over quantized pages (int8, fp8) compiles with the 8-bit pools as the Mosaic call's
+operands, and the gather + splash path over int8 pages, neither copying a pool. The gather + splash
+baseline compiles with its default tiles in this process and with its raised-VMEM tiles under the
+limit the paged kernel sets (in a subprocess, which sets the limit).
 Pools use few layers where the properties do not depend on the layer count. The compiles are
 skipped without libtpu; the token view of the write is also checked interpreted, bit for bit.
 """
@@ -32,6 +34,7 @@ from pallas_kernels.layout import from_token_major, pool_shape
 from pallas_kernels.paged_write import tpu as write_tpu
 from pallas_kernels.paged_write import write_chunk, write_chunk_reference
 from pallas_kernels.paged_write.reference import chunk_frames, valid_page_ids
+from pallas_kernels.quantization import QUANTIZED_DTYPES
 from pallas_kernels.window_attention import tpu as twa
 from pallas_kernels.window_attention import tpu_gather, window_attention
 from pallas_kernels.window_attention import xla as xla_backend
@@ -275,6 +278,48 @@ def test_the_public_entry_compiles_at_each_model_preset(gen, preset):
     assert twa.vmem_estimate_bytes(tpu_geom, plan) <= twa.VMEM_BUDGET[gen]
     assert rep.pool_copies == 0
     assert rep.temp_bytes <= twa.temp_bound_bytes(tpu_geom, plan)
+
+
+HLO_TYPES = {"int8": "s8", "float8_e4m3fn": "f8e4m3fn", "float8_e5m2": "f8e5m2"}
+"""The quantized page dtypes as the optimized HLO spells them."""
+
+
+@needs_libtpu
+@pytest.mark.slow
+@pytest.mark.parametrize("gen", GENERATIONS)
+@pytest.mark.parametrize("kv_dtype", QUANTIZED_DTYPES)
+def test_attention_over_quantized_pages_compiles_without_pool_copies(gen, kv_dtype):
+    """``window_attention(backend="pallas_tpu")`` over quantized pools at wan-1.3b with all 30
+    layers (a pool-sized conversion of the 8-bit pages would be a temporary far over the bound):
+    it compiles, the Mosaic kernel takes both pools' stored values as they are (8-bit operands of
+    the custom call: its DMAs move 8-bit pages), no pool is copied and the temporaries stay within
+    ``temp_bound_bytes`` (the scales of the visible pages included)."""
+    geom, shape, specs = attention_shapes(PRESETS["wan-1.3b"], 1, kv_dtype=kv_dtype)
+    fn = tpu_compile.with_pool_arrays(attention_fn(window_attention, geom, backend="pallas_tpu"), kv_dtype)
+    rep = tpu_aot.report(tpu_aot.compile_for_tpu(fn, specs, gen), [shape])
+    tpu_geom = twa.Geometry.of(geom, BF16, kv_dtype)
+    plan = twa.make_plan(tpu_geom, twa.TUNED_BLOCKS[gen])
+    assert twa.vmem_estimate_bytes(tpu_geom, plan) <= twa.VMEM_BUDGET[gen]
+    call = next(line for line in rep.hlo.splitlines() if "custom-call(" in line and "window_attention_tpu" in line)
+    assert call.count(f"{HLO_TYPES[kv_dtype]}[{','.join(map(str, shape))}]") == 2
+    assert rep.pool_copies == 0
+    assert rep.temp_bytes <= twa.temp_bound_bytes(tpu_geom, plan)
+
+
+@needs_libtpu
+@pytest.mark.slow
+@pytest.mark.parametrize("gen", GENERATIONS)
+def test_gather_baseline_over_int8_pages_compiles_without_pool_copies(gen):
+    """The gather + splash path over int8 pages at wan-1.3b (30 layers): it compiles, copies no
+    pool, and its temporaries (the gathered, dequantized history) stay under one int8 pool's bytes,
+    so no pool is converted whole either."""
+    geom, shape, specs = attention_shapes(PRESETS["wan-1.3b"], 1, kv_dtype="int8")
+    fn = tpu_compile.with_pool_arrays(attention_fn(tpu_gather.gather_window_attention, geom, generation=gen),
+                                      "int8")
+    with jax.default_matmul_precision("default"):
+        rep = tpu_aot.report(tpu_aot.compile_for_tpu(fn, specs, gen), [shape])
+    assert rep.pool_copies == 0
+    assert rep.temp_bytes < math.prod(shape)
 
 
 @needs_libtpu

@@ -20,8 +20,10 @@ import pytest
 
 from pallas_kernels.backend import tpu_simulator_params
 from pallas_kernels.layout import page_mask, pool_geometry, pool_shape, slot_mask
+from pallas_kernels.quantization import QUANTIZED_DTYPES
 from pallas_kernels.window_attention import window_attention_reference
 from pallas_kernels.window_attention.tpu import window_attention
+from tests.tiers import slow_except
 
 TOLERANCE = {jnp.float32: 2e-5, jnp.bfloat16: 3e-2, jnp.float16: 4e-3}
 LAYERS, NUM_PAGES, BLOCK, KV_HEADS, HEAD_DIM = 2, 40, 16, 2, 128
@@ -185,6 +187,60 @@ def test_one_trace_while_window_fills():
         args = [case[k] for k in ("q", "k_cur", "v_cur", "k_pool", "v_pool", "pages", "lengths")]
         out = step(*args, jnp.int32(case["layer"]))
         np.testing.assert_allclose(out, window_attention_reference(**case), atol=2e-5, rtol=2e-5)
+
+
+def quantized_pair(case: dict, owned, kv_dtype) -> tuple[dict, dict]:
+    """``(poisoned, clean)``: ``case`` with its pools quantized page by page, poisoned where no row
+    may read (NaN scales on unread pages, NaN or the largest value in unread slots: see
+    ``poisoned_quantized``), and the same pools unpoisoned with the poisoned case's page lists."""
+    from pallas_kernels.layout import quantize_pages
+    from tests.kernels.test_quantized_pools import poisoned_quantized
+
+    bad = poisoned_quantized(case, owned, kv_dtype, poison=poisoned)
+    clean = dict(case, k_pool=quantize_pages(case["k_pool"], kv_dtype),
+                 v_pool=quantize_pages(case["v_pool"], kv_dtype), pages=bad["pages"])
+    return bad, clean
+
+
+@pytest.mark.parametrize("kv_dtype,mxu_row_sums", slow_except(
+    [(kv_dtype, sums) for kv_dtype in QUANTIZED_DTYPES for sums in (False, True)],
+    fast=[("float8_e4m3fn", True)]))
+def test_quantized_pages_cut_into_pieces(kv_dtype, mxu_row_sums):
+    """Quantized pages on the tuned tiles' path: 272-slot pages (12 of them frame padding) cut into
+    128-key pieces, each dequantized as it is loaded, their 16-slot remainders pooled over a 3-page
+    DMA block (dequantized as they are copied), V widened by ones under ``mxu_row_sums``; the
+    chunk and extras stay float32; ragged rows, poison in unread pages' scales and unread slots."""
+    window = Window(sink=1, recent=2, tokens_per_frame=260, block=272)
+    case, owned = make_case(committed=(0, 2, 5), window=window, extra=3, lengths=[0, 2 * 260 - 7, 3 * 260])
+    bad, clean = quantized_pair(case, owned, kv_dtype)
+    check(bad, expected=clean, block_q=32, block_q_compute=32, block_kv_compute=128, keys_per_block=3 * 272,
+          mxu_row_sums=mxu_row_sums)
+
+
+@pytest.mark.parametrize("kv_dtype", QUANTIZED_DTYPES)
+def test_quantized_whole_pages_per_chunk_in_bf16(kv_dtype):
+    """Several 16-slot pages per compute chunk (each page dequantized with its own scale, then
+    concatenated), bf16 compute, several query sub-blocks and DMA blocks, GQA, frame padding."""
+    case, owned = make_case(committed=(1, 6, 3), window=Window(tokens_per_frame=24), extra=2,
+                            dtype=jnp.bfloat16)
+    floats = dict(case, k_pool=case["k_pool"].astype(jnp.float32), v_pool=case["v_pool"].astype(jnp.float32))
+    bad, clean = quantized_pair(floats, owned, kv_dtype)
+    check(bad, expected=clean, **dict(SMALL, block_q=32))
+
+
+@pytest.mark.slow
+def test_quantized_pages_under_the_simulator():
+    """Quantized pages under the TPU simulator (DMAs of 8-bit pages emulated, races detected,
+    out-of-bounds reads raise, uninitialised VMEM is NaN): pieces, pooled remainders over two DMA
+    blocks, MXU row sums."""
+    from jax._src.pallas.mosaic.interpret import interpret_pallas_call as mosaic_interpret
+
+    window = Window(sink=1, recent=2, tokens_per_frame=272, block=272)
+    case, owned = make_case(committed=(0, 1, 5), window=window, extra=3)
+    bad, clean = quantized_pair(case, owned, "float8_e4m3fn")
+    check(bad, interpret=tpu_simulator_params(), expected=clean, block_q=32, block_q_compute=16,
+          block_kv_compute=128, keys_per_block=2 * 272, mxu_row_sums=True)
+    assert not mosaic_interpret.races.races_found
 
 
 @pytest.mark.parametrize("change,message", [
