@@ -492,16 +492,18 @@ def attention_pricer(pipeline: Pipeline, generation: str) -> KernelPricer:
             return _kernel_seconds(causal_conv.geometry_of_kernel(name), pipeline.vae.dtype, generation)
         if name not in geometries:
             raise ValueError(f"no estimate for the Mosaic kernel {name!r}")
-        return _kernel_seconds(geometries[name](pipeline, rows), pipeline.dit.dtype, generation)
+        kv_dtype = pipeline.preset.geometry.page_dtype if name == "window_attention_tpu" else None
+        return _kernel_seconds(geometries[name](pipeline, rows), pipeline.dit.dtype, generation, kv_dtype)
 
     return price
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel_seconds(geom: WindowGeometry | ContextGeometry | ConvGeometry, dtype: str, generation: str) -> float:
+def _kernel_seconds(geom: WindowGeometry | ContextGeometry | ConvGeometry, dtype: str, generation: str,
+                    kv_dtype: str | None = None) -> float:
     from pallas_kernels.window_attention import tpu_estimate
 
-    return tpu_estimate.estimate(geom, dtype, generation).seconds
+    return tpu_estimate.estimate(geom, dtype, generation, kv_dtype).seconds
 
 
 def commit_seconds(pipeline: Pipeline, sessions: int, generation: str) -> float:

@@ -179,12 +179,13 @@ def bytes_per_token(method: str, head_dim: int, block_size: int) -> float:
     return head_dim + SCALE_ITEMSIZE / per_scale_tokens
 
 
-def paged_rollout(model, setup: "RolloutSetup", kv_dtype: str | None, chunks: int) -> np.ndarray:
-    """``[2, chunks * F, H, W, C]``: two CFG sessions of ``setup`` over ``chunks`` chunks (XLA
-    backend), their pages stored as ``kv_dtype`` (``None``: the model's dtype)."""
+def paged_rollout(model, setup: "RolloutSetup", kv_dtype: str | None, chunks: int, backend: str = "xla"
+                  ) -> np.ndarray:
+    """``[2, chunks * F, H, W, C]``: two CFG sessions of ``setup`` over ``chunks`` chunks on
+    ``backend``, their pages stored as ``kv_dtype`` (``None``: the model's dtype)."""
     geometry = dataclasses.replace(setup.geometry, kv_dtype=kv_dtype)
     plan = rollout_plan(geometry, setup.window, CFG_BRANCHES, setup.cross_attention, 2)
-    cache = PagedKVCache(geometry, setup.window, CFG_BRANCHES, setup.cross_attention, plan=plan, backend="xla")
+    cache = PagedKVCache(geometry, setup.window, CFG_BRANCHES, setup.cross_attention, plan=plan, backend=backend)
     rollout = Rollout(model, cache, setup.sampler, max_traces=1)
     for sid, (prompt, seed) in ROLLOUT_PROMPTS.items():
         rollout.join(sid, prompt, seed=seed)

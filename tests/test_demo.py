@@ -162,9 +162,7 @@ def test_the_progress_bar_shows_on_terminals_only(tmp_path):
                                   "run's devices are {platform}; use --backend xla (runs everywhere) or --backend "
                                   "pallas_gpu_interpret"),
     (["--backend", "pallas_tpu"], "--backend pallas_tpu: the compiled kernel needs a TPU"),
-    (["--kv-dtype", "int8", "--backend", "pallas_tpu_interpret"],
-     "the demo: backend 'pallas_tpu_interpret' does not read or write quantized pools"),
-], ids=["out_below_a_file", "out_is_a_file", "pallas_gpu_on_cpu", "pallas_tpu_on_cpu", "quantized_off_xla"])
+], ids=["out_below_a_file", "out_is_a_file", "pallas_gpu_on_cpu", "pallas_tpu_on_cpu"])
 def test_demo_refuses_before_the_run(flags, message, tmp_path, capsys):
     if flags[0] == "--backend" and resolve_backend(flags[1]).runs_on(jax.devices()[0].platform):
         pytest.skip(f"{flags[1]} runs on this machine's devices (the registry's Backend.runs_on)")

@@ -101,8 +101,6 @@ def test_output_paths(tmp_path):
     (["--random-tiny", "--backend", "pallas_gpu"], "--backend pallas_gpu: the compiled kernel needs an NVIDIA GPU"),
     (["--random-tiny", "--backend", "pallas_tpu_gather"], "the compiled kernel needs a TPU"),
     (["--random-tiny", "--prompt-at", "one:x"], "must look like CHUNK:TEXT"),
-    (["--random-tiny", "--kv-dtype", "int8", "--backend", "pallas_tpu_interpret"],
-     "generate: backend 'pallas_tpu_interpret' does not read or write quantized pools"),
     (["--random-tiny", "--kv-dtype", "int4"], "argument --kv-dtype: invalid choice: 'int4'"),
     (["--random-tiny", "--generator", "g.pt"], "--generator needs --checkpoint"),
     (["--random-tiny", "--checkpoint", "."], "not allowed with argument"),

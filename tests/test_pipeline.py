@@ -135,6 +135,18 @@ def test_the_pricer_prices_each_causal_convolution_at_its_own_shape(monkeypatch)
     assert asked == [(small, "bfloat16", "v6e"), (large, "bfloat16", "v6e")]
 
 
+def test_the_pricer_prices_attention_over_the_pages_stored_dtype(monkeypatch):
+    """Window attention is priced over the pages' storage dtype (int8 pages here), the text
+    cross-attention in the compute dtype."""
+    asked = []
+    monkeypatch.setattr(pl, "_kernel_seconds", lambda geom, dtype, gen, kv_dtype=None:
+                        asked.append((type(geom).__name__, dtype, kv_dtype)) or 1e-3)
+    price = pl.attention_pricer(pl.PIPELINES["self-forcing"].with_kv_dtype("int8"), "v5e")
+    price("window_attention_tpu", 1)
+    price("context_attention_tpu", 1)
+    assert asked == [("WindowGeometry", "bfloat16", "int8"), ("ContextGeometry", "bfloat16", None)]
+
+
 def test_the_flop_count_scales_with_rows_and_steps():
     one = pl.dit_flops(TINY, 1)
     assert pl.dit_flops(TINY, 3) == 3 * one
@@ -161,11 +173,13 @@ def small_wan() -> pl.Pipeline:
 
 @pytest.mark.slow
 @needs_libtpu
-def test_the_plan_matches_the_compiled_programs():
+@pytest.mark.parametrize("kv_dtype", [None, "int8"])
+def test_the_plan_matches_the_compiled_programs(kv_dtype):
     """``plan_chip`` on a chip sized so that one bucket fits and the next does not; at the fitting
-    bucket the planner's bytes are within 5 % of the compiled programs' (pools of the planned size),
-    and the compiled total stays within the chip."""
-    pipeline = small_wan()
+    bucket the planner's bytes are within 5 % of the compiled programs' (pools of the planned size,
+    in bf16 or int8 pages: the TPU kernels read and write them in place), and the compiled total
+    stays within the chip."""
+    pipeline = small_wan().with_kv_dtype(kv_dtype)
     first = pl.plan_bucket(pipeline, 1, "v5e", budget=1 << 40)
     in_flight = first.plan.page_size_bytes * pipeline.preset.geometry.frames_per_forward
     per_session = first.plan.bytes_per_session + in_flight

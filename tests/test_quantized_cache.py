@@ -61,10 +61,10 @@ def test_the_cache_builds_zero_quantized_pools(kv_dtype):
 def test_a_quantized_cache_refuses_backends_that_cannot_read_it(monkeypatch):
     g = dataclasses.replace(PRESET.geometry, kv_dtype="int8")
     plan = rollout_plan(g, PRESET.window, PRESET.kv_branches, PRESET.cross_attention, 1)
-    with pytest.raises(ValueError, match="PagedKVCache: backend 'pallas_tpu_interpret' does not read or write "
-                                         "quantized pools.*pass backend='xla'"):
+    with pytest.raises(ValueError, match="PagedKVCache: backend 'pallas_mgpu' does not read or write "
+                                         "quantized pools.*pass backend='xla'"):  # refused before any device check
         PagedKVCache(g, PRESET.window, PRESET.kv_branches, PRESET.cross_attention, plan=plan,
-                     backend="pallas_tpu_interpret")
+                     backend="pallas_mgpu")
     assert isinstance(PagedKVCache(g, PRESET.window, PRESET.kv_branches, PRESET.cross_attention, plan=plan,
                                    backend="auto").pools[0], QuantizedPool)  # "auto" is "xla" on the CPU
 
@@ -126,3 +126,16 @@ def test_an_int8_rollout_stays_close_to_the_float32_one():
     diff = np.abs(int8.astype(np.float64) - exact)
     assert np.all(np.isfinite(int8)) and int8.shape == exact.shape
     assert 0 < diff.max() < 1e-2 and diff.mean() < 1e-3  # quantized (not equal), and close
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kv_dtype", ["int8", "float8_e4m3fn"])
+def test_a_quantized_rollout_on_the_tpu_kernels_matches_the_xla_path(kv_dtype):
+    """The whole cache on the TPU kernels (interpreted: the write quantizing in VMEM, attention
+    dequantizing per compute chunk) gives the XLA path's latents: the same stored pages, attention
+    equal up to float rounding."""
+    model = init_random(MODEL_CONFIGS["tiny"], seed=0)
+    xla, tpu = (paged_rollout(model, TINY_SETUP, kv_dtype, 3, backend=b) for b in ("xla", "pallas_tpu_interpret"))
+    assert np.all(np.isfinite(tpu))
+    np.testing.assert_allclose(tpu, xla, atol=1e-4, rtol=1e-4)
+

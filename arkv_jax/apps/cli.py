@@ -135,7 +135,7 @@ def _add_plan_parser(sub) -> None:
     p.add_argument("--dtype", help="compute dtype (and the pages' unless --kv-dtype): float32, bfloat16 or float16")
     p.add_argument("--kv-dtype", choices=KV_DTYPES,
                    help="storage dtype of the K/V pages (default: --dtype); int8 and fp8 store each page with a "
-                        "float32 scale per layer and KV head and are read and written by the xla backend only so far")
+                        "float32 scale per layer and KV head (backends: docs/kernels.md, Quantized pages)")
     p.add_argument("--reset-at-boundary", action="store_true", default=None,
                    help="vLLM-Omni's reset mode (evict everything after the sink on each commit)")
     p.add_argument("--branches", type=_branches, help="KV branches, e.g. 'positive:0,negative:1'")
@@ -324,7 +324,7 @@ def _add_demo_parser(sub) -> None:
                         "(checked before the run)")
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default=None,
                    help="storage dtype of the K/V pages (default: the model's); int8 and fp8 are quantized pages, "
-                        "read and written by the xla backend only so far (checked before the run)")
+                        "not read by pallas_mgpu's attention (checked before the run)")
     p.add_argument("--out", default="arkv_demo_out",
                    help="folder for the figures, created if needed (default arkv_demo_out; checked before the run)")
     p.add_argument("--check", action="store_true",
@@ -447,7 +447,7 @@ def _add_generate_parser(sub) -> None:
     p.add_argument("--fps", type=_positive_int, default=16, help="frames per second of the mp4 (default 16)")
     p.add_argument("--backend", default="auto", choices=BACKEND_NAMES, help="kernel backend (default auto)")
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default=None,
-                   help="store the K/V pages as int8 or fp8 (one scale per page; the xla backend only) or another "
+                   help="store the K/V pages as int8 or fp8 (one scale per page; not pallas_mgpu) or another "
                         "float dtype (default: the model's dtype)")
     p.add_argument("--allow-pickle", action="store_true",
                    help="let torch unpickle arbitrary objects from a --generator file (trusted files only)")

@@ -293,12 +293,15 @@ def _compile_and_price_conv(geom: ConvGeometry, dtype: str, generation: str, dum
 
 
 def _compile_and_price(geom: WindowGeometry | ContextGeometry | ConvGeometry, dtype: str, generation: str,
-                       dump_dir: str) -> Estimate:
-    """In the worker process: compiles one call of ``geom`` for ``generation`` and prices it."""
+                       dump_dir: str, kv_dtype: str | None = None) -> Estimate:
+    """In the worker process: compiles one call of ``geom`` for ``generation`` (window attention
+    over pages stored as ``kv_dtype``, default ``dtype``) and prices it."""
     import jax.numpy as jnp
 
     from pallas_kernels import tpu_aot
     from pallas_kernels.context_attention import context_attention
+    from pallas_kernels.layout import QuantizedPool, scale_shape
+    from pallas_kernels.quantization import SCALE_DTYPE, is_quantized
     from pallas_kernels.window_attention import tpu as twa
 
     if isinstance(geom, ConvGeometry):
@@ -312,17 +315,28 @@ def _compile_and_price(geom: WindowGeometry | ContextGeometry | ConvGeometry, dt
         return twa.window_attention(q, kc, vc, kp, vp, pages, lengths, layer=layer, extra_k=ek, extra_v=ev,
                                     tokens_per_frame=geom.tokens_per_frame, generation=generation)
 
+    if is_quantized(kv_dtype):  # each pool as its values and scales
+        pool = specs[3][0]
+        stored = [(pool, jnp.dtype(kv_dtype)), (scale_shape(pool), SCALE_DTYPE)]
+        specs = specs[:3] + stored + stored + specs[5:]
+        plain = fn
+
+        def fn(q, kc, vc, kv, ks, vv, vs, *rest):
+            return plain(q, kc, vc, QuantizedPool(kv, ks), QuantizedPool(vv, vs), *rest)
+
     tpu_aot.compile_for_tpu(fn, specs, generation)
-    return estimate_from_dump(geom, dtype, generation, dump_dir)
+    return estimate_from_dump(geom, dtype, generation, dump_dir, kv_dtype)
 
 
 _GEOMETRIES = {"window-attention": WindowGeometry, "context-attention": ContextGeometry,
                "causal-convolution": ConvGeometry}
 
 
-def estimate(geom: WindowGeometry | ContextGeometry | ConvGeometry, dtype: str, generation: str) -> Estimate:
+def estimate(geom: WindowGeometry | ContextGeometry | ConvGeometry, dtype: str, generation: str,
+             kv_dtype: str | None = None) -> Estimate:
     """Compiles one call of ``geom`` (the paged window-attention kernel for a
-    :class:`~pallas_kernels.window_attention.WindowGeometry`, the context-attention kernel for a
+    :class:`~pallas_kernels.window_attention.WindowGeometry` over pages stored as ``kv_dtype``,
+    default ``dtype``; the context-attention kernel for a
     :class:`~pallas_kernels.context_attention.ContextGeometry`, the causal-convolution kernel for a
     :class:`~pallas_kernels.causal_conv.ConvGeometry`) for ``generation`` (libtpu's
     compile-only device, in a child process with its own bundle dump) and prices it.
@@ -336,7 +350,7 @@ def estimate(geom: WindowGeometry | ContextGeometry | ConvGeometry, dtype: str, 
                    LIBTPU_INIT_ARGS=f"--xla_jf_dump_to={dump} --xla_jf_dump_llo_text=true",
                    ALLOW_MULTIPLE_LIBTPU_LOAD="1")
         request = json.dumps(dict(kernel=kernel, geometry=dataclasses.asdict(geom), dtype=dtype,
-                                  generation=generation, dump=dump))
+                                  generation=generation, dump=dump, kv_dtype=kv_dtype))
         proc = subprocess.run([sys.executable, "-m", __name__, request], env=env, capture_output=True, text=True)
         lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
         if proc.returncode or not lines:
@@ -348,5 +362,5 @@ def estimate(geom: WindowGeometry | ContextGeometry | ConvGeometry, dtype: str, 
 if __name__ == "__main__":
     args = json.loads(sys.argv[1])
     geometry = _GEOMETRIES[args["kernel"]](**args["geometry"])
-    result = _compile_and_price(geometry, args["dtype"], args["generation"], args["dump"])
+    result = _compile_and_price(geometry, args["dtype"], args["generation"], args["dump"], args["kv_dtype"])
     print(json.dumps(dataclasses.asdict(result)))
