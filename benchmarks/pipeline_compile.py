@@ -3,7 +3,8 @@
 Needs libtpu (``pip install -e ".[tpu]"``); runs nothing. For each generation, on a compile-only
 device (:mod:`arkv_jax.pipeline`): the chunk program exactly as ``Rollout.step()`` runs it (the
 sampler's denoise forwards and the commit forward over the paged pools, ``pallas_tpu`` attention)
-for Self-Forcing (4 steps) and CausVid (3 steps), without and with CFG, at each batch bucket up to
+for Self-Forcing (4 steps) and CausVid (3 steps), without and with CFG, and Self-Forcing over int8
+K/V pages (``streams_per_chip_int8_vs_bf16``), at each batch bucket up to
 the first that does not fit; the streaming VAE decode of one chunk per batch; one prompt's text
 encoding (umT5-XXL, 512 tokens) and its cross-attention K/V; one prompt switch's recache.
 
@@ -31,9 +32,11 @@ def _importable_checkout() -> None:
         sys.path.insert(0, ROOT)
 
 
-#: Samplers and guidance compiled: label -> (pipeline name, CFG scale or None).
-VARIANTS = {"self-forcing": ("self-forcing", None), "self-forcing+cfg": ("self-forcing", 3.0),
-            "causvid": ("causvid", None), "causvid+cfg": ("causvid", 3.0)}
+#: Samplers, guidance and K/V pages compiled: label -> (pipeline name, CFG scale or None, page
+#: dtype or None for the compute dtype's).
+VARIANTS = {"self-forcing": ("self-forcing", None, None), "self-forcing+cfg": ("self-forcing", 3.0, None),
+            "causvid": ("causvid", None, None), "causvid+cfg": ("causvid", 3.0, None),
+            "self-forcing+int8": ("self-forcing", None, "int8")}
 
 
 def variants(names):
@@ -44,8 +47,8 @@ def variants(names):
 
     out = []
     for name in names:
-        base, guidance = VARIANTS[name]
-        pipeline = PIPELINES[base]
+        base, guidance, kv_dtype = VARIANTS[name]
+        pipeline = PIPELINES[base].with_kv_dtype(kv_dtype)
         out.append((name, pipeline.with_(sampler=dataclasses.replace(pipeline.sampler, guidance_scale=guidance))))
     return out
 
@@ -107,8 +110,11 @@ def chip_report(generation: str, names, buckets) -> dict:
     events = event_seconds(main.pipeline, generation, pl.attention_pricer(main.pipeline, generation))
     print(f"{generation} per prompt: text encoding {events['text_seconds']:.3f} s, recache "
           f"{events['recache_seconds']:.3f} s", flush=True)
+    int8 = {"self-forcing", "self-forcing+int8"} <= plans.keys() and plans["self-forcing"].streams_per_chip
     return dict(
         streams_per_chip=main.streams_per_chip,
+        streams_per_chip_int8_vs_bf16=(plans["self-forcing+int8"].streams_per_chip
+                                       / plans["self-forcing"].streams_per_chip) if int8 else None,
         fps_single_stream=single.get("fps_per_stream"),
         fps_per_chip_best_batch=best.video_fps(main.frames_per_chunk)[1] if best else None,
         best_batch=best.batch if best else None,
