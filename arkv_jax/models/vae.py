@@ -175,12 +175,16 @@ class _Stream:
     entries collected in ``outputs``). Entries are stored in ``dtype`` (the config's
     :attr:`~WanVAEConfig.stored_cache_dtype`) and read back in the dtype of the input they extend.
     With ``inputs=None`` every entry reads as zeros (used to find the cache's shapes). ``backend``
-    (a resolved name of :mod:`pallas_kernels.backend`) is the one the causal convolutions run."""
+    (a resolved name of :mod:`pallas_kernels.backend`) is the one the causal convolutions run.
+    With an ``index`` the inputs are a batch's entries ``[B, 2, H, W, C]``: an entry is read as
+    stream ``index``'s slice where it is used, and each output is the batch's entry with that
+    slice replaced (updated in place: the batch's cache is not copied whole)."""
 
-    def __init__(self, inputs: Sequence[Array] | None, dtype, backend: str = "xla"):
+    def __init__(self, inputs: Sequence[Array] | None, dtype, backend: str = "xla", index: Array | None = None):
         self.inputs = inputs
         self.dtype = jnp.dtype(dtype)
         self.backend = backend
+        self.index = index
         self.outputs: list[Array] = []
 
     def take(self, like: Array) -> Array:
@@ -196,17 +200,24 @@ class _Stream:
         if i >= len(self.inputs):
             raise ValueError(f"the cache has {len(self.inputs)} entries; the decoder needs more")
         entry = self.inputs[i]
-        if entry.shape != (CACHE_FRAMES, *like.shape[1:]):
-            raise ValueError(f"cache entry {i} has shape {entry.shape}; the decoder needs "
+        shape = entry.shape if self.index is None else entry.shape[1:]
+        if shape != (CACHE_FRAMES, *like.shape[1:]):
+            raise ValueError(f"cache entry {i} has shape {shape}; the decoder needs "
                              f"{(CACHE_FRAMES, *like.shape[1:])} (was it made for this latent size?)")
         if entry.dtype != self.dtype:
             raise ValueError(f"cache entry {i} is {entry.dtype}; the decoder stores its cache in {self.dtype} "
                              "(was it made by this decoder's decoder_init_cache?)")
+        if self.index is not None:
+            entry = jax.lax.dynamic_index_in_dim(entry, self.index, axis=0, keepdims=False)
         return entry.astype(like.dtype)
 
     def put(self, entry: Array) -> None:
-        """Record the next entry, cast to the cache's storage dtype."""
-        self.outputs.append(entry.astype(self.dtype))
+        """Record the next entry, cast to the cache's storage dtype (with an ``index``: written into
+        the batch's entry)."""
+        entry = entry.astype(self.dtype)
+        if self.index is not None:
+            entry = jax.lax.dynamic_update_index_in_dim(self.inputs[len(self.outputs)], entry, self.index, axis=0)
+        self.outputs.append(entry)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -444,39 +455,43 @@ class WanVAEDecoder(nnx.Module):
 
         return tuple(jax.eval_shape(shapes))
 
-    def __call__(self, latents: Array, cache: DecoderCache, *, per_frame: bool = True, backend: str = "xla"
-                 ) -> tuple[Array, DecoderCache]:
-        """Decode the next chunk of a stream (unbatched; :func:`decode_chunk` batches and jits).
+    def __call__(self, latents: Array, cache: DecoderCache, *, per_frame: bool = True, backend: str = "xla",
+                 index: Array | None = None) -> tuple[Array, DecoderCache]:
+        """Decode the next chunk of a stream (unbatched latents; :func:`decode_chunk` batches and jits).
 
         Args:
           latents: ``[F, h, w, z_dim]`` normalised latent frames (``F`` may be 0).
-          cache: the stream's cache (from :meth:`init_cache` or the previous chunk).
+          cache: the stream's cache (from :func:`decoder_init_cache` or the previous chunk); with
+            ``index``, a batch's cache (entries ``[B, 2, ...]``) of which stream ``index`` is decoded.
           per_frame: decode one latent frame at a time (``lax.scan``; the reference's order and
             activation memory) rather than the chunk's frames at once.
           backend: the causal convolutions' backend, a resolved name of
             :data:`pallas_kernels.backend.BACKENDS` (:func:`decode_chunk` resolves ``"auto"``).
 
+          index: the stream of a batch's cache (an int scalar, traced or not), or ``None``.
+
         Returns:
           ``(frames, cache)``: float32 pixels ``[F', 8h, 8w, 3]`` in ``[-1, 1]``
-          (:meth:`WanVAEConfig.num_pixel_frames` of them) and the cache after them.
+          (:meth:`WanVAEConfig.num_pixel_frames` of them) and the cache after them (with ``index``:
+          the batch's, that stream's entries updated).
         """
         z = self.denormalize(latents)
         started = cache.started
         entries = cache.frames
         outputs = []
         if z.shape[0] and not started:
-            stream = _Stream(entries, self.config.stored_cache_dtype, backend)
+            stream = _Stream(entries, self.config.stored_cache_dtype, backend, index)
             first = z[:1] if per_frame else z
             outputs.append(self.decode_frames(first, stream, False))
             entries, started = tuple(stream.outputs), True
             z = z[1:] if per_frame else z[:0]
         if z.shape[0] and not per_frame:
-            stream = _Stream(entries, self.config.stored_cache_dtype, backend)
+            stream = _Stream(entries, self.config.stored_cache_dtype, backend, index)
             outputs.append(self.decode_frames(z, stream, True))
             entries = tuple(stream.outputs)
         elif z.shape[0]:
             def step(carry, frame):
-                stream = _Stream(carry, self.config.stored_cache_dtype, backend)
+                stream = _Stream(carry, self.config.stored_cache_dtype, backend, index)
                 out = self.decode_frames(frame[None], stream, True)
                 return tuple(stream.outputs), out
 
@@ -573,19 +588,20 @@ def _decode_chunk_impl(graphdef, params, cache: DecoderCache, latents: Array, pe
 
 def _decode_streams(decoder: WanVAEDecoder, cache: DecoderCache, latents: Array, per_frame: bool, backend: str):
     """A batch of streams ``[B, F, h, w, z_dim]``, one stream after the other in a ``fori_loop``
-    whose carry is the batch's cache, updated in place: a batch's temporaries are one stream's
-    (``lax.map`` would stack the new caches into a second buffer the size of the batch's)."""
+    whose carry is the batch's cache, each entry read and written in place where the decoder uses
+    it (:class:`_Stream` with an ``index``): a batch's temporaries are one stream's activations
+    (``lax.map`` would stack the new caches into a second buffer the size of the batch's; slicing
+    a stream's whole cache out first would hold a copy of it)."""
     def stream(i, entries):
-        return decoder(latents[i], DecoderCache(tuple(e[i] for e in entries), started=cache.started),
-                       per_frame=per_frame, backend=backend)
+        return decoder(latents[i], DecoderCache(entries, started=cache.started), per_frame=per_frame,
+                       backend=backend, index=i)
 
     one = jax.eval_shape(stream, 0, cache.frames)
 
     def body(i, carry):
         frames, entries = carry
         out, new = stream(i, entries)
-        put = functools.partial(jax.lax.dynamic_update_index_in_dim, index=i, axis=0)
-        return put(frames, out), tuple(put(e, n) for e, n in zip(entries, new.frames))
+        return jax.lax.dynamic_update_index_in_dim(frames, out, i, axis=0), new.frames
 
     frames = jnp.zeros((latents.shape[0], *one[0].shape), one[0].dtype)
     frames, entries = jax.lax.fori_loop(0, latents.shape[0], body, (frames, cache.frames))
