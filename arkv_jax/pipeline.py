@@ -59,9 +59,9 @@ class Pipeline:
         host, once per prompt, and only its output moves).
       backend: the window-attention backend the programs use (:mod:`pallas_kernels.backend`).
       vae_backend: the backend of the VAE decoder's causal convolutions
-        (:func:`arkv_jax.models.vae.decode_chunk`). XLA by default: compiled at Wan 2.1's shape,
-        the TPU kernel made the decode faster but its temporaries larger than this project allows
-        (v6e 2.33 -> 3.23 GiB with the 384-channel convolutions on the kernel; see
+        (:func:`arkv_jax.models.vae.decode_chunk`): the TPU kernel by default, for every 3x3x3
+        convolution of at least 96 input channels, over the stream cache kept row-major (compiled
+        at Wan 2.1's shape: the decode about twice as fast as XLA's, with smaller temporaries;
         ``docs/kernels.md``, Causal convolution).
     """
 
@@ -72,7 +72,7 @@ class Pipeline:
     sampler: Sampler
     text_on_device: bool = False
     backend: str = "pallas_tpu"
-    vae_backend: str = "xla"
+    vae_backend: str = "pallas_tpu"
 
     def __post_init__(self):
         require_bool("text_on_device", self.text_on_device)
@@ -144,12 +144,13 @@ def weight_bytes(pipeline: Pipeline) -> dict[str, int]:
 
 def session_state_bytes(pipeline: Pipeline) -> dict[str, int]:
     """Bytes one session keeps on the chip outside the K/V pool and its cross-attention cache:
-    ``vae_stream_cache`` (the streaming decoder's cache) and ``latent_ring`` (the latents a prompt
-    switch recomputes the history from)."""
+    ``vae_stream_cache`` (the streaming decoder's cache as a TPU's HBM holds it, row-major with its
+    channels padded to the lanes: :func:`arkv_jax.models.vae.stream_cache_bytes` with ``tpu_hbm``)
+    and ``latent_ring`` (the latents a prompt switch recomputes the history from)."""
     _, h, w, c = pipeline.latent_shape
     window = pipeline.preset.window
     frame = h * w * c * jnp.dtype(pipeline.dit.dtype).itemsize
-    return {"vae_stream_cache": vae_model.stream_cache_bytes(pipeline.vae, h, w),
+    return {"vae_stream_cache": vae_model.stream_cache_bytes(pipeline.vae, h, w, tpu_hbm=True),
             "latent_ring": window.latent_ring_frames(pipeline.latent_shape[0]) * frame}
 
 
@@ -197,20 +198,25 @@ def chunk_program(pipeline: Pipeline, sessions: int, num_pages: int, sharding=No
 def decode_program(pipeline: Pipeline, sessions: int, sharding=None):
     """One chunk's streaming VAE decode for ``sessions`` streams past their first chunk
     (``F`` latent frames to ``4 F`` pixel frames each), as :func:`arkv_jax.models.vae.decode_chunk`
-    runs it with the cache donated and the pipeline's ``vae_backend``: ``(fn, args, donate_argnums)``."""
+    runs it with the cache donated and the pipeline's ``vae_backend``: ``(fn, args, donate_argnums,
+    out_shardings)``. With a ``sharding`` the cache comes in and goes out in the row-major format
+    the decoder keeps it in (:func:`arkv_jax.models.vae.cache_formats`; ``out_shardings`` says so
+    for the outputs, to be given to ``jax.jit``); without one, ``out_shardings`` is ``None``."""
     require_positive("sessions", sessions)
     graphdef, params = _abstract(vae_model.WanVAEDecoder, pipeline.vae)
     f, h, w, _ = pipeline.latent_shape
-    cache = jax.eval_shape(lambda p: vae_model.decoder_init_cache(nnx.merge(graphdef, p), h, w, sessions), params)
-    cache = vae_model.DecoderCache(cache.frames, started=True)
+    cache = vae_model.abstract_cache(pipeline.vae, h, w, sessions, sharding=sharding, started=True)
     latents = jax.ShapeDtypeStruct((sessions, f, h, w, pipeline.vae.z_dim), jnp.dtype(pipeline.dit.dtype))
-    args = jax.tree_util.tree_map(_spec(sharding), (params, cache, latents))
+    params, latents = jax.tree_util.tree_map(_spec(sharding), (params, latents))
+    out_shardings = None
+    if sharding is not None:
+        out_shardings = (sharding, vae_model.DecoderCache(tuple(e.format for e in cache.frames), started=True))
 
     def fn(params, cache, latents):
         return vae_model.decode_chunk(nnx.merge(graphdef, params), cache, latents, donate_cache=True,
                                       backend=pipeline.vae_backend)
 
-    return fn, args, (1,)
+    return fn, (params, cache, latents), (1,), out_shardings
 
 
 def text_program(pipeline: Pipeline, sharding=None):
@@ -289,16 +295,25 @@ class ProgramFigures:
         return self.argument_bytes + self.transient_bytes
 
 
-def compile_for(fn: Callable, args, generation: str, donate_argnums: Sequence[int] = ()):
-    """AOT-compiles ``fn(*args)`` (abstract ``args``) for one compile-only chip of ``generation``
-    (:mod:`pallas_kernels.tpu_aot`; needs libtpu)."""
+def chip_sharding(generation: str) -> jax.sharding.SingleDeviceSharding:
+    """The sharding of one compile-only chip of ``generation`` (:mod:`pallas_kernels.tpu_aot`;
+    needs libtpu), on which :func:`compile_for` compiles."""
     from pallas_kernels import tpu_aot
 
-    device = tpu_aot.compile_only_device(generation)
-    sharding = jax.sharding.SingleDeviceSharding(device)
-    args = jax.tree_util.tree_map(_spec(sharding), args)
+    return jax.sharding.SingleDeviceSharding(tpu_aot.compile_only_device(generation))
+
+
+def compile_for(fn: Callable, args, generation: str, donate_argnums: Sequence[int] = (), out_shardings=None):
+    """AOT-compiles ``fn(*args)`` (abstract ``args``) for one compile-only chip of ``generation``
+    (:func:`chip_sharding`). Arguments without a sharding are placed on the chip; those with one
+    (built on :func:`chip_sharding`, with a format) keep it, and ``out_shardings`` goes to
+    ``jax.jit`` as it is."""
+    sharding = chip_sharding(generation)
+    (device,) = sharding.device_set
+    args = jax.tree_util.tree_map(lambda x: x if x.sharding is not None else _spec(sharding)(x), args)
     with jax.default_device(device):
-        return jax.jit(fn, donate_argnums=tuple(donate_argnums)).trace(*args).lower().compile()
+        return jax.jit(fn, donate_argnums=tuple(donate_argnums), out_shardings=out_shardings
+                       ).trace(*args).lower().compile()
 
 
 def measure(compiled, generation: str) -> ProgramFigures:
@@ -541,8 +556,8 @@ def chunk_seconds(pipeline: Pipeline, sessions: int, generation: str, chunk: Pro
 def decode_figures(pipeline: Pipeline, sessions: int, generation: str) -> ProgramFigures:
     """:class:`ProgramFigures` of :func:`decode_program` compiled for ``generation`` (once per
     decoder shape, batch and chip: the decode does not depend on the sampler)."""
-    fn, args, donate = decode_program(pipeline, sessions)
-    return measure(compile_for(fn, args, generation, donate), generation)
+    fn, args, donate, out_shardings = decode_program(pipeline, sessions, chip_sharding(generation))
+    return measure(compile_for(fn, args, generation, donate, out_shardings), generation)
 
 
 def dit_flops(pipeline: Pipeline, sessions: int) -> int:

@@ -17,6 +17,7 @@ from arkv_jax.planner import plan_memory
 from arkv_jax.presets import get_preset
 from arkv_jax.rollout import Rollout
 from pallas_kernels import tpu_aot
+from pallas_kernels.causal_conv import row_major_tpu_bytes
 
 TINY = pl.PIPELINES["tiny"]
 
@@ -34,12 +35,14 @@ def test_weight_bytes_are_the_models_arrays():
 
 
 def test_session_state_is_what_a_rollout_and_a_decoder_keep():
-    """The VAE stream cache is a real decoder's cache; the latent ring is what a rollout's session
-    holds once its ring is full (after enough chunks that old ones are dropped)."""
+    """The VAE stream cache is a real decoder's cache as a TPU's HBM holds it (row-major, padded to
+    the lanes); the latent ring is what a rollout's session holds once its ring is full (after
+    enough chunks that old ones are dropped)."""
     state = pl.session_state_bytes(TINY)
     decoder = vae.init_random(TINY.vae, seed=0)
     _, h, w, _ = TINY.latent_shape
-    assert state["vae_stream_cache"] == _nbytes(vae.decoder_init_cache(decoder, h, w).frames)
+    frames = vae.decoder_init_cache(decoder, h, w).frames
+    assert state["vae_stream_cache"] == sum(row_major_tpu_bytes(f.shape, f.dtype) for f in frames) > _nbytes(frames)
     from arkv_jax.cache import PagedKVCache
     from arkv_jax.planner import rollout_plan
 
@@ -191,6 +194,9 @@ def test_the_plan_matches_the_compiled_programs(kv_dtype):
     compiled = pl.compiled_total(pipeline, fit, "v5e")
     assert pl.predicted_total(pipeline, fit) / compiled == pytest.approx(1.0, abs=0.05)
     assert compiled <= memory
+    # The decode takes its stream cache in the kept format and writes the new one over it: every
+    # byte the planner counts for the cache is aliased.
+    assert fit.decode.alias_bytes == pl.session_state_bytes(pipeline)["vae_stream_cache"]
 
 
 @needs_libtpu

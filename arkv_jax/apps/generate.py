@@ -664,8 +664,9 @@ def _generate(request: Request, run: Run, clock: CompileClock, stdout: TextIO, s
                     pixels = {}
                     with vae:
                         for i, sid in enumerate(result.session_ids):
-                            out_frames, decoder_caches[sid] = vae_lib.decode_chunk(decoder, decoder_caches[sid],
-                                                                                   result.latents[i])
+                            out_frames, decoder_caches[sid] = vae_lib.decode_chunk(
+                                decoder, decoder_caches[sid], result.latents[i], donate_cache=True,
+                                backend=request.backend)
                             pixels[sid] = to_uint8(out_frames)
                     with write:
                         for sid, video in pixels.items():

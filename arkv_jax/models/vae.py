@@ -8,12 +8,12 @@ in ``[-1, 1]`` (``F' = 1 + 4 (F - 1)`` for the stream's first chunk, ``4 F`` aft
 whole-video decode to float rounding. Latents come **normalised**, as the DiT produces them, and are
 mapped back with Wan's ``latents_mean`` / ``latents_std`` first; a leading batch axis is decoded
 one stream after another (a ``fori_loop`` updating the batch's cache in place: a batch takes one
-stream's temporaries). The cache is
-stored in ``WanVAEConfig.cache_dtype`` (bfloat16 halves it) and
-:func:`stream_cache_bytes` sizes it from the shapes alone. :func:`load_wan_vae` reads the diffusers
-layout or the official ``Wan2.1_VAE.pth`` (:func:`official_vae_names` is the key map), the decoder
-only, checked with :mod:`arkv_jax.models.io`.
-See ``docs/models.md``.
+stream's temporaries). The cache is stored in ``WanVAEConfig.cache_dtype`` (bfloat16 halves it),
+kept row-major on its device (:func:`cache_formats`: the layout the TPU convolution kernel reads, so
+no decode relays the entries it reads), and :func:`stream_cache_bytes` sizes it from the shapes
+alone (``tpu_hbm=True``: as a TPU's HBM pads it). :func:`load_wan_vae` reads the diffusers layout or
+the official ``Wan2.1_VAE.pth`` (:func:`official_vae_names` is the key map), the decoder only,
+checked with :mod:`arkv_jax.models.io`. See ``docs/models.md``.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
+from jax.experimental.layout import Format
 
 from arkv_jax.config import require_int
 from arkv_jax.models import io
@@ -47,13 +48,13 @@ WAN21_LATENTS_STD = (2.8184, 1.4541, 2.3275, 2.6558, 1.2196, 1.7708, 2.6052, 2.0
 CACHE_FRAMES = causal_conv.CACHE_FRAMES
 
 #: A 3x3x3 causal convolution runs the TPU kernel (:mod:`pallas_kernels.causal_conv`) under a TPU
-#: backend when its input channels are a multiple of this (Wan 2.1: the 384-channel ones). The
-#: kernel reads its cache entry row-major, and the entries are the decode program's arguments:
-#: XLA:TPU lays an argument ``[2, H, W, C]`` out row-major only when ``C`` fills the 128 lanes (for
-#: 96 or 192 channels it puts ``H`` on the lanes), so a narrower entry would be relaid out at
-#: every decode's entry and exit (compiled for v6e: temporaries 2.4 -> 5.1 GiB). Channels narrower
-#: (``conv_in``'s 16, the 192- and 96-channel stages, ``conv_out``) stay on XLA.
-KERNEL_CHANNEL_MULTIPLE = 128
+#: backend when its input and output channels are both at least this many (Wan 2.1: every one but
+#: ``conv_in``, 16 in, and ``conv_out``, 3 out). The kernel reads its cache entry row-major, the
+#: layout the stream cache is kept in (:func:`cache_formats`): a 96- or 192-channel entry takes 128
+#: or 256 lanes in a TPU's HBM (:func:`stream_cache_bytes` with ``tpu_hbm=True``). Narrower channels
+#: pad the kernel's rows, cache or output to the 128 lanes many times over (``conv_out`` on the
+#: kernel, compiled for v6e: decode temporaries 2.1 -> 4.8 GiB); they stay on XLA.
+KERNEL_MIN_CHANNELS = 96
 
 #: dtype names a :class:`WanVAEConfig` takes for its parameters and compute (``dtype``) and for its
 #: stream cache (``cache_dtype``).
@@ -174,12 +175,16 @@ class _Stream:
     entries collected in ``outputs``). Entries are stored in ``dtype`` (the config's
     :attr:`~WanVAEConfig.stored_cache_dtype`) and read back in the dtype of the input they extend.
     With ``inputs=None`` every entry reads as zeros (used to find the cache's shapes). ``backend``
-    (a resolved name of :mod:`pallas_kernels.backend`) is the one the causal convolutions run."""
+    (a resolved name of :mod:`pallas_kernels.backend`) is the one the causal convolutions run.
+    With an ``index`` the inputs are a batch's entries ``[B, 2, H, W, C]``: an entry is read as
+    stream ``index``'s slice where it is used, and each output is the batch's entry with that
+    slice replaced (updated in place: the batch's cache is not copied whole)."""
 
-    def __init__(self, inputs: Sequence[Array] | None, dtype, backend: str = "xla"):
+    def __init__(self, inputs: Sequence[Array] | None, dtype, backend: str = "xla", index: Array | None = None):
         self.inputs = inputs
         self.dtype = jnp.dtype(dtype)
         self.backend = backend
+        self.index = index
         self.outputs: list[Array] = []
 
     def take(self, like: Array) -> Array:
@@ -195,17 +200,24 @@ class _Stream:
         if i >= len(self.inputs):
             raise ValueError(f"the cache has {len(self.inputs)} entries; the decoder needs more")
         entry = self.inputs[i]
-        if entry.shape != (CACHE_FRAMES, *like.shape[1:]):
-            raise ValueError(f"cache entry {i} has shape {entry.shape}; the decoder needs "
+        shape = entry.shape if self.index is None else entry.shape[1:]
+        if shape != (CACHE_FRAMES, *like.shape[1:]):
+            raise ValueError(f"cache entry {i} has shape {shape}; the decoder needs "
                              f"{(CACHE_FRAMES, *like.shape[1:])} (was it made for this latent size?)")
         if entry.dtype != self.dtype:
             raise ValueError(f"cache entry {i} is {entry.dtype}; the decoder stores its cache in {self.dtype} "
                              "(was it made by this decoder's decoder_init_cache?)")
+        if self.index is not None:
+            entry = jax.lax.dynamic_index_in_dim(entry, self.index, axis=0, keepdims=False)
         return entry.astype(like.dtype)
 
     def put(self, entry: Array) -> None:
-        """Record the next entry, cast to the cache's storage dtype."""
-        self.outputs.append(entry.astype(self.dtype))
+        """Record the next entry, cast to the cache's storage dtype (with an ``index``: written into
+        the batch's entry)."""
+        entry = entry.astype(self.dtype)
+        if self.index is not None:
+            entry = jax.lax.dynamic_update_index_in_dim(self.inputs[len(self.outputs)], entry, self.index, axis=0)
+        self.outputs.append(entry)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -239,10 +251,10 @@ class CausalConv3d(nnx.Module):
         """``x`` ``[T, H, W, in]`` -> ``[T, H, W, out]``; a temporal kernel reads and updates its
         ``stream`` entry (the last frames of ``[cache, x]``). A 3x3x3 kernel runs
         :func:`pallas_kernels.causal_conv.causal_conv3d` under the stream's backend (the XLA path
-        where its input channels are not a multiple of :data:`KERNEL_CHANNEL_MULTIPLE`)."""
+        where its input or output channels are fewer than :data:`KERNEL_MIN_CHANNELS`)."""
         kt, kh, kw = self.kernel_size
         if (kt, kh, kw) == (3, 3, 3):
-            backend = stream.backend if self.kernel.shape[-2] % KERNEL_CHANNEL_MULTIPLE == 0 else "xla"
+            backend = stream.backend if min(self.kernel.shape[-2:]) >= KERNEL_MIN_CHANNELS else "xla"
             y, entry = causal_conv.causal_conv3d(x, stream.take(x), self.kernel[...].astype(x.dtype),
                                                  self.bias[...].astype(x.dtype), backend=backend)
             stream.put(entry)
@@ -430,9 +442,10 @@ class WanVAEDecoder(nnx.Module):
             x = block(x, stream, started)
         return self.conv_out(jax.nn.silu(self.norm_out(x)), stream)
 
-    def init_cache(self, latent_height: int, latent_width: int) -> DecoderCache:
-        """The zero cache of an unstarted stream of ``latent_height x latent_width`` latents: one
-        entry per causal convolution, in :attr:`WanVAEConfig.stored_cache_dtype`."""
+    def cache_shapes(self, latent_height: int, latent_width: int) -> tuple[jax.ShapeDtypeStruct, ...]:
+        """Shape and dtype of each entry of the cache of a stream of ``latent_height x latent_width``
+        latents, one per causal convolution in call order: ``[2, H_l, W_l, C_l]`` in
+        :attr:`WanVAEConfig.stored_cache_dtype` (traced, nothing allocated)."""
         config = self.config
 
         def shapes():
@@ -440,41 +453,45 @@ class WanVAEDecoder(nnx.Module):
             self.decode_frames(jnp.zeros((1, latent_height, latent_width, config.z_dim), jnp.float32), stream, True)
             return tuple(stream.outputs)
 
-        return DecoderCache(tuple(jnp.zeros(s.shape, s.dtype) for s in jax.eval_shape(shapes)), started=False)
+        return tuple(jax.eval_shape(shapes))
 
-    def __call__(self, latents: Array, cache: DecoderCache, *, per_frame: bool = True, backend: str = "xla"
-                 ) -> tuple[Array, DecoderCache]:
-        """Decode the next chunk of a stream (unbatched; :func:`decode_chunk` batches and jits).
+    def __call__(self, latents: Array, cache: DecoderCache, *, per_frame: bool = True, backend: str = "xla",
+                 index: Array | None = None) -> tuple[Array, DecoderCache]:
+        """Decode the next chunk of a stream (unbatched latents; :func:`decode_chunk` batches and jits).
 
         Args:
           latents: ``[F, h, w, z_dim]`` normalised latent frames (``F`` may be 0).
-          cache: the stream's cache (from :meth:`init_cache` or the previous chunk).
+          cache: the stream's cache (from :func:`decoder_init_cache` or the previous chunk); with
+            ``index``, a batch's cache (entries ``[B, 2, ...]``) of which stream ``index`` is decoded.
           per_frame: decode one latent frame at a time (``lax.scan``; the reference's order and
             activation memory) rather than the chunk's frames at once.
-          backend: the causal convolutions' backend, a name of
-            :data:`pallas_kernels.backend.BACKENDS` (``"auto"`` is resolved by :func:`decode_chunk`).
+          backend: the causal convolutions' backend, a resolved name of
+            :data:`pallas_kernels.backend.BACKENDS` (:func:`decode_chunk` resolves ``"auto"``).
+
+          index: the stream of a batch's cache (an int scalar, traced or not), or ``None``.
 
         Returns:
           ``(frames, cache)``: float32 pixels ``[F', 8h, 8w, 3]`` in ``[-1, 1]``
-          (:meth:`WanVAEConfig.num_pixel_frames` of them) and the cache after them.
+          (:meth:`WanVAEConfig.num_pixel_frames` of them) and the cache after them (with ``index``:
+          the batch's, that stream's entries updated).
         """
         z = self.denormalize(latents)
         started = cache.started
         entries = cache.frames
         outputs = []
         if z.shape[0] and not started:
-            stream = _Stream(entries, self.config.stored_cache_dtype, backend)
+            stream = _Stream(entries, self.config.stored_cache_dtype, backend, index)
             first = z[:1] if per_frame else z
             outputs.append(self.decode_frames(first, stream, False))
             entries, started = tuple(stream.outputs), True
             z = z[1:] if per_frame else z[:0]
         if z.shape[0] and not per_frame:
-            stream = _Stream(entries, self.config.stored_cache_dtype, backend)
+            stream = _Stream(entries, self.config.stored_cache_dtype, backend, index)
             outputs.append(self.decode_frames(z, stream, True))
             entries = tuple(stream.outputs)
         elif z.shape[0]:
             def step(carry, frame):
-                stream = _Stream(carry, self.config.stored_cache_dtype, backend)
+                stream = _Stream(carry, self.config.stored_cache_dtype, backend, index)
                 out = self.decode_frames(frame[None], stream, True)
                 return tuple(stream.outputs), out
 
@@ -491,14 +508,47 @@ class WanVAEDecoder(nnx.Module):
 # ------------------------------------------------------------------------------------------------
 
 
+def cache_formats(entries: Sequence, sharding: jax.sharding.Sharding | None = None) -> tuple[Format, ...]:
+    """The format each stream-cache entry (array or ``ShapeDtypeStruct``) is kept in, on ``sharding``
+    (``None``: each entry's own ``sharding``): row-major (:func:`pallas_kernels.causal_conv.row_major`),
+    the layout the TPU kernel reads, so a decode program takes and returns the entries the kernel
+    reads without relaying them out (XLA:TPU would put ``H`` on the lanes of a 96- or 192-channel
+    entry). Row-major is the default layout of CPU and GPU arrays."""
+    return tuple(causal_conv.row_major(len(entry.shape), entry.sharding if sharding is None else sharding)
+                 for entry in entries)
+
+
+def abstract_cache(config: WanVAEConfig, latent_height: int, latent_width: int, batch_size: int | None = None,
+                   *, sharding: jax.sharding.Sharding | None = None, started: bool = False) -> DecoderCache:
+    """The :class:`DecoderCache` of ``jax.ShapeDtypeStruct`` entries :func:`decoder_init_cache` makes
+    for a decoder of ``config`` (``[B, 2, ...]`` with ``batch_size``), traced (no decoder built,
+    nothing allocated), each on ``sharding`` in its :func:`cache_formats` format (``None``: no
+    sharding, no format), ``started`` as given (a compiled decode's cache)."""
+    for name, value in (("latent_height", latent_height), ("latent_width", latent_width)):
+        require_int(name, value, minimum=1)
+    if batch_size is not None:
+        require_int("batch_size", batch_size, minimum=1)
+    lead = () if batch_size is None else (batch_size,)
+    graphdef, abstract = io.abstract(WanVAEDecoder, config)
+    entries = jax.eval_shape(lambda state: nnx.merge(graphdef, state).cache_shapes(latent_height, latent_width),
+                             abstract)
+    shapes = [jax.ShapeDtypeStruct((*lead, *e.shape), e.dtype) for e in entries]
+    formats = [None] * len(shapes) if sharding is None else cache_formats(shapes, sharding)
+    return DecoderCache(tuple(jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=f) for s, f in zip(shapes, formats)),
+                        started=started)
+
+
 def decoder_init_cache(decoder: WanVAEDecoder, latent_height: int, latent_width: int,
-                       batch_size: int | None = None) -> DecoderCache:
+                       batch_size: int | None = None, *, sharding: jax.sharding.Sharding | None = None
+                       ) -> DecoderCache:
     """The zero :class:`DecoderCache` of a new stream (``batch_size`` streams side by side: a
-    leading axis on every entry)."""
-    cache = decoder.init_cache(latent_height, latent_width)
-    if batch_size is None:
-        return cache
-    return DecoderCache(tuple(jnp.zeros((batch_size, *f.shape), f.dtype) for f in cache.frames), started=False)
+    leading axis on every entry), on ``sharding`` (default: JAX's default device), each entry in
+    its :func:`cache_formats` format, which :func:`decode_chunk` keeps."""
+    sharding = causal_conv.default_sharding() if sharding is None else sharding
+    cache = abstract_cache(decoder.config, latent_height, latent_width, batch_size, sharding=sharding)
+    zeros = jax.jit(lambda: tuple(jnp.zeros(e.shape, e.dtype) for e in cache.frames),
+                    out_shardings=tuple(e.format for e in cache.frames))
+    return DecoderCache(zeros(), started=False)
 
 
 def _nbytes(tree) -> int:
@@ -506,21 +556,21 @@ def _nbytes(tree) -> int:
     return sum(int(np.prod(leaf.shape)) * jnp.dtype(leaf.dtype).itemsize for leaf in jax.tree.leaves(tree))
 
 
-def stream_cache_bytes(config: WanVAEConfig, latent_height: int, latent_width: int) -> int:
+def stream_cache_bytes(config: WanVAEConfig, latent_height: int, latent_width: int, *, tpu_hbm: bool = False) -> int:
     """Bytes of one stream's :class:`DecoderCache` for ``latent_height x latent_width`` latents
     (``batch_size`` streams: that many times this).
 
-    The shapes are those :func:`decoder_init_cache` gives a decoder of ``config``, traced with
-    ``jax.eval_shape``: no decoder is built and nothing is allocated. The entries are in
-    :attr:`WanVAEConfig.stored_cache_dtype` (Wan 2.1 at 480x832, latents 60x104: 32 entries,
-    3.52 GiB in float32, 1.76 GiB in bfloat16).
+    The shapes are those :func:`decoder_init_cache` gives a decoder of ``config``, traced: no decoder
+    is built and nothing is allocated. The entries are in :attr:`WanVAEConfig.stored_cache_dtype`
+    (Wan 2.1 at 480x832, latents 60x104: 32 entries, 3.52 GiB in float32, 1.76 GiB in bfloat16).
+    ``tpu_hbm=True`` counts what they take in a TPU's HBM in their row-major format
+    (:func:`pallas_kernels.causal_conv.row_major_tpu_bytes`: channels padded to 128 lanes; Wan 2.1
+    in bfloat16: 2.24 GiB).
     """
-    for name, value in (("latent_height", latent_height), ("latent_width", latent_width)):
-        require_int(name, value, minimum=1)
-    graphdef, abstract = io.abstract(WanVAEDecoder, config)
-    cache = jax.eval_shape(lambda state: decoder_init_cache(nnx.merge(graphdef, state), latent_height, latent_width),
-                           abstract)
-    return _nbytes(cache.frames)
+    shapes = abstract_cache(config, latent_height, latent_width).frames
+    if tpu_hbm:
+        return sum(causal_conv.row_major_tpu_bytes(s.shape, s.dtype) for s in shapes)
+    return _nbytes(shapes)
 
 
 def decoder_param_bytes(config: WanVAEConfig) -> int:
@@ -538,31 +588,37 @@ def _decode_chunk_impl(graphdef, params, cache: DecoderCache, latents: Array, pe
 
 def _decode_streams(decoder: WanVAEDecoder, cache: DecoderCache, latents: Array, per_frame: bool, backend: str):
     """A batch of streams ``[B, F, h, w, z_dim]``, one stream after the other in a ``fori_loop``
-    whose carry is the batch's cache, updated in place: a batch's temporaries are one stream's
-    (``lax.map`` would stack the new caches into a second buffer the size of the batch's)."""
+    whose carry is the batch's cache, each entry read and written in place where the decoder uses
+    it (:class:`_Stream` with an ``index``): a batch's temporaries are one stream's activations
+    (``lax.map`` would stack the new caches into a second buffer the size of the batch's; slicing
+    a stream's whole cache out first would hold a copy of it)."""
     def stream(i, entries):
-        return decoder(latents[i], DecoderCache(tuple(e[i] for e in entries), started=cache.started),
-                       per_frame=per_frame, backend=backend)
+        return decoder(latents[i], DecoderCache(entries, started=cache.started), per_frame=per_frame,
+                       backend=backend, index=i)
 
     one = jax.eval_shape(stream, 0, cache.frames)
 
     def body(i, carry):
         frames, entries = carry
         out, new = stream(i, entries)
-        put = functools.partial(jax.lax.dynamic_update_index_in_dim, index=i, axis=0)
-        return put(frames, out), tuple(put(e, n) for e, n in zip(entries, new.frames))
+        return jax.lax.dynamic_update_index_in_dim(frames, out, i, axis=0), new.frames
 
     frames = jnp.zeros((latents.shape[0], *one[0].shape), one[0].dtype)
     frames, entries = jax.lax.fori_loop(0, latents.shape[0], body, (frames, cache.frames))
     return frames, DecoderCache(entries, started=one[1].started)
 
 
-_decode_chunk = jax.jit(_decode_chunk_impl, static_argnums=(0, 4, 5))
-_decode_chunk_donating = jax.jit(_decode_chunk_impl, static_argnums=(0, 4, 5), donate_argnums=(2,))
+@functools.lru_cache(maxsize=None)
+def _decode_jit(donate: bool, formats: DecoderCache | None):
+    """:func:`_decode_chunk_impl` jitted, the cache (argument 2) donated if ``donate``, the new cache
+    returned in ``formats`` (a :class:`DecoderCache` of formats; ``None``: left to the compiler, as
+    inside a caller's own jit, whose formats rule)."""
+    return jax.jit(_decode_chunk_impl, static_argnums=(0, 4, 5), donate_argnums=(2,) if donate else (),
+                   out_shardings=None if formats is None else (None, formats))
 
 
 def decode_chunk(decoder: WanVAEDecoder, cache: DecoderCache, latents, *, per_frame: bool = True,
-                 donate_cache: bool = False, backend: str = "xla") -> tuple[Array, DecoderCache]:
+                 donate_cache: bool = False, backend: str = "auto") -> tuple[Array, DecoderCache]:
     """Jitted :meth:`WanVAEDecoder.__call__`: ``(frames, cache)`` of the next chunk of normalised
     latents ``[F, h, w, z_dim]`` (or ``[B, F, h, w, z_dim]`` with a cache from
     ``decoder_init_cache(..., batch_size=B)``). Compiles once per (started, chunk shape).
@@ -570,11 +626,12 @@ def decode_chunk(decoder: WanVAEDecoder, cache: DecoderCache, latents, *, per_fr
     The cache is large at full size (Wan 2.1 at 480x832: 32 entries, 3.52 GiB per stream in float32,
     1.76 GiB in bfloat16: :func:`stream_cache_bytes`, ``WanVAEConfig.cache_dtype``);
     ``donate_cache=True`` lets XLA write the new cache over the old one's buffers (the ``cache``
-    passed in is then consumed and must not be used again). ``backend`` (a name of
-    :data:`pallas_kernels.backend.BACKEND_NAMES`) runs the 3x3x3 causal convolutions
-    (:class:`CausalConv3d`); the default is ``"xla"`` on every platform: compiled for v5e and v6e
-    at Wan 2.1's shape, the TPU kernel (``"pallas_tpu"``) made the decode faster but its
-    temporaries 30-40 % larger (``docs/kernels.md``, Causal convolution)."""
+    passed in is then consumed and must not be used again). The new cache comes back on the old
+    one's shardings in the row-major :func:`cache_formats` (a cache of tracers, inside a caller's
+    jit: in what that jit asks). ``backend`` (a name of :data:`pallas_kernels.backend.BACKEND_NAMES`;
+    ``"auto"``: ``"pallas_tpu"`` on TPU, ``"xla"`` elsewhere) runs the 3x3x3 causal convolutions
+    (:class:`CausalConv3d`; on TPU the Mosaic kernel for those of at least
+    :data:`KERNEL_MIN_CHANNELS` input and output channels, ``docs/kernels.md``, Causal convolution)."""
     latents = jnp.asarray(latents)
     if latents.ndim not in (4, 5) or latents.shape[-1] != decoder.config.z_dim:
         raise ValueError(f"latents must be [F, h, w, {decoder.config.z_dim}] or [B, F, h, w, "
@@ -584,9 +641,12 @@ def decode_chunk(decoder: WanVAEDecoder, cache: DecoderCache, latents, *, per_fr
         raise ValueError(f"a {'batched' if batched else 'single'} cache cannot decode latents of shape "
                          f"{latents.shape}")
     backend = resolve_backend(backend).name
+    formats = None
+    if all(isinstance(e, jax.Array) and not isinstance(e, jax.core.Tracer) for e in cache.frames):
+        started = cache.started or latents.shape[-4] > 0  # a chunk with frames starts the stream
+        formats = DecoderCache(cache_formats(cache.frames), started)
     graphdef, params = nnx.split(decoder)
-    return (_decode_chunk_donating if donate_cache else _decode_chunk)(graphdef, params, cache, latents, per_frame,
-                                                                       backend)
+    return _decode_jit(donate_cache, formats)(graphdef, params, cache, latents, per_frame, backend)
 
 
 def decode_video(decoder: WanVAEDecoder, latents, *, per_frame: bool = True) -> Array:
@@ -802,7 +862,7 @@ def load_wan_vae(path: str | os.PathLike, config: WanVAEConfig | None = None, *,
 
 __all__ = [
     "CACHE_FRAMES", "DTYPES", "DecoderCache", "VAE_CONFIGS", "VAE_WEIGHT_PATTERNS", "WAN21_LATENTS_MEAN",
-    "WAN21_LATENTS_STD", "WanVAEConfig", "WanVAEDecoder", "config_from_diffusers", "convert_wan_vae_state_dict",
-    "decode_chunk", "decode_video", "decoder_init_cache", "decoder_param_bytes", "from_diffusers_state_dict",
-    "init_random", "load_wan_vae", "official_vae_names", "stream_cache_bytes",
+    "WAN21_LATENTS_STD", "WanVAEConfig", "WanVAEDecoder", "abstract_cache", "cache_formats", "config_from_diffusers",
+    "convert_wan_vae_state_dict", "decode_chunk", "decode_video", "decoder_init_cache", "decoder_param_bytes",
+    "from_diffusers_state_dict", "init_random", "load_wan_vae", "official_vae_names", "stream_cache_bytes",
 ]

@@ -4,8 +4,9 @@ cached frames of their input before the current ones and pad zeros "same" in spa
 :func:`causal_conv3d` is the entry point (its docstring tables the shapes); it checks the call and
 runs the ``backend=`` name's implementation from :data:`IMPLEMENTATIONS`: plain XLA
 (:mod:`~pallas_kernels.causal_conv.xla`, also the reference) or a Mosaic TPU kernel
-(:mod:`~pallas_kernels.causal_conv.tpu`) that writes the new cache over the old one. Design and
-figures: ``docs/kernels.md`` (Causal convolution).
+(:mod:`~pallas_kernels.causal_conv.tpu`) that writes the new cache over the old one, reading its
+arrays row-major (:mod:`~pallas_kernels.causal_conv.formats`: the format a kept cache carries and its
+bytes in a TPU's HBM). Design and figures: ``docs/kernels.md`` (Causal convolution).
 """
 
 from __future__ import annotations
@@ -18,13 +19,15 @@ import jax.numpy as jnp
 
 from pallas_kernels.backend import Backend, resolve_backend
 from pallas_kernels.causal_conv import tpu, xla
+from pallas_kernels.causal_conv.formats import HBM_TILE, default_sharding, row_major, row_major_tpu_bytes
 from pallas_kernels.causal_conv.geometry import KERNEL_PREFIX, ConvGeometry, geometry_of_kernel, kernel_name
 from pallas_kernels.causal_conv.xla import CACHE_FRAMES
 from pallas_kernels.checks import require_int
 from pallas_kernels.common import check_rank, check_supported_dtype
 
-__all__ = ["CACHE_FRAMES", "IMPLEMENTATIONS", "KERNEL_PREFIX", "ConvGeometry", "causal_conv3d", "geometry_of_kernel",
-           "kernel_name", "static_validate_inputs"]
+__all__ = ["CACHE_FRAMES", "HBM_TILE", "IMPLEMENTATIONS", "KERNEL_PREFIX", "ConvGeometry", "causal_conv3d",
+           "default_sharding", "geometry_of_kernel", "kernel_name", "row_major", "row_major_tpu_bytes",
+           "static_validate_inputs"]
 
 
 def causal_conv3d(x, cache, kernel, bias, *, backend="auto", block_h=None):

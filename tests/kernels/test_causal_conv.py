@@ -25,6 +25,8 @@ from pallas_kernels.causal_conv import (
     causal_conv3d,
     geometry_of_kernel,
     kernel_name,
+    row_major,
+    row_major_tpu_bytes,
 )
 from pallas_kernels.causal_conv import tpu as conv_tpu
 from pallas_kernels.checks import ArgumentTypeError
@@ -147,6 +149,27 @@ def test_arguments_are_checked():
         causal_conv3d(x, cache, kernel, bias, backend="fast")
 
 
+def test_row_major_format_and_its_tpu_bytes():
+    """The row-major format is the CPU's own layout (an array put in it reads back unchanged); the
+    TPU bytes pad the minor dim to 128 lanes and the second-minor to 8 rows (a power of two below)."""
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    x = jnp.arange(2 * 3 * 5 * 7, dtype=jnp.float32).reshape(2, 3, 5, 7)
+    kept = jax.device_put(x, row_major(4, sharding))
+    assert kept.format.layout.major_to_minor == (0, 1, 2, 3)
+    np.testing.assert_array_equal(kept, x)
+    assert row_major_tpu_bytes((2, 480, 832, 96), jnp.bfloat16) == 2 * 480 * 832 * 128 * 2
+    assert row_major_tpu_bytes((2, 60, 104, 384), jnp.float32) == 2 * 60 * 104 * 384 * 4
+    assert row_major_tpu_bytes((2, 6, 100, 200), jnp.bfloat16) == 2 * 6 * 104 * 256 * 2
+    assert [row_major_tpu_bytes((rows, 1), jnp.float32) // 512 for rows in (1, 2, 3, 5, 9)] == [1, 2, 4, 8, 16]
+    assert row_major_tpu_bytes((0, 3, 4), jnp.float32) == 0
+    with pytest.raises(ValueError, match="ndim must be a positive int, got 0"):
+        row_major(0, sharding)
+    with pytest.raises(ValueError, match=r"shape must have rank >= 2 and no negative dim, got \(5,\)"):
+        row_major_tpu_bytes((5,), jnp.float32)
+    with pytest.raises(ValueError, match="dtype int8 is 1 bytes wide"):
+        row_major_tpu_bytes((2, 5), jnp.int8)
+
+
 # ------------------------------------------------------------------------------------------------
 # libtpu compile-only: a real Wan VAE shape on v5e and v6e
 # ------------------------------------------------------------------------------------------------
@@ -172,13 +195,11 @@ def _compile_row_major(fn, specs, gen: str):
     and output of rank 4 or more in the row-major HBM layout the kernel reads (XLA's default for
     96 channels puts H on the lanes: a caller that keeps the frames row-major, as the decoder's
     own activations are, passes them without a relayout)."""
-    from jax.experimental.layout import Format, Layout
-
     device = tpu_aot.compile_only_device(gen)
     sharding = jax.sharding.SingleDeviceSharding(device)
 
     def fmt(rank):
-        return Format(Layout(major_to_minor=tuple(range(rank))), sharding) if rank >= 4 else sharding
+        return row_major(rank, sharding) if rank >= 4 else sharding
 
     args = [jax.ShapeDtypeStruct(shape, dtype, sharding=fmt(len(shape))) for shape, dtype in specs]
     outs = jax.eval_shape(fn, *args)
@@ -195,11 +216,27 @@ def test_compiles_with_the_cache_in_place(gen):
     geom = WAN_FULL_RES
     specs = _specs(geom)
     report = tpu_aot.report(_compile_row_major(_conv, specs, gen), [shape for shape, _ in specs[:2]])
-    cache_bytes = 2 * geom.height * geom.width * round_up(geom.in_channels, 128) * 2  # 96 lanes of 128 in HBM
+    cache_bytes = row_major_tpu_bytes(specs[1][0], jnp.bfloat16)  # 96 channels take 128 lanes in HBM
     assert report.pool_copies == 0
     assert report.alias_bytes == cache_bytes
     assert report.temp_bytes < 0.05 * cache_bytes
     assert kernel_name(geom) in report.hlo
+
+
+@needs_libtpu
+@pytest.mark.slow
+@pytest.mark.parametrize("gen", ["v5e", "v6e"])
+def test_row_major_tpu_bytes_are_the_compilers(gen):
+    """An argument in the row-major format takes, by the compiler's count, the bytes
+    :func:`row_major_tpu_bytes` gives: lane and sublane padding, small row counts, both dtypes."""
+    sharding = jax.sharding.SingleDeviceSharding(tpu_aot.compile_only_device(gen))
+    for shape in [(2, 480, 832, 96), (2, 240, 416, 192), (2, 60, 104, 16), (2, 6, 100, 200), (2, 6, 3, 5),
+                  (3, 2, 6, 10, 4)]:
+        for dtype in (jnp.bfloat16, jnp.float32):
+            fmt = row_major(len(shape), sharding)
+            arg = jax.ShapeDtypeStruct(shape, dtype, sharding=fmt)
+            compiled = jax.jit(lambda a: a, donate_argnums=0, out_shardings=fmt).trace(arg).lower().compile()
+            assert compiled.memory_analysis().argument_size_in_bytes == row_major_tpu_bytes(shape, dtype), shape
 
 
 @needs_libtpu
@@ -219,7 +256,7 @@ def test_a_loop_carrying_the_cache_keeps_one_copy(gen):
         return jax.lax.scan(step, cache, xs)
 
     report = tpu_aot.report(_compile_row_major(loop, [(frames, jnp.bfloat16), *specs[1:]], gen), [specs[1][0]])
-    cache_bytes = 2 * geom.height * geom.width * geom.in_channels * 2
+    cache_bytes = row_major_tpu_bytes(specs[1][0], jnp.bfloat16)
     assert report.pool_copies == 0
     assert report.alias_bytes == cache_bytes
     assert report.temp_bytes < cache_bytes

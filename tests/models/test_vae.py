@@ -18,7 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from arkv_jax.models import vae
+from arkv_jax.models import io, vae
+from pallas_kernels import causal_conv, tpu_aot
 
 TOL = 1e-4
 H, W = 4, 6  # latent frame: 32 x 48 pixels
@@ -258,14 +259,15 @@ def test_batched_stream_compiles_once_per_phase():
     batch = np.random.default_rng(2).standard_normal((2, 6, 3, 5, 4)).astype(np.float32)
     cache = vae.decoder_init_cache(decoder, 3, 5, batch_size=2)
     assert cache.frames[0].shape == (2, 2, 3, 5, 4)
-    traces = vae._decode_chunk_donating._cache_size()
+    decode = vae._decode_jit(True, vae.DecoderCache(vae.cache_formats(cache.frames), started=True))
+    traces = decode._cache_size()
     frames = []
     for start in range(0, 6, 2):
         old = cache
         out, cache = vae.decode_chunk(decoder, cache, batch[:, start:start + 2], per_frame=False, donate_cache=True)
         assert old.frames[0].is_deleted()  # donated: the new cache took its buffers
         frames.append(np.asarray(out))
-    assert vae._decode_chunk_donating._cache_size() - traces == 2  # the first chunk, then one for all later ones
+    assert decode._cache_size() - traces == 2  # the first chunk, then one for all later ones
     stream = np.concatenate(frames, axis=1)
     assert stream.shape == (2, 11, 6, 10, 3)
     whole = np.asarray(vae.decode_video(decoder, batch))
@@ -320,8 +322,44 @@ def test_stream_cache_bytes_is_the_init_cache():
     wan = vae.VAE_CONFIGS["wan2.1"]
     assert vae.stream_cache_bytes(wan, 60, 104) == 3_777_146_880
     assert vae.stream_cache_bytes(dataclasses.replace(wan, cache_dtype="bfloat16"), 60, 104) == 1_888_573_440
+    # In a TPU's HBM, row-major: the 96- and 192-channel entries take 128 and 256 lanes, conv_in's 16 take 128.
+    assert vae.stream_cache_bytes(dataclasses.replace(wan, cache_dtype="bfloat16"), 60, 104,
+                                  tpu_hbm=True) == 2_408_939_520
+    small = vae.init_random(SMALL)
+    assert vae.stream_cache_bytes(SMALL, 3, 5, tpu_hbm=True) == sum(
+        causal_conv.row_major_tpu_bytes(f.shape, f.dtype) for f in vae.decoder_init_cache(small, 3, 5).frames)
     with pytest.raises(ValueError, match="latent_width"):
         vae.stream_cache_bytes(SMALL, 3, 0)
+
+
+def test_the_cache_is_kept_row_major_on_its_sharding():
+    """The cache is made, and comes back from every chunk (donated or not, batched or not), on the
+    sharding it was made on in the row-major format; abstract_cache gives the same entries."""
+    decoder = vae.init_random(SMALL)
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[-1])
+    latents = np.zeros((1, 2, 3, 5, 4), np.float32)
+    for batch_size in (None, 1):
+        cache = vae.decoder_init_cache(decoder, 3, 5, batch_size, sharding=sharding)
+        abstract = vae.abstract_cache(SMALL, 3, 5, batch_size, sharding=sharding)
+        assert [(e.shape, e.dtype) for e in abstract.frames] == [(e.shape, e.dtype) for e in cache.frames]
+        chunk = latents if batch_size else latents[0]
+        for donate in (False, True):
+            for entry, fmt in zip(cache.frames, vae.cache_formats(cache.frames, sharding), strict=True):
+                assert entry.sharding == sharding and entry.format.layout.major_to_minor == fmt.layout.major_to_minor
+                assert fmt.layout.major_to_minor == tuple(range(entry.ndim))
+            _, cache = vae.decode_chunk(decoder, cache, chunk, donate_cache=donate)
+            assert cache.started
+    with pytest.raises(ValueError, match="batch_size must be"):
+        vae.abstract_cache(SMALL, 3, 5, 0)
+
+
+def test_decode_chunk_takes_auto():
+    """``backend="auto"`` (the default) is the XLA path off TPU: the same pixels as ``"xla"``."""
+    decoder = vae.init_random(SMALL, seed=5)
+    latents = np.random.default_rng(5).standard_normal((2, 3, 5, 4)).astype(np.float32)
+    auto, _ = vae.decode_chunk(decoder, vae.decoder_init_cache(decoder, 3, 5), latents)
+    xla, _ = vae.decode_chunk(decoder, vae.decoder_init_cache(decoder, 3, 5), latents, backend="xla")
+    np.testing.assert_array_equal(auto, xla)
 
 
 @pytest.mark.slow
@@ -340,14 +378,14 @@ def test_bfloat16_decoder_streams():
     assert np.abs(out - reference).max() < 0.1
 
 
-@pytest.mark.parametrize("multiple", [1, None], ids=["every-conv-on-the-kernel", "lane-wide-convs-only"])
-def test_tpu_convolution_backend_streams_as_xla(multiple, monkeypatch):
+@pytest.mark.parametrize("minimum", [1, None], ids=["every-conv-on-the-kernel", "wide-convs-only"])
+def test_tpu_convolution_backend_streams_as_xla(minimum, monkeypatch):
     """Under a TPU backend the 3x3x3 causal convolutions run the Mosaic kernel (interpreted here;
-    all of them when the channel multiple is 1, conv_in's and conv_out's included; none of this
-    decoder's 4 and 8 channels otherwise), chunk after chunk through a batched cache: the pixels
-    and the cache equal the XLA path's."""
-    if multiple is not None:
-        monkeypatch.setattr(vae, "KERNEL_CHANNEL_MULTIPLE", multiple)
+    all of them when the channel minimum is 1, conv_in's and conv_out's included; none of this
+    decoder's 4 and 8 channels under the default 96), chunk after chunk through a batched cache:
+    the pixels and the cache equal the XLA path's."""
+    if minimum is not None:
+        monkeypatch.setattr(vae, "KERNEL_MIN_CHANNELS", minimum)
     calls = []
     real = vae.causal_conv.IMPLEMENTATIONS["pallas_tpu_interpret"]
     monkeypatch.setattr(vae.causal_conv, "IMPLEMENTATIONS", {
@@ -368,4 +406,50 @@ def test_tpu_convolution_backend_streams_as_xla(multiple, monkeypatch):
     for new, old in zip(got[1], want[1], strict=True):
         np.testing.assert_allclose(new, old, atol=1e-5, rtol=0)
     in_kernel = {(g.in_channels, g.out_channels) for g in calls}
-    assert in_kernel == (set() if multiple is None else {(4, 8), (8, 8), (4, 4), (4, 3)})
+    assert in_kernel == (set() if minimum is None else {(4, 8), (8, 8), (4, 4), (4, 3)})
+
+
+# ------------------------------------------------------------------------------------------------
+# libtpu compile-only: the jitted decode decode_chunk runs, for v5e and v6e
+# ------------------------------------------------------------------------------------------------
+
+needs_libtpu = pytest.mark.skipif(not tpu_aot.libtpu_available(),
+                                  reason="libtpu is not installed (pip install -e '.[tpu]')")
+
+
+def _entry_copies_of(hlo: str, names: list[str]) -> list[str]:
+    """The ``copy`` instructions of the optimized HLO's entry computation whose operand is one of
+    the parameters ``names`` (a relayout of that argument)."""
+    entry = hlo[hlo.index("\nENTRY "):]
+    entry = entry[:entry.index("\n}")]
+    return [line.strip() for line in entry.splitlines()
+            if " copy(" in line and any(f"copy(%{name}" in line for name in names)]
+
+
+@needs_libtpu
+@pytest.mark.slow
+@pytest.mark.parametrize("gen", ["v5e", "v6e"])
+def test_the_tpu_decode_keeps_the_cache_in_place(gen):
+    """Wan 2.1's decoder (bfloat16, a 64x128-pixel stream) as decode_chunk jits it on a TPU, with
+    the cache decoder_init_cache makes there (row-major): the convolutions of 96+ channels run the
+    kernel, the new cache comes back row-major over the donated one (every byte aliased, the bytes
+    stream_cache_bytes(tpu_hbm=True) counts), and the entry relays out no cache entry the kernel
+    reads (conv_in's 16-channel one, read by XLA, is its only copy)."""
+    config = dataclasses.replace(vae.VAE_CONFIGS["wan2.1"], dtype="bfloat16")
+    sharding = jax.sharding.SingleDeviceSharding(tpu_aot.compile_only_device(gen))
+    graphdef, params = io.abstract(vae.WanVAEDecoder, config)
+    params = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=sharding), params)
+    cache = vae.abstract_cache(config, 8, 16, 1, sharding=sharding, started=True)
+    latents = jax.ShapeDtypeStruct((1, 1, 8, 16, config.z_dim), jnp.bfloat16, sharding=sharding)
+    decode = vae._decode_jit(True, vae.DecoderCache(vae.cache_formats(cache.frames), started=True))
+    with jax.default_device(next(iter(sharding.device_set))):
+        compiled = decode.trace(graphdef, params, cache, latents, True, "pallas_tpu").lower().compile()
+    hlo = compiled.as_text()
+    assert causal_conv.KERNEL_PREFIX in hlo
+    row_major = {tuple(range(5))}
+    assert {f.layout.major_to_minor for f in compiled.input_formats[0][1].frames} == row_major
+    assert {f.layout.major_to_minor for f in compiled.output_formats[1].frames} == row_major
+    assert compiled.memory_analysis().alias_size_in_bytes == vae.stream_cache_bytes(config, 8, 16, tpu_hbm=True)
+    names = [f"cache_frames_{i}_" for i in range(len(cache.frames))]
+    copied = _entry_copies_of(hlo, names)
+    assert len(copied) <= 1 and all("cache_frames_0_" in line for line in copied), copied
