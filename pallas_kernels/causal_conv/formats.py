@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.layout import Format, Layout
 
+from pallas_kernels.checks import require_positive
 from pallas_kernels.common import round_up
 
 HBM_TILE = (8, 128)
@@ -39,10 +40,9 @@ def row_major(ndim: int, sharding: jax.sharding.Sharding) -> Format:
     """The format of a rank-``ndim`` array on ``sharding`` laid out row-major (its last dim minor).
 
     Raises:
-      ValueError: ``ndim`` is not a positive int.
+      TypeError: ``ndim`` is not an int. ValueError: ``ndim`` is not positive.
     """
-    if not isinstance(ndim, int) or isinstance(ndim, bool) or ndim < 1:
-        raise ValueError(f"ndim must be a positive int, got {ndim!r}")
+    ndim = require_positive("ndim", ndim)
     return Format(Layout(major_to_minor=tuple(range(ndim))), sharding)
 
 

@@ -162,8 +162,10 @@ def test_row_major_format_and_its_tpu_bytes():
     assert row_major_tpu_bytes((2, 6, 100, 200), jnp.bfloat16) == 2 * 6 * 104 * 256 * 2
     assert [row_major_tpu_bytes((rows, 1), jnp.float32) // 512 for rows in (1, 2, 3, 5, 9)] == [1, 2, 4, 8, 16]
     assert row_major_tpu_bytes((0, 3, 4), jnp.float32) == 0
-    with pytest.raises(ValueError, match="ndim must be a positive int, got 0"):
+    with pytest.raises(ValueError, match="ndim must be positive, got 0"):
         row_major(0, sharding)
+    with pytest.raises(TypeError, match="ndim must be positive, got True"):
+        row_major(True, sharding)
     with pytest.raises(ValueError, match=r"shape must have rank >= 2 and no negative dim, got \(5,\)"):
         row_major_tpu_bytes((5,), jnp.float32)
     with pytest.raises(ValueError, match="dtype int8 is 1 bytes wide"):
