@@ -14,3 +14,14 @@ jax.config.update("jax_platforms", os.environ["JAX_PLATFORMS"])
 
 jax.config.update("jax_default_matmul_precision", "highest")
 jax.config.update("jax_num_cpu_devices", 8)  # multi-device tests (tests/test_sharding.py)
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _compile_caches_emptied_after_each_module():
+    """Each test module's executables are dropped when it ends (``jax.clear_caches``). XLA:CPU
+    maps about 18 memory regions per executable it keeps; the whole suite keeps thousands, and past
+    the kernel's ``vm.max_map_count`` (65,530) a later compile crashes the process (SIGSEGV)."""
+    yield
+    jax.clear_caches()

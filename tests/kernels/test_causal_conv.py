@@ -88,6 +88,22 @@ def test_bfloat16():
     check_against_xla(ConvGeometry(2, 6, 16, 16, 16), jnp.bfloat16, "pallas_tpu_interpret", 4)
 
 
+@pytest.mark.parametrize("cout", [3, 8, 9])
+def test_the_xla_path_is_the_plain_convolution_at_every_width(cout):
+    """At most 8 output channels the XLA path contracts the channels first; either way it is the
+    time-concatenated convolution."""
+    rng = np.random.default_rng(cout)
+    x, cache = rng.standard_normal((3, 7, 10, 16)), rng.standard_normal((2, 7, 10, 16))
+    kernel, bias = rng.standard_normal((3, 3, 3, 16, cout)), rng.standard_normal(cout)
+    x, cache, kernel, bias = (jnp.asarray(a, jnp.float32) for a in (x, cache, kernel, bias))
+    y, new_cache = causal_conv3d(x, cache, kernel, bias, backend="xla")
+    extended = jnp.concatenate([cache, x])
+    want = jax.lax.conv_general_dilated(extended[None], kernel, (1, 1, 1), ((0, 0), (1, 1), (1, 1)),
+                                        dimension_numbers=("NDHWC", "DHWIO", "NDHWC"))[0] + bias
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-4)
+    np.testing.assert_array_equal(new_cache, extended[-2:])
+
+
 @pytest.mark.parametrize("frames", [1, 2])
 def test_a_cache_row_written_too_early_is_caught(frames, monkeypatch):
     """The rule that keeps the in-place write safe is what the tests check: writing each block's
