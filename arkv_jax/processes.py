@@ -216,8 +216,8 @@ def launch(commands: Sequence[Sequence[str]], *, timeout: float | None = None, s
             children.append(subprocess.Popen(list(command), stdout=out, stderr=err, env={**os.environ, **(env or {})},
                                              start_new_session=True))
         deadline = None if timeout is None else time.monotonic() + timeout
-        while any(c.poll() is None for c in children):
-            failed = any(c.returncode not in (None, 0) for c in children)
+        while None in (statuses := [c.poll() for c in children]):  # every child polled each time
+            failed = any(status not in (None, 0) for status in statuses)
             if failed or (deadline is not None and time.monotonic() > deadline):
                 break
             time.sleep(poll_seconds)
