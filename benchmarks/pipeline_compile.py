@@ -15,7 +15,9 @@ priced by the kernel's own bundle estimate at the same rows
 the commit at HBM bandwidth. It cannot see DMA stalls, host overhead or real clocks. Memory: the
 whole-chip plan (:func:`arkv_jax.pipeline.plan_chip`), checked against the compiled programs at the
 planned pool size (``plan_vs_compiled_bytes``). ``--quick``: batch 1, Self-Forcing without CFG.
-The last line is JSON, per chip.
+The last line is JSON, per chip. Host memory: compiling the largest full-form programs takes 14-22
+GiB, so on a 24 GiB machine run one chip and variant per process (``--generations``,
+``--variants``); ``streams_per_chip_int8_vs_bf16`` needs both of its variants in one run.
 """
 
 from __future__ import annotations
