@@ -281,10 +281,14 @@ class Conv2d(nnx.Module):
         self.kernel, self.bias = _conv_params((size, size, in_dim, out_dim), in_dim * size * size, dtype, rngs)
 
     def __call__(self, x: Array) -> Array:
+        return self._convolve(x, self.kernel[...]) + self.bias[...]
+
+    def _convolve(self, x: Array, kernel: Array) -> Array:
+        """``x`` ``[N, H, W, in]`` convolved with ``kernel`` ``[size, size, in, k]``, zero "same"
+        padding, no bias."""
         p = self.size // 2
-        y = jax.lax.conv_general_dilated(x, self.kernel[...], window_strides=(1, 1), padding=((p, p), (p, p)),
-                                         dimension_numbers=("NHWC", "HWIO", "NHWC"))
-        return y + self.bias[...]
+        return jax.lax.conv_general_dilated(x, kernel, window_strides=(1, 1), padding=((p, p), (p, p)),
+                                            dimension_numbers=("NHWC", "HWIO", "NHWC"))
 
     def after_nearest_2x(self, x: Array) -> Array:
         """``self(x repeated 2x along H and W)`` for a 3x3 kernel, ``[N, H, W, in] -> [N, 2H, 2W,
@@ -299,8 +303,7 @@ class Conv2d(nnx.Module):
         taps = jnp.asarray(_NEAREST_2X_TAPS)
         phased = jnp.einsum("aoh,bpw,hwic->opiabc", taps, taps, kernel.astype(jnp.float32),
                             precision=jax.lax.Precision.HIGHEST).astype(kernel.dtype)
-        y = jax.lax.conv_general_dilated(x, phased.reshape(3, 3, cin, 4 * cout), window_strides=(1, 1),
-                                         padding=((1, 1), (1, 1)), dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        y = self._convolve(x, phased.reshape(3, 3, cin, 4 * cout))
         n, h, w, _ = y.shape  # [.., w, (a, b, c)] -> [.., a, w, (b, c)]: (b, c) stays whole
         y = y.reshape(n, h, w, 2, 2 * cout).transpose(0, 1, 3, 2, 4).reshape(n, 2 * h, 2 * w, cout)
         return y + self.bias[...]
