@@ -178,7 +178,9 @@ class _Stream:
     (a resolved name of :mod:`pallas_kernels.backend`) is the one the causal convolutions run.
     With an ``index`` the inputs are a batch's entries ``[B, 2, H, W, C]``: an entry is read as
     stream ``index``'s slice where it is used, and each output is the batch's entry with that
-    slice replaced (updated in place: the batch's cache is not copied whole)."""
+    slice replaced (updated in place: the batch's cache is not copied whole); a 3x3x3 causal
+    convolution takes the batch's entry whole with the index (:meth:`take_batch`), so the TPU
+    kernel reads and writes the stream's slice in place, without copying it out and back."""
 
     def __init__(self, inputs: Sequence[Array] | None, dtype, backend: str = "xla", index: Array | None = None):
         self.inputs = inputs
@@ -194,9 +196,33 @@ class _Stream:
           ValueError: the cache has too few entries, or this one's shape or dtype is not the
             decoder's (a cache made for another latent size or another decoder).
         """
-        i = len(self.outputs)
         if self.inputs is None:
             return jnp.zeros((CACHE_FRAMES, *like.shape[1:]), like.dtype)
+        entry = self._checked(like)
+        if self.index is not None:
+            entry = jax.lax.dynamic_index_in_dim(entry, self.index, axis=0, keepdims=False)
+        return entry.astype(like.dtype)
+
+    def take_batch(self, like: Array) -> tuple[Array, Array | None]:
+        """``(entry, index)`` for a convolution that updates a batch's entry itself: with an
+        ``index`` and entries stored in ``like.dtype``, the batch's entry ``[B, 2, H, W, C]`` whole
+        and the index; otherwise :meth:`take` and ``None``. Give the result to :meth:`put_batch`.
+        Raises what :meth:`take` raises."""
+        if self.index is None or self.inputs is None or self.dtype != like.dtype:
+            return self.take(like), None
+        return self._checked(like), self.index
+
+    def put_batch(self, entry: Array, index: Array | None) -> None:
+        """Record the next entry from :meth:`take_batch`'s ``(entry, index)`` once updated: the
+        batch's whole where ``index`` is not ``None``, else as :meth:`put`."""
+        if index is None:
+            self.put(entry)
+        else:
+            self.outputs.append(entry)
+
+    def _checked(self, like: Array) -> Array:
+        """The next input entry as stored (the batch's with an ``index``), checked against ``like``."""
+        i = len(self.outputs)
         if i >= len(self.inputs):
             raise ValueError(f"the cache has {len(self.inputs)} entries; the decoder needs more")
         entry = self.inputs[i]
@@ -207,9 +233,7 @@ class _Stream:
         if entry.dtype != self.dtype:
             raise ValueError(f"cache entry {i} is {entry.dtype}; the decoder stores its cache in {self.dtype} "
                              "(was it made by this decoder's decoder_init_cache?)")
-        if self.index is not None:
-            entry = jax.lax.dynamic_index_in_dim(entry, self.index, axis=0, keepdims=False)
-        return entry.astype(like.dtype)
+        return entry
 
     def put(self, entry: Array) -> None:
         """Record the next entry, cast to the cache's storage dtype (with an ``index``: written into
@@ -255,9 +279,10 @@ class CausalConv3d(nnx.Module):
         kt, kh, kw = self.kernel_size
         if (kt, kh, kw) == (3, 3, 3):
             backend = stream.backend if min(self.kernel.shape[-2:]) >= KERNEL_MIN_CHANNELS else "xla"
-            y, entry = causal_conv.causal_conv3d(x, stream.take(x), self.kernel[...].astype(x.dtype),
-                                                 self.bias[...].astype(x.dtype), backend=backend)
-            stream.put(entry)
+            cache, index = stream.take_batch(x)
+            y, entry = causal_conv.causal_conv3d(x, cache, self.kernel[...].astype(x.dtype),
+                                                 self.bias[...].astype(x.dtype), stream=index, backend=backend)
+            stream.put_batch(entry, index)
             return y
         if kt > 1:
             if kt - 1 != CACHE_FRAMES:

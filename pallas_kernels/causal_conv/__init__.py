@@ -16,6 +16,7 @@ from types import MappingProxyType
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels.backend import Backend, resolve_backend
 from pallas_kernels.causal_conv import tpu, xla
@@ -30,7 +31,7 @@ __all__ = ["CACHE_FRAMES", "HBM_TILE", "IMPLEMENTATIONS", "KERNEL_PREFIX", "Conv
            "static_validate_inputs"]
 
 
-def causal_conv3d(x, cache, kernel, bias, *, backend="auto", block_h=None):
+def causal_conv3d(x, cache, kernel, bias, *, stream=None, backend="auto", block_h=None):
     """One causal 3x3x3 convolution of a stream's next frames.
 
     ==========  ==============================  ==============
@@ -46,8 +47,15 @@ def causal_conv3d(x, cache, kernel, bias, *, backend="auto", block_h=None):
     dw]`` with ``e = [cache, x]`` (``T + 2`` frames) and zeros outside the image; the new cache is
     ``e[T:]``, the last two frames. Products accumulate in float32.
 
+    With ``stream``, ``cache`` is a batch of streams' caches ``[B, 2, H, W, Cin]``: the call reads
+    entry ``stream`` and returns the batch with that entry replaced (the TPU kernel writes it in
+    place, the other entries untouched; XLA slices it out and updates it back).
+
     Args:
       x, cache: the new frames and the two frames before them (zeros at a stream's start).
+      stream: ``None``, or the index of ``x``'s stream in a batched ``cache``: an int in ``[0, B)``
+        or an integer scalar array (traced; an index out of range is clamped, as JAX clamps
+        dynamic slices).
       kernel, bias: the convolution's parameters (torch's ``[out, in, kt, kh, kw]`` transposed).
       backend: a name from :data:`pallas_kernels.backend.BACKEND_NAMES`. The TPU names run the
         Mosaic kernel (interpreted or simulated as the name says), every other name XLA. Inside a
@@ -59,15 +67,23 @@ def causal_conv3d(x, cache, kernel, bias, *, backend="auto", block_h=None):
       ValueError: mismatched shapes or dtypes, an unknown backend, ``block_h`` out of range.
     """
     resolved = resolve_backend(backend)
-    geom = static_validate_inputs(x, cache, kernel, bias, block_h=block_h)
+    geom = static_validate_inputs(x, cache, kernel, bias, stream=stream, block_h=block_h)
     block_h = min(tpu.DEFAULT_BLOCK_H, geom.height) if block_h is None else int(block_h)
-    return IMPLEMENTATIONS[resolved.name](x, cache, kernel, bias, geom=geom, block_h=block_h, backend=resolved)
+    if stream is not None:
+        stream = jnp.clip(jnp.asarray(stream, jnp.int32), 0, cache.shape[0] - 1)
+    return IMPLEMENTATIONS[resolved.name](x, cache, kernel, bias, stream, geom=geom, block_h=block_h,
+                                          backend=resolved)
 
 
-def static_validate_inputs(x, cache, kernel, bias, *, block_h=None) -> ConvGeometry:
+def static_validate_inputs(x, cache, kernel, bias, *, stream=None, block_h=None) -> ConvGeometry:
     """The call's :class:`ConvGeometry`, or the error :func:`causal_conv3d` raises."""
     check_rank("x", x, 4, "[T, H, W, Cin]")
-    check_rank("cache", cache, 4, "[2, H, W, Cin]")
+    if stream is None:
+        check_rank("cache", cache, 4, "[2, H, W, Cin]")
+    else:
+        check_rank("cache", cache, 5, "[B, 2, H, W, Cin] (a batch's caches, with stream=)")
+        _check_stream(stream, cache.shape[0])
+        cache = jax.ShapeDtypeStruct(cache.shape[1:], cache.dtype)
     check_rank("kernel", kernel, 5, "[3, 3, 3, Cin, Cout]")
     check_rank("bias", bias, 1, "[Cout]")
     check_supported_dtype("x.dtype", x.dtype)
@@ -90,14 +106,32 @@ def static_validate_inputs(x, cache, kernel, bias, *, block_h=None) -> ConvGeome
     return ConvGeometry(frames, height, width, cin, kernel.shape[4])
 
 
+def _check_stream(stream, batch: int) -> None:
+    """``stream`` is an int in ``[0, batch)`` or an integer scalar array.
+
+    Raises:
+      TypeError: anything else. ValueError: an int out of range.
+    """
+    if isinstance(stream, (jax.Array, np.ndarray)):
+        if jnp.ndim(stream) != 0 or not jnp.issubdtype(jnp.result_type(stream), jnp.integer):
+            raise TypeError(f"stream must be an int or an integer scalar array, got {jnp.result_type(stream)} "
+                            f"of shape {jnp.shape(stream)}")
+        return
+    require_int("stream", stream, minimum=0, maximum=batch - 1,
+                must=f"an int in [0, {batch - 1}] (the cache's batch B = {batch})")
+
+
 # The implementations of the registry, one signature (:data:`IMPLEMENTATIONS`).
 
-def _xla(x, cache, kernel, bias, *, geom: ConvGeometry, block_h: int, backend: Backend):
-    return xla.causal_conv3d(x, cache, kernel, bias)
+def _xla(x, cache, kernel, bias, stream, *, geom: ConvGeometry, block_h: int, backend: Backend):
+    if stream is None:
+        return xla.causal_conv3d(x, cache, kernel, bias)
+    y, entry = xla.causal_conv3d(x, jax.lax.dynamic_index_in_dim(cache, stream, keepdims=False), kernel, bias)
+    return y, jax.lax.dynamic_update_index_in_dim(cache, entry, stream, axis=0)
 
 
-def _pallas_tpu(x, cache, kernel, bias, *, geom: ConvGeometry, block_h: int, backend: Backend):
-    return tpu.causal_conv3d(x, cache, kernel, bias, block_h=block_h, interpret=backend.interpret)
+def _pallas_tpu(x, cache, kernel, bias, stream, *, geom: ConvGeometry, block_h: int, backend: Backend):
+    return tpu.causal_conv3d(x, cache, kernel, bias, stream, block_h=block_h, interpret=backend.interpret)
 
 
 IMPLEMENTATIONS: Mapping[str, Callable[..., tuple[jax.Array, jax.Array]]] = MappingProxyType({
@@ -114,6 +148,7 @@ IMPLEMENTATIONS: Mapping[str, Callable[..., tuple[jax.Array, jax.Array]]] = Mapp
     "pallas_mgpu": _xla,
 })
 """This kernel's table of the backend registry (:data:`pallas_kernels.backend.BACKENDS`, the same
-names): backend name to implementation, called as ``impl(x, cache, kernel, bias, *, geom, block_h,
-backend)`` on validated inputs. The TPU names run the Mosaic kernel; every GPU name runs XLA
-(cuDNN's convolutions, which XLA already calls on a GPU)."""
+names): backend name to implementation, called as ``impl(x, cache, kernel, bias, stream, *, geom,
+block_h, backend)`` on validated inputs (``stream`` ``None`` or a clamped int32 scalar). The TPU
+names run the Mosaic kernel; every GPU name runs XLA (cuDNN's convolutions, which XLA already calls
+on a GPU)."""

@@ -10,14 +10,16 @@ slabs ``[W, Cin]`` are concatenated on lanes into ``[W, 9 Cin]`` and multiplied 
 each padded to ``CoP``, a multiple of 128 lanes); the taps are summed after two sublane rolls (the W
 shift) with the image edge masked (zero "same" padding, as are the rows above and below the image).
 
-The new cache (``[cache, x][T : T + 2]``, frames ``dt = 1, 2`` of the last step) is written into
-the cache buffer itself (``input_output_aliases``), so a decode loop carrying the cache keeps one
-copy of it. The write must not overwrite a row a later step still reads: block ``i`` writes, at its
-last frame, rows ``[i * block_h - 1, (i + 1) * block_h - 1)`` (its top halo row, which no later block
-reads, and all its rows but the last, which block ``i + 1`` reads as its top halo); the last block
-writes through the image's last row. Blocks run in order, so every row is written after its last
-read. The kernel reads the cache through the aliased output, so the interpreters see any write that
-came too early. Design and figures: ``docs/kernels.md`` (Causal convolution).
+The new cache (``[cache, x][T : T + 2]``, frames ``dt = 1, 2`` of the last step) is written into the
+cache buffer itself (``input_output_aliases``), so a decode loop carrying the cache keeps one copy
+of it; a batch's cache ``[B, 2, H, W, Cin]`` is read and written at the stream a scalar-prefetched
+index names, the other streams' entries untouched (no slice of it is copied out or back). The write
+must not overwrite a row a later step still reads: block ``i`` writes, at its last frame, rows
+``[i * block_h - 1, (i + 1) * block_h - 1)`` (its top halo row, which no later block reads, and all its
+rows but the last, which block ``i + 1`` reads as its top halo); the last block writes through the
+image's last row. Blocks run in order, so every row is written after its last read. The kernel reads
+the cache through the aliased output, so the interpreters see any write that came too early. Design
+and figures: ``docs/kernels.md`` (Causal convolution).
 """
 
 from __future__ import annotations
@@ -98,12 +100,14 @@ def vmem_bytes(geom: ConvGeometry, block_h: int, itemsize: int) -> int:
     return frames + weights + out + row
 
 
-def _kernel(x_hbm, w_ref, b_ref, _cache_in, y_ref, cache, buf, read_sem, write_sem, *, geom: ConvGeometry,
-            block_h: int):
-    """Refs: ``x_hbm`` ``[T, H, W, Cin]`` and ``cache`` ``[2, H, W, Cin]`` (HBM; ``cache`` is the
-    aliased output, read and written in place, ``_cache_in`` its unused input view), ``w_ref``
-    ``[9 Cin, 3 CoP]``, ``b_ref`` ``[1, Cout]`` float32, ``y_ref`` ``[block_h, W, Cout]`` (the
-    last block's rows past the image are dropped), ``buf`` ``[2, 3, block_h + 2, W, Cin]``."""
+def _kernel(stream_ref, x_hbm, w_ref, b_ref, _cache_in, y_ref, batch_cache, buf, read_sem, write_sem, *,
+            geom: ConvGeometry, block_h: int):
+    """Refs: SMEM ``stream_ref`` ``[1]`` (the stream of the cache batch), ``x_hbm`` ``[T, H, W,
+    Cin]`` and ``batch_cache`` ``[B, 2, H, W, Cin]`` (HBM; the aliased output, read and written in
+    place at ``stream_ref[0]``, ``_cache_in`` its unused input view), ``w_ref`` ``[9 Cin, 3 CoP]``,
+    ``b_ref`` ``[1, Cout]`` float32, ``y_ref`` ``[block_h, W, Cout]`` (the last block's rows past
+    the image are dropped), ``buf`` ``[2, 3, block_h + 2, W, Cin]``."""
+    cache = batch_cache.at[stream_ref[0]]
     frames, height, width = geom.frames, geom.height, geom.width
     cout = geom.out_channels
     cop = round_up(cout, LANES)
@@ -185,33 +189,40 @@ def _kernel(x_hbm, w_ref, b_ref, _cache_in, y_ref, cache, buf, read_sem, write_s
 
 
 @functools.partial(jax.jit, static_argnames=("block_h", "interpret"))
-def causal_conv3d(x, cache, kernel, bias, *, block_h: int, interpret: Any):
+def causal_conv3d(x, cache, kernel, bias, stream=None, *, block_h: int, interpret: Any):
     """The kernel on validated inputs (:func:`pallas_kernels.causal_conv.causal_conv3d`): ``x``
-    ``[T, H, W, Cin]``, ``cache`` ``[2, H, W, Cin]`` in ``x``'s dtype (aliased to the new cache:
-    inside a program that no longer needs it, XLA writes the new cache over it), ``kernel``
-    ``[3, 3, 3, Cin, Cout]``, ``bias`` ``[Cout]``; ``block_h`` rows per grid step (at most ``H``).
-    Returns ``(y [T, H, W, Cout], new_cache [2, H, W, Cin])``."""
+    ``[T, H, W, Cin]``, ``cache`` ``[2, H, W, Cin]`` in ``x``'s dtype, or with an int32 scalar
+    ``stream`` a batch's caches ``[B, 2, H, W, Cin]`` of which entry ``stream`` is read and
+    written (aliased to the new cache: inside a program that no longer needs it, XLA writes the
+    new cache over it), ``kernel`` ``[3, 3, 3, Cin, Cout]``, ``bias`` ``[Cout]``; ``block_h`` rows
+    per grid step (at most ``H``). Returns ``(y [T, H, W, Cout], new_cache)``, ``new_cache`` of
+    ``cache``'s shape."""
     frames, height, width, cin = x.shape
     geom = ConvGeometry(frames, height, width, cin, kernel.shape[-1])
     cout = geom.out_channels
     cop = round_up(cout, LANES)
     weights = pack_weights(kernel, x.dtype)
     bias = bias.astype(jnp.float32).reshape(1, cout)
+    batch = cache if stream is not None else cache[None]
+    index = jnp.zeros((1,), jnp.int32) if stream is None else jnp.asarray(stream, jnp.int32).reshape(1)
     hbm = pl.BlockSpec(memory_space=pl.ANY)
     limit = min(MAX_VMEM_LIMIT, max(MIN_VMEM_LIMIT, 2 * vmem_bytes(geom, block_h, x.dtype.itemsize)))
-    return pl.pallas_call(
+    y, batch = pl.pallas_call(
         functools.partial(_kernel, geom=geom, block_h=block_h),
         out_shape=(jax.ShapeDtypeStruct((frames, height, width, cout), x.dtype),
-                   jax.ShapeDtypeStruct(cache.shape, cache.dtype)),
-        grid=(cdiv(height, block_h), frames),
-        in_specs=[hbm, pl.BlockSpec((9 * cin, 3 * cop), lambda i, t: (0, 0)),
-                  pl.BlockSpec((1, cout), lambda i, t: (0, 0)), hbm],
-        out_specs=(pl.BlockSpec((None, block_h, width, cout), lambda i, t: (t, i, 0, 0)), hbm),
-        scratch_shapes=[pltpu.VMEM((2, 3, block_h + 2, width, cin), x.dtype), pltpu.SemaphoreType.DMA((2, 3)),
-                        pltpu.SemaphoreType.DMA((2,))],
-        input_output_aliases={3: 1},
+                   jax.ShapeDtypeStruct(batch.shape, batch.dtype)),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1,
+            grid=(cdiv(height, block_h), frames),
+            in_specs=[hbm, pl.BlockSpec((9 * cin, 3 * cop), lambda i, t, *_: (0, 0)),
+                      pl.BlockSpec((1, cout), lambda i, t, *_: (0, 0)), hbm],
+            out_specs=(pl.BlockSpec((None, block_h, width, cout), lambda i, t, *_: (t, i, 0, 0)), hbm),
+            scratch_shapes=[pltpu.VMEM((2, 3, block_h + 2, width, cin), x.dtype),
+                            pltpu.SemaphoreType.DMA((2, 3)), pltpu.SemaphoreType.DMA((2,))]),
+        input_output_aliases={4: 1},
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary", "arbitrary"),
                                              vmem_limit_bytes=limit),
         interpret=interpret,
         name=kernel_name(geom),
-    )(x, weights, bias, cache)
+    )(index, x, weights, bias, batch)
+    return y, batch if stream is not None else batch[0]

@@ -120,6 +120,36 @@ def test_a_cache_row_written_too_early_is_caught(frames, monkeypatch):
         check_against_xla(ConvGeometry(frames, 9, 8, 4, 4), jnp.float32, "pallas_tpu_simulate", 3)
 
 
+@pytest.mark.parametrize("backend", ["xla", "pallas_tpu_interpret", "pallas_tpu_simulate"])
+def test_a_batch_cache_is_read_and_written_at_its_stream_only(backend):
+    """With ``stream=`` the call is the unbatched call on that stream's entry, and every other
+    stream's entry comes back bit for bit, NaN included: no stream reads or writes another's."""
+    geom = ConvGeometry(2, 9, 8, 4, 6)
+    x, cache, kernel, bias = inputs(geom, jnp.float32)
+    want_y, want_cache = causal_conv3d(x, cache, kernel, bias, backend="xla")
+    poison = jnp.full((3, *cache.shape), jnp.nan, jnp.float32)
+    for stream in (0, 2, jnp.int32(1)):
+        batch = poison.at[stream].set(cache)
+        y, new_batch = causal_conv3d(x, batch, kernel, bias, stream=stream, backend=backend, block_h=4)
+        np.testing.assert_allclose(y, want_y, rtol=2e-5, atol=2e-5)
+        np.testing.assert_array_equal(new_batch[stream], want_cache)
+        others = [i for i in range(3) if i != int(stream)]
+        assert bool(jnp.isnan(new_batch[jnp.asarray(others)]).all())
+
+
+def test_a_traced_stream_selects_inside_jit():
+    geom = ConvGeometry(1, 5, 8, 4, 4)
+    x, cache, kernel, bias = inputs(geom, jnp.float32)
+    batch = jnp.stack([cache, 2 * cache])
+    run = jax.jit(lambda b, i: causal_conv3d(x, b, kernel, bias, stream=i, backend="pallas_tpu_interpret"))
+    for i in range(2):
+        y, new_batch = run(batch, jnp.int32(i))
+        want_y, want_cache = causal_conv3d(x, batch[i], kernel, bias, backend="xla")
+        np.testing.assert_allclose(y, want_y, rtol=2e-5, atol=2e-5)
+        np.testing.assert_array_equal(new_batch[i], want_cache)
+        np.testing.assert_array_equal(new_batch[1 - i], batch[1 - i])
+
+
 def test_row_blocks_write_every_row_once():
     for height, block_h in [(9, 3), (10, 4), (7, 7), (5, 1), (13, 5)]:
         written = []
@@ -163,6 +193,17 @@ def test_arguments_are_checked():
         causal_conv3d(x, cache, kernel, bias, block_h=2.0)
     with pytest.raises(ValueError, match="backend must be one of"):
         causal_conv3d(x, cache, kernel, bias, backend="fast")
+    batch = jnp.stack([cache, cache])
+    with pytest.raises(ValueError, match=r"cache must have rank 5 \[B, 2, H, W, Cin\]"):
+        causal_conv3d(x, cache, kernel, bias, stream=0)
+    with pytest.raises(ValueError, match=r"stream must be an int in \[0, 1\] \(the cache's batch B = 2\), got 2"):
+        causal_conv3d(x, batch, kernel, bias, stream=2)
+    with pytest.raises(ArgumentTypeError, match="stream must be"):
+        causal_conv3d(x, batch, kernel, bias, stream=True)
+    with pytest.raises(TypeError, match="stream must be an int or an integer scalar array, got float32"):
+        causal_conv3d(x, batch, kernel, bias, stream=jnp.float32(0))
+    with pytest.raises(ValueError, match=r"cache.shape must be \(2, 4, 8, 4\)"):
+        causal_conv3d(x, batch[:, :1], kernel, bias, stream=0)
 
 
 def test_row_major_format_and_its_tpu_bytes():
@@ -239,6 +280,26 @@ def test_compiles_with_the_cache_in_place(gen):
     assert report.alias_bytes == cache_bytes
     assert report.temp_bytes < 0.05 * cache_bytes
     assert kernel_name(geom) in report.hlo
+
+
+@needs_libtpu
+@pytest.mark.slow
+@pytest.mark.parametrize("gen", ["v5e", "v6e"])
+def test_compiles_with_a_batch_cache_in_place(gen):
+    """A batch's cache with a run-time stream index: the whole donated batch is the new batch's
+    buffer, and no stream's entry is copied out or back."""
+    geom = WAN_FULL_RES
+    x_spec, cache_spec, *weights = _specs(geom)
+    batch_spec = ((3, *cache_spec[0]), cache_spec[1])
+    specs = [x_spec, batch_spec, *weights, ((), jnp.int32)]
+    report = tpu_aot.report(_compile_row_major(
+        lambda x, batch, kernel, bias, stream: causal_conv3d(x, batch, kernel, bias, stream=stream,
+                                                             backend="pallas_tpu"), specs, gen),
+        [x_spec[0], cache_spec[0], batch_spec[0]])
+    batch_bytes = row_major_tpu_bytes(batch_spec[0], jnp.bfloat16)
+    assert report.pool_copies == 0
+    assert report.alias_bytes == batch_bytes
+    assert report.temp_bytes < 0.02 * batch_bytes
 
 
 @needs_libtpu

@@ -396,8 +396,9 @@ def test_bfloat16_decoder_streams():
 def test_tpu_convolution_backend_streams_as_xla(minimum, monkeypatch):
     """Under a TPU backend the 3x3x3 causal convolutions run the Mosaic kernel (interpreted here;
     all of them when the channel minimum is 1, conv_in's and conv_out's included; none of this
-    decoder's 4 and 8 channels under the default 96), chunk after chunk through a batched cache:
-    the pixels and the cache equal the XLA path's."""
+    decoder's 4 and 8 channels under the default 96), chunk after chunk through a cache of two
+    streams (the kernel reads and writes each stream's entries in the batch's, in place): the
+    pixels and the cache equal the XLA path's."""
     if minimum is not None:
         monkeypatch.setattr(vae, "KERNEL_MIN_CHANNELS", minimum)
     calls = []
@@ -406,10 +407,10 @@ def test_tpu_convolution_backend_streams_as_xla(minimum, monkeypatch):
         **vae.causal_conv.IMPLEMENTATIONS,
         "pallas_tpu_interpret": lambda *a, **k: calls.append(k["geom"]) or real(*a, **k)})
     decoder = vae.init_random(SMALL, seed=4)
-    latents = np.random.default_rng(4).standard_normal((1, 3, 3, 5, 4)).astype(np.float32)
+    latents = np.random.default_rng(4).standard_normal((2, 3, 3, 5, 4)).astype(np.float32)
     outputs = {}
     for backend in ("xla", "pallas_tpu_interpret"):
-        cache = vae.decoder_init_cache(decoder, 3, 5, batch_size=1)
+        cache = vae.decoder_init_cache(decoder, 3, 5, batch_size=2)
         frames = []
         for chunk in (latents[:, :1], latents[:, 1:]):
             out, cache = vae.decode_chunk(decoder, cache, chunk, backend=backend)
