@@ -76,6 +76,26 @@ def require_int(name: str, value, *, minimum: int | None = None, maximum: int | 
     return value
 
 
+def require_index(name: str, value, size: int, source: str) -> None:
+    """``value`` indexes one of ``size`` items: an int in ``[0, size)``, or an integer scalar array
+    (concrete or traced; its value is the caller's to check or clamp). ``source`` names where
+    ``size`` comes from in the message (``"k_pool.shape[0]"``).
+
+    Raises:
+      ArgumentTypeError: neither an int nor an integer array. ValueError: an array that is not a
+        scalar; an int out of range.
+    """
+    dtype = getattr(value, "dtype", None)
+    if not (is_int(value) or (dtype is not None and np.issubdtype(dtype, np.integer))):
+        raise ArgumentTypeError(f"{name} must be an integer scalar (it may be traced), got {value!r} "
+                                f"({type(value).__name__}, expected an int or an int array)")
+    shape = tuple(getattr(value, "shape", ()))
+    if shape:
+        raise ValueError(f"{name} must be an int scalar, got shape {shape}")
+    if is_int(value) and not 0 <= value < size:
+        raise ValueError(f"{name}={int(value)} is out of range; allowed [0, {size}) ({source})")
+
+
 def require_positive(name: str, value) -> int:
     """``value`` as a positive ``int`` (:func:`require_int`, the requirement worded ``positive``)."""
     return require_int(name, value, minimum=1, must="positive")

@@ -16,14 +16,13 @@ from types import MappingProxyType
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from pallas_kernels.backend import Backend, resolve_backend
 from pallas_kernels.causal_conv import tpu, xla
 from pallas_kernels.causal_conv.formats import HBM_TILE, default_sharding, row_major, row_major_tpu_bytes
 from pallas_kernels.causal_conv.geometry import KERNEL_PREFIX, ConvGeometry, geometry_of_kernel, kernel_name
 from pallas_kernels.causal_conv.xla import CACHE_FRAMES
-from pallas_kernels.checks import require_int
+from pallas_kernels.checks import require_index, require_int
 from pallas_kernels.common import check_rank, check_supported_dtype
 
 __all__ = ["CACHE_FRAMES", "HBM_TILE", "IMPLEMENTATIONS", "KERNEL_PREFIX", "ConvGeometry", "causal_conv3d",
@@ -54,8 +53,8 @@ def causal_conv3d(x, cache, kernel, bias, *, stream=None, backend="auto", block_
     Args:
       x, cache: the new frames and the two frames before them (zeros at a stream's start).
       stream: ``None``, or the index of ``x``'s stream in a batched ``cache``: an int in ``[0, B)``
-        or an integer scalar array (traced; an index out of range is clamped, as JAX clamps
-        dynamic slices).
+        or an integer scalar array (concrete or traced; an array's value out of range is clamped,
+        as JAX clamps dynamic slices).
       kernel, bias: the convolution's parameters (torch's ``[out, in, kt, kh, kw]`` transposed).
       backend: a name from :data:`pallas_kernels.backend.BACKEND_NAMES`. The TPU names run the
         Mosaic kernel (interpreted or simulated as the name says), every other name XLA. Inside a
@@ -82,7 +81,7 @@ def static_validate_inputs(x, cache, kernel, bias, *, stream=None, block_h=None)
         check_rank("cache", cache, 4, "[2, H, W, Cin]")
     else:
         check_rank("cache", cache, 5, "[B, 2, H, W, Cin] (a batch's caches, with stream=)")
-        _check_stream(stream, cache.shape[0])
+        require_index("stream", stream, cache.shape[0], "cache.shape[0]")
         cache = jax.ShapeDtypeStruct(cache.shape[1:], cache.dtype)
     check_rank("kernel", kernel, 5, "[3, 3, 3, Cin, Cout]")
     check_rank("bias", bias, 1, "[Cout]")
@@ -104,21 +103,6 @@ def static_validate_inputs(x, cache, kernel, bias, *, stream=None, block_h=None)
     if block_h is not None:
         require_int("block_h", block_h, minimum=1, maximum=height, must=f"an int in [1, {height}] (H)")
     return ConvGeometry(frames, height, width, cin, kernel.shape[4])
-
-
-def _check_stream(stream, batch: int) -> None:
-    """``stream`` is an int in ``[0, batch)`` or an integer scalar array.
-
-    Raises:
-      TypeError: anything else. ValueError: an int out of range.
-    """
-    if isinstance(stream, (jax.Array, np.ndarray)):
-        if jnp.ndim(stream) != 0 or not jnp.issubdtype(jnp.result_type(stream), jnp.integer):
-            raise TypeError(f"stream must be an int or an integer scalar array, got {jnp.result_type(stream)} "
-                            f"of shape {jnp.shape(stream)}")
-        return
-    require_int("stream", stream, minimum=0, maximum=batch - 1,
-                must=f"an int in [0, {batch - 1}] (the cache's batch B = {batch})")
 
 
 # The implementations of the registry, one signature (:data:`IMPLEMENTATIONS`).

@@ -23,7 +23,7 @@ from pallas_kernels.backend import (
     cudnn_supports,
     resolve_backend,
 )
-from pallas_kernels.checks import ArgumentTypeError, argument_error, is_int, require_int, require_real
+from pallas_kernels.checks import argument_error, is_int, require_index, require_int, require_real
 from pallas_kernels.common import (
     check_entries,
     check_pool_pair,
@@ -201,15 +201,7 @@ def check_arrays(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, layer=0, ex
     geom = _check_shapes(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, extra_k, extra_v,
                          tokens_per_frame)
     _check_dtypes(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, extra_k, extra_v)
-    dtype = getattr(layer, "dtype", None)
-    if not (is_int(layer) or (dtype is not None and jnp.issubdtype(dtype, jnp.integer))):
-        raise ArgumentTypeError(f"layer must be an integer scalar (it may be traced), got {layer!r} "
-                                f"({type(layer).__name__}, expected an int or an int array)")
-    if jnp.ndim(layer) != 0:
-        raise ValueError(f"layer must be an int scalar, got shape {jnp.shape(layer)}")
-    if is_int(layer) and not 0 <= layer < geom.num_layers:
-        raise ValueError(f"layer={int(layer)} is out of range; allowed [0, {geom.num_layers}) "
-                         "(k_pool.shape[0])")
+    require_index("layer", layer, geom.num_layers, "k_pool.shape[0]")
     return geom
 
 

@@ -83,6 +83,23 @@ def test_the_kernels_take_numpy_integers_and_refuse_bools():
         attention_static_validate(*args, scale=True)
 
 
+def test_an_index_is_an_int_in_range_or_an_integer_scalar_array():
+    """:func:`checks.require_index`, shared by window attention's ``layer`` and the causal
+    convolution's ``stream``: ints are range-checked, integer scalar arrays (concrete or traced)
+    pass for the caller to check or clamp, anything else is refused."""
+    for ok in (0, 2, np.int64(1), jnp.int32(7), np.asarray(9, np.uint8)):
+        checks.require_index("layer", ok, 3, "k_pool.shape[0]")
+    with pytest.raises(ValueError, match=r"^layer=3 is out of range; allowed \[0, 3\) \(k_pool.shape\[0\]\)$"):
+        checks.require_index("layer", 3, 3, "k_pool.shape[0]")
+    with pytest.raises(ValueError, match=r"^layer=-1 is out of range"):
+        checks.require_index("layer", np.int32(-1), 3, "k_pool.shape[0]")
+    for bad in (True, 1.0, jnp.float32(1), "1", None):
+        with pytest.raises(ArgumentTypeError, match="^layer must be an integer scalar"):
+            checks.require_index("layer", bad, 3, "k_pool.shape[0]")
+    with pytest.raises(ValueError, match=r"^layer must be an int scalar, got shape \(2,\)$"):
+        checks.require_index("layer", jnp.zeros(2, jnp.int32), 3, "k_pool.shape[0]")
+
+
 def test_no_kernel_module_writes_its_own_int_check():
     """``isinstance(..., bool)`` appears in :mod:`pallas_kernels.checks` only."""
     offenders = []
