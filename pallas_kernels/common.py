@@ -237,6 +237,17 @@ def check_entries(mode: str | None, name: str, x, bad: Callable, reason: str) ->
 # ------------------------------------------------------------------------------------------------
 
 
+def target_device() -> jax.Device:
+    """The device a program is built for: JAX's default device where one is set
+    (``jax.default_device``, ``jax_default_device``: a device or a platform name, as
+    :func:`pallas_kernels.tpu_aot.compile_for_tpu` sets a compile-only chip), else the first
+    device."""
+    target = jax.config.jax_default_device
+    if isinstance(target, str):  # a platform name
+        target = jax.devices(target)[0]
+    return jax.devices()[0] if target is None else target
+
+
 def matmul_precision(dtype) -> lax.Precision:
     """Full float32 products for f32 inputs (no TF32/bf16 passes); native for half types."""
     return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else lax.Precision.DEFAULT

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax.experimental.layout import Format, Layout
 
 from pallas_kernels.checks import require_positive
-from pallas_kernels.common import round_up
+from pallas_kernels.common import round_up, target_device
 
 HBM_TILE = (8, 128)
 """XLA:TPU's HBM tile of a 16- or 32-bit array's second-minor and minor dims (``T(8,128)``; 16-bit
@@ -47,12 +47,10 @@ def row_major(ndim: int, sharding: jax.sharding.Sharding) -> Format:
 
 
 def default_sharding() -> jax.sharding.SingleDeviceSharding:
-    """The sharding a new array takes when none is named: JAX's default device where one is set
-    (``jax.default_device``, ``jax_default_device``), else the first device."""
-    device = jax.config.jax_default_device
-    if isinstance(device, str):
-        device = jax.devices(device)[0]
-    return jax.sharding.SingleDeviceSharding(jax.devices()[0] if device is None else device)
+    """The sharding a new array takes when none is named: on
+    :func:`pallas_kernels.common.target_device` (JAX's default device where one is set, else the
+    first device)."""
+    return jax.sharding.SingleDeviceSharding(target_device())
 
 
 def row_major_tpu_bytes(shape: Sequence[int], dtype) -> int:

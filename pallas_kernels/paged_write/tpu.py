@@ -35,6 +35,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels.common import target_device
 from pallas_kernels.layout import pool_geometry
 
 DMAS_IN_FLIGHT = 8
@@ -50,19 +51,11 @@ TOKEN_ROWS = 8
 # ------------------------------------------------------------------------------------------------
 
 
-def _target_device():
-    """The device a program is built for: JAX's default device when set, else the first device."""
-    target = jax.config.jax_default_device
-    if isinstance(target, str):
-        target = jax.devices(target)[0]
-    return jax.devices()[0] if target is None else target
-
-
 def hbm_order(shape: tuple[int, ...], dtype, device=None) -> tuple[int, ...] | None:
     """The axes of an array of ``shape`` and ``dtype`` from major to minor in XLA:TPU's default HBM
     layout on ``device`` (default the device the program is built for); ``None`` off TPU, where
     every array is row-major."""
-    device = _target_device() if device is None else device
+    device = target_device() if device is None else device
     if device.platform != "tpu":
         return None
     from jax.experimental.layout import Layout

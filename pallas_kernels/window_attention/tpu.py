@@ -28,7 +28,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.backend import resolve_backend
 from pallas_kernels.checks import require_int
-from pallas_kernels.common import MASK_VALUE
+from pallas_kernels.common import MASK_VALUE, target_device
 from pallas_kernels.layout import QuantizedPool, check_tpu_block_size, page_index
 from pallas_kernels.quantization import dequantize, is_quantized
 from pallas_kernels.window_attention.geometry import WindowGeometry, visible_page_count
@@ -294,10 +294,7 @@ def default_generation() -> str:
     ``"v5e"`` off TPU. The chip is JAX's default device where one is set (``jax.default_device``,
     as :func:`pallas_kernels.tpu_aot.compile_for_tpu` sets a compile-only chip), else the first
     device."""
-    target = jax.config.jax_default_device
-    if isinstance(target, str):  # a platform name
-        target = jax.devices(target)[0]
-    device = jax.devices()[0] if target is None else target
+    device = target_device()
     kind = getattr(device, "device_kind", "").lower()
     return "v6e" if device.platform == "tpu" and ("v6" in kind) else "v5e"
 

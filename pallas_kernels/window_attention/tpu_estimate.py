@@ -270,24 +270,23 @@ def _compile_and_price_conv(geom: ConvGeometry, dtype: str, generation: str, dum
     prices it (:func:`pallas_kernels.causal_conv.tpu_estimate.estimate_from_dump`)."""
     import jax
     import jax.numpy as jnp
-    from jax.experimental.layout import Format, Layout
 
     from pallas_kernels import tpu_aot
-    from pallas_kernels.causal_conv import causal_conv3d
+    from pallas_kernels.causal_conv import causal_conv3d, row_major
     from pallas_kernels.causal_conv import tpu as conv_tpu
     from pallas_kernels.causal_conv import tpu_estimate as conv_estimate
 
     device = tpu_aot.compile_only_device(generation)
     sharding = jax.sharding.SingleDeviceSharding(device)
-    row_major = Format(Layout(major_to_minor=(0, 1, 2, 3)), sharding)
+    rows = row_major(4, sharding)
     g, dt = geom, jnp.dtype(dtype)
-    args = [jax.ShapeDtypeStruct((g.frames, g.height, g.width, g.in_channels), dt, sharding=row_major),
-            jax.ShapeDtypeStruct((2, g.height, g.width, g.in_channels), dt, sharding=row_major),
+    args = [jax.ShapeDtypeStruct((g.frames, g.height, g.width, g.in_channels), dt, sharding=rows),
+            jax.ShapeDtypeStruct((2, g.height, g.width, g.in_channels), dt, sharding=rows),
             jax.ShapeDtypeStruct((3, 3, 3, g.in_channels, g.out_channels), dt, sharding=sharding),
             jax.ShapeDtypeStruct((g.out_channels,), dt, sharding=sharding)]
     with jax.default_device(device):
         jax.jit(lambda *a: causal_conv3d(*a, backend="pallas_tpu"), donate_argnums=(1,),
-                out_shardings=(row_major, row_major)).trace(*args).lower().compile()
+                out_shardings=(rows, rows)).trace(*args).lower().compile()
     block_h = min(conv_tpu.DEFAULT_BLOCK_H, g.height)
     return conv_estimate.estimate_from_dump(geom, block_h, generation, dump_dir)
 
