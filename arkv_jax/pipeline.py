@@ -63,6 +63,9 @@ class Pipeline:
         convolution of at least 96 input channels, over the stream cache kept row-major (compiled
         at Wan 2.1's shape: the decode about twice as fast as XLA's, with smaller temporaries;
         ``docs/kernels.md``, Causal convolution).
+      rows_in_turn: the chunk and recache programs run each forward's batch rows one after the
+        other (:attr:`arkv_jax.rollout.ChunkConfig.rows_in_turn`, what ``Rollout`` does on one TPU
+        device).
     """
 
     preset: ModelPreset
@@ -73,9 +76,11 @@ class Pipeline:
     text_on_device: bool = False
     backend: str = "pallas_tpu"
     vae_backend: str = "pallas_tpu"
+    rows_in_turn: bool = True
 
     def __post_init__(self):
         require_bool("text_on_device", self.text_on_device)
+        require_bool("rows_in_turn", self.rows_in_turn)
         self.dit.check_cache(self.preset.geometry, self.preset.cross_attention[0])
         if self.vae.z_dim != self.dit.in_channels:
             raise ValueError(f"the VAE decodes {self.vae.z_dim}-channel latents; the DiT makes "
@@ -190,7 +195,8 @@ def chunk_program(pipeline: Pipeline, sessions: int, num_pages: int, sharding=No
     text = jax.ShapeDtypeStruct((rows, g.num_layers, pipeline.dit.text_tokens, g.num_kv_heads, g.head_dim),
                                 jnp.dtype(pipeline.dit.dtype))
     noise = jax.ShapeDtypeStruct((sessions, pipeline.sampler.noise_draws, *pipeline.latent_shape), jnp.float32)
-    config = ChunkConfig(graphdef, pipeline.sampler, frames, g.tokens_per_frame, pipeline.backend)
+    config = ChunkConfig(graphdef, pipeline.sampler, frames, g.tokens_per_frame, pipeline.backend,
+                         rows_in_turn=pipeline.rows_in_turn)
     args = jax.tree_util.tree_map(spec, (params, (pool, pool), inputs, (text, text), noise))
     return (lambda *a: generate_chunk(*a, config=config)), args
 
@@ -252,7 +258,8 @@ def recache_program(pipeline: Pipeline, num_pages: int, sharding=None):
     text = jax.ShapeDtypeStruct((g.num_layers, rows, pipeline.dit.text_tokens, g.num_kv_heads, g.head_dim),
                                 jnp.dtype(pipeline.dit.dtype))
     latents = jax.ShapeDtypeStruct((1, frames, *pipeline.dit.frame_shape), jnp.dtype(pipeline.dit.dtype))
-    config = ChunkConfig(graphdef, pipeline.sampler, g.frames_per_forward, g.tokens_per_frame, pipeline.backend)
+    config = ChunkConfig(graphdef, pipeline.sampler, g.frames_per_forward, g.tokens_per_frame, pipeline.backend,
+                         rows_in_turn=pipeline.rows_in_turn)
     args = jax.tree_util.tree_map(_spec(sharding), (params, (pool, pool), inputs, (text, text), latents,
                                                     jax.ShapeDtypeStruct((), jnp.float32)))
     return (lambda *a: recache_kv(*a, config=config)), args
@@ -271,7 +278,8 @@ class ProgramFigures:
       argument_bytes, output_bytes, temp_bytes, alias_bytes: as the compiler reports them.
       xla_seconds: XLA:TPU's estimated cycles of everything outside Mosaic kernels, loops unrolled,
         at the chip clock (:func:`pallas_kernels.tpu_cost.program_cycles`).
-      kernel_calls: Mosaic kernel calls per run, by kernel name.
+      kernel_calls: Mosaic kernel calls per run, by kernel name and the rows each call runs
+        (:attr:`pallas_kernels.tpu_cost.ProgramCost.kernel_calls`).
       unpriced: instruction runs the cost model gave no estimate (counted 0 in ``xla_seconds``).
     """
 
@@ -280,7 +288,7 @@ class ProgramFigures:
     temp_bytes: int
     alias_bytes: int
     xla_seconds: float
-    kernel_calls: dict[str, int]
+    kernel_calls: dict[tuple[str, int], int]
     unpriced: int = 0
 
     @property
@@ -534,11 +542,15 @@ def commit_seconds(pipeline: Pipeline, sessions: int, generation: str) -> float:
     return chunk * width / tpu_aot.CHIPS[generation].hbm_bytes_per_s
 
 
-def decode_seconds(decode: ProgramFigures, sessions: int, kernel_seconds: KernelPricer) -> float:
-    """Estimated seconds of the VAE decode of ``sessions`` streams: XLA's estimate outside its
+def kernels_seconds(program: ProgramFigures, kernel_seconds: KernelPricer) -> float:
+    """A program's Mosaic kernel calls, each priced by ``kernel_seconds`` at the rows it runs."""
+    return sum(calls * kernel_seconds(name, rows) for (name, rows), calls in program.kernel_calls.items())
+
+
+def decode_seconds(decode: ProgramFigures, kernel_seconds: KernelPricer) -> float:
+    """Estimated seconds of a VAE decode program: XLA's estimate outside its
     kernels plus each causal-convolution kernel call priced by ``kernel_seconds``."""
-    kernels = decode.kernel_calls.items()
-    return decode.xla_seconds + sum(calls * kernel_seconds(name, sessions) for name, calls in kernels)
+    return decode.xla_seconds + kernels_seconds(decode, kernel_seconds)
 
 
 def chunk_seconds(pipeline: Pipeline, sessions: int, generation: str, chunk: ProgramFigures,
@@ -546,10 +558,8 @@ def chunk_seconds(pipeline: Pipeline, sessions: int, generation: str, chunk: Pro
     """Estimated seconds of one chunk of ``sessions`` sessions: XLA's estimate of the chunk program
     outside its kernels, each kernel call priced by ``kernel_seconds``, the commit
     (:func:`commit_seconds`) and the VAE decode (:func:`decode_seconds`)."""
-    rows = sessions * pipeline.sampler.num_branches
-    kernels = sum(calls * kernel_seconds(name, rows) for name, calls in chunk.kernel_calls.items())
-    return (chunk.xla_seconds + kernels + commit_seconds(pipeline, sessions, generation)
-            + decode_seconds(decode, sessions, kernel_seconds))
+    return (chunk.xla_seconds + kernels_seconds(chunk, kernel_seconds) + commit_seconds(pipeline, sessions, generation)
+            + decode_seconds(decode, kernel_seconds))
 
 
 @functools.lru_cache(maxsize=None)

@@ -28,7 +28,7 @@ from arkv_jax import processes, samplers
 from arkv_jax.cache import PagedKVCache
 from arkv_jax.cache.batch import bucket_size, cross_attention_rows, resolve_buckets
 from arkv_jax.conditioning import branch_contexts, context_kv
-from arkv_jax.config import ArgumentTypeError, WindowPolicy, require_int
+from arkv_jax.config import ArgumentTypeError, WindowPolicy, require_bool, require_int
 from arkv_jax.models.dit import CausalDiT, tensor_parallel_specs
 from arkv_jax.nnx import PagedHistory
 from arkv_jax.processes import StepFailed
@@ -55,6 +55,11 @@ class ChunkConfig:
       backend: window-attention backend (:mod:`pallas_kernels.backend`).
       mesh: the cache's mesh (``PagedKVCache.mesh``): attention then runs on every device's rows
         and heads; ``None`` for one device.
+      rows_in_turn: run each forward on one batch row after the other (a loop over the rows, each
+        row's outputs written in place) instead of on the whole batch; the same outputs. On one
+        TPU chip a forward of Wan's size is compute-bound, so a batch buys no speed there, and
+        XLA:TPU lays a batch's activations out so that per-row head-major views become copies
+        (``docs/rollout.md``, Batching); ``False`` with a mesh, whose devices hold the rows.
     """
 
     graphdef: nnx.GraphDef
@@ -63,6 +68,38 @@ class ChunkConfig:
     tokens_per_frame: int
     backend: str = "auto"
     mesh: Mesh | None = None
+    rows_in_turn: bool = False
+
+
+def _forward(model: CausalDiT, latents: Array, timesteps: Array, first_frame: Array, history: PagedHistory,
+             text_k: Array, text_v: Array, *, return_kv: bool, rows_in_turn: bool):
+    """``model(...)`` on the whole batch, or with ``rows_in_turn`` on one row after the other
+    (:attr:`ChunkConfig.rows_in_turn`): the same outputs, ``latents`` and ``timesteps`` with the
+    rows on axis 0, ``text_k``/``text_v`` and the K/V returned on axis 1."""
+    def call(latents, timesteps, first_frame, pages, lengths, text_k, text_v):
+        rows_history = history.replace(pages=pages, lengths=lengths)
+        return model(latents, timesteps, first_frame, rows_history, text_k, text_v, return_kv=return_kv)
+
+    args = (latents, timesteps, first_frame, history.pages, history.lengths, text_k, text_v)
+    in_axes = (0, 0, 0, 0, 0, 1, 1)
+    rows = latents.shape[0]
+    if not rows_in_turn or rows == 1:
+        return call(*args)
+    out_axes = (0, (1, 1)) if return_kv else 0
+
+    def row_args(i):
+        return [jax.lax.dynamic_slice_in_dim(a, i, 1, axis) for a, axis in zip(args, in_axes)]
+
+    def widen(shape, axis):
+        return jnp.zeros((*shape.shape[:axis], rows, *shape.shape[axis + 1:]), shape.dtype)
+
+    outs = jax.tree_util.tree_map(widen, jax.eval_shape(lambda: call(*row_args(0))), out_axes)
+
+    def body(i, outs):
+        return jax.tree_util.tree_map(lambda out, row, axis: jax.lax.dynamic_update_slice_in_dim(out, row, i, axis),
+                                      outs, call(*row_args(i)), out_axes)
+
+    return jax.lax.fori_loop(0, rows, body, outs)
 
 
 def generate_chunk(params: nnx.State, pools: tuple[Array, Array], inputs: ChunkInputs,
@@ -104,13 +141,14 @@ def generate_chunk(params: nnx.State, pools: tuple[Array, Array], inputs: ChunkI
 
     def velocity(x, sigma):
         t = jnp.full((rows, frames), sigma * 1000.0)
-        out = model(jnp.repeat(x, nb, axis=0), t, inputs.first_frame, history, text_k, text_v)
+        out = _forward(model, jnp.repeat(x, nb, axis=0), t, inputs.first_frame, history, text_k, text_v,
+                       return_kv=False, rows_in_turn=config.rows_in_turn)
         return combine_branches(out, nb, sampler.guidance_scale)
 
     x = samplers.sample(velocity, draws, sampler)
     context, t_c = samplers.commit_input(x, draws, sampler)
-    _, (k, v) = model(jnp.repeat(context, nb, axis=0), jnp.full((rows, frames), t_c), inputs.first_frame,
-                      history, text_k, text_v, return_kv=True)
+    _, (k, v) = _forward(model, jnp.repeat(context, nb, axis=0), jnp.full((rows, frames), t_c), inputs.first_frame,
+                         history, text_k, text_v, return_kv=True, rows_in_turn=config.rows_in_turn)
     return x, k, v
 
 
@@ -135,8 +173,8 @@ def recache_kv(params: nnx.State, pools: tuple[Array, Array], inputs: ChunkInput
     rows, frames = inputs.rows.shape[0], latents.shape[1]
     history = PagedHistory.from_inputs(pools, inputs, config.tokens_per_frame, config.backend, mesh=config.mesh)
     x = jnp.repeat(latents.astype(model.config.dtype), rows // latents.shape[0], axis=0)
-    _, kv = model(x, jnp.full((rows, frames), timestep, jnp.float32), inputs.first_frame, history, *text_kv,
-                  return_kv=True)
+    _, kv = _forward(model, x, jnp.full((rows, frames), timestep, jnp.float32), inputs.first_frame, history,
+                     *text_kv, return_kv=True, rows_in_turn=config.rows_in_turn)
     return kv
 
 
@@ -203,6 +241,18 @@ class _Session:
             del self.ring[c]
 
 
+def _resolve_rows_in_turn(rows_in_turn: bool | None, mesh: Mesh | None) -> bool:
+    """:attr:`ChunkConfig.rows_in_turn` for ``Rollout(rows_in_turn=...)``: ``None`` means on one
+    TPU device (the default backend's), never with a mesh."""
+    if rows_in_turn is None:
+        return mesh is None and jax.default_backend() == "tpu"
+    require_bool("rows_in_turn", rows_in_turn)
+    if rows_in_turn and mesh is not None:
+        raise ValueError("rows_in_turn=True needs one device: with a mesh the data axis holds the rows "
+                         "(pass None or False)")
+    return rows_in_turn
+
+
 class Rollout:
     """Chunk-wise generation of many sessions through one :class:`PagedKVCache`.
 
@@ -234,6 +284,9 @@ class Rollout:
       buckets: sessions per chunk to pad compact batches to, increasing, the largest at least
         ``max_sessions`` (default :func:`arkv_jax.cache.batch.default_buckets`); ignored with the
         full batch.
+      rows_in_turn: run each forward's batch rows one after the other
+        (:attr:`ChunkConfig.rows_in_turn`); ``None`` (default): on one TPU device. ``True`` with a
+        mesh raises ``ValueError``.
 
     Attributes:
       params: the model's parameters (``nnx.split(model)[1]``; on a mesh, placed tensor-parallel).
@@ -254,7 +307,7 @@ class Rollout:
     def __init__(self, model: CausalDiT, cache: PagedKVCache, sampler: Sampler = Sampler(), *,
                  text_cache: str = "text", backend: str | None = None, max_sessions: int | None = None,
                  max_traces: int | None = None, full_batch: bool | None = None,
-                 buckets: tuple[int, ...] | None = None) -> None:
+                 buckets: tuple[int, ...] | None = None, rows_in_turn: bool | None = None) -> None:
         config = model.config
         if text_cache not in cache.cross_attention:
             raise ValueError(f"the cache has no cross-attention cache {text_cache!r}; it has "
@@ -282,7 +335,8 @@ class Rollout:
                 lambda spec: NamedSharding(cache.mesh, spec), specs, is_leaf=lambda x: isinstance(x, P)))
             self._noise_sharding = NamedSharding(cache.mesh, P(DATA))
         self.chunk_config = ChunkConfig(graphdef, sampler, self.chunk_frames, cache.geometry.tokens_per_frame,
-                                        backend or cache.backend, cache.mesh)
+                                        backend or cache.backend, cache.mesh,
+                                        _resolve_rows_in_turn(rows_in_turn, cache.mesh))
         self.chunk_fn = jax.jit(self._traced_chunk)
         self.recache_fn = jax.jit(functools.partial(recache_kv, config=self.chunk_config))
         self._sessions: dict[str, _Session] = {}

@@ -6,7 +6,7 @@ count (read from the loop condition), so a 30-layer scan inside a 4-step sampler
 ``cost_analysis()`` cannot do this: its FLOPs count each loop body once and its ``optimal_seconds``
 is negative for such programs. XLA's model does not see inside a Mosaic kernel (a
 ``tpu_custom_call``): those calls are counted, by name and trips, for the caller to price with the
-kernel's own bundle estimate. See ``docs/planning.md`` (The whole chip).
+kernel's own bundle estimate, at the rows it runs (its result's leading dimension). See ``docs/planning.md`` (The whole chip).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ _CALLED = {"while": re.compile(r"condition=%([\w.\-]+), body=%([\w.\-]+)"),
            "conditional": re.compile(r"(?:branch_computations=\{([^}]*)\}|true_computation=%([\w.\-]+), "
                                      r"false_computation=%([\w.\-]+))")}
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')
+_LEADING_DIM = re.compile(r"=\s*\(?\w+\[(\d+)")
 _CONSTANT = re.compile(r"%([\w.\-]+)\s*=\s*s32\[\]\S*\s+constant\((-?\d+)\)")
 _BOUND = re.compile(r"ROOT\s+%[\w.\-]+\s*=\s*pred\[\]\S*\s+compare\(%[\w.\-]+, %([\w.\-]+)\), direction=LT")
 
@@ -37,15 +38,16 @@ class ProgramCost:
 
     Attributes:
       cycles: XLA:TPU's estimated cycles of everything outside Mosaic kernels, loops unrolled.
-      kernel_calls: per Mosaic kernel instruction name prefix (``window_attention_tpu``, ...), how
-        many times it runs (loop trips included).
+      kernel_calls: per Mosaic kernel instruction name prefix (``window_attention_tpu``, ...) and
+        leading dimension of its (first) result (the batch rows this project's attention kernels
+        run; 0 for a scalar result), how many times it runs (loop trips included).
       loops: ``(body name, trip count)`` of every loop, outermost first.
       unpriced: instructions whose estimate is the cost model's "unknown" (``2**64 - 1`` and
         the like); they count 0 in ``cycles``.
     """
 
     cycles: int
-    kernel_calls: dict[str, int]
+    kernel_calls: dict[tuple[str, int], int]
     loops: tuple[tuple[str, int], ...]
     unpriced: int = 0
 
@@ -109,7 +111,8 @@ def program_cycles(hlo_text: str) -> ProgramCost:
             else:
                 total += cycles
             if op == "custom-call" and (_TARGET.search(line) or [None, None])[1] == MOSAIC_TARGET:
-                kernels[re.sub(r"\.\d+$", "", ins.group(2))] += times
+                rows = _LEADING_DIM.search(line)
+                kernels[re.sub(r"\.\d+$", "", ins.group(2)), int(rows.group(1)) if rows else 0] += times
             elif op == "while":
                 cond, body = _CALLED["while"].search(line).groups()
                 trips = trip_count(comps[cond])

@@ -66,6 +66,8 @@ def test_a_pipeline_refuses_parts_that_do_not_fit_together():
         TINY.with_(preset=get_preset("wan-1.3b"))
     with pytest.raises(TypeError, match="text_on_device"):
         TINY.with_(text_on_device=1)
+    with pytest.raises(TypeError, match="rows_in_turn"):
+        TINY.with_(rows_in_turn=1)
 
 
 def test_quantized_pages_reach_the_chunk_program_and_its_bytes():
@@ -133,8 +135,8 @@ def test_the_pricer_prices_each_causal_convolution_at_its_own_shape(monkeypatch)
     wan = pl.PIPELINES["self-forcing"]
     price = pl.attention_pricer(wan, "v6e")
     small, large = ConvGeometry(1, 60, 104, 384, 384), ConvGeometry(2, 120, 208, 384, 384)
-    decode = dataclasses.replace(_figures(0), kernel_calls={kernel_name(small): 30, kernel_name(large): 15})
-    assert pl.decode_seconds(decode, 1, price) == pytest.approx(0.1 + 45e-3)
+    decode = dataclasses.replace(_figures(0), kernel_calls={(kernel_name(small), 2): 30, (kernel_name(large), 2): 15})
+    assert pl.decode_seconds(decode, price) == pytest.approx(0.1 + 45e-3)
     assert asked == [(small, "bfloat16", "v6e"), (large, "bfloat16", "v6e")]
 
 

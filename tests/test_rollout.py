@@ -23,6 +23,7 @@ import pytest
 from flax import nnx
 
 from arkv_jax.cache import PagedKVCache
+from arkv_jax.cache.batch import cross_attention_rows
 from arkv_jax.conditioning import context_kv, text_branches
 from arkv_jax.config import KVBranch
 from arkv_jax.models import MODEL_CONFIGS, CausalDiT, init_random, prompt_embedding
@@ -30,7 +31,7 @@ from arkv_jax.nnx import PagedHistory
 from arkv_jax.planner import rollout_plan
 from arkv_jax.presets import get_preset
 from arkv_jax.reference import FullRecompute
-from arkv_jax.rollout import ChunkConfig, Rollout, generate_chunk
+from arkv_jax.rollout import ChunkConfig, Rollout, generate_chunk, recache_kv
 from arkv_jax.samplers import Sampler, chunk_noise
 from arkv_jax.step import ChunkInputs
 from pallas_kernels.layout import pool_shape
@@ -202,6 +203,69 @@ def test_the_pure_chunk_function_driven_by_hand_gives_the_rollouts_latents(full_
     assert latents.keys() == run.latents.keys()
     for sid, expected in run.latents.items():
         np.testing.assert_array_equal(latents[sid], expected, err_msg=sid)
+
+
+def _chunk_args(model, sessions, guidance):
+    """A cache with ``sessions`` sessions, two chunks in, and the next chunk's :func:`generate_chunk`
+    arguments (the full batch) and ``ChunkConfig``."""
+    rollout = make_rollout(model, guidance, sessions=sessions, full_batch=True)
+    for i, sid in enumerate(list(PROMPTS)[:sessions]):
+        rollout.join(sid, PROMPTS[sid], seed=SEEDS[sid])
+        if i == 0:
+            rollout.step()  # the sessions stand at different frames
+    rollout.step()
+    cache = rollout.cache
+    branches = list(rollout.branches)
+    noise = np.random.default_rng(0).standard_normal(
+        (cache.session_capacity, rollout.sampler.noise_draws, PRESET.geometry.frames_per_forward,
+         *CONFIG.frame_shape)).astype(np.float32)
+    with cache.chunk(cache.sessions, PRESET.geometry.frames_per_forward, branches, full_batch=True) as step:
+        args = (rollout.params, cache.pools, step.inputs, cache.cross_attention_kv("text"), noise)
+    return rollout.chunk_config, args
+
+
+@pytest.mark.parametrize("guidance", [None, 3.0], ids=["no_cfg", "cfg"])
+def test_rows_in_turn_gives_the_batched_chunk(model, guidance):
+    """``ChunkConfig.rows_in_turn``: each forward run row by row gives the batched forward's
+    latents and commit K/V (2 sessions; with CFG 4 rows)."""
+    config, args = _chunk_args(model, 2, guidance)
+    assert not config.rows_in_turn
+    batched = jax.jit(generate_chunk, static_argnames="config")(*args, config=config)
+    in_turn_config = dataclasses.replace(config, rows_in_turn=True)
+    chex.clear_trace_counter()
+    in_turn = jax.jit(chex.assert_max_traces(generate_chunk, n=1), static_argnames="config")
+    got = in_turn(*args, config=in_turn_config)
+    for name, a, b in zip(("latents", "k", "v"), got, batched):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0, err_msg=name)
+    assert np.abs(np.asarray(batched[1])).max() > 0.1  # not near-zero tensors
+    in_turn(*args, config=in_turn_config)  # no retrace
+    # The recache forward (a prompt switch's) too.
+    params, pools, inputs, text_table, _ = args
+    text_kv = cross_attention_rows(text_table, inputs.rows, None)
+    latents = jnp.asarray(batched[0], jnp.float32)
+    kv, kv_in_turn = (recache_kv(params, pools, inputs, text_kv, latents, jnp.float32(0.0), config=c)
+                      for c in (config, in_turn_config))
+    for a, b in zip(kv_in_turn, kv):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0)
+
+
+def test_rows_in_turn_is_refused_with_a_mesh_and_resolved_by_default(model):
+    from arkv_jax.sharding import make_mesh
+    sampler = Sampler(num_steps=3)
+    branches = PRESET.kv_branches[:1]
+    plan = rollout_plan(PRESET.geometry, PRESET.window, branches, PRESET.cross_attention, 2)
+    mesh = make_mesh(1, 1, jax.devices()[:1])
+    cache = PagedKVCache(PRESET.geometry, PRESET.window, branches, PRESET.cross_attention, plan=plan,
+                         backend="xla", mesh=mesh)
+    with pytest.raises(ValueError, match="rows_in_turn=True needs one device"):
+        Rollout(model, cache, sampler, rows_in_turn=True)
+    assert not Rollout(model, cache, sampler).chunk_config.rows_in_turn
+    with pytest.raises(TypeError, match="rows_in_turn"):
+        make_rollout(model, None, rows_in_turn="yes")
+    # Without a mesh the default follows the default backend (this suite runs on CPU).
+    assert make_rollout(model, None).chunk_config.rows_in_turn == (jax.default_backend() == "tpu")
+    assert make_rollout(model, None, rows_in_turn=True).chunk_config.rows_in_turn
 
 
 def test_max_traces_guard_raises_and_leaves_the_cache_unchanged(model):

@@ -53,14 +53,22 @@ def program(inner_trips: int = 30, outer_trips: int = 4, compare: str = "LT") ->
 def test_loops_count_their_trips_and_kernels_are_counted_apart():
     cost = tpu_cost.program_cycles(program())
     assert cost.cycles == 10 + 4 * (1 + 30 * 100) + 30 * 7
-    assert cost.kernel_calls == {"window_attention_tpu": 4 * 30}
+    assert cost.kernel_calls == {("window_attention_tpu", 1): 4 * 30}
     assert [t for _, t in cost.loops] == [4, 30, 30]
+
+
+def test_kernel_calls_are_keyed_by_the_rows_they_run():
+    """A Mosaic call's rows are its (first) result's leading dimension: a batch run whole and one
+    run row by row inside a loop are priced at their own rows."""
+    tuple_result = MOSAIC.replace("bf16[1,8]{1,0}", "(bf16[4,8]{1,0}, f32[4]{0})")
+    cost = tpu_cost.program_cycles(program().replace(MOSAIC, MOSAIC + "\n" + tuple_result))
+    assert cost.kernel_calls == {("window_attention_tpu", 1): 4 * 30, ("window_attention_tpu", 4): 4 * 30}
 
 
 def test_the_estimate_follows_the_trip_counts():
     small, large = (tpu_cost.program_cycles(program(inner_trips=n)) for n in (3, 30))
     assert large.cycles - small.cycles == 4 * 27 * 100
-    assert large.kernel_calls["window_attention_tpu"] == 10 * small.kernel_calls["window_attention_tpu"]
+    assert large.kernel_calls["window_attention_tpu", 1] == 10 * small.kernel_calls["window_attention_tpu", 1]
 
 
 def test_the_cost_models_unknown_is_counted_apart():
