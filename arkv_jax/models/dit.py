@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -167,18 +168,28 @@ def unpatchify(tokens: Array, num_frames: int, grid: tuple[int, int], patch: int
     return x.transpose(0, 1, 2, 4, 3, 5, 6).reshape(b, num_frames, rows * patch, cols * patch, -1)
 
 
+def _frame_wise(fn: Callable[..., Array], x: Array, num_frames: int, *per_frame: Array) -> Array:
+    """``fn(tokens, *values)`` on each frame's tokens of ``x`` ``[B, F * tpf, dim]`` with that frame's
+    entries ``[B, 1, dim]`` of each ``per_frame`` ``[B, F, dim]``, concatenated back.
+
+    Frame by frame rather than through a ``[B, F, tpf, dim]`` view: XLA:TPU materializes a
+    per-frame broadcast through that view as a whole ``f32[F, tpf, dim]`` array (one per
+    modulation, at Wan's shape an HBM write per block), while a broadcast over one frame's
+    contiguous tokens fuses into the consumer (``docs/planning.md``, The whole chip)."""
+    t = x.shape[1] // num_frames
+    return jnp.concatenate([fn(x[:, f * t:(f + 1) * t], *(v[:, f, None] for v in per_frame))
+                            for f in range(num_frames)], axis=1)
+
+
 def _modulate(x: Array, shift: Array, scale: Array, num_frames: int) -> Array:
     """``x * (1 + scale) + shift`` with per-frame ``shift``/``scale`` ``[B, F, dim]`` over the
     tokens ``x`` ``[B, F * tpf, dim]``."""
-    b, n, d = x.shape
-    x = x.reshape(b, num_frames, n // num_frames, d)
-    return (x * (1 + scale[:, :, None]) + shift[:, :, None]).reshape(b, n, d)
+    return _frame_wise(lambda x, shift, scale: x * (1 + scale) + shift, x, num_frames, shift, scale)
 
 
 def _gate(y: Array, gate: Array, num_frames: int) -> Array:
     """``y * gate`` with a per-frame ``gate`` ``[B, F, dim]``."""
-    b, n, d = y.shape
-    return (y.reshape(b, num_frames, n // num_frames, d) * gate[:, :, None]).reshape(b, n, d)
+    return _frame_wise(lambda y, gate: y * gate, y, num_frames, gate)
 
 
 class DiTBlock(nnx.Module):
