@@ -5,8 +5,9 @@ Each instruction XLA:TPU schedules carries its cost model's ``estimated_cycles``
 count (read from the loop condition), so a 30-layer scan inside a 4-step sampler counts 120 layers.
 ``cost_analysis()`` cannot do this: its FLOPs count each loop body once and its ``optimal_seconds``
 is negative for such programs. XLA's model does not see inside a Mosaic kernel (a
-``tpu_custom_call``): those calls are counted, by name and trips, for the caller to price with the
-kernel's own bundle estimate, at the rows it runs (its result's leading dimension). See ``docs/planning.md`` (The whole chip).
+``tpu_custom_call``): those calls are counted, by name, rows (the leading dimension of the call's
+result) and trips, for the caller to price with the kernel's own bundle estimate. See
+``docs/planning.md`` (The whole chip).
 """
 
 from __future__ import annotations
