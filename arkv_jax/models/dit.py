@@ -212,13 +212,6 @@ class DiTBlock(nnx.Module):
         self.modulation = nnx.Param(
             (jax.random.normal(rngs.params(), (6, dim)) / math.sqrt(dim)).astype(island))
 
-    def _matmul_input(self, h: Array) -> Array:
-        """``h`` in the linear layers' dtype (what each would cast it to), computed once: XLA:TPU
-        otherwise fuses the norm and modulation into each consumer's matmul (self-attention's q, k
-        and v, the FFN-in), computing them three times or slowing the matmul (``docs/planning.md``,
-        The whole chip)."""
-        return jax.lax.optimization_barrier(h.astype(self.ffn_in.dtype))
-
     def __call__(self, x: Array, time_mod: Array, rope: tuple[Array, Array], history: layers.History,
                  text_k: Array, text_v: Array, layer: Array) -> tuple[Array, tuple[Array, Array]]:
         """One block on ``x`` ``[B, F * tpf, dim]``.
@@ -240,12 +233,10 @@ class DiTBlock(nnx.Module):
         frames = time_mod.shape[1]
         shift_sa, scale_sa, gate_sa, shift_ff, scale_ff, gate_ff = jnp.unstack(
             time_mod + self.modulation[...], axis=2)
-        y, kv = self.self_attn(self._matmul_input(_modulate(self.norm1(x), shift_sa, scale_sa, frames)), rope,
-                               history, layer)
+        y, kv = self.self_attn(_modulate(self.norm1(x), shift_sa, scale_sa, frames), rope, history, layer)
         x = x + _gate(y, gate_sa, frames)
         x = x + self.cross_attn(self.norm3(x), text_k, text_v, history)
-        hidden = jax.nn.gelu(self.ffn_in(self._matmul_input(_modulate(self.norm2(x), shift_ff, scale_ff, frames))),
-                             approximate=True)
+        hidden = jax.nn.gelu(self.ffn_in(_modulate(self.norm2(x), shift_ff, scale_ff, frames)), approximate=True)
         # XLA:TPU otherwise fuses the FFN-out matmul with the GELU before it (and the gate and residual
         # after it) into fusions far below MXU peak (docs/planning.md, "The whole chip"): the barriers
         # keep the matmul alone.
