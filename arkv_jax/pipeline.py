@@ -542,24 +542,20 @@ def commit_seconds(pipeline: Pipeline, sessions: int, generation: str) -> float:
     return chunk * width / tpu_aot.CHIPS[generation].hbm_bytes_per_s
 
 
-def kernels_seconds(program: ProgramFigures, kernel_seconds: KernelPricer) -> float:
-    """A program's Mosaic kernel calls, each priced by ``kernel_seconds`` at the rows it runs."""
-    return sum(calls * kernel_seconds(name, rows) for (name, rows), calls in program.kernel_calls.items())
-
-
-def decode_seconds(decode: ProgramFigures, kernel_seconds: KernelPricer) -> float:
-    """Estimated seconds of a VAE decode program: XLA's estimate outside its
-    kernels plus each causal-convolution kernel call priced by ``kernel_seconds``."""
-    return decode.xla_seconds + kernels_seconds(decode, kernel_seconds)
+def program_seconds(program: ProgramFigures, kernel_seconds: KernelPricer) -> float:
+    """Estimated seconds of a compiled program: XLA's estimate outside its Mosaic kernels plus each
+    kernel call priced by ``kernel_seconds`` at the rows it runs."""
+    return program.xla_seconds + sum(calls * kernel_seconds(name, rows)
+                                     for (name, rows), calls in program.kernel_calls.items())
 
 
 def chunk_seconds(pipeline: Pipeline, sessions: int, generation: str, chunk: ProgramFigures,
                   decode: ProgramFigures, kernel_seconds: KernelPricer) -> float:
     """Estimated seconds of one chunk of ``sessions`` sessions: XLA's estimate of the chunk program
     outside its kernels, each kernel call priced by ``kernel_seconds``, the commit
-    (:func:`commit_seconds`) and the VAE decode (:func:`decode_seconds`)."""
-    return (chunk.xla_seconds + kernels_seconds(chunk, kernel_seconds) + commit_seconds(pipeline, sessions, generation)
-            + decode_seconds(decode, kernel_seconds))
+    (:func:`commit_seconds`) and the VAE decode (both programs by :func:`program_seconds`)."""
+    return (program_seconds(chunk, kernel_seconds) + commit_seconds(pipeline, sessions, generation)
+            + program_seconds(decode, kernel_seconds))
 
 
 @functools.lru_cache(maxsize=None)

@@ -64,10 +64,9 @@ def event_seconds(pipeline, generation: str, price) -> dict:
     encoder_bytes = pl.tree_bytes(args[0])
     fn, args = pl.recache_program(pipeline, pl._pages_for(pipeline, 1))
     recache = pl.measure(pl.compile_for(fn, args, generation), generation)
-    kernels = pl.kernels_seconds(recache, price)
     return dict(text_seconds=text.xla_seconds, text_temp_bytes=text.temp_bytes,
                 text_encoder_bytes=encoder_bytes,
-                recache_seconds=recache.xla_seconds + kernels)
+                recache_seconds=pl.program_seconds(recache, price))
 
 
 def chip_report(generation: str, names, buckets) -> dict:
@@ -84,7 +83,7 @@ def chip_report(generation: str, names, buckets) -> dict:
             if b.refused:
                 row.update(refused=b.refused)
             else:
-                decode = pl.decode_seconds(b.decode, price)
+                decode = pl.program_seconds(b.decode, price)
                 row.update(transient_gib=b.transient_bytes / 2**30, chunk_xla_s=b.chunk.xla_seconds,
                            decode_s=decode, unpriced=b.chunk.unpriced + b.decode.unpriced)
             if b.chunk_seconds is not None:
