@@ -134,7 +134,7 @@ def test_the_pricer_prices_each_causal_convolution_at_its_own_shape(monkeypatch)
     monkeypatch.setattr(pl, "_kernel_seconds", lambda geom, dtype, gen: asked.append((geom, dtype, gen)) or 1e-3)
     wan = pl.PIPELINES["self-forcing"]
     price = pl.attention_pricer(wan, "v6e")
-    small, large = ConvGeometry(1, 60, 104, 384, 384), ConvGeometry(2, 120, 208, 384, 384)
+    small, large = ConvGeometry(1, 60, 104, 384, 384), ConvGeometry(2, 120, 208, 384, 384, input_norm=True)
     decode = dataclasses.replace(_figures(0), kernel_calls={(kernel_name(small), 2): 30, (kernel_name(large), 2): 15})
     assert pl.program_seconds(decode, price) == pytest.approx(0.1 + 45e-3)
     assert asked == [(small, "bfloat16", "v6e"), (large, "bfloat16", "v6e")]

@@ -159,7 +159,8 @@ class DecoderCache:
 
     Attributes:
       frames: per causal convolution, in call order, the last :data:`CACHE_FRAMES` frames of its
-        input ``[2, H_l, W_l, C_l]`` (``[B, 2, ...]`` for a batched stream), in the decoder's
+        input ``[2, H_l, W_l, C_l]`` (``[B, 2, ...]`` for a batched stream; a residual block's
+        convolutions: of the input to their norm), in the decoder's
         :attr:`WanVAEConfig.stored_cache_dtype`; zeros before the stream starts.
       started: static: whether the stream's first latent frame has been decoded (the first frame
         passes the temporal upsamplers undoubled).
@@ -271,19 +272,26 @@ class CausalConv3d(nnx.Module):
     def history(self) -> int:
         return self.kernel_size[0] - 1
 
-    def __call__(self, x: Array, stream: _Stream | None = None) -> Array:
+    def __call__(self, x: Array, stream: _Stream | None = None, norm: ChannelRMSNorm | None = None) -> Array:
         """``x`` ``[T, H, W, in]`` -> ``[T, H, W, out]``; a temporal kernel reads and updates its
         ``stream`` entry (the last frames of ``[cache, x]``). A 3x3x3 kernel runs
         :func:`pallas_kernels.causal_conv.causal_conv3d` under the stream's backend (the XLA path
-        where its input or output channels are fewer than :data:`KERNEL_MIN_CHANNELS`)."""
+        where its input or output channels are fewer than :data:`KERNEL_MIN_CHANNELS`); with a
+        ``norm`` (3x3x3 only) it convolves ``silu(norm([cache, x]))`` and the entry keeps ``x``'s
+        frames as given, so the normalized input is never written out (the TPU kernel normalizes
+        in VMEM)."""
         kt, kh, kw = self.kernel_size
         if (kt, kh, kw) == (3, 3, 3):
             backend = stream.backend if min(self.kernel.shape[-2:]) >= KERNEL_MIN_CHANNELS else "xla"
             cache, index = stream.take_batch(x)
+            gamma = None if norm is None else norm.gamma[...].astype(x.dtype)
             y, entry = causal_conv.causal_conv3d(x, cache, self.kernel[...].astype(x.dtype),
-                                                 self.bias[...].astype(x.dtype), stream=index, backend=backend)
+                                                 self.bias[...].astype(x.dtype), norm_gamma=gamma, stream=index,
+                                                 backend=backend)
             stream.put_batch(entry, index)
             return y
+        if norm is not None:
+            raise ValueError(f"an input norm needs a 3x3x3 kernel, this one is {self.kernel_size}")
         if kt > 1:
             if kt - 1 != CACHE_FRAMES:
                 raise ValueError(f"a causal kernel of {kt} frames needs {kt - 1} cached frames, not {CACHE_FRAMES}")
@@ -348,22 +356,21 @@ _NEAREST_2X_TAPS = _nearest_2x_taps()
 
 
 class ChannelRMSNorm(nnx.Module):
-    """Wan's norm over channels: ``x / max(||x||_2, 1e-12) * sqrt(C) * gamma`` (float32 inside)."""
+    """Wan's norm over channels: ``x / max(||x||_2, 1e-12) * sqrt(C) * gamma`` (float32 inside;
+    :func:`pallas_kernels.causal_conv.xla.channel_rms_norm`)."""
 
     def __init__(self, dim: int, *, dtype):
         self.gamma = nnx.Param(jnp.ones((dim,), dtype))
         self.dim = dim
 
     def __call__(self, x: Array) -> Array:
-        x32 = x.astype(jnp.float32)
-        norm = jnp.sqrt(jnp.sum(jnp.square(x32), axis=-1, keepdims=True))
-        y = x32 / jnp.maximum(norm, 1e-12) * np.float32(np.sqrt(self.dim)) * self.gamma[...].astype(jnp.float32)
-        return y.astype(x.dtype)
+        return causal_conv.xla.channel_rms_norm(x, self.gamma[...]).astype(x.dtype)
 
 
 class ResidualBlock(nnx.Module):
-    """``shortcut(x) + conv2(silu(norm2(conv1(silu(norm1(x))))))``, both convolutions 3x3x3 causal;
-    the shortcut is a 1x1x1 convolution where the width changes."""
+    """``shortcut(x) + conv2(silu(norm2(conv1(silu(norm1(x))))))``, both convolutions 3x3x3 causal
+    and each applying its norm and SiLU itself (their stream entries keep the frames before the
+    norm); the shortcut is a 1x1x1 convolution where the width changes."""
 
     def __init__(self, in_dim: int, out_dim: int, *, dtype, rngs: nnx.Rngs):
         self.norm1 = ChannelRMSNorm(in_dim, dtype=dtype)
@@ -375,8 +382,8 @@ class ResidualBlock(nnx.Module):
 
     def __call__(self, x: Array, stream: _Stream) -> Array:
         h = x if self.conv_shortcut is None else self.conv_shortcut(x)
-        x = self.conv1(jax.nn.silu(self.norm1(x)), stream)
-        x = self.conv2(jax.nn.silu(self.norm2(x)), stream)
+        x = self.conv1(x, stream, self.norm1)
+        x = self.conv2(x, stream, self.norm2)
         return x + h
 
 

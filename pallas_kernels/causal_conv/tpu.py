@@ -35,12 +35,16 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.causal_conv.geometry import ConvGeometry, kernel_name
+from pallas_kernels.causal_conv.xla import norm_scale, scaled_norm_silu
 from pallas_kernels.common import cdiv, matmul_precision, round_up
 
 LANES = 128
 """Each ``dw`` tap's output columns are padded to a multiple of this (TPU lanes)."""
 DEFAULT_BLOCK_H = 8
 """Output rows per grid step unless the call says otherwise."""
+NORM_UNROLL = 2
+"""Buffer rows normalized per iteration of the input norm's loop (two overlap one row's reduction
+latency with the other's work)."""
 MIN_VMEM_LIMIT = 32 << 20
 """Least scoped-VMEM limit a call asks for (v6e's default)."""
 MAX_VMEM_LIMIT = 100 << 20
@@ -89,24 +93,29 @@ def row_blocks(height: int, block_h: int) -> tuple[_Blocks, ...]:
 
 
 def vmem_bytes(geom: ConvGeometry, block_h: int, itemsize: int) -> int:
-    """VMEM one call needs: the frame buffers, the double-buffered weights and output block, and
-    one row's operands and float32 products."""
+    """VMEM one call needs: the frame buffers (and the normalized ring), the double-buffered
+    weights and output block, and one row's operands and float32 products."""
     w, cin, cout = geom.width, geom.in_channels, geom.out_channels
     cop = round_up(cout, LANES)
-    frames = 2 * 3 * (block_h + 2) * w * cin * itemsize
+    frames = (2 + geom.input_norm) * 3 * (block_h + 2) * w * cin * itemsize
     weights = 2 * 9 * cin * 3 * cop * itemsize
     out = 2 * block_h * w * cout * itemsize
     row = w * 9 * cin * itemsize + 3 * w * 3 * cop * 4
     return frames + weights + out + row
 
 
-def _kernel(stream_ref, x_hbm, w_ref, b_ref, _cache_in, y_ref, batch_cache, buf, read_sem, write_sem, *,
-            geom: ConvGeometry, block_h: int):
+def _kernel(*refs, geom: ConvGeometry, block_h: int):
     """Refs: SMEM ``stream_ref`` ``[1]`` (the stream of the cache batch), ``x_hbm`` ``[T, H, W,
     Cin]`` and ``batch_cache`` ``[B, 2, H, W, Cin]`` (HBM; the aliased output, read and written in
     place at ``stream_ref[0]``, ``_cache_in`` its unused input view), ``w_ref`` ``[9 Cin, 3 CoP]``,
-    ``b_ref`` ``[1, Cout]`` float32, ``y_ref`` ``[block_h, W, Cout]`` (the last block's rows past
-    the image are dropped), ``buf`` ``[2, 3, block_h + 2, W, Cin]``."""
+    ``b_ref`` ``[1, Cout]`` float32, with an input norm ``g_ref`` ``[1, Cin]`` (its
+    :func:`~pallas_kernels.causal_conv.xla.norm_scale`) and ``ring``
+    ``[3, block_h + 2, W, Cin]``, ``y_ref`` ``[block_h, W, Cout]`` (the last block's rows past the
+    image are dropped), ``buf`` ``[2, 3, block_h + 2, W, Cin]``."""
+    if geom.input_norm:
+        stream_ref, x_hbm, w_ref, b_ref, g_ref, _cache_in, y_ref, batch_cache, buf, ring, read_sem, write_sem = refs
+    else:
+        stream_ref, x_hbm, w_ref, b_ref, _cache_in, y_ref, batch_cache, buf, read_sem, write_sem = refs
     cache = batch_cache.at[stream_ref[0]]
     frames, height, width = geom.frames, geom.height, geom.width
     cout = geom.out_channels
@@ -158,6 +167,26 @@ def _kernel(stream_ref, x_hbm, w_ref, b_ref, _cache_in, y_ref, batch_cache, buf,
 
     reads(i, t, slot, "wait")
 
+    if geom.input_norm:
+        def normalize(dt):  # frame t + dt of [cache, x], every buffer row (masked when read)
+            src, dst = buf.at[slot, dt], ring.at[(t + dt) % 3]
+
+            def body(r, carry):
+                dst[r] = scaled_norm_silu(src[r], g_ref[...])
+                return carry
+
+            lax.fori_loop(0, block_h + 2, body, 0, unroll=NORM_UNROLL)
+
+        @pl.when(t == 0)
+        def _():
+            normalize(0)
+            normalize(1)
+
+        normalize(2)
+        frames_in = [ring.at[(t + dt) % 3] for dt in range(3)]
+    else:
+        frames_in = [buf.at[slot, dt] for dt in range(3)]
+
     precision = matmul_precision(x_hbm.dtype)
     bias = b_ref[...]
     columns = lax.broadcasted_iota(jnp.int32, (width, cout), 0)
@@ -168,7 +197,7 @@ def _kernel(stream_ref, x_hbm, w_ref, b_ref, _cache_in, y_ref, batch_cache, buf,
         pieces = []
         for dt in range(3):
             for dh in range(3):
-                piece = buf[slot, dt, j + dh]  # image row h + dh - 1
+                piece = frames_in[dt][j + dh]  # image row h + dh - 1
                 if dh != 1:
                     inside = h >= 1 if dh == 0 else h + 1 < height
                     piece = jnp.where(inside, piece, jnp.zeros_like(piece))
@@ -189,16 +218,16 @@ def _kernel(stream_ref, x_hbm, w_ref, b_ref, _cache_in, y_ref, batch_cache, buf,
 
 
 @functools.partial(jax.jit, static_argnames=("block_h", "interpret"))
-def causal_conv3d(x, cache, kernel, bias, stream=None, *, block_h: int, interpret: Any):
+def causal_conv3d(x, cache, kernel, bias, norm_gamma=None, stream=None, *, block_h: int, interpret: Any):
     """The kernel on validated inputs (:func:`pallas_kernels.causal_conv.causal_conv3d`): ``x``
     ``[T, H, W, Cin]``, ``cache`` ``[2, H, W, Cin]`` in ``x``'s dtype, or with an int32 scalar
     ``stream`` a batch's caches ``[B, 2, H, W, Cin]`` of which entry ``stream`` is read and
     written (aliased to the new cache: inside a program that no longer needs it, XLA writes the
-    new cache over it), ``kernel`` ``[3, 3, 3, Cin, Cout]``, ``bias`` ``[Cout]``; ``block_h`` rows
-    per grid step (at most ``H``). Returns ``(y [T, H, W, Cout], new_cache)``, ``new_cache`` of
-    ``cache``'s shape."""
+    new cache over it), ``kernel`` ``[3, 3, 3, Cin, Cout]``, ``bias`` ``[Cout]``, ``norm_gamma``
+    ``[Cin]`` or ``None``; ``block_h`` rows per grid step (at most ``H``). Returns ``(y [T, H, W,
+    Cout], new_cache)``, ``new_cache`` of ``cache``'s shape."""
     frames, height, width, cin = x.shape
-    geom = ConvGeometry(frames, height, width, cin, kernel.shape[-1])
+    geom = ConvGeometry(frames, height, width, cin, kernel.shape[-1], input_norm=norm_gamma is not None)
     cout = geom.out_channels
     cop = round_up(cout, LANES)
     weights = pack_weights(kernel, x.dtype)
@@ -207,6 +236,14 @@ def causal_conv3d(x, cache, kernel, bias, stream=None, *, block_h: int, interpre
     index = jnp.zeros((1,), jnp.int32) if stream is None else jnp.asarray(stream, jnp.int32).reshape(1)
     hbm = pl.BlockSpec(memory_space=pl.ANY)
     limit = min(MAX_VMEM_LIMIT, max(MIN_VMEM_LIMIT, 2 * vmem_bytes(geom, block_h, x.dtype.itemsize)))
+    whole = functools.partial(pl.BlockSpec, index_map=lambda i, t, *_: (0, 0))
+    in_specs = [hbm, whole((9 * cin, 3 * cop)), whole((1, cout))]
+    operands = [index, x, weights, bias]
+    scratch = [pltpu.VMEM((2, 3, block_h + 2, width, cin), x.dtype)]
+    if geom.input_norm:
+        in_specs.append(whole((1, cin)))
+        operands.append(norm_scale(norm_gamma).reshape(1, cin))
+        scratch.append(pltpu.VMEM((3, block_h + 2, width, cin), x.dtype))
     y, batch = pl.pallas_call(
         functools.partial(_kernel, geom=geom, block_h=block_h),
         out_shape=(jax.ShapeDtypeStruct((frames, height, width, cout), x.dtype),
@@ -214,15 +251,13 @@ def causal_conv3d(x, cache, kernel, bias, stream=None, *, block_h: int, interpre
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1,
             grid=(cdiv(height, block_h), frames),
-            in_specs=[hbm, pl.BlockSpec((9 * cin, 3 * cop), lambda i, t, *_: (0, 0)),
-                      pl.BlockSpec((1, cout), lambda i, t, *_: (0, 0)), hbm],
+            in_specs=[*in_specs, hbm],
             out_specs=(pl.BlockSpec((None, block_h, width, cout), lambda i, t, *_: (t, i, 0, 0)), hbm),
-            scratch_shapes=[pltpu.VMEM((2, 3, block_h + 2, width, cin), x.dtype),
-                            pltpu.SemaphoreType.DMA((2, 3)), pltpu.SemaphoreType.DMA((2,))]),
-        input_output_aliases={4: 1},
+            scratch_shapes=[*scratch, pltpu.SemaphoreType.DMA((2, 3)), pltpu.SemaphoreType.DMA((2,))]),
+        input_output_aliases={len(operands): 1},
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary", "arbitrary"),
                                              vmem_limit_bytes=limit),
         interpret=interpret,
         name=kernel_name(geom),
-    )(index, x, weights, bias, batch)
+    )(*operands, batch)
     return y, batch if stream is not None else batch[0]

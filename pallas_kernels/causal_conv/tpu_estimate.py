@@ -7,7 +7,11 @@
 The kernel's loops: the grid loop, and inside it the row loop (the only one with MXU ops), run
 once per output row. A row costs the larger of its bundles and its MXU floor (the padded
 ``[W, 9 Cin] x [9 Cin, 3 CoP]`` product at the chip's peak: a row of few bundles cannot beat the
-MXU); the rest of the grid loop (DMA issue, waits, the cache write) runs once per grid step.
+MXU); the rest of the grid loop (DMA issue, waits, the cache write, and the DMA loops of wide channels)
+runs once per grid step. With an input norm, three loops (those with a reciprocal square root)
+come before the row loop, each normalizing a frame's ``block_h + 2`` buffer
+rows, :data:`~pallas_kernels.causal_conv.tpu.NORM_UNROLL` per iteration: the first two at a row
+block's first frame only, the third at every step.
 """
 
 from __future__ import annotations
@@ -39,21 +43,32 @@ def estimate_from_dump(geom: ConvGeometry, block_h: int, generation: str, dump_d
       ValueError: the bundles do not have the loops described in the module docstring.
     """
     from pallas_kernels import tpu_aot
-    from pallas_kernels.causal_conv.tpu import LANES
+    from pallas_kernels.causal_conv.tpu import LANES, NORM_UNROLL
     from pallas_kernels.window_attention import tpu_estimate as est
 
     chip = tpu_aot.check_generation(generation)
-    tree = est.loop_tree(est.parse_bundles(est.kernel_dump(dump_dir, kernel_name(geom))))
+    bundles = est.parse_bundles(est.kernel_dump(dump_dir, kernel_name(geom)))
+    tree = est.loop_tree(bundles)
     rows = [c for grid in tree for c in grid["children"] if c["mxu"]]
     if len(tree) != 1 or len(rows) != 1 or rows[0]["children"]:
         raise ValueError(f"the causal-convolution kernel's bundles at {geom} do not have one grid loop "
                          f"around one row loop with MXU ops")
+    norms = [c for c in tree[0]["children"]
+             if any("vrsqrt" in text for _, _, text in bundles[c["start"]:c["start"] + est.span(c)])]
+    if len(norms) != 3 * geom.input_norm:
+        raise ValueError(f"the causal-convolution kernel's bundles at {geom} have {len(norms)} norm loops "
+                         f"(with a reciprocal square root), not {3 * geom.input_norm}")
     grid, row = tree[0], rows[0]
-    per_step = est.span(grid) - est.span(row)
+    per_step = est.span(grid) - est.span(row) - sum(est.span(c) for c in norms)
     floor = row_floor_cycles(geom, 3 * round_up(geom.out_channels, LANES), generation)
     per_row = max(row["own"], floor)
-    steps = cdiv(geom.height, block_h) * geom.frames
-    cycles = steps * per_step + geom.height * geom.frames * per_row
+    blocks = cdiv(geom.height, block_h)
+    steps = blocks * geom.frames
+    trips = (block_h + 2) // NORM_UNROLL
+    norm = trips * (blocks * sum(est.span(c) for c in norms[:2]) + steps * sum(est.span(c) for c in norms[2:]))
+    cycles = steps * per_step + norm + geom.height * geom.frames * per_row
     note = (f"{steps} grid steps of {per_step} bundles outside the row loop; {geom.height * geom.frames} rows "
             f"of max({row['own']} bundles, MXU floor {floor:.0f} cycles)")
+    if geom.input_norm:
+        note += f"; input norm {norm} bundles ({trips} iterations of {[c['own'] for c in norms]})"
     return est.Estimate(cycles / chip.clock_hz + steps * tpu_aot.GRID_STEP_SECONDS, 0.0, steps, note)

@@ -1,11 +1,13 @@
 """The causal 3x3x3 convolution in plain XLA: the ``"xla"`` path and the reference of the TPU
-kernel (the math the Wan VAE decoder has always run). Semantics:
-:func:`pallas_kernels.causal_conv.causal_conv3d`."""
+kernel (the math the Wan VAE decoder has always run), and the channel norm the convolution can apply
+to its input first (:func:`channel_rms_norm`, :func:`norm_silu`: one rule for the kernel, this path
+and the decoder's own norms). Semantics: :func:`pallas_kernels.causal_conv.causal_conv3d`."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 CACHE_FRAMES = 2
 """Frames of history a 3-frame causal kernel reads: the cache's leading dimension."""
@@ -13,19 +15,58 @@ NARROW_OUTPUT = 8
 """A convolution with at most this many output channels (the decoder's ``conv_out`` to RGB)
 contracts the channels first (:func:`_channels_first`): XLA:TPU lays a convolution with so few
 output channels out badly (docs/kernels.md, Causal convolution)."""
+NORM_EPS = 1e-12
+"""The least channel norm :func:`channel_rms_norm` divides by."""
 
 
-def causal_conv3d(x, cache, kernel, bias):
+def norm_scale(gamma):
+    """The per-channel factor of :func:`channel_rms_norm`, ``sqrt(C) * gamma`` in float32 (``gamma``
+    ``[C]``)."""
+    return gamma.astype(jnp.float32) * np.float32(np.sqrt(gamma.shape[-1]))
+
+
+def scaled_rms_norm(x, scale):
+    """``x / max(||x||_2, NORM_EPS) * scale`` over the channels (the last axis) in float32, as one
+    reciprocal square root per pixel; ``scale`` is :func:`norm_scale` ``[C]`` (or ``[1, C]``). A zero
+    pixel stays zero."""
+    x32 = x.astype(jnp.float32)
+    squares = jnp.sum(x32 * x32, axis=-1, keepdims=True)
+    return x32 * jax.lax.rsqrt(jnp.maximum(squares, np.float32(NORM_EPS * NORM_EPS))) * scale
+
+
+def channel_rms_norm(x, gamma):
+    """Wan's norm over the channels, in float32: ``x / max(||x||_2, NORM_EPS) * sqrt(C) * gamma`` for
+    ``x`` ``[..., C]`` and ``gamma`` ``[C]``."""
+    return scaled_rms_norm(x, norm_scale(gamma))
+
+
+def scaled_norm_silu(x, scale):
+    """``silu(scaled_rms_norm(x, scale))`` in ``x``'s dtype (float32 inside)."""
+    return jax.nn.silu(scaled_rms_norm(x, scale)).astype(x.dtype)
+
+
+def norm_silu(x, gamma):
+    """``silu(channel_rms_norm(x, gamma))`` in ``x``'s dtype (float32 inside): what a Wan residual
+    block applies before each of its convolutions."""
+    return scaled_norm_silu(x, norm_scale(gamma))
+
+
+def causal_conv3d(x, cache, kernel, bias, norm_gamma=None):
     """``(y, new_cache)`` of ``x`` ``[T, H, W, Cin]`` after ``cache`` ``[2, H, W, Cin]``:
-    ``y = conv([cache, x]) + bias`` ``[T, H, W, Cout]`` (valid in time, zero "same" padding in
-    space, ``x``'s dtype), ``new_cache`` the last two frames of ``[cache, x]``."""
+    ``y = conv(e) + bias`` ``[T, H, W, Cout]`` (valid in time, zero "same" padding in space, ``x``'s
+    dtype) with ``e = [cache, x]``, or ``e = norm_silu([cache, x], norm_gamma)`` given a
+    ``norm_gamma`` ``[Cin]``; ``new_cache`` is the last two frames of ``[cache, x]`` (before any
+    norm)."""
     extended = jnp.concatenate([cache, x], axis=0)
+    new_cache = extended[-CACHE_FRAMES:]
+    if norm_gamma is not None:
+        extended = norm_silu(extended, norm_gamma)
     if kernel.shape[-1] <= NARROW_OUTPUT:
-        return _channels_first(extended, kernel) + bias, extended[-CACHE_FRAMES:]
+        return _channels_first(extended, kernel) + bias, new_cache
     y = jax.lax.conv_general_dilated(
         extended[None], kernel, window_strides=(1, 1, 1), padding=((0, 0), (1, 1), (1, 1)),
         dimension_numbers=("NDHWC", "DHWIO", "NDHWC"))[0]
-    return y + bias, extended[-CACHE_FRAMES:]
+    return y + bias, new_cache
 
 
 def _channels_first(extended, kernel):

@@ -1,5 +1,5 @@
-"""The causal 3x3x3 convolution (the Wan VAE decoder's): the TPU kernel against the XLA path, its
-in-place cache write, its kernel name and the argument checks.
+"""The causal 3x3x3 convolution (the Wan VAE decoder's): the TPU kernel against the XLA path (with
+and without the input norm), its in-place cache write, its kernel name and the argument checks.
 
 The TPU kernel runs interpreted and under the TPU simulator here (races detected, uninitialised
 VMEM reads as NaN, out-of-bounds reads raise); both read the cache through the aliased output, so
@@ -29,6 +29,7 @@ from pallas_kernels.causal_conv import (
     row_major_tpu_bytes,
 )
 from pallas_kernels.causal_conv import tpu as conv_tpu
+from pallas_kernels.causal_conv import xla as conv_xla
 from pallas_kernels.checks import ArgumentTypeError
 from pallas_kernels.common import round_up
 from tests.kernels.device_backends import compiled
@@ -51,11 +52,18 @@ def inputs(geom: ConvGeometry, dtype, seed=0):
             normal(g.out_channels))
 
 
+def norm_gamma(geom: ConvGeometry, dtype, seed=1):
+    """A norm scale of ``geom``'s input channels, some negative (the SiLU sees both signs)."""
+    return jnp.asarray(np.random.default_rng(seed).uniform(-1.5, 1.5, geom.in_channels), dtype)
+
+
 def check_against_xla(geom: ConvGeometry, dtype, backend: str, block_h):
     x, cache, kernel, bias = inputs(geom, dtype)
-    y, new_cache = causal_conv3d(x, cache, kernel, bias, backend=backend, block_h=block_h)
-    want_y, want_cache = causal_conv3d(x.astype(jnp.float32), cache.astype(jnp.float32),
-                                       kernel.astype(jnp.float32), bias.astype(jnp.float32), backend="xla")
+    gamma = norm_gamma(geom, dtype) if geom.input_norm else None
+    y, new_cache = causal_conv3d(x, cache, kernel, bias, norm_gamma=gamma, backend=backend, block_h=block_h)
+    want_y, want_cache = causal_conv3d(*(a.astype(jnp.float32) for a in (x, cache, kernel, bias)),
+                                       norm_gamma=None if gamma is None else gamma.astype(jnp.float32),
+                                       backend="xla")
     assert y.shape == want_y.shape and y.dtype == x.dtype
     np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(want_y), atol=TOLERANCE[dtype],
                                rtol=TOLERANCE[dtype])
@@ -84,8 +92,37 @@ def test_tpu_kernel_under_the_simulator(geom, block_h):
     check_against_xla(geom, jnp.float32, "pallas_tpu_simulate", block_h)
 
 
-def test_bfloat16():
-    check_against_xla(ConvGeometry(2, 6, 16, 16, 16), jnp.bfloat16, "pallas_tpu_interpret", 4)
+#: The input norm's cases: T = 1 (the ring starts at every step), T = 4 with middle blocks (frames
+#: normalized once and reused from the ring), one row per block, a partial last block.
+NORM_CASES = [(dataclasses.replace(geom, input_norm=True), block_h) for geom, block_h in (CASES[1], CASES[3], CASES[4])]
+
+
+@pytest.mark.parametrize("geom,block_h", NORM_CASES, ids=lambda c: str(c))
+@pytest.mark.parametrize("backend", ["pallas_tpu_interpret", "pallas_tpu_simulate", compiled("pallas_tpu")])
+def test_tpu_kernel_with_the_input_norm_matches_xla(geom, block_h, backend):
+    check_against_xla(geom, jnp.float32, backend, block_h)
+
+
+@pytest.mark.parametrize("norm", [False, True])
+def test_bfloat16(norm):
+    check_against_xla(ConvGeometry(2, 6, 16, 16, 16, input_norm=norm), jnp.bfloat16, "pallas_tpu_interpret", 4)
+
+
+def test_the_input_norm_is_the_norm_then_the_convolution():
+    """With ``norm_gamma`` the call convolves ``norm_silu`` of the cache and the frames, and keeps
+    the frames as given (before the norm) in the new cache; a zero frame stays zero."""
+    geom = ConvGeometry(3, 6, 8, 8, 12, input_norm=True)
+    x, cache, kernel, bias = inputs(geom, jnp.float32)
+    x = x.at[1].set(0.0)
+    gamma = norm_gamma(geom, jnp.float32)
+    y, new_cache = causal_conv3d(x, cache, kernel, bias, norm_gamma=gamma, backend="xla")
+    normed = conv_xla.norm_silu(jnp.concatenate([cache, x]), gamma)
+    assert not bool(jnp.any(normed[3]))
+    want_y, _ = causal_conv3d(normed[2:], normed[:2], kernel, bias, backend="xla")
+    np.testing.assert_allclose(y, want_y, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(new_cache, x[-2:])
+    rms = np.sqrt(np.mean(np.square(np.asarray(conv_xla.channel_rms_norm(x, jnp.ones(8))[0])), axis=-1))
+    np.testing.assert_allclose(rms, 1.0, rtol=1e-5)
 
 
 @pytest.mark.parametrize("cout", [3, 8, 9])
@@ -120,17 +157,20 @@ def test_a_cache_row_written_too_early_is_caught(frames, monkeypatch):
         check_against_xla(ConvGeometry(frames, 9, 8, 4, 4), jnp.float32, "pallas_tpu_simulate", 3)
 
 
+@pytest.mark.parametrize("norm", [False, True])
 @pytest.mark.parametrize("backend", ["xla", "pallas_tpu_interpret", "pallas_tpu_simulate"])
-def test_a_batch_cache_is_read_and_written_at_its_stream_only(backend):
+def test_a_batch_cache_is_read_and_written_at_its_stream_only(backend, norm):
     """With ``stream=`` the call is the unbatched call on that stream's entry, and every other
     stream's entry comes back bit for bit, NaN included: no stream reads or writes another's."""
-    geom = ConvGeometry(2, 9, 8, 4, 6)
+    geom = ConvGeometry(2, 9, 8, 4, 6, input_norm=norm)
     x, cache, kernel, bias = inputs(geom, jnp.float32)
-    want_y, want_cache = causal_conv3d(x, cache, kernel, bias, backend="xla")
+    gamma = norm_gamma(geom, jnp.float32) if norm else None
+    want_y, want_cache = causal_conv3d(x, cache, kernel, bias, norm_gamma=gamma, backend="xla")
     poison = jnp.full((3, *cache.shape), jnp.nan, jnp.float32)
     for stream in (0, 2, jnp.int32(1)):
         batch = poison.at[stream].set(cache)
-        y, new_batch = causal_conv3d(x, batch, kernel, bias, stream=stream, backend=backend, block_h=4)
+        y, new_batch = causal_conv3d(x, batch, kernel, bias, norm_gamma=gamma, stream=stream, backend=backend,
+                                     block_h=4)
         np.testing.assert_allclose(y, want_y, rtol=2e-5, atol=2e-5)
         np.testing.assert_array_equal(new_batch[stream], want_cache)
         others = [i for i in range(3) if i != int(stream)]
@@ -171,6 +211,9 @@ def test_kernel_name_spells_the_geometry():
     geom = ConvGeometry(4, 480, 832, 96, 96)
     assert kernel_name(geom) == "causal_conv3d_tpu_t4_h480_w832_i96_o96"
     assert geometry_of_kernel(kernel_name(geom)) == geom
+    normed = dataclasses.replace(geom, input_norm=True)
+    assert kernel_name(normed) == "causal_conv3d_tpu_t4_h480_w832_i96_o96_norm"
+    assert geometry_of_kernel(kernel_name(normed)) == normed
     with pytest.raises(ValueError, match="is not a causal-convolution kernel name"):
         geometry_of_kernel("window_attention_tpu")
 
@@ -206,6 +249,12 @@ def test_arguments_are_checked():
         causal_conv3d(x, batch, kernel, bias, stream=jnp.zeros((1,), jnp.int32))
     with pytest.raises(ValueError, match=r"cache.shape must be \(2, 4, 8, 4\)"):
         causal_conv3d(x, batch[:, :1], kernel, bias, stream=0)
+    with pytest.raises(ValueError, match=r"^norm_gamma.shape must be \(4,\) \(Cin\), got \(6,\)$"):
+        causal_conv3d(x, cache, kernel, bias, norm_gamma=bias)
+    with pytest.raises(ValueError, match="norm_gamma must have rank 1"):
+        causal_conv3d(x, cache, kernel, bias, norm_gamma=x)
+    with pytest.raises(ValueError, match="norm_gamma.dtype must equal x.dtype=float32, got bfloat16"):
+        causal_conv3d(x, cache, kernel, bias, norm_gamma=jnp.ones(4, jnp.bfloat16))
 
 
 def test_row_major_format_and_its_tpu_bytes():
@@ -247,8 +296,8 @@ def _specs(geom: ConvGeometry):
             ((3, 3, 3, g.in_channels, g.out_channels), bf16), ((g.out_channels,), bf16)]
 
 
-def _conv(x, cache, kernel, bias):
-    return causal_conv3d(x, cache, kernel, bias, backend="pallas_tpu")
+def _conv(x, cache, kernel, bias, norm_gamma=None):
+    return causal_conv3d(x, cache, kernel, bias, norm_gamma=norm_gamma, backend="pallas_tpu")
 
 
 def _compile_row_major(fn, specs, gen: str):
@@ -271,11 +320,13 @@ def _compile_row_major(fn, specs, gen: str):
 
 @needs_libtpu
 @pytest.mark.slow
+@pytest.mark.parametrize("norm", [False, True])
 @pytest.mark.parametrize("gen", ["v5e", "v6e"])
-def test_compiles_with_the_cache_in_place(gen):
-    """The donated cache is the new cache's buffer; neither the frames nor the cache is copied."""
-    geom = WAN_FULL_RES
-    specs = _specs(geom)
+def test_compiles_with_the_cache_in_place(gen, norm):
+    """The donated cache is the new cache's buffer; neither the frames nor the cache is copied
+    (with the input norm too: it runs in VMEM, nothing normalized is written to HBM)."""
+    geom = dataclasses.replace(WAN_FULL_RES, input_norm=norm)
+    specs = _specs(geom) + [((geom.in_channels,), jnp.bfloat16)] * norm
     report = tpu_aot.report(_compile_row_major(_conv, specs, gen), [shape for shape, _ in specs[:2]])
     cache_bytes = row_major_tpu_bytes(specs[1][0], jnp.bfloat16)  # 96 channels take 128 lanes in HBM
     assert report.pool_copies == 0
@@ -348,7 +399,9 @@ def test_a_loop_carrying_the_cache_keeps_one_copy(gen):
 @pytest.mark.parametrize("gen", ["v5e", "v6e"])
 def test_the_bundle_estimate_prices_the_rows(gen):
     """The estimate finds the grid loop around the row loop in the kernel's bundles and charges each
-    output row at least the padded product at the MXU's peak, each grid step its overhead."""
+    output row at least the padded product at the MXU's peak, each grid step its overhead; with the
+    input norm, its three loops on top (a block's first frame normalizes three frames, every later
+    step one)."""
     from pallas_kernels.causal_conv import tpu_estimate as conv_estimate
     from pallas_kernels.window_attention.tpu_estimate import estimate
 
@@ -359,4 +412,7 @@ def test_the_bundle_estimate_prices_the_rows(gen):
     floor = rows * conv_estimate.row_floor_cycles(geom, 3 * round_up(geom.out_channels, 128), gen) / chip.clock_hz
     assert result.grid_steps == geom.frames * -(-geom.height // conv_tpu.DEFAULT_BLOCK_H)
     assert floor + result.grid_steps * tpu_aot.GRID_STEP_SECONDS < result.seconds < 3 * floor
-    assert f"{rows} rows" in result.note
+    assert f"{rows} rows" in result.note and "input norm" not in result.note
+    normed = estimate(dataclasses.replace(geom, input_norm=True), "bfloat16", gen)
+    assert result.seconds < normed.seconds < 2 * result.seconds
+    assert "input norm" in normed.note and normed.grid_steps == result.grid_steps
