@@ -272,26 +272,28 @@ class CausalConv3d(nnx.Module):
     def history(self) -> int:
         return self.kernel_size[0] - 1
 
-    def __call__(self, x: Array, stream: _Stream | None = None, norm: ChannelRMSNorm | None = None) -> Array:
+    def __call__(self, x: Array, stream: _Stream | None = None, norm: ChannelRMSNorm | None = None,
+                 residual: Array | None = None) -> Array:
         """``x`` ``[T, H, W, in]`` -> ``[T, H, W, out]``; a temporal kernel reads and updates its
         ``stream`` entry (the last frames of ``[cache, x]``). A 3x3x3 kernel runs
         :func:`pallas_kernels.causal_conv.causal_conv3d` under the stream's backend (the XLA path
         where its input or output channels are fewer than :data:`KERNEL_MIN_CHANNELS`); with a
         ``norm`` (3x3x3 only) it convolves ``silu(norm([cache, x]))`` and the entry keeps ``x``'s
         frames as given, so the normalized input is never written out (the TPU kernel normalizes
-        in VMEM)."""
+        in VMEM); a ``residual`` (3x3x3 only, the output's shape) is added to the output as it is
+        written."""
         kt, kh, kw = self.kernel_size
         if (kt, kh, kw) == (3, 3, 3):
             backend = stream.backend if min(self.kernel.shape[-2:]) >= KERNEL_MIN_CHANNELS else "xla"
             cache, index = stream.take_batch(x)
             gamma = None if norm is None else norm.gamma[...].astype(x.dtype)
             y, entry = causal_conv.causal_conv3d(x, cache, self.kernel[...].astype(x.dtype),
-                                                 self.bias[...].astype(x.dtype), norm_gamma=gamma, stream=index,
-                                                 backend=backend)
+                                                 self.bias[...].astype(x.dtype), norm_gamma=gamma,
+                                                 residual=residual, stream=index, backend=backend)
             stream.put_batch(entry, index)
             return y
-        if norm is not None:
-            raise ValueError(f"an input norm needs a 3x3x3 kernel, this one is {self.kernel_size}")
+        if norm is not None or residual is not None:
+            raise ValueError(f"an input norm or a residual needs a 3x3x3 kernel, this one is {self.kernel_size}")
         if kt > 1:
             if kt - 1 != CACHE_FRAMES:
                 raise ValueError(f"a causal kernel of {kt} frames needs {kt - 1} cached frames, not {CACHE_FRAMES}")
@@ -370,7 +372,8 @@ class ChannelRMSNorm(nnx.Module):
 class ResidualBlock(nnx.Module):
     """``shortcut(x) + conv2(silu(norm2(conv1(silu(norm1(x))))))``, both convolutions 3x3x3 causal
     and each applying its norm and SiLU itself (their stream entries keep the frames before the
-    norm); the shortcut is a 1x1x1 convolution where the width changes."""
+    norm), the second adding the shortcut to its output; the shortcut is a 1x1x1 convolution
+    where the width changes."""
 
     def __init__(self, in_dim: int, out_dim: int, *, dtype, rngs: nnx.Rngs):
         self.norm1 = ChannelRMSNorm(in_dim, dtype=dtype)
@@ -383,8 +386,7 @@ class ResidualBlock(nnx.Module):
     def __call__(self, x: Array, stream: _Stream) -> Array:
         h = x if self.conv_shortcut is None else self.conv_shortcut(x)
         x = self.conv1(x, stream, self.norm1)
-        x = self.conv2(x, stream, self.norm2)
-        return x + h
+        return self.conv2(x, stream, self.norm2, residual=h)
 
 
 class AttentionBlock(nnx.Module):

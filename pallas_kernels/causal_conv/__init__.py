@@ -30,7 +30,8 @@ __all__ = ["CACHE_FRAMES", "HBM_TILE", "IMPLEMENTATIONS", "KERNEL_PREFIX", "Conv
            "static_validate_inputs"]
 
 
-def causal_conv3d(x, cache, kernel, bias, *, norm_gamma=None, stream=None, backend="auto", block_h=None):
+def causal_conv3d(x, cache, kernel, bias, *, norm_gamma=None, residual=None, stream=None, backend="auto",
+                  block_h=None):
     """One causal 3x3x3 convolution of a stream's next frames.
 
     ==============  ==============================  ==============
@@ -39,6 +40,7 @@ def causal_conv3d(x, cache, kernel, bias, *, norm_gamma=None, stream=None, backe
     ``kernel``      ``[3, 3, 3, Cin, Cout]``        ``x``'s dtype
     ``bias``        ``[Cout]``                      ``x``'s dtype
     ``norm_gamma``  ``[Cin]`` or ``None``           ``x``'s dtype
+    ``residual``    ``[T, H, W, Cout]`` or ``None`` ``x``'s dtype
     ``y``           ``[T, H, W, Cout]``             ``x``'s dtype
     new cache       ``[2, H, W, Cin]``              ``x``'s dtype
     ==============  ==============================  ==============
@@ -49,7 +51,8 @@ def causal_conv3d(x, cache, kernel, bias, *, norm_gamma=None, stream=None, backe
     ``e = norm_silu([cache, x], norm_gamma)`` (:func:`~pallas_kernels.causal_conv.xla.norm_silu`:
     Wan's channel norm and SiLU, per pixel, in float32, then ``x``'s dtype): the convolution takes
     its input before the norm, and the cache keeps those frames, so the norm's output is never
-    written to memory (the TPU kernel normalizes in VMEM).
+    written to memory (the TPU kernel normalizes in VMEM). With ``residual``, ``y`` is that plus
+    ``residual`` (a residual block's skip connection, added before ``y`` is written).
 
     With ``stream``, ``cache`` is a batch of streams' caches ``[B, 2, H, W, Cin]``: the call reads
     entry ``stream`` and returns the batch with that entry replaced (the TPU kernel writes it in
@@ -62,6 +65,7 @@ def causal_conv3d(x, cache, kernel, bias, *, norm_gamma=None, stream=None, backe
         as JAX clamps dynamic slices).
       kernel, bias: the convolution's parameters (torch's ``[out, in, kt, kh, kw]`` transposed).
       norm_gamma: ``None``, or the scale of the channel norm applied to the input first.
+      residual: ``None``, or what is added to the output.
       backend: a name from :data:`pallas_kernels.backend.BACKEND_NAMES`. The TPU names run the
         Mosaic kernel (interpreted or simulated as the name says), every other name XLA. Inside a
         program that does not use ``cache`` afterwards, the TPU kernel writes the new cache over it.
@@ -72,15 +76,17 @@ def causal_conv3d(x, cache, kernel, bias, *, norm_gamma=None, stream=None, backe
       ValueError: mismatched shapes or dtypes, an unknown backend, ``block_h`` out of range.
     """
     resolved = resolve_backend(backend)
-    geom = static_validate_inputs(x, cache, kernel, bias, norm_gamma=norm_gamma, stream=stream, block_h=block_h)
+    geom = static_validate_inputs(x, cache, kernel, bias, norm_gamma=norm_gamma, residual=residual, stream=stream,
+                                  block_h=block_h)
     block_h = min(tpu.DEFAULT_BLOCK_H, geom.height) if block_h is None else int(block_h)
     if stream is not None:
         stream = jnp.clip(jnp.asarray(stream, jnp.int32), 0, cache.shape[0] - 1)
-    return IMPLEMENTATIONS[resolved.name](x, cache, kernel, bias, norm_gamma, stream, geom=geom, block_h=block_h,
-                                          backend=resolved)
+    return IMPLEMENTATIONS[resolved.name](x, cache, kernel, bias, norm_gamma, residual, stream, geom=geom,
+                                          block_h=block_h, backend=resolved)
 
 
-def static_validate_inputs(x, cache, kernel, bias, *, norm_gamma=None, stream=None, block_h=None) -> ConvGeometry:
+def static_validate_inputs(x, cache, kernel, bias, *, norm_gamma=None, residual=None, stream=None,
+                           block_h=None) -> ConvGeometry:
     """The call's :class:`ConvGeometry`, or the error :func:`causal_conv3d` raises."""
     check_rank("x", x, 4, "[T, H, W, Cin]")
     if stream is None:
@@ -96,6 +102,9 @@ def static_validate_inputs(x, cache, kernel, bias, *, norm_gamma=None, stream=No
     if norm_gamma is not None:
         check_rank("norm_gamma", norm_gamma, 1, "[Cin]")
         named.append(("norm_gamma", norm_gamma))
+    if residual is not None:
+        check_rank("residual", residual, 4, "[T, H, W, Cout]")
+        named.append(("residual", residual))
     for name, array in named:
         if array.dtype != x.dtype:
             raise ValueError(f"{name}.dtype must equal x.dtype={jnp.dtype(x.dtype).name}, got "
@@ -112,23 +121,29 @@ def static_validate_inputs(x, cache, kernel, bias, *, norm_gamma=None, stream=No
         raise ValueError(f"bias.shape must be ({kernel.shape[4]},) (Cout), got {tuple(bias.shape)}")
     if norm_gamma is not None and tuple(norm_gamma.shape) != (cin,):
         raise ValueError(f"norm_gamma.shape must be ({cin},) (Cin), got {tuple(norm_gamma.shape)}")
+    if residual is not None and tuple(residual.shape) != (frames, height, width, kernel.shape[4]):
+        raise ValueError(f"residual.shape must be {(frames, height, width, kernel.shape[4])} (y's), got "
+                         f"{tuple(residual.shape)}")
     if block_h is not None:
         require_int("block_h", block_h, minimum=1, maximum=height, must=f"an int in [1, {height}] (H)")
-    return ConvGeometry(frames, height, width, cin, kernel.shape[4], input_norm=norm_gamma is not None)
+    return ConvGeometry(frames, height, width, cin, kernel.shape[4], input_norm=norm_gamma is not None,
+                        residual=residual is not None)
 
 
 # The implementations of the registry, one signature (:data:`IMPLEMENTATIONS`).
 
-def _xla(x, cache, kernel, bias, norm_gamma, stream, *, geom: ConvGeometry, block_h: int, backend: Backend):
+def _xla(x, cache, kernel, bias, norm_gamma, residual, stream, *, geom: ConvGeometry, block_h: int,
+         backend: Backend):
     if stream is None:
-        return xla.causal_conv3d(x, cache, kernel, bias, norm_gamma)
+        return xla.causal_conv3d(x, cache, kernel, bias, norm_gamma, residual)
     y, entry = xla.causal_conv3d(x, jax.lax.dynamic_index_in_dim(cache, stream, keepdims=False), kernel, bias,
-                                 norm_gamma)
+                                 norm_gamma, residual)
     return y, jax.lax.dynamic_update_index_in_dim(cache, entry, stream, axis=0)
 
 
-def _pallas_tpu(x, cache, kernel, bias, norm_gamma, stream, *, geom: ConvGeometry, block_h: int, backend: Backend):
-    return tpu.causal_conv3d(x, cache, kernel, bias, norm_gamma, stream, block_h=block_h,
+def _pallas_tpu(x, cache, kernel, bias, norm_gamma, residual, stream, *, geom: ConvGeometry, block_h: int,
+                backend: Backend):
+    return tpu.causal_conv3d(x, cache, kernel, bias, norm_gamma, residual, stream, block_h=block_h,
                              interpret=backend.interpret)
 
 
@@ -146,8 +161,8 @@ IMPLEMENTATIONS: Mapping[str, Callable[..., tuple[jax.Array, jax.Array]]] = Mapp
     "pallas_mgpu": _xla,
 })
 """This kernel's table of the backend registry (:data:`pallas_kernels.backend.BACKENDS`, the same
-names): backend name to implementation, called as ``impl(x, cache, kernel, bias, norm_gamma, stream,
-*, geom, block_h, backend)`` on validated inputs (``norm_gamma`` ``None`` or ``[Cin]``, ``stream``
-``None`` or a clamped int32 scalar). The TPU
+names): backend name to implementation, called as ``impl(x, cache, kernel, bias, norm_gamma, residual,
+stream, *, geom, block_h, backend)`` on validated inputs (``norm_gamma`` ``None`` or ``[Cin]``,
+``residual`` ``None`` or ``y``'s shape, ``stream`` ``None`` or a clamped int32 scalar). The TPU
 names run the Mosaic kernel; every GPU name runs XLA (cuDNN's convolutions, which XLA already calls
 on a GPU)."""

@@ -13,14 +13,15 @@ import re
 KERNEL_PREFIX = "causal_conv3d_tpu"
 """Every TPU causal-convolution kernel's name starts with this."""
 
-_NAME = re.compile(rf"^{KERNEL_PREFIX}_t(\d+)_h(\d+)_w(\d+)_i(\d+)_o(\d+)(_norm)?$")
+_NAME = re.compile(rf"^{KERNEL_PREFIX}_t(\d+)_h(\d+)_w(\d+)_i(\d+)_o(\d+)(_norm)?(_res)?$")
 
 
 @dataclasses.dataclass(frozen=True)
 class ConvGeometry:
     """One call: ``x`` ``[frames, height, width, in_channels]`` over a cache ``[2, height, width,
     in_channels]``, a ``[3, 3, 3, in_channels, out_channels]`` kernel; ``input_norm``: the call
-    applies the channel norm and SiLU to its input first (``norm_gamma=``)."""
+    applies the channel norm and SiLU to its input first (``norm_gamma=``); ``residual``: it adds
+    a residual to its output (``residual=``)."""
 
     frames: int
     height: int
@@ -28,6 +29,7 @@ class ConvGeometry:
     in_channels: int
     out_channels: int
     input_norm: bool = False
+    residual: bool = False
 
     @property
     def flops(self) -> int:
@@ -36,10 +38,10 @@ class ConvGeometry:
 
 
 def kernel_name(geom: ConvGeometry) -> str:
-    """The TPU kernel's name for ``geom`` (``causal_conv3d_tpu_t4_h480_w832_i96_o96``, ending in
-    ``_norm`` with an input norm)."""
+    """The TPU kernel's name for ``geom`` (``causal_conv3d_tpu_t4_h480_w832_i96_o96``, then
+    ``_norm`` with an input norm and ``_res`` with a residual)."""
     return (f"{KERNEL_PREFIX}_t{geom.frames}_h{geom.height}_w{geom.width}_i{geom.in_channels}"
-            f"_o{geom.out_channels}{'_norm' * geom.input_norm}")
+            f"_o{geom.out_channels}{'_norm' * geom.input_norm}{'_res' * geom.residual}")
 
 
 def geometry_of_kernel(name: str) -> ConvGeometry:
@@ -51,6 +53,6 @@ def geometry_of_kernel(name: str) -> ConvGeometry:
     found = _NAME.match(name)
     if not found:
         raise ValueError(f"{name!r} is not a causal-convolution kernel name "
-                         f"({KERNEL_PREFIX}_t.._h.._w.._i.._o..[_norm])")
-    *sizes, norm = found.groups()
-    return ConvGeometry(*(int(g) for g in sizes), input_norm=norm is not None)
+                         f"({KERNEL_PREFIX}_t.._h.._w.._i.._o..[_norm][_res])")
+    *sizes, norm, residual = found.groups()
+    return ConvGeometry(*(int(g) for g in sizes), input_norm=norm is not None, residual=residual is not None)

@@ -94,12 +94,12 @@ def row_blocks(height: int, block_h: int) -> tuple[_Blocks, ...]:
 
 def vmem_bytes(geom: ConvGeometry, block_h: int, itemsize: int) -> int:
     """VMEM one call needs: the frame buffers (and the normalized ring), the double-buffered
-    weights and output block, and one row's operands and float32 products."""
+    weights and output (and residual) blocks, and one row's operands and float32 products."""
     w, cin, cout = geom.width, geom.in_channels, geom.out_channels
     cop = round_up(cout, LANES)
     frames = (2 + geom.input_norm) * 3 * (block_h + 2) * w * cin * itemsize
     weights = 2 * 9 * cin * 3 * cop * itemsize
-    out = 2 * block_h * w * cout * itemsize
+    out = (2 + 2 * geom.residual) * block_h * w * cout * itemsize
     row = w * 9 * cin * itemsize + 3 * w * 3 * cop * 4
     return frames + weights + out + row
 
@@ -109,13 +109,16 @@ def _kernel(*refs, geom: ConvGeometry, block_h: int):
     Cin]`` and ``batch_cache`` ``[B, 2, H, W, Cin]`` (HBM; the aliased output, read and written in
     place at ``stream_ref[0]``, ``_cache_in`` its unused input view), ``w_ref`` ``[9 Cin, 3 CoP]``,
     ``b_ref`` ``[1, Cout]`` float32, with an input norm ``g_ref`` ``[1, Cin]`` (its
-    :func:`~pallas_kernels.causal_conv.xla.norm_scale`) and ``ring``
-    ``[3, block_h + 2, W, Cin]``, ``y_ref`` ``[block_h, W, Cout]`` (the last block's rows past the
-    image are dropped), ``buf`` ``[2, 3, block_h + 2, W, Cin]``."""
-    if geom.input_norm:
-        stream_ref, x_hbm, w_ref, b_ref, g_ref, _cache_in, y_ref, batch_cache, buf, ring, read_sem, write_sem = refs
-    else:
-        stream_ref, x_hbm, w_ref, b_ref, _cache_in, y_ref, batch_cache, buf, read_sem, write_sem = refs
+    :func:`~pallas_kernels.causal_conv.xla.norm_scale`) and ``ring`` ``[3, block_h + 2, W, Cin]``,
+    with a residual ``r_ref`` ``[block_h, W, Cout]`` (``y_ref``'s block of it), ``y_ref``
+    ``[block_h, W, Cout]`` (the last block's rows past the image are dropped), ``buf`` ``[2, 3,
+    block_h + 2, W, Cin]``."""
+    refs = list(refs)
+    stream_ref, x_hbm, w_ref, b_ref = refs[:4]
+    g_ref = refs.pop(4) if geom.input_norm else None
+    r_ref = refs.pop(4) if geom.residual else None
+    ring = refs.pop(8) if geom.input_norm else None
+    _cache_in, y_ref, batch_cache, buf, read_sem, write_sem = refs[4:]
     cache = batch_cache.at[stream_ref[0]]
     frames, height, width = geom.frames, geom.height, geom.width
     cout = geom.out_channels
@@ -208,6 +211,8 @@ def _kernel(*refs, geom: ConvGeometry, block_h: int):
         right = pltpu.roll(products[:, 2 * cop:2 * cop + cout], width - 1, 0)  # tap dw=2 of w + 1
         y = products[:, cop:cop + cout] + bias
         y = y + jnp.where(columns > 0, left, 0.0) + jnp.where(columns < width - 1, right, 0.0)
+        if r_ref is not None:
+            y = y + r_ref[j].astype(jnp.float32)
         y_ref[j] = y.astype(y_ref.dtype)
         return carry
 
@@ -218,16 +223,19 @@ def _kernel(*refs, geom: ConvGeometry, block_h: int):
 
 
 @functools.partial(jax.jit, static_argnames=("block_h", "interpret"))
-def causal_conv3d(x, cache, kernel, bias, norm_gamma=None, stream=None, *, block_h: int, interpret: Any):
+def causal_conv3d(x, cache, kernel, bias, norm_gamma=None, residual=None, stream=None, *, block_h: int,
+                  interpret: Any):
     """The kernel on validated inputs (:func:`pallas_kernels.causal_conv.causal_conv3d`): ``x``
     ``[T, H, W, Cin]``, ``cache`` ``[2, H, W, Cin]`` in ``x``'s dtype, or with an int32 scalar
     ``stream`` a batch's caches ``[B, 2, H, W, Cin]`` of which entry ``stream`` is read and
     written (aliased to the new cache: inside a program that no longer needs it, XLA writes the
     new cache over it), ``kernel`` ``[3, 3, 3, Cin, Cout]``, ``bias`` ``[Cout]``, ``norm_gamma``
-    ``[Cin]`` or ``None``; ``block_h`` rows per grid step (at most ``H``). Returns ``(y [T, H, W,
-    Cout], new_cache)``, ``new_cache`` of ``cache``'s shape."""
+    ``[Cin]`` or ``None``, ``residual`` ``[T, H, W, Cout]`` or ``None``; ``block_h`` rows per grid
+    step (at most ``H``). Returns ``(y [T, H, W, Cout], new_cache)``, ``new_cache`` of ``cache``'s
+    shape."""
     frames, height, width, cin = x.shape
-    geom = ConvGeometry(frames, height, width, cin, kernel.shape[-1], input_norm=norm_gamma is not None)
+    geom = ConvGeometry(frames, height, width, cin, kernel.shape[-1], input_norm=norm_gamma is not None,
+                        residual=residual is not None)
     cout = geom.out_channels
     cop = round_up(cout, LANES)
     weights = pack_weights(kernel, x.dtype)
@@ -244,6 +252,10 @@ def causal_conv3d(x, cache, kernel, bias, norm_gamma=None, stream=None, *, block
         in_specs.append(whole((1, cin)))
         operands.append(norm_scale(norm_gamma).reshape(1, cin))
         scratch.append(pltpu.VMEM((3, block_h + 2, width, cin), x.dtype))
+    out_block = pl.BlockSpec((None, block_h, width, cout), lambda i, t, *_: (t, i, 0, 0))
+    if geom.residual:
+        in_specs.append(out_block)
+        operands.append(residual)
     y, batch = pl.pallas_call(
         functools.partial(_kernel, geom=geom, block_h=block_h),
         out_shape=(jax.ShapeDtypeStruct((frames, height, width, cout), x.dtype),
@@ -252,7 +264,7 @@ def causal_conv3d(x, cache, kernel, bias, norm_gamma=None, stream=None, *, block
             num_scalar_prefetch=1,
             grid=(cdiv(height, block_h), frames),
             in_specs=[*in_specs, hbm],
-            out_specs=(pl.BlockSpec((None, block_h, width, cout), lambda i, t, *_: (t, i, 0, 0)), hbm),
+            out_specs=(out_block, hbm),
             scratch_shapes=[*scratch, pltpu.SemaphoreType.DMA((2, 3)), pltpu.SemaphoreType.DMA((2,))]),
         input_output_aliases={len(operands): 1},
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary", "arbitrary"),

@@ -51,22 +51,23 @@ def norm_silu(x, gamma):
     return scaled_norm_silu(x, norm_scale(gamma))
 
 
-def causal_conv3d(x, cache, kernel, bias, norm_gamma=None):
+def causal_conv3d(x, cache, kernel, bias, norm_gamma=None, residual=None):
     """``(y, new_cache)`` of ``x`` ``[T, H, W, Cin]`` after ``cache`` ``[2, H, W, Cin]``:
     ``y = conv(e) + bias`` ``[T, H, W, Cout]`` (valid in time, zero "same" padding in space, ``x``'s
     dtype) with ``e = [cache, x]``, or ``e = norm_silu([cache, x], norm_gamma)`` given a
-    ``norm_gamma`` ``[Cin]``; ``new_cache`` is the last two frames of ``[cache, x]`` (before any
-    norm)."""
+    ``norm_gamma`` ``[Cin]``, plus ``residual`` ``[T, H, W, Cout]`` if given; ``new_cache`` is the
+    last two frames of ``[cache, x]`` (before any norm)."""
     extended = jnp.concatenate([cache, x], axis=0)
     new_cache = extended[-CACHE_FRAMES:]
     if norm_gamma is not None:
         extended = norm_silu(extended, norm_gamma)
     if kernel.shape[-1] <= NARROW_OUTPUT:
-        return _channels_first(extended, kernel) + bias, new_cache
-    y = jax.lax.conv_general_dilated(
-        extended[None], kernel, window_strides=(1, 1, 1), padding=((0, 0), (1, 1), (1, 1)),
-        dimension_numbers=("NDHWC", "DHWIO", "NDHWC"))[0]
-    return y + bias, new_cache
+        y = _channels_first(extended, kernel) + bias
+    else:
+        y = jax.lax.conv_general_dilated(
+            extended[None], kernel, window_strides=(1, 1, 1), padding=((0, 0), (1, 1), (1, 1)),
+            dimension_numbers=("NDHWC", "DHWIO", "NDHWC"))[0] + bias
+    return (y if residual is None else y + residual), new_cache
 
 
 def _channels_first(extended, kernel):

@@ -267,7 +267,7 @@ def call_specs(geom: WindowGeometry | ContextGeometry, dtype: str) -> list[tuple
 def _compile_and_price_conv(geom: ConvGeometry, dtype: str, generation: str, dump_dir: str) -> Estimate:
     """In the worker process: compiles one causal convolution of ``geom`` (its default row block,
     the frames and the cache row-major, the cache donated, as the decoder's loop passes them; a
-    ``norm_gamma`` where ``geom.input_norm``) and
+    ``norm_gamma`` where ``geom.input_norm``, a row-major ``residual`` where ``geom.residual``) and
     prices it (:func:`pallas_kernels.causal_conv.tpu_estimate.estimate_from_dump`)."""
     import jax
     import jax.numpy as jnp
@@ -285,11 +285,14 @@ def _compile_and_price_conv(geom: ConvGeometry, dtype: str, generation: str, dum
             jax.ShapeDtypeStruct((2, g.height, g.width, g.in_channels), dt, sharding=rows),
             jax.ShapeDtypeStruct((3, 3, 3, g.in_channels, g.out_channels), dt, sharding=sharding),
             jax.ShapeDtypeStruct((g.out_channels,), dt, sharding=sharding)]
-    if g.input_norm:
-        args.append(jax.ShapeDtypeStruct((g.in_channels,), dt, sharding=sharding))
+    norm = jax.ShapeDtypeStruct((g.in_channels,), dt, sharding=sharding) if g.input_norm else None
+    residual = (jax.ShapeDtypeStruct((g.frames, g.height, g.width, g.out_channels), dt, sharding=rows)
+                if g.residual else None)
 
-    def conv(x, cache, kernel, bias, norm_gamma=None):
-        return causal_conv3d(x, cache, kernel, bias, norm_gamma=norm_gamma, backend="pallas_tpu")
+    def conv(x, cache, kernel, bias, norm_gamma, residual):
+        return causal_conv3d(x, cache, kernel, bias, norm_gamma=norm_gamma, residual=residual, backend="pallas_tpu")
+
+    args += [norm, residual]
 
     with jax.default_device(device):
         jax.jit(conv, donate_argnums=(1,), out_shardings=(rows, rows)).trace(*args).lower().compile()

@@ -60,10 +60,12 @@ def norm_gamma(geom: ConvGeometry, dtype, seed=1):
 def check_against_xla(geom: ConvGeometry, dtype, backend: str, block_h):
     x, cache, kernel, bias = inputs(geom, dtype)
     gamma = norm_gamma(geom, dtype) if geom.input_norm else None
-    y, new_cache = causal_conv3d(x, cache, kernel, bias, norm_gamma=gamma, backend=backend, block_h=block_h)
-    want_y, want_cache = causal_conv3d(*(a.astype(jnp.float32) for a in (x, cache, kernel, bias)),
-                                       norm_gamma=None if gamma is None else gamma.astype(jnp.float32),
-                                       backend="xla")
+    residual = (jnp.asarray(np.random.default_rng(2).standard_normal((*x.shape[:3], geom.out_channels)), dtype)
+                if geom.residual else None)
+    y, new_cache = causal_conv3d(x, cache, kernel, bias, norm_gamma=gamma, residual=residual, backend=backend,
+                                 block_h=block_h)
+    f32 = [None if a is None else a.astype(jnp.float32) for a in (x, cache, kernel, bias, gamma, residual)]
+    want_y, want_cache = causal_conv3d(*f32[:4], norm_gamma=f32[4], residual=f32[5], backend="xla")
     assert y.shape == want_y.shape and y.dtype == x.dtype
     np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(want_y), atol=TOLERANCE[dtype],
                                rtol=TOLERANCE[dtype])
@@ -101,6 +103,27 @@ NORM_CASES = [(dataclasses.replace(geom, input_norm=True), block_h) for geom, bl
 @pytest.mark.parametrize("backend", ["pallas_tpu_interpret", "pallas_tpu_simulate", compiled("pallas_tpu")])
 def test_tpu_kernel_with_the_input_norm_matches_xla(geom, block_h, backend):
     check_against_xla(geom, jnp.float32, backend, block_h)
+
+
+#: A residual alone (3 output channels, two row blocks) and with the input norm (several frames).
+RESIDUAL_CASES = [(dataclasses.replace(CASES[0][0], residual=True), 4),
+                  (dataclasses.replace(CASES[3][0], input_norm=True, residual=True), 5)]
+
+
+@pytest.mark.parametrize("geom,block_h", RESIDUAL_CASES, ids=lambda c: str(c))
+@pytest.mark.parametrize("backend", ["pallas_tpu_interpret", "pallas_tpu_simulate", compiled("pallas_tpu")])
+def test_tpu_kernel_adds_the_residual(geom, block_h, backend):
+    check_against_xla(geom, jnp.float32, backend, block_h)
+
+
+def test_the_residual_is_added_to_the_output():
+    geom = ConvGeometry(2, 5, 8, 4, 6)
+    x, cache, kernel, bias = inputs(geom, jnp.float32)
+    residual = jnp.arange(2 * 5 * 8 * 6, dtype=jnp.float32).reshape(2, 5, 8, 6)
+    y, new_cache = causal_conv3d(x, cache, kernel, bias, residual=residual, backend="xla")
+    want_y, want_cache = causal_conv3d(x, cache, kernel, bias, backend="xla")
+    np.testing.assert_allclose(y, want_y + residual, rtol=1e-6)
+    np.testing.assert_array_equal(new_cache, want_cache)
 
 
 @pytest.mark.parametrize("norm", [False, True])
@@ -214,6 +237,10 @@ def test_kernel_name_spells_the_geometry():
     normed = dataclasses.replace(geom, input_norm=True)
     assert kernel_name(normed) == "causal_conv3d_tpu_t4_h480_w832_i96_o96_norm"
     assert geometry_of_kernel(kernel_name(normed)) == normed
+    both = dataclasses.replace(normed, residual=True)
+    assert kernel_name(both) == "causal_conv3d_tpu_t4_h480_w832_i96_o96_norm_res"
+    assert geometry_of_kernel(kernel_name(both)) == both
+    assert geometry_of_kernel(kernel_name(dataclasses.replace(geom, residual=True))).residual
     with pytest.raises(ValueError, match="is not a causal-convolution kernel name"):
         geometry_of_kernel("window_attention_tpu")
 
@@ -255,6 +282,12 @@ def test_arguments_are_checked():
         causal_conv3d(x, cache, kernel, bias, norm_gamma=x)
     with pytest.raises(ValueError, match="norm_gamma.dtype must equal x.dtype=float32, got bfloat16"):
         causal_conv3d(x, cache, kernel, bias, norm_gamma=jnp.ones(4, jnp.bfloat16))
+    with pytest.raises(ValueError, match=r"^residual.shape must be \(1, 4, 8, 6\) \(y's\), got \(1, 4, 8, 4\)$"):
+        causal_conv3d(x, cache, kernel, bias, residual=x)
+    with pytest.raises(ValueError, match="residual must have rank 4"):
+        causal_conv3d(x, cache, kernel, bias, residual=bias)
+    with pytest.raises(ValueError, match="residual.dtype must equal x.dtype=float32, got bfloat16"):
+        causal_conv3d(x, cache, kernel, bias, residual=jnp.zeros((1, 4, 8, 6), jnp.bfloat16))
 
 
 def test_row_major_format_and_its_tpu_bytes():
@@ -296,8 +329,8 @@ def _specs(geom: ConvGeometry):
             ((3, 3, 3, g.in_channels, g.out_channels), bf16), ((g.out_channels,), bf16)]
 
 
-def _conv(x, cache, kernel, bias, norm_gamma=None):
-    return causal_conv3d(x, cache, kernel, bias, norm_gamma=norm_gamma, backend="pallas_tpu")
+def _conv(x, cache, kernel, bias, norm_gamma=None, residual=None):
+    return causal_conv3d(x, cache, kernel, bias, norm_gamma=norm_gamma, residual=residual, backend="pallas_tpu")
 
 
 def _compile_row_major(fn, specs, gen: str):
@@ -324,9 +357,10 @@ def _compile_row_major(fn, specs, gen: str):
 @pytest.mark.parametrize("gen", ["v5e", "v6e"])
 def test_compiles_with_the_cache_in_place(gen, norm):
     """The donated cache is the new cache's buffer; neither the frames nor the cache is copied
-    (with the input norm too: it runs in VMEM, nothing normalized is written to HBM)."""
-    geom = dataclasses.replace(WAN_FULL_RES, input_norm=norm)
-    specs = _specs(geom) + [((geom.in_channels,), jnp.bfloat16)] * norm
+    (with the input norm and the residual too: the norm runs in VMEM, nothing normalized is
+    written to HBM, and the residual is read block by block)."""
+    geom = dataclasses.replace(WAN_FULL_RES, input_norm=norm, residual=norm)
+    specs = _specs(geom) + [((geom.in_channels,), jnp.bfloat16), (_specs(geom)[0][0], jnp.bfloat16)] * norm
     report = tpu_aot.report(_compile_row_major(_conv, specs, gen), [shape for shape, _ in specs[:2]])
     cache_bytes = row_major_tpu_bytes(specs[1][0], jnp.bfloat16)  # 96 channels take 128 lanes in HBM
     assert report.pool_copies == 0
