@@ -32,10 +32,11 @@ from arkv_jax.presets import ModelPreset, get_preset
 from arkv_jax.rollout import ChunkConfig, generate_chunk, recache_kv
 from arkv_jax.samplers import Sampler
 from arkv_jax.step import ChunkInputs
-from pallas_kernels import causal_conv
+from pallas_kernels import causal_conv, upsample_conv
 from pallas_kernels.causal_conv import ConvGeometry
 from pallas_kernels.context_attention import ContextGeometry
 from pallas_kernels.layout import empty_pool
+from pallas_kernels.upsample_conv import UpsampleGeometry
 from pallas_kernels.window_attention.geometry import WindowGeometry
 
 Array = jax.Array
@@ -504,15 +505,17 @@ def context_geometry(pipeline: Pipeline, rows: int) -> ContextGeometry:
 def attention_pricer(pipeline: Pipeline, generation: str) -> KernelPricer:
     """Prices the chunk program's and the VAE decode's Mosaic calls for ``generation``: the paged
     window-attention kernel at :func:`attention_geometry`, the context-attention kernel at
-    :func:`context_geometry` and each causal convolution at the geometry its kernel name spells
-    (:func:`pallas_kernels.causal_conv.geometry_of_kernel`; ``rows`` is unused), each by its bundle
+    :func:`context_geometry` and each causal or upsampling convolution at the geometry its kernel
+    name spells (:func:`pallas_kernels.causal_conv.geometry_of_kernel`,
+    :func:`pallas_kernels.upsample_conv.geometry_of_kernel`; ``rows`` is unused), each by its bundle
     estimate (:func:`pallas_kernels.window_attention.tpu_estimate.estimate`, one compile per kernel
     and shape; the XLA ops around each call are in the program's own cycles)."""
     geometries = {"window_attention_tpu": attention_geometry, "context_attention_tpu": context_geometry}
 
     def price(name: str, rows: int) -> float:
-        if name.startswith(causal_conv.KERNEL_PREFIX):
-            return _kernel_seconds(causal_conv.geometry_of_kernel(name), pipeline.vae.dtype, generation)
+        for convolution in (causal_conv, upsample_conv):
+            if name.startswith(convolution.KERNEL_PREFIX):
+                return _kernel_seconds(convolution.geometry_of_kernel(name), pipeline.vae.dtype, generation)
         if name not in geometries:
             raise ValueError(f"no estimate for the Mosaic kernel {name!r}")
         kv_dtype = pipeline.preset.geometry.page_dtype if name == "window_attention_tpu" else None
@@ -522,8 +525,8 @@ def attention_pricer(pipeline: Pipeline, generation: str) -> KernelPricer:
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel_seconds(geom: WindowGeometry | ContextGeometry | ConvGeometry, dtype: str, generation: str,
-                    kv_dtype: str | None = None) -> float:
+def _kernel_seconds(geom: WindowGeometry | ContextGeometry | ConvGeometry | UpsampleGeometry, dtype: str,
+                    generation: str, kv_dtype: str | None = None) -> float:
     from pallas_kernels.window_attention import tpu_estimate
 
     return tpu_estimate.estimate(geom, dtype, generation, kv_dtype).seconds

@@ -39,7 +39,8 @@ class ProgramCost:
 
     Attributes:
       cycles: XLA:TPU's estimated cycles of everything outside Mosaic kernels, loops unrolled.
-      kernel_calls: per Mosaic kernel instruction name prefix (``window_attention_tpu``, ...) and
+      kernel_calls: per Mosaic kernel name (``window_attention_tpu``, ...: the instruction's name
+        up to its first dot, before the suffixes XLA adds) and
         leading dimension of its (first) result (the batch rows this project's attention kernels
         run; 0 for a scalar result), how many times it runs (loop trips included).
       loops: ``(body name, trip count)`` of every loop, outermost first.
@@ -113,7 +114,7 @@ def program_cycles(hlo_text: str) -> ProgramCost:
                 total += cycles
             if op == "custom-call" and (_TARGET.search(line) or [None, None])[1] == MOSAIC_TARGET:
                 rows = _LEADING_DIM.search(line)
-                kernels[re.sub(r"\.\d+$", "", ins.group(2)), int(rows.group(1)) if rows else 0] += times
+                kernels[ins.group(2).split(".")[0], int(rows.group(1)) if rows else 0] += times
             elif op == "while":
                 cond, body = _CALLED["while"].search(line).groups()
                 trips = trip_count(comps[cond])

@@ -32,7 +32,7 @@ from jax.experimental.layout import Format
 
 from arkv_jax.config import require_int
 from arkv_jax.models import io
-from pallas_kernels import causal_conv
+from pallas_kernels import causal_conv, upsample_conv
 from pallas_kernels.backend import resolve_backend
 
 Array = jax.Array
@@ -49,7 +49,8 @@ CACHE_FRAMES = causal_conv.CACHE_FRAMES
 
 #: A 3x3x3 causal convolution runs the TPU kernel (:mod:`pallas_kernels.causal_conv`) under a TPU
 #: backend when its input and output channels are both at least this many (Wan 2.1: every one but
-#: ``conv_in``, 16 in, and ``conv_out``, 3 out). The kernel reads its cache entry row-major, the
+#: ``conv_in``, 16 in, and ``conv_out``, 3 out), as does an upsampler's convolution
+#: (:mod:`pallas_kernels.upsample_conv`; Wan 2.1: all three). The kernel reads its cache entry row-major, the
 #: layout the stream cache is kept in (:func:`cache_formats`): a 96- or 192-channel entry takes 128
 #: or 256 lanes in a TPU's HBM (:func:`stream_cache_bytes` with ``tpu_hbm=True``). Narrower channels
 #: pad the kernel's rows, cache or output to the 128 lanes many times over (``conv_out`` on the
@@ -308,53 +309,21 @@ class CausalConv3d(nnx.Module):
         return y + self.bias[...]
 
 
-class Conv2d(nnx.Module):
-    """A per-frame 2-D convolution, zero ``"same"`` padding (``kernel`` ``[kh, kw, in, out]``)."""
+class UpsampleConv2d(nnx.Module):
+    """An upsampler's 3x3 convolution, zero "same" padding, of its input upsampled 2x in space by
+    nearest neighbour (``kernel`` ``[3, 3, in, out]``): :func:`pallas_kernels.upsample_conv.upsample_conv2d`,
+    which computes at the input's resolution."""
 
-    def __init__(self, in_dim: int, out_dim: int, size: int, *, dtype, rngs: nnx.Rngs):
-        self.size = size
-        self.kernel, self.bias = _conv_params((size, size, in_dim, out_dim), in_dim * size * size, dtype, rngs)
+    def __init__(self, in_dim: int, out_dim: int, *, dtype, rngs: nnx.Rngs):
+        self.kernel, self.bias = _conv_params((3, 3, in_dim, out_dim), in_dim * 9, dtype, rngs)
 
-    def __call__(self, x: Array) -> Array:
-        return self._convolve(x, self.kernel[...]) + self.bias[...]
-
-    def _convolve(self, x: Array, kernel: Array) -> Array:
-        """``x`` ``[N, H, W, in]`` convolved with ``kernel`` ``[size, size, in, k]``, zero "same"
-        padding, no bias."""
-        p = self.size // 2
-        return jax.lax.conv_general_dilated(x, kernel, window_strides=(1, 1), padding=((p, p), (p, p)),
-                                            dimension_numbers=("NHWC", "HWIO", "NHWC"))
-
-    def after_nearest_2x(self, x: Array) -> Array:
-        """``self(x repeated 2x along H and W)`` for a 3x3 kernel, ``[N, H, W, in] -> [N, 2H, 2W,
-        out]``, computed at ``x``'s resolution: output rows ``2i + a`` and columns ``2j + b`` are a
-        3x3 convolution of ``x`` whose taps are the sums of the original taps that read the same
-        pixel of ``x`` (:data:`_NEAREST_2X_TAPS`), the four phases ``(a, b)`` side by side in the
-        output channels and then interleaved. The same FLOPs, without the upsampled input."""
-        if self.size != 3:
-            raise ValueError(f"after_nearest_2x needs a 3x3 kernel, this one is {self.size}x{self.size}")
-        kernel = self.kernel[...]
-        cin, cout = kernel.shape[2:]
-        taps = jnp.asarray(_NEAREST_2X_TAPS)
-        phased = jnp.einsum("aoh,bpw,hwic->opiabc", taps, taps, kernel.astype(jnp.float32),
-                            precision=jax.lax.Precision.HIGHEST).astype(kernel.dtype)
-        y = self._convolve(x, phased.reshape(3, 3, cin, 4 * cout))
-        n, h, w, _ = y.shape  # [.., w, (a, b, c)] -> [.., a, w, (b, c)]: (b, c) stays whole
-        y = y.reshape(n, h, w, 2, 2 * cout).transpose(0, 1, 3, 2, 4).reshape(n, 2 * h, 2 * w, cout)
-        return y + self.bias[...]
-
-
-def _nearest_2x_taps() -> np.ndarray:
-    """``[a, o, d]``: 1 where tap ``d`` of a 3-tap "same" convolution over an axis upsampled 2x by
-    nearest neighbour reads, at output ``2i + a``, input ``i + o - 1`` (``(2i + a + d - 1) // 2``)."""
-    taps = np.zeros((2, 3, 3), np.float32)
-    for a in range(2):
-        for d in range(3):
-            taps[a, (a + d - 1) // 2 + 1, d] = 1
-    return taps
-
-
-_NEAREST_2X_TAPS = _nearest_2x_taps()
+    def __call__(self, x: Array, backend: str) -> Array:
+        """``[T, H, W, in]`` -> ``[T, 2H, 2W, out]`` under ``backend`` (the XLA path where the input or
+        output channels are fewer than :data:`KERNEL_MIN_CHANNELS`)."""
+        if min(self.kernel.shape[-2:]) < KERNEL_MIN_CHANNELS:
+            backend = "xla"
+        return upsample_conv.upsample_conv2d(x, self.kernel[...].astype(x.dtype), self.bias[...].astype(x.dtype),
+                                             backend=backend)
 
 
 class ChannelRMSNorm(nnx.Module):
@@ -417,7 +386,7 @@ class Upsampler(nnx.Module):
     def __init__(self, dim: int, temporal: bool, *, dtype, rngs: nnx.Rngs):
         self.temporal = temporal
         self.time_conv = CausalConv3d(dim, 2 * dim, (3, 1, 1), dtype=dtype, rngs=rngs) if temporal else None
-        self.conv = Conv2d(dim, dim // 2, 3, dtype=dtype, rngs=rngs)
+        self.conv = UpsampleConv2d(dim, dim // 2, dtype=dtype, rngs=rngs)
 
     def __call__(self, x: Array, stream: _Stream, started: bool) -> Array:
         if self.temporal:
@@ -430,7 +399,7 @@ class Upsampler(nnx.Module):
                 stream.put(stream.take(rest[:0]))
                 y = rest
             x = jnp.concatenate([first, y], axis=0)
-        return self.conv.after_nearest_2x(x)
+        return self.conv(x, stream.backend)
 
 
 class UpBlock(nnx.Module):

@@ -23,15 +23,21 @@ MXU_TILE = {"v5e": 128, "v6e": 256}
 """The MXU's tile edge per generation: a product's contraction and output sizes are padded to it."""
 
 
-def row_floor_cycles(geom: ConvGeometry, block_cop: int, generation: str) -> float:
-    """Cycles of one output row's product at the chip's bf16 MXU peak, its sizes padded to the MXU
-    tile (``block_cop`` is ``3 CoP``, the packed weights' columns)."""
+def mxu_floor_cycles(rows: int, contraction: int, columns: int, generation: str) -> float:
+    """Cycles of a ``[rows, contraction] x [contraction, columns]`` product at the chip's bf16 MXU
+    peak, its contraction and columns padded to the MXU tile."""
     from pallas_kernels import tpu_aot
 
     chip = tpu_aot.check_generation(generation)
     tile = MXU_TILE[generation]
-    macs = geom.width * round_up(9 * geom.in_channels, tile) * round_up(block_cop, tile)
+    macs = rows * round_up(contraction, tile) * round_up(columns, tile)
     return macs / (chip.bf16_flops / 2 / chip.clock_hz)
+
+
+def row_floor_cycles(geom: ConvGeometry, block_cop: int, generation: str) -> float:
+    """:func:`mxu_floor_cycles` of one output row's product ``[W, 9 Cin] x [9 Cin, block_cop]``
+    (``block_cop`` is ``3 CoP``, the packed weights' columns)."""
+    return mxu_floor_cycles(geom.width, 9 * geom.in_channels, block_cop, generation)
 
 
 def estimate_from_dump(geom: ConvGeometry, block_h: int, generation: str, dump_dir: str):

@@ -23,6 +23,7 @@ import tempfile
 
 from pallas_kernels.causal_conv.geometry import ConvGeometry
 from pallas_kernels.context_attention import ContextGeometry
+from pallas_kernels.upsample_conv.geometry import UpsampleGeometry
 from pallas_kernels.window_attention.geometry import WindowGeometry
 
 _BUNDLE = re.compile(r"^\s*(0x[0-9a-f]+|\d+)\s+(?:(LB|LH|LE|PB|PF|CT):|:)\s*(>*)\s*\{(.*)$")
@@ -300,8 +301,34 @@ def _compile_and_price_conv(geom: ConvGeometry, dtype: str, generation: str, dum
     return conv_estimate.estimate_from_dump(geom, block_h, generation, dump_dir)
 
 
-def _compile_and_price(geom: WindowGeometry | ContextGeometry | ConvGeometry, dtype: str, generation: str,
-                       dump_dir: str, kv_dtype: str | None = None) -> Estimate:
+def _compile_and_price_upsample(geom: UpsampleGeometry, dtype: str, generation: str, dump_dir: str) -> Estimate:
+    """In the worker process: compiles one upsampling convolution of ``geom`` (its default row
+    block, the input and output row-major, as the decoder passes them) and prices it
+    (:func:`pallas_kernels.upsample_conv.tpu_estimate.estimate_from_dump`)."""
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels import tpu_aot
+    from pallas_kernels.causal_conv import row_major
+    from pallas_kernels.upsample_conv import tpu as upsample_tpu
+    from pallas_kernels.upsample_conv import tpu_estimate as upsample_estimate
+    from pallas_kernels.upsample_conv import upsample_conv2d
+
+    device = tpu_aot.compile_only_device(generation)
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    rows = row_major(4, sharding)
+    g, dt = geom, jnp.dtype(dtype)
+    args = [jax.ShapeDtypeStruct((g.frames, g.height, g.width, g.in_channels), dt, sharding=rows),
+            jax.ShapeDtypeStruct((3, 3, g.in_channels, g.out_channels), dt, sharding=sharding),
+            jax.ShapeDtypeStruct((g.out_channels,), dt, sharding=sharding)]
+    with jax.default_device(device):
+        jax.jit(lambda x, kernel, bias: upsample_conv2d(x, kernel, bias, backend="pallas_tpu"),
+                out_shardings=rows).trace(*args).lower().compile()
+    return upsample_estimate.estimate_from_dump(geom, upsample_tpu.default_block_h(g.height), generation, dump_dir)
+
+
+def _compile_and_price(geom: WindowGeometry | ContextGeometry | ConvGeometry | UpsampleGeometry, dtype: str,
+                       generation: str, dump_dir: str, kv_dtype: str | None = None) -> Estimate:
     """In the worker process: compiles one call of ``geom`` for ``generation`` (window attention
     over pages stored as ``kv_dtype``, default ``dtype``) and prices it."""
     import jax.numpy as jnp
@@ -314,6 +341,8 @@ def _compile_and_price(geom: WindowGeometry | ContextGeometry | ConvGeometry, dt
 
     if isinstance(geom, ConvGeometry):
         return _compile_and_price_conv(geom, dtype, generation, dump_dir)
+    if isinstance(geom, UpsampleGeometry):
+        return _compile_and_price_upsample(geom, dtype, generation, dump_dir)
     specs = [(shape, jnp.dtype(d)) for shape, d in call_specs(geom, dtype)]
     if isinstance(geom, ContextGeometry):
         tpu_aot.compile_for_tpu(lambda q, k, v: context_attention(q, k, v, backend="pallas_tpu"), specs, generation)
@@ -337,16 +366,17 @@ def _compile_and_price(geom: WindowGeometry | ContextGeometry | ConvGeometry, dt
 
 
 _GEOMETRIES = {"window-attention": WindowGeometry, "context-attention": ContextGeometry,
-               "causal-convolution": ConvGeometry}
+               "causal-convolution": ConvGeometry, "upsampling-convolution": UpsampleGeometry}
 
 
-def estimate(geom: WindowGeometry | ContextGeometry | ConvGeometry, dtype: str, generation: str,
+def estimate(geom: WindowGeometry | ContextGeometry | ConvGeometry | UpsampleGeometry, dtype: str, generation: str,
              kv_dtype: str | None = None) -> Estimate:
     """Compiles one call of ``geom`` (the paged window-attention kernel for a
     :class:`~pallas_kernels.window_attention.WindowGeometry` over pages stored as ``kv_dtype``,
     default ``dtype``; the context-attention kernel for a
     :class:`~pallas_kernels.context_attention.ContextGeometry`, the causal-convolution kernel for a
-    :class:`~pallas_kernels.causal_conv.ConvGeometry`) for ``generation`` (libtpu's
+    :class:`~pallas_kernels.causal_conv.ConvGeometry`, the upsampling-convolution kernel for an
+    :class:`~pallas_kernels.upsample_conv.UpsampleGeometry`) for ``generation`` (libtpu's
     compile-only device, in a child process with its own bundle dump) and prices it.
 
     Raises:

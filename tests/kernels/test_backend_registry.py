@@ -33,7 +33,9 @@ ATTENTION = importlib.import_module("pallas_kernels.window_attention")
 WRITE = importlib.import_module("pallas_kernels.paged_write")
 CONTEXT = importlib.import_module("pallas_kernels.context_attention")
 CONV = importlib.import_module("pallas_kernels.causal_conv")
-KERNELS = {"window_attention": ATTENTION, "paged_write": WRITE, "context_attention": CONTEXT, "causal_conv": CONV}
+UPSAMPLE = importlib.import_module("pallas_kernels.upsample_conv")
+KERNELS = {"window_attention": ATTENTION, "paged_write": WRITE, "context_attention": CONTEXT, "causal_conv": CONV,
+           "upsample_conv": UPSAMPLE}
 PLATFORMS = ("cpu", "gpu", "tpu")
 
 

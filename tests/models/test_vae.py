@@ -275,18 +275,19 @@ def test_batched_stream_compiles_once_per_phase():
     np.testing.assert_allclose(whole[1], np.asarray(vae.decode_video(decoder, batch[1])), atol=1e-5, rtol=0)
 
 
-def test_the_upsampler_convolution_runs_at_the_input_resolution():
-    """``Conv2d.after_nearest_2x`` is the convolution of the nearest-2x upsampled input, edges
-    included; it takes 3x3 kernels only."""
+def test_the_upsampler_convolution_is_the_kernels_with_the_modules_parameters():
+    """``UpsampleConv2d`` convolves the nearest-2x upsampled input with its kernel and bias
+    (:func:`pallas_kernels.upsample_conv.upsample_conv2d`; the kernel's own tests check that
+    against the definition), on XLA below :data:`vae.KERNEL_MIN_CHANNELS`."""
     from flax import nnx
 
-    conv = vae.Conv2d(6, 5, 3, dtype=jnp.float32, rngs=nnx.Rngs(3))
+    from pallas_kernels.upsample_conv import upsample_conv2d
+
+    conv = vae.UpsampleConv2d(6, 5, dtype=jnp.float32, rngs=nnx.Rngs(3))
     conv.bias[...] = jnp.arange(5, dtype=jnp.float32)
     x = jax.random.normal(jax.random.key(4), (2, 5, 7, 6))
-    want = conv(jnp.repeat(jnp.repeat(x, 2, axis=1), 2, axis=2))
-    np.testing.assert_allclose(conv.after_nearest_2x(x), want, rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError, match="after_nearest_2x needs a 3x3 kernel, this one is 1x1"):
-        vae.Conv2d(6, 5, 1, dtype=jnp.float32, rngs=nnx.Rngs(3)).after_nearest_2x(x)
+    want = upsample_conv2d(x, conv.kernel[...], conv.bias[...], backend="xla")
+    np.testing.assert_array_equal(conv(x, "pallas_tpu"), want)  # 6 and 5 channels: XLA
 
 
 def test_cache_shape_and_input_errors():
