@@ -125,19 +125,24 @@ def test_the_pricer_knows_the_chunk_programs_kernels():
         pl.attention_pricer(wan, "v5e")("splash", 1)
 
 
-def test_the_pricer_prices_each_causal_convolution_at_its_own_shape(monkeypatch):
-    """A causal-convolution kernel is priced at the geometry its name spells, in the VAE's dtype;
-    the decode's time is XLA's estimate plus its kernel calls, each priced once per shape."""
-    from pallas_kernels.causal_conv import ConvGeometry, kernel_name
+def test_the_pricer_prices_each_convolution_at_its_own_shape(monkeypatch):
+    """A causal- or upsampling-convolution kernel is priced at the geometry its name spells, in the
+    VAE's dtype; the decode's time is XLA's estimate plus its kernel calls, each priced once per
+    shape."""
+    from pallas_kernels import causal_conv, upsample_conv
 
     asked = []
     monkeypatch.setattr(pl, "_kernel_seconds", lambda geom, dtype, gen: asked.append((geom, dtype, gen)) or 1e-3)
     wan = pl.PIPELINES["self-forcing"]
     price = pl.attention_pricer(wan, "v6e")
-    small, large = ConvGeometry(1, 60, 104, 384, 384), ConvGeometry(2, 120, 208, 384, 384, input_norm=True)
-    decode = dataclasses.replace(_figures(0), kernel_calls={(kernel_name(small), 2): 30, (kernel_name(large), 2): 15})
-    assert pl.program_seconds(decode, price) == pytest.approx(0.1 + 45e-3)
-    assert asked == [(small, "bfloat16", "v6e"), (large, "bfloat16", "v6e")]
+    small = causal_conv.ConvGeometry(1, 60, 104, 384, 384)
+    large = causal_conv.ConvGeometry(2, 120, 208, 384, 384, input_norm=True)
+    up = upsample_conv.UpsampleGeometry(4, 240, 416, 192, 96)
+    decode = dataclasses.replace(_figures(0), kernel_calls={
+        (causal_conv.kernel_name(small), 2): 30, (causal_conv.kernel_name(large), 2): 15,
+        (upsample_conv.kernel_name(up), 4): 3})
+    assert pl.program_seconds(decode, price) == pytest.approx(0.1 + 48e-3)
+    assert asked == [(small, "bfloat16", "v6e"), (large, "bfloat16", "v6e"), (up, "bfloat16", "v6e")]
 
 
 def test_the_pricer_prices_attention_over_the_pages_stored_dtype(monkeypatch):

@@ -65,6 +65,14 @@ def test_kernel_calls_are_keyed_by_the_rows_they_run():
     assert cost.kernel_calls == {("window_attention_tpu", 1): 4 * 30, ("window_attention_tpu", 4): 4 * 30}
 
 
+def test_a_kernel_is_named_without_the_suffixes_xla_adds():
+    """XLA names a Mosaic call after its kernel, then adds ``.N`` and, where the call feeds a named
+    operand, that name (``upsample_conv2d_tpu_....1.refs_1_``): the call is counted by its kernel."""
+    suffixed = MOSAIC.replace("%window_attention_tpu.3", "%window_attention_tpu.3.refs_1_")
+    cost = tpu_cost.program_cycles(program().replace(MOSAIC, suffixed))
+    assert cost.kernel_calls == {("window_attention_tpu", 1): 4 * 30}
+
+
 def test_the_estimate_follows_the_trip_counts():
     small, large = (tpu_cost.program_cycles(program(inner_trips=n)) for n in (3, 30))
     assert large.cycles - small.cycles == 4 * 27 * 100
