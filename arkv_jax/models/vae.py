@@ -48,13 +48,14 @@ WAN21_LATENTS_STD = (2.8184, 1.4541, 2.3275, 2.6558, 1.2196, 1.7708, 2.6052, 2.0
 CACHE_FRAMES = causal_conv.CACHE_FRAMES
 
 #: A 3x3x3 causal convolution runs the TPU kernel (:mod:`pallas_kernels.causal_conv`) under a TPU
-#: backend when its input and output channels are both at least this many (Wan 2.1: every one but
-#: ``conv_in``, 16 in, and ``conv_out``, 3 out), as does an upsampler's convolution
-#: (:mod:`pallas_kernels.upsample_conv`; Wan 2.1: all three). The kernel reads its cache entry row-major, the
-#: layout the stream cache is kept in (:func:`cache_formats`): a 96- or 192-channel entry takes 128
-#: or 256 lanes in a TPU's HBM (:func:`stream_cache_bytes` with ``tpu_hbm=True``). Narrower channels
-#: pad the kernel's rows, cache or output to the 128 lanes many times over (``conv_out`` on the
-#: kernel, compiled for v6e: decode temporaries 2.1 -> 4.8 GiB); they stay on XLA.
+#: backend when its input channels are at least this many and its output channels too, or few
+#: enough for the kernel's transposed narrow output (:func:`pallas_kernels.causal_conv.is_narrow`;
+#: Wan 2.1: every one but ``conv_in``, 16 in; ``conv_out``, 3 out, is narrow), as does an
+#: upsampler's convolution (:mod:`pallas_kernels.upsample_conv`; Wan 2.1: all three). The kernel
+#: reads its cache entry row-major, the layout the stream cache is kept in (:func:`cache_formats`):
+#: a 96- or 192-channel entry takes 128 or 256 lanes in a TPU's HBM (:func:`stream_cache_bytes`
+#: with ``tpu_hbm=True``). Fewer input channels, or outputs between the two, would pad the kernel's
+#: rows, cache or output to the 128 lanes many times over; they stay on XLA.
 KERNEL_MIN_CHANNELS = 96
 
 #: dtype names a :class:`WanVAEConfig` takes for its parameters and compute (``dtype``) and for its
@@ -278,14 +279,16 @@ class CausalConv3d(nnx.Module):
         """``x`` ``[T, H, W, in]`` -> ``[T, H, W, out]``; a temporal kernel reads and updates its
         ``stream`` entry (the last frames of ``[cache, x]``). A 3x3x3 kernel runs
         :func:`pallas_kernels.causal_conv.causal_conv3d` under the stream's backend (the XLA path
-        where its input or output channels are fewer than :data:`KERNEL_MIN_CHANNELS`); with a
+        where its channels do not suit the kernel, :data:`KERNEL_MIN_CHANNELS`); with a
         ``norm`` (3x3x3 only) it convolves ``silu(norm([cache, x]))`` and the entry keeps ``x``'s
         frames as given, so the normalized input is never written out (the TPU kernel normalizes
         in VMEM); a ``residual`` (3x3x3 only, the output's shape) is added to the output as it is
         written."""
         kt, kh, kw = self.kernel_size
         if (kt, kh, kw) == (3, 3, 3):
-            backend = stream.backend if min(self.kernel.shape[-2:]) >= KERNEL_MIN_CHANNELS else "xla"
+            cin, cout = self.kernel.shape[-2:]
+            on_kernel = cin >= KERNEL_MIN_CHANNELS and (cout >= KERNEL_MIN_CHANNELS or causal_conv.is_narrow(cout))
+            backend = stream.backend if on_kernel else "xla"
             cache, index = stream.take_batch(x)
             gamma = None if norm is None else norm.gamma[...].astype(x.dtype)
             y, entry = causal_conv.causal_conv3d(x, cache, self.kernel[...].astype(x.dtype),
@@ -477,7 +480,7 @@ class WanVAEDecoder(nnx.Module):
         x = self.mid_resnets[1](x, stream)
         for block in self.up_blocks:
             x = block(x, stream, started)
-        return self.conv_out(jax.nn.silu(self.norm_out(x)), stream)
+        return self.conv_out(x, stream, self.norm_out)
 
     def cache_shapes(self, latent_height: int, latent_width: int) -> tuple[jax.ShapeDtypeStruct, ...]:
         """Shape and dtype of each entry of the cache of a stream of ``latent_height x latent_width``

@@ -21,13 +21,14 @@ from pallas_kernels.backend import Backend, resolve_backend
 from pallas_kernels.causal_conv import tpu, xla
 from pallas_kernels.causal_conv.formats import HBM_TILE, default_sharding, row_major, row_major_tpu_bytes
 from pallas_kernels.causal_conv.geometry import KERNEL_PREFIX, ConvGeometry, geometry_of_kernel, kernel_name
+from pallas_kernels.causal_conv.tpu import is_narrow
 from pallas_kernels.causal_conv.xla import CACHE_FRAMES
 from pallas_kernels.checks import require_index, require_int
 from pallas_kernels.common import check_rank, check_supported_dtype
 
 __all__ = ["CACHE_FRAMES", "HBM_TILE", "IMPLEMENTATIONS", "KERNEL_PREFIX", "ConvGeometry", "causal_conv3d",
-           "default_sharding", "geometry_of_kernel", "kernel_name", "row_major", "row_major_tpu_bytes",
-           "static_validate_inputs"]
+           "default_sharding", "geometry_of_kernel", "is_narrow", "kernel_name", "row_major",
+           "row_major_tpu_bytes", "static_validate_inputs"]
 
 
 def causal_conv3d(x, cache, kernel, bias, *, norm_gamma=None, residual=None, stream=None, backend="auto",

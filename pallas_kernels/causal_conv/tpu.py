@@ -9,6 +9,10 @@ slabs ``[W, Cin]`` are concatenated on lanes into ``[W, 9 Cin]`` and multiplied 
 ``[9 Cin, 3 CoP]`` (:func:`pack_weights`: the three ``dw`` taps side by side in the output columns,
 each padded to ``CoP``, a multiple of 128 lanes); the taps are summed after two sublane rolls (the W
 shift) with the image edge masked (zero "same" padding, as are the rows above and below the image).
+A narrow output (at most 8 channels, :func:`is_narrow`: the decoder's ``conv_out`` to RGB) packs the
+three taps' channels into one 128-lane group, aligns them with lane rolls, and writes each row
+transposed, ``[Cout, W]``, so the output ``[T, H, Cout, W]`` keeps ``W`` on the lanes (the wrapper
+swaps it back to ``[T, H, W, Cout]``).
 
 The new cache (``[cache, x][T : T + 2]``, frames ``dt = 1, 2`` of the last step) is written into the
 cache buffer itself (``input_output_aliases``), so a decode loop carrying the cache keeps one copy
@@ -35,7 +39,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.causal_conv.geometry import ConvGeometry, kernel_name
-from pallas_kernels.causal_conv.xla import norm_scale, scaled_norm_silu
+from pallas_kernels.causal_conv.xla import NARROW_OUTPUT, norm_scale, scaled_norm_silu
 from pallas_kernels.common import cdiv, matmul_precision, round_up
 
 LANES = 128
@@ -52,15 +56,31 @@ MAX_VMEM_LIMIT = 100 << 20
 within ``[MIN_VMEM_LIMIT, MAX_VMEM_LIMIT]`` (both chips have about 128 MiB of VMEM)."""
 
 
+def is_narrow(cout: int) -> bool:
+    """Whether a convolution to ``cout`` channels writes its output transposed, ``[T, H, Cout, W]``
+    (at most :data:`~pallas_kernels.causal_conv.xla.NARROW_OUTPUT` channels: row-major ``[.., W,
+    Cout]`` would pad each pixel's few channels to 128 lanes in VMEM and in HBM)."""
+    return cout <= NARROW_OUTPUT
+
+
+def packed_columns(cout: int) -> int:
+    """Columns of :func:`pack_weights`' matrix for ``cout`` output channels: ``3 CoP`` (each ``dw``
+    tap's ``Cout`` padded to ``CoP = round_up(Cout, 128)``), or for a narrow output
+    (:func:`is_narrow`) the three taps' ``3 Cout`` side by side in one 128-lane group."""
+    return LANES if is_narrow(cout) else 3 * round_up(cout, LANES)
+
+
 def pack_weights(kernel, dtype):
-    """``[3, 3, 3, Cin, Cout]`` -> ``[9 Cin, 3 CoP]`` in ``dtype``: rows ``(dt, dh, cin)``, columns
-    ``(dw, cout)`` with each ``dw`` tap's ``Cout`` columns padded with zeros to ``CoP =
-    round_up(Cout, 128)``."""
+    """``[3, 3, 3, Cin, Cout]`` -> ``[9 Cin, packed_columns(Cout)]`` in ``dtype``: rows ``(dt, dh,
+    cin)``, columns ``(dw, cout)``, each ``dw`` tap's ``Cout`` columns padded with zeros to ``CoP =
+    round_up(Cout, 128)``, or for a narrow output all ``3 Cout`` columns padded together to 128."""
     kt, kh, kw, cin, cout = kernel.shape
-    cop = round_up(cout, LANES)
     packed = jnp.transpose(kernel.astype(dtype), (0, 1, 3, 2, 4))  # dt, dh, cin, dw, cout
-    packed = jnp.pad(packed, ((0, 0),) * 4 + ((0, cop - cout),))
-    return packed.reshape(kt * kh * cin, kw * cop)
+    if is_narrow(cout):
+        packed = packed.reshape(kt * kh * cin, kw * cout)
+        return jnp.pad(packed, ((0, 0), (0, LANES - kw * cout)))
+    packed = jnp.pad(packed, ((0, 0),) * 4 + ((0, round_up(cout, LANES) - cout),))
+    return packed.reshape(kt * kh * cin, packed_columns(cout))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,22 +116,24 @@ def vmem_bytes(geom: ConvGeometry, block_h: int, itemsize: int) -> int:
     """VMEM one call needs: the frame buffers (and the normalized ring), the double-buffered
     weights and output (and residual) blocks, and one row's operands and float32 products."""
     w, cin, cout = geom.width, geom.in_channels, geom.out_channels
-    cop = round_up(cout, LANES)
+    columns = packed_columns(cout)
     frames = (2 + geom.input_norm) * 3 * (block_h + 2) * w * cin * itemsize
-    weights = 2 * 9 * cin * 3 * cop * itemsize
+    weights = 2 * 9 * cin * columns * itemsize
     out = (2 + 2 * geom.residual) * block_h * w * cout * itemsize
-    row = w * 9 * cin * itemsize + 3 * w * 3 * cop * 4
+    row = w * 9 * cin * itemsize + 3 * w * columns * 4
     return frames + weights + out + row
 
 
 def _kernel(*refs, geom: ConvGeometry, block_h: int):
     """Refs: SMEM ``stream_ref`` ``[1]`` (the stream of the cache batch), ``x_hbm`` ``[T, H, W,
     Cin]`` and ``batch_cache`` ``[B, 2, H, W, Cin]`` (HBM; the aliased output, read and written in
-    place at ``stream_ref[0]``, ``_cache_in`` its unused input view), ``w_ref`` ``[9 Cin, 3 CoP]``,
-    ``b_ref`` ``[1, Cout]`` float32, with an input norm ``g_ref`` ``[1, Cin]`` (its
+    place at ``stream_ref[0]``, ``_cache_in`` its unused input view), ``w_ref`` ``[9 Cin,
+    packed_columns(Cout)]``, ``b_ref`` ``[1, Cout]`` float32 (a narrow output's padded to 128
+    lanes), with an input norm ``g_ref`` ``[1, Cin]`` (its
     :func:`~pallas_kernels.causal_conv.xla.norm_scale`) and ``ring`` ``[3, block_h + 2, W, Cin]``,
     with a residual ``r_ref`` ``[block_h, W, Cout]`` (``y_ref``'s block of it), ``y_ref``
-    ``[block_h, W, Cout]`` (the last block's rows past the image are dropped), ``buf`` ``[2, 3,
+    ``[block_h, W, Cout]``, or ``[block_h, Cout, W]`` for a narrow output (:func:`is_narrow`; the
+    residual likewise; the last block's rows past the image are dropped), ``buf`` ``[2, 3,
     block_h + 2, W, Cin]``."""
     refs = list(refs)
     stream_ref, x_hbm, w_ref, b_ref = refs[:4]
@@ -191,9 +213,23 @@ def _kernel(*refs, geom: ConvGeometry, block_h: int):
         frames_in = [buf.at[slot, dt] for dt in range(3)]
 
     precision = matmul_precision(x_hbm.dtype)
+    narrow = is_narrow(cout)
     bias = b_ref[...]
-    columns = lax.broadcasted_iota(jnp.int32, (width, cout), 0)
+    columns = lax.broadcasted_iota(jnp.int32, (width, LANES if narrow else cout), 0)
     first_row = i * block_h
+
+    def taps_summed(products):
+        """``[W, Cout]`` (a narrow output: ``[W, 128]``, ``Cout`` valid lanes) of the three ``dw``
+        taps' products, shifted by a sublane roll each (the W shift) with the image edge masked."""
+        if narrow:  # tap dw's channels sit at lanes [dw Cout, (dw + 1) Cout): lane rolls align them
+            left = pltpu.roll(products, 1, 0)
+            center = pltpu.roll(products, LANES - cout, 1)
+            right = pltpu.roll(pltpu.roll(products, LANES - 2 * cout, 1), width - 1, 0)
+        else:
+            left = pltpu.roll(products[:, 0:cout], 1, 0)  # left[w] = tap dw=0 of column w - 1
+            center = products[:, cop:cop + cout]
+            right = pltpu.roll(products[:, 2 * cop:2 * cop + cout], width - 1, 0)  # tap dw=2 of w + 1
+        return center + jnp.where(columns > 0, left, 0.0) + jnp.where(columns < width - 1, right, 0.0)
 
     def row(j, carry):
         h = first_row + j
@@ -207,10 +243,9 @@ def _kernel(*refs, geom: ConvGeometry, block_h: int):
                 pieces.append(piece)
         products = jnp.dot(jnp.concatenate(pieces, axis=-1), w_ref[...], precision=precision,
                            preferred_element_type=jnp.float32)
-        left = pltpu.roll(products[:, 0:cout], 1, 0)  # left[w] = tap dw=0 of column w - 1
-        right = pltpu.roll(products[:, 2 * cop:2 * cop + cout], width - 1, 0)  # tap dw=2 of w + 1
-        y = products[:, cop:cop + cout] + bias
-        y = y + jnp.where(columns > 0, left, 0.0) + jnp.where(columns < width - 1, right, 0.0)
+        y = taps_summed(products) + bias
+        if narrow:  # channels onto sublanes, W onto lanes
+            y = y.T[0:cout]
         if r_ref is not None:
             y = y + r_ref[j].astype(jnp.float32)
         y_ref[j] = y.astype(y_ref.dtype)
@@ -237,28 +272,31 @@ def causal_conv3d(x, cache, kernel, bias, norm_gamma=None, residual=None, stream
     geom = ConvGeometry(frames, height, width, cin, kernel.shape[-1], input_norm=norm_gamma is not None,
                         residual=residual is not None)
     cout = geom.out_channels
-    cop = round_up(cout, LANES)
+    narrow = is_narrow(cout)
     weights = pack_weights(kernel, x.dtype)
     bias = bias.astype(jnp.float32).reshape(1, cout)
+    if narrow:  # added before the transpose, at the first Cout lanes
+        bias = jnp.pad(bias, ((0, 0), (0, LANES - cout)))
     batch = cache if stream is not None else cache[None]
     index = jnp.zeros((1,), jnp.int32) if stream is None else jnp.asarray(stream, jnp.int32).reshape(1)
     hbm = pl.BlockSpec(memory_space=pl.ANY)
     limit = min(MAX_VMEM_LIMIT, max(MIN_VMEM_LIMIT, 2 * vmem_bytes(geom, block_h, x.dtype.itemsize)))
     whole = functools.partial(pl.BlockSpec, index_map=lambda i, t, *_: (0, 0))
-    in_specs = [hbm, whole((9 * cin, 3 * cop)), whole((1, cout))]
+    in_specs = [hbm, whole((9 * cin, packed_columns(cout))), whole(bias.shape)]
     operands = [index, x, weights, bias]
     scratch = [pltpu.VMEM((2, 3, block_h + 2, width, cin), x.dtype)]
     if geom.input_norm:
         in_specs.append(whole((1, cin)))
         operands.append(norm_scale(norm_gamma).reshape(1, cin))
         scratch.append(pltpu.VMEM((3, block_h + 2, width, cin), x.dtype))
-    out_block = pl.BlockSpec((None, block_h, width, cout), lambda i, t, *_: (t, i, 0, 0))
+    row_shape = (cout, width) if narrow else (width, cout)
+    out_block = pl.BlockSpec((None, block_h, *row_shape), lambda i, t, *_: (t, i, 0, 0))
     if geom.residual:
         in_specs.append(out_block)
-        operands.append(residual)
+        operands.append(jnp.swapaxes(residual, 2, 3) if narrow else residual)
     y, batch = pl.pallas_call(
         functools.partial(_kernel, geom=geom, block_h=block_h),
-        out_shape=(jax.ShapeDtypeStruct((frames, height, width, cout), x.dtype),
+        out_shape=(jax.ShapeDtypeStruct((frames, height, *row_shape), x.dtype),
                    jax.ShapeDtypeStruct(batch.shape, batch.dtype)),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1,
@@ -272,4 +310,6 @@ def causal_conv3d(x, cache, kernel, bias, norm_gamma=None, residual=None, stream
         interpret=interpret,
         name=kernel_name(geom),
     )(*operands, batch)
+    if narrow:
+        y = jnp.swapaxes(y, 2, 3)
     return y, batch if stream is not None else batch[0]

@@ -34,10 +34,12 @@ def mxu_floor_cycles(rows: int, contraction: int, columns: int, generation: str)
     return macs / (chip.bf16_flops / 2 / chip.clock_hz)
 
 
-def row_floor_cycles(geom: ConvGeometry, block_cop: int, generation: str) -> float:
-    """:func:`mxu_floor_cycles` of one output row's product ``[W, 9 Cin] x [9 Cin, block_cop]``
-    (``block_cop`` is ``3 CoP``, the packed weights' columns)."""
-    return mxu_floor_cycles(geom.width, 9 * geom.in_channels, block_cop, generation)
+def row_floor_cycles(geom: ConvGeometry, generation: str) -> float:
+    """:func:`mxu_floor_cycles` of one output row's product ``[W, 9 Cin] x [9 Cin, P]``, ``P`` the
+    packed weights' columns (:func:`~pallas_kernels.causal_conv.tpu.packed_columns`)."""
+    from pallas_kernels.causal_conv.tpu import packed_columns
+
+    return mxu_floor_cycles(geom.width, 9 * geom.in_channels, packed_columns(geom.out_channels), generation)
 
 
 def estimate_from_dump(geom: ConvGeometry, block_h: int, generation: str, dump_dir: str):
@@ -49,7 +51,7 @@ def estimate_from_dump(geom: ConvGeometry, block_h: int, generation: str, dump_d
       ValueError: the bundles do not have the loops described in the module docstring.
     """
     from pallas_kernels import tpu_aot
-    from pallas_kernels.causal_conv.tpu import LANES, NORM_UNROLL
+    from pallas_kernels.causal_conv.tpu import NORM_UNROLL
     from pallas_kernels.window_attention import tpu_estimate as est
 
     chip = tpu_aot.check_generation(generation)
@@ -66,7 +68,7 @@ def estimate_from_dump(geom: ConvGeometry, block_h: int, generation: str, dump_d
                          f"(with a reciprocal square root), not {3 * geom.input_norm}")
     grid, row = tree[0], rows[0]
     per_step = est.span(grid) - est.span(row) - sum(est.span(c) for c in norms)
-    floor = row_floor_cycles(geom, 3 * round_up(geom.out_channels, LANES), generation)
+    floor = row_floor_cycles(geom, generation)
     per_row = max(row["own"], floor)
     blocks = cdiv(geom.height, block_h)
     steps = blocks * geom.frames

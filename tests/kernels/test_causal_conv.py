@@ -31,7 +31,6 @@ from pallas_kernels.causal_conv import (
 from pallas_kernels.causal_conv import tpu as conv_tpu
 from pallas_kernels.causal_conv import xla as conv_xla
 from pallas_kernels.checks import ArgumentTypeError
-from pallas_kernels.common import round_up
 from tests.kernels.device_backends import compiled
 
 needs_libtpu = pytest.mark.skipif(not tpu_aot.libtpu_available(),
@@ -73,11 +72,12 @@ def check_against_xla(geom: ConvGeometry, dtype, backend: str, block_h):
 
 
 #: (geometry, block_h): one block, first/middle/last blocks, a partial last block (H not a multiple
-#: of block_h), T = 1 (the new cache mixes cache and x) and T > 2, 3 output channels (conv_out).
+#: of block_h), T = 1 (the new cache mixes cache and x) and T > 2, narrow outputs written transposed
+#: (3 channels as conv_out, 6, 8) and wider ones (12, 20).
 CASES = [
     (ConvGeometry(2, 10, 16, 8, 3), 4),
     (ConvGeometry(1, 9, 8, 4, 6), 3),
-    (ConvGeometry(1, 7, 8, 16, 8), None),
+    (ConvGeometry(1, 7, 8, 16, 12), None),
     (ConvGeometry(4, 12, 8, 8, 8), 5),
     (ConvGeometry(3, 5, 16, 12, 20), 1),
 ]
@@ -372,6 +372,22 @@ def test_compiles_with_the_cache_in_place(gen, norm):
 @needs_libtpu
 @pytest.mark.slow
 @pytest.mark.parametrize("gen", ["v5e", "v6e"])
+def test_a_narrow_output_compiles_transposed_with_the_cache_in_place(gen):
+    """``conv_out``'s shape (96 -> 3 channels, with its norm): the kernel writes ``[T, H, 3, W]``
+    (``W`` on the lanes) and XLA swaps it back; the cache is aliased, neither the frames nor the
+    cache is copied, and the only temporary is the transposed output."""
+    geom = dataclasses.replace(WAN_FULL_RES, out_channels=3, input_norm=True)
+    specs = _specs(geom) + [((geom.in_channels,), jnp.bfloat16)]
+    report = tpu_aot.report(_compile_row_major(_conv, specs, gen), [shape for shape, _ in specs[:2]])
+    assert report.pool_copies == 0
+    assert report.alias_bytes == row_major_tpu_bytes(specs[1][0], jnp.bfloat16)
+    assert report.temp_bytes <= row_major_tpu_bytes((geom.frames, geom.height, 3, geom.width), jnp.bfloat16)
+    assert kernel_name(geom) in report.hlo
+
+
+@needs_libtpu
+@pytest.mark.slow
+@pytest.mark.parametrize("gen", ["v5e", "v6e"])
 def test_compiles_with_a_batch_cache_in_place(gen):
     """A batch's cache with a run-time stream index: the whole donated batch is the new batch's
     buffer, and no stream's entry is copied out or back."""
@@ -443,10 +459,13 @@ def test_the_bundle_estimate_prices_the_rows(gen):
     result = estimate(geom, "bfloat16", gen)
     chip = tpu_aot.CHIPS[gen]
     rows = geom.frames * geom.height
-    floor = rows * conv_estimate.row_floor_cycles(geom, 3 * round_up(geom.out_channels, 128), gen) / chip.clock_hz
+    floor = rows * conv_estimate.row_floor_cycles(geom, gen) / chip.clock_hz
     assert result.grid_steps == geom.frames * -(-geom.height // conv_tpu.DEFAULT_BLOCK_H)
     assert floor + result.grid_steps * tpu_aot.GRID_STEP_SECONDS < result.seconds < 3 * floor
     assert f"{rows} rows" in result.note and "input norm" not in result.note
     normed = estimate(dataclasses.replace(geom, input_norm=True), "bfloat16", gen)
     assert result.seconds < normed.seconds < 2 * result.seconds
     assert "input norm" in normed.note and normed.grid_steps == result.grid_steps
+    narrow = dataclasses.replace(WAN_FULL_RES, out_channels=3)  # one 128-lane group of packed columns
+    narrow_floor = narrow.frames * narrow.height * conv_estimate.row_floor_cycles(narrow, gen) / chip.clock_hz
+    assert narrow_floor < estimate(narrow, "bfloat16", gen).seconds < 3 * narrow_floor
