@@ -303,8 +303,12 @@ class CausalConv3d(nnx.Module):
                 raise ValueError(f"a causal kernel of {kt} frames needs {kt - 1} cached frames, not {CACHE_FRAMES}")
             x = jnp.concatenate([stream.take(x), x], axis=0)
             stream.put(x[-CACHE_FRAMES:])
-        if (kt, kh, kw) == (1, 1, 1):
-            return jnp.einsum("thwc,co->thwo", x, self.kernel[...][0, 0, 0]) + self.bias[...]
+        if (kh, kw) == (1, 1):  # a matmul per frame offset, summed in float32 (XLA:TPU's convolution
+            frames = x.shape[0] - kt + 1  # of a (3, 1, 1) kernel relaid its pixels out)
+            kernel = self.kernel[...][:, 0, 0]
+            y = sum(jnp.einsum("thwc,co->thwo", x[dt:dt + frames], kernel[dt], preferred_element_type=jnp.float32)
+                    for dt in range(kt))
+            return (y + self.bias[...]).astype(x.dtype)
         y = jax.lax.conv_general_dilated(
             x[None], self.kernel[...], window_strides=(1, 1, 1),
             padding=((0, 0), (kh // 2, kh // 2), (kw // 2, kw // 2)),
