@@ -41,6 +41,7 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels.causal_conv.geometry import ConvGeometry, kernel_name
 from pallas_kernels.causal_conv.xla import NARROW_OUTPUT, norm_scale, scaled_norm_silu
 from pallas_kernels.common import cdiv, matmul_precision, round_up
+from pallas_kernels.window_attention.tpu import default_generation
 
 LANES = 128
 """Each ``dw`` tap's output columns are padded to a multiple of this (TPU lanes)."""
@@ -193,11 +194,13 @@ def _kernel(*refs, geom: ConvGeometry, block_h: int):
     reads(i, t, slot, "wait")
 
     if geom.input_norm:
+        tanh_silu = default_generation() == "v5e"  # v5e refines exp and reciprocal in software
+
         def normalize(dt):  # frame t + dt of [cache, x], every buffer row (masked when read)
             src, dst = buf.at[slot, dt], ring.at[(t + dt) % 3]
 
             def body(r, carry):
-                dst[r] = scaled_norm_silu(src[r], g_ref[...])
+                dst[r] = scaled_norm_silu(src[r], g_ref[...], tanh_form=tanh_silu)
                 return carry
 
             lax.fori_loop(0, block_h + 2, body, 0, unroll=NORM_UNROLL)

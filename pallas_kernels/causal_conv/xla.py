@@ -40,9 +40,17 @@ def channel_rms_norm(x, gamma):
     return scaled_rms_norm(x, norm_scale(gamma))
 
 
-def scaled_norm_silu(x, scale):
-    """``silu(scaled_rms_norm(x, scale))`` in ``x``'s dtype (float32 inside)."""
-    return jax.nn.silu(scaled_rms_norm(x, scale)).astype(x.dtype)
+def silu_tanh(x):
+    """``silu(x)`` as ``x (1 + tanh(x / 2)) / 2`` (the same function; one EUP op where the sigmoid
+    takes an exponential and a reciprocal)."""
+    return x * (0.5 + 0.5 * jnp.tanh(0.5 * x))
+
+
+def scaled_norm_silu(x, scale, tanh_form: bool = False):
+    """``silu(scaled_rms_norm(x, scale))`` in ``x``'s dtype (float32 inside); ``tanh_form``: the
+    SiLU as :func:`silu_tanh`."""
+    y = scaled_rms_norm(x, scale)
+    return (silu_tanh(y) if tanh_form else jax.nn.silu(y)).astype(x.dtype)
 
 
 def norm_silu(x, gamma):
