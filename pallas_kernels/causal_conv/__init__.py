@@ -25,6 +25,7 @@ from pallas_kernels.causal_conv.tpu import is_narrow
 from pallas_kernels.causal_conv.xla import CACHE_FRAMES
 from pallas_kernels.checks import require_index, require_int
 from pallas_kernels.common import check_rank, check_supported_dtype
+from pallas_kernels.window_attention.tpu import default_generation
 
 __all__ = ["CACHE_FRAMES", "HBM_TILE", "IMPLEMENTATIONS", "KERNEL_PREFIX", "ConvGeometry", "causal_conv3d",
            "default_sharding", "geometry_of_kernel", "is_narrow", "kernel_name", "row_major",
@@ -144,8 +145,11 @@ def _xla(x, cache, kernel, bias, norm_gamma, residual, stream, *, geom: ConvGeom
 
 def _pallas_tpu(x, cache, kernel, bias, norm_gamma, residual, stream, *, geom: ConvGeometry, block_h: int,
                 backend: Backend):
+    # The chip the program is built for, read here and passed static: a trace cached for one
+    # generation is never reused for another.
+    tanh_silu = default_generation() == "v5e"  # v5e refines exp and reciprocal in software
     return tpu.causal_conv3d(x, cache, kernel, bias, norm_gamma, residual, stream, block_h=block_h,
-                             interpret=backend.interpret)
+                             interpret=backend.interpret, tanh_silu=tanh_silu)
 
 
 IMPLEMENTATIONS: Mapping[str, Callable[..., tuple[jax.Array, jax.Array]]] = MappingProxyType({

@@ -41,7 +41,6 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels.causal_conv.geometry import ConvGeometry, kernel_name
 from pallas_kernels.causal_conv.xla import NARROW_OUTPUT, norm_scale, scaled_norm_silu
 from pallas_kernels.common import cdiv, matmul_precision, round_up
-from pallas_kernels.window_attention.tpu import default_generation
 
 LANES = 128
 """Each ``dw`` tap's output columns are padded to a multiple of this (TPU lanes)."""
@@ -125,7 +124,7 @@ def vmem_bytes(geom: ConvGeometry, block_h: int, itemsize: int) -> int:
     return frames + weights + out + row
 
 
-def _kernel(*refs, geom: ConvGeometry, block_h: int):
+def _kernel(*refs, geom: ConvGeometry, block_h: int, tanh_silu: bool):
     """Refs: SMEM ``stream_ref`` ``[1]`` (the stream of the cache batch), ``x_hbm`` ``[T, H, W,
     Cin]`` and ``batch_cache`` ``[B, 2, H, W, Cin]`` (HBM; the aliased output, read and written in
     place at ``stream_ref[0]``, ``_cache_in`` its unused input view), ``w_ref`` ``[9 Cin,
@@ -194,8 +193,6 @@ def _kernel(*refs, geom: ConvGeometry, block_h: int):
     reads(i, t, slot, "wait")
 
     if geom.input_norm:
-        tanh_silu = default_generation() == "v5e"  # v5e refines exp and reciprocal in software
-
         def normalize(dt):  # frame t + dt of [cache, x], every buffer row (masked when read)
             src, dst = buf.at[slot, dt], ring.at[(t + dt) % 3]
 
@@ -260,17 +257,18 @@ def _kernel(*refs, geom: ConvGeometry, block_h: int):
     pl.when(step == num_blocks * frames - 1)(lambda: writes(i, slot, "wait"))
 
 
-@functools.partial(jax.jit, static_argnames=("block_h", "interpret"))
+@functools.partial(jax.jit, static_argnames=("block_h", "interpret", "tanh_silu"))
 def causal_conv3d(x, cache, kernel, bias, norm_gamma=None, residual=None, stream=None, *, block_h: int,
-                  interpret: Any):
+                  interpret: Any, tanh_silu: bool = False):
     """The kernel on validated inputs (:func:`pallas_kernels.causal_conv.causal_conv3d`): ``x``
     ``[T, H, W, Cin]``, ``cache`` ``[2, H, W, Cin]`` in ``x``'s dtype, or with an int32 scalar
     ``stream`` a batch's caches ``[B, 2, H, W, Cin]`` of which entry ``stream`` is read and
     written (aliased to the new cache: inside a program that no longer needs it, XLA writes the
     new cache over it), ``kernel`` ``[3, 3, 3, Cin, Cout]``, ``bias`` ``[Cout]``, ``norm_gamma``
     ``[Cin]`` or ``None``, ``residual`` ``[T, H, W, Cout]`` or ``None``; ``block_h`` rows per grid
-    step (at most ``H``). Returns ``(y [T, H, W, Cout], new_cache)``, ``new_cache`` of ``cache``'s
-    shape."""
+    step (at most ``H``); ``tanh_silu``: the input norm's SiLU as
+    :func:`~pallas_kernels.causal_conv.xla.silu_tanh` (for a v5e). Returns ``(y [T, H, W, Cout],
+    new_cache)``, ``new_cache`` of ``cache``'s shape."""
     frames, height, width, cin = x.shape
     geom = ConvGeometry(frames, height, width, cin, kernel.shape[-1], input_norm=norm_gamma is not None,
                         residual=residual is not None)
@@ -298,7 +296,7 @@ def causal_conv3d(x, cache, kernel, bias, norm_gamma=None, residual=None, stream
         in_specs.append(out_block)
         operands.append(jnp.swapaxes(residual, 2, 3) if narrow else residual)
     y, batch = pl.pallas_call(
-        functools.partial(_kernel, geom=geom, block_h=block_h),
+        functools.partial(_kernel, geom=geom, block_h=block_h, tanh_silu=tanh_silu),
         out_shape=(jax.ShapeDtypeStruct((frames, height, *row_shape), x.dtype),
                    jax.ShapeDtypeStruct(batch.shape, batch.dtype)),
         grid_spec=pltpu.PrefetchScalarGridSpec(

@@ -105,6 +105,20 @@ def test_tpu_kernel_with_the_input_norm_matches_xla(geom, block_h, backend):
     check_against_xla(geom, jnp.float32, backend, block_h)
 
 
+@pytest.mark.parametrize("generation", ["v5e", "v6e"])
+def test_the_norms_silu_form_follows_the_chip(generation, monkeypatch):
+    """Built for a v5e the kernel's norm takes the SiLU in tanh form (the generation read outside
+    the kernel's jit and passed static), for a v6e ``jax.nn.silu``; both match the XLA path."""
+    import pallas_kernels.causal_conv as conv_package
+
+    monkeypatch.setattr(conv_package, "default_generation", lambda: generation)
+    forms, real = [], conv_tpu.causal_conv3d
+    monkeypatch.setattr(conv_tpu, "causal_conv3d", lambda *a, **k: forms.append(k["tanh_silu"]) or real(*a, **k))
+    geom, block_h = NORM_CASES[0]
+    check_against_xla(geom, jnp.float32, "pallas_tpu_interpret", block_h)
+    assert forms == [generation == "v5e"]
+
+
 #: A residual alone (3 output channels, two row blocks) and with the input norm (several frames).
 RESIDUAL_CASES = [(dataclasses.replace(CASES[0][0], residual=True), 4),
                   (dataclasses.replace(CASES[3][0], input_norm=True, residual=True), 5)]
