@@ -107,6 +107,15 @@ def check_supported_dtype(what: str, dtype) -> None:
                          f"got {jnp.dtype(dtype).name}")
 
 
+def check_same_dtype(reference: str, dtype, named) -> None:
+    """Raises ``ValueError`` naming the first ``(name, array)`` of ``named`` whose dtype is not
+    ``dtype``, the dtype of the argument ``reference``."""
+    for name, array in named:
+        if array.dtype != dtype:
+            raise ValueError(f"{name}.dtype must equal {reference}.dtype={jnp.dtype(dtype).name}, got "
+                             f"{jnp.dtype(array.dtype).name}")
+
+
 def check_pool_pair(k_pool, v_pool) -> bool:
     """Checks the parts of a pair of pools that are not shapes the kernels compare themselves:
     both plain or both :class:`~pallas_kernels.layout.QuantizedPool` s, and for quantized ones

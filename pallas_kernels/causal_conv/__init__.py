@@ -24,7 +24,7 @@ from pallas_kernels.causal_conv.geometry import KERNEL_PREFIX, ConvGeometry, geo
 from pallas_kernels.causal_conv.tpu import is_narrow
 from pallas_kernels.causal_conv.xla import CACHE_FRAMES
 from pallas_kernels.checks import require_index, require_int
-from pallas_kernels.common import check_rank, check_supported_dtype
+from pallas_kernels.common import check_rank, check_same_dtype, check_supported_dtype
 from pallas_kernels.window_attention.tpu import default_generation
 
 __all__ = ["CACHE_FRAMES", "HBM_TILE", "IMPLEMENTATIONS", "KERNEL_PREFIX", "ConvGeometry", "causal_conv3d",
@@ -107,10 +107,7 @@ def static_validate_inputs(x, cache, kernel, bias, *, norm_gamma=None, residual=
     if residual is not None:
         check_rank("residual", residual, 4, "[T, H, W, Cout]")
         named.append(("residual", residual))
-    for name, array in named:
-        if array.dtype != x.dtype:
-            raise ValueError(f"{name}.dtype must equal x.dtype={jnp.dtype(x.dtype).name}, got "
-                             f"{jnp.dtype(array.dtype).name}")
+    check_same_dtype("x", x.dtype, named)
     frames, height, width, cin = x.shape
     if min(x.shape) < 1:
         raise ValueError(f"every dimension of x must be positive, got shape {tuple(x.shape)}")

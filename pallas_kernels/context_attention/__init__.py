@@ -15,11 +15,10 @@ from collections.abc import Callable, Mapping
 from types import MappingProxyType
 
 import jax
-import jax.numpy as jnp
 
 from pallas_kernels.backend import Backend, cudnn_supports, resolve_backend
 from pallas_kernels.checks import require_int
-from pallas_kernels.common import check_rank, check_supported_dtype
+from pallas_kernels.common import check_rank, check_same_dtype, check_supported_dtype
 from pallas_kernels.context_attention import tpu, xla
 from pallas_kernels.window_attention.validation import check_scale
 
@@ -86,10 +85,7 @@ def static_validate_inputs(q, k, v, *, scale=None, backend: Backend, block_q=Non
     check_rank("k", k, 4, "[rows, kv_len, kv_heads, head_dim]")
     check_rank("v", v, 4, "[rows, kv_len, kv_heads, head_dim]")
     check_supported_dtype("q.dtype", q.dtype)
-    for name, x in (("k", k), ("v", v)):
-        if x.dtype != q.dtype:
-            raise ValueError(f"{name}.dtype must equal q.dtype={jnp.dtype(q.dtype).name}, got "
-                             f"{jnp.dtype(x.dtype).name}")
+    check_same_dtype("q", q.dtype, (("k", k), ("v", v)))
     if tuple(v.shape) != tuple(k.shape):
         raise ValueError(f"v.shape must equal k.shape={tuple(k.shape)}, got {tuple(v.shape)}")
     rows, q_len, q_heads, dim = q.shape

@@ -15,11 +15,10 @@ from collections.abc import Callable, Mapping
 from types import MappingProxyType
 
 import jax
-import jax.numpy as jnp
 
 from pallas_kernels.backend import Backend, resolve_backend
 from pallas_kernels.checks import require_int
-from pallas_kernels.common import check_rank, check_supported_dtype
+from pallas_kernels.common import check_rank, check_same_dtype, check_supported_dtype
 from pallas_kernels.upsample_conv import tpu, xla
 from pallas_kernels.upsample_conv.geometry import KERNEL_PREFIX, UpsampleGeometry, geometry_of_kernel, kernel_name
 
@@ -66,10 +65,7 @@ def static_validate_inputs(x, kernel, bias, *, block_h=None) -> UpsampleGeometry
     check_rank("kernel", kernel, 4, "[3, 3, Cin, Cout]")
     check_rank("bias", bias, 1, "[Cout]")
     check_supported_dtype("x.dtype", x.dtype)
-    for name, array in (("kernel", kernel), ("bias", bias)):
-        if array.dtype != x.dtype:
-            raise ValueError(f"{name}.dtype must equal x.dtype={jnp.dtype(x.dtype).name}, got "
-                             f"{jnp.dtype(array.dtype).name}")
+    check_same_dtype("x", x.dtype, (("kernel", kernel), ("bias", bias)))
     frames, height, width, cin = x.shape
     if min(x.shape) < 1:
         raise ValueError(f"every dimension of x must be positive, got shape {tuple(x.shape)}")
