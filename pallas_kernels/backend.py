@@ -12,7 +12,7 @@ runs for each kernel, and what ``"auto"`` resolves to, is tabled in ``docs/kerne
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
 
@@ -123,6 +123,14 @@ keys."""
 
 BACKEND_NAMES = ("auto", *BACKENDS)
 """Every value ``backend=`` takes: ``"auto"`` and the names of :data:`BACKENDS`."""
+
+
+def tpu_kernel_else_xla(tpu_impl: Callable, xla_impl: Callable) -> Mapping[str, Callable]:
+    """A kernel's ``IMPLEMENTATIONS`` table (read only, every name of :data:`BACKENDS`) for a kernel
+    whose every TPU name (kind ``"pallas_tpu"``) runs its Mosaic kernel, ``tpu_impl``, and every
+    other name plain XLA, ``xla_impl`` (on a GPU, XLA calls cuDNN's convolutions itself)."""
+    return MappingProxyType({name: tpu_impl if backend.kind == "pallas_tpu" else xla_impl
+                             for name, backend in BACKENDS.items()})
 
 
 def tpu_simulator_params() -> Any:

@@ -12,12 +12,11 @@ bytes in a TPU's HBM). Design and figures: ``docs/kernels.md`` (Causal convoluti
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from types import MappingProxyType
 
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.backend import Backend, resolve_backend
+from pallas_kernels.backend import Backend, resolve_backend, tpu_kernel_else_xla
 from pallas_kernels.causal_conv import tpu, xla
 from pallas_kernels.causal_conv.formats import HBM_TILE, default_sharding, row_major, row_major_tpu_bytes
 from pallas_kernels.causal_conv.geometry import KERNEL_PREFIX, ConvGeometry, geometry_of_kernel, kernel_name
@@ -149,19 +148,7 @@ def _pallas_tpu(x, cache, kernel, bias, norm_gamma, residual, stream, *, geom: C
                              interpret=backend.interpret, tanh_silu=tanh_silu)
 
 
-IMPLEMENTATIONS: Mapping[str, Callable[..., tuple[jax.Array, jax.Array]]] = MappingProxyType({
-    "xla": _xla,
-    "pallas_tpu": _pallas_tpu,
-    "pallas_tpu_interpret": _pallas_tpu,
-    "pallas_tpu_simulate": _pallas_tpu,
-    "pallas_tpu_gather": _pallas_tpu,
-    "pallas_tpu_gather_interpret": _pallas_tpu,
-    "pallas_gpu": _xla,
-    "pallas_gpu_interpret": _xla,
-    "cudnn_gather": _xla,
-    "cudnn_gather_xla": _xla,
-    "pallas_mgpu": _xla,
-})
+IMPLEMENTATIONS: Mapping[str, Callable[..., tuple[jax.Array, jax.Array]]] = tpu_kernel_else_xla(_pallas_tpu, _xla)
 """This kernel's table of the backend registry (:data:`pallas_kernels.backend.BACKENDS`, the same
 names): backend name to implementation, called as ``impl(x, cache, kernel, bias, norm_gamma, residual,
 stream, *, geom, block_h, backend)`` on validated inputs (``norm_gamma`` ``None`` or ``[Cin]``,

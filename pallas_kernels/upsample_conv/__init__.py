@@ -12,11 +12,10 @@ convolution).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from types import MappingProxyType
 
 import jax
 
-from pallas_kernels.backend import Backend, resolve_backend
+from pallas_kernels.backend import Backend, resolve_backend, tpu_kernel_else_xla
 from pallas_kernels.checks import require_int
 from pallas_kernels.common import check_rank, check_same_dtype, check_supported_dtype
 from pallas_kernels.upsample_conv import tpu, xla
@@ -90,19 +89,7 @@ def _pallas_tpu(x, kernel, bias, *, geom: UpsampleGeometry, block_h: int, backen
     return tpu.upsample_conv2d(x, kernel, bias, block_h=block_h, interpret=backend.interpret)
 
 
-IMPLEMENTATIONS: Mapping[str, Callable[..., jax.Array]] = MappingProxyType({
-    "xla": _xla,
-    "pallas_tpu": _pallas_tpu,
-    "pallas_tpu_interpret": _pallas_tpu,
-    "pallas_tpu_simulate": _pallas_tpu,
-    "pallas_tpu_gather": _pallas_tpu,
-    "pallas_tpu_gather_interpret": _pallas_tpu,
-    "pallas_gpu": _xla,
-    "pallas_gpu_interpret": _xla,
-    "cudnn_gather": _xla,
-    "cudnn_gather_xla": _xla,
-    "pallas_mgpu": _xla,
-})
+IMPLEMENTATIONS: Mapping[str, Callable[..., jax.Array]] = tpu_kernel_else_xla(_pallas_tpu, _xla)
 """This kernel's table of the backend registry (:data:`pallas_kernels.backend.BACKENDS`, the same
 names): backend name to implementation, called as ``impl(x, kernel, bias, *, geom, block_h,
 backend)`` on validated inputs. The TPU names run the Mosaic kernel; every GPU name runs XLA."""
