@@ -42,6 +42,35 @@ def row_floor_cycles(geom: ConvGeometry, generation: str) -> float:
     return mxu_floor_cycles(geom.width, 9 * geom.in_channels, packed_columns(geom.out_channels), generation)
 
 
+def grid_and_row_loops(bundles, what: str, geom) -> tuple[dict, dict]:
+    """``(grid, row)``: the one grid loop of a convolution kernel's ``bundles`` and, inside it, its
+    one row loop with MXU ops (no loop of its own inside).
+
+    Raises:
+      ValueError: the bundles have other loops; ``what`` and ``geom`` name the kernel in the message.
+    """
+    from pallas_kernels.window_attention import tpu_estimate as est
+
+    tree = est.loop_tree(bundles)
+    rows = [c for grid in tree for c in grid["children"] if c["mxu"]]
+    if len(tree) != 1 or len(rows) != 1 or rows[0]["children"]:
+        raise ValueError(f"the {what} kernel's bundles at {geom} do not have one grid loop around one row loop "
+                         f"with MXU ops")
+    return tree[0], rows[0]
+
+
+def rows_and_steps(grid: dict, row: dict, floor: float, rows: int, steps: int, besides=()) -> tuple[float, str]:
+    """``(cycles, note)`` of ``rows`` runs of the row loop, each the larger of its bundles and the
+    MXU ``floor``, plus ``steps`` runs of the rest of the grid loop (less the loops ``besides``,
+    priced apart)."""
+    from pallas_kernels.window_attention import tpu_estimate as est
+
+    per_step = est.span(grid) - est.span(row) - sum(est.span(c) for c in besides)
+    note = (f"{steps} grid steps of {per_step} bundles outside the row loop; {rows} rows of max({row['own']} "
+            f"bundles, MXU floor {floor:.0f} cycles)")
+    return steps * per_step + rows * max(row["own"], floor), note
+
+
 def estimate_from_dump(geom: ConvGeometry, block_h: int, generation: str, dump_dir: str):
     """Prices the kernel of ``geom`` (``block_h`` rows per grid step) from the final bundles of a
     compile for ``generation`` in ``dump_dir``: an
@@ -56,27 +85,19 @@ def estimate_from_dump(geom: ConvGeometry, block_h: int, generation: str, dump_d
 
     chip = tpu_aot.check_generation(generation)
     bundles = est.parse_bundles(est.kernel_dump(dump_dir, kernel_name(geom)))
-    tree = est.loop_tree(bundles)
-    rows = [c for grid in tree for c in grid["children"] if c["mxu"]]
-    if len(tree) != 1 or len(rows) != 1 or rows[0]["children"]:
-        raise ValueError(f"the causal-convolution kernel's bundles at {geom} do not have one grid loop "
-                         f"around one row loop with MXU ops")
-    norms = [c for c in tree[0]["children"]
+    grid, row = grid_and_row_loops(bundles, "causal-convolution", geom)
+    norms = [c for c in grid["children"]
              if any("vrsqrt" in text for _, _, text in bundles[c["start"]:c["start"] + est.span(c)])]
     if len(norms) != 3 * geom.input_norm:
         raise ValueError(f"the causal-convolution kernel's bundles at {geom} have {len(norms)} norm loops "
                          f"(with a reciprocal square root), not {3 * geom.input_norm}")
-    grid, row = tree[0], rows[0]
-    per_step = est.span(grid) - est.span(row) - sum(est.span(c) for c in norms)
-    floor = row_floor_cycles(geom, generation)
-    per_row = max(row["own"], floor)
     blocks = cdiv(geom.height, block_h)
     steps = blocks * geom.frames
+    cycles, note = rows_and_steps(grid, row, row_floor_cycles(geom, generation), geom.height * geom.frames, steps,
+                                  besides=norms)
     trips = (block_h + 2) // NORM_UNROLL
     norm = trips * (blocks * sum(est.span(c) for c in norms[:2]) + steps * sum(est.span(c) for c in norms[2:]))
-    cycles = steps * per_step + norm + geom.height * geom.frames * per_row
-    note = (f"{steps} grid steps of {per_step} bundles outside the row loop; {geom.height * geom.frames} rows "
-            f"of max({row['own']} bundles, MXU floor {floor:.0f} cycles)")
+    cycles += norm
     if geom.input_norm:
         note += f"; input norm {norm} bundles ({trips} iterations of {[c['own'] for c in norms]})"
     return est.Estimate(cycles / chip.clock_hz + steps * tpu_aot.GRID_STEP_SECONDS, 0.0, steps, note)

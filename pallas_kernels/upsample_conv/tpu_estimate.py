@@ -9,7 +9,7 @@ per input row. A row costs the larger of its bundles and its MXU floor (the padd
 
 from __future__ import annotations
 
-from pallas_kernels.causal_conv.tpu_estimate import mxu_floor_cycles
+from pallas_kernels.causal_conv.tpu_estimate import grid_and_row_loops, mxu_floor_cycles, rows_and_steps
 from pallas_kernels.common import round_up
 from pallas_kernels.upsample_conv.geometry import UpsampleGeometry, kernel_name
 
@@ -35,17 +35,7 @@ def estimate_from_dump(geom: UpsampleGeometry, block_h: int, generation: str, du
 
     chip = tpu_aot.check_generation(generation)
     bundles = est.parse_bundles(est.kernel_dump(dump_dir, kernel_name(geom)))
-    tree = est.loop_tree(bundles)
-    rows = [c for grid in tree for c in grid["children"] if c["mxu"]]
-    if len(tree) != 1 or len(rows) != 1 or rows[0]["children"]:
-        raise ValueError(f"the upsampling-convolution kernel's bundles at {geom} do not have one grid loop "
-                         f"around one row loop with MXU ops")
-    grid, row = tree[0], rows[0]
-    per_step = est.span(grid) - est.span(row)
-    floor = row_floor_cycles(geom, generation)
-    per_row = max(row["own"], floor)
+    grid, row = grid_and_row_loops(bundles, "upsampling-convolution", geom)
     steps = geom.frames * geom.height // block_h
-    cycles = steps * per_step + geom.frames * geom.height * per_row
-    note = (f"{steps} grid steps of {per_step} bundles outside the row loop; {geom.frames * geom.height} rows "
-            f"of max({row['own']} bundles, MXU floor {floor:.0f} cycles)")
+    cycles, note = rows_and_steps(grid, row, row_floor_cycles(geom, generation), geom.frames * geom.height, steps)
     return est.Estimate(cycles / chip.clock_hz + steps * tpu_aot.GRID_STEP_SECONDS, 0.0, steps, note)
