@@ -72,12 +72,15 @@ def token_positions(first_frame: Array, num_frames: int, grid: tuple[int, int]) 
 
 
 def rope_tables(positions: Array, head_dim: int, theta: float = 10000.0) -> tuple[Array, Array]:
-    """``(cos, sin)``, each float32 ``[B, N, head_dim // 2]``, for ``positions`` int ``[B, N, 3]``.
+    """``(cos, sin)``, each float32 ``[B, N, head_dim]``, for ``positions`` int ``[B, N, 3]``: the
+    angle of each feature's rotary pair (both features of a pair carry it).
 
     Each axis has its own frequencies ``theta ** (-2 i / axis_dims)``; the angles are computed from
-    the positions, so there is no table and no cap on the frame index.
+    the positions, so there is no table and no cap on the frame index. A forward computes them once
+    for all its layers: per feature, so that no layer widens per-pair tables (XLA:TPU materialized
+    that widening, a ``[N, D / 2, 2]`` array, in every layer).
     """
-    axis, freq = _rope_pair_table(head_dim, theta)
+    axis, freq = (np.repeat(t, 2) for t in _rope_pair_table(head_dim, theta))
     angles = positions[..., axis].astype(jnp.float32) * freq
     return jnp.cos(angles), jnp.sin(angles)
 
@@ -88,7 +91,7 @@ def apply_rope(x: Array, rope: tuple[Array, Array]) -> Array:
     # Lane-wise: out = x cos + (x S) sin, where S swaps each pair's features and negates the first
     # (exact: one +-1 per column). A [..., D / 2, 2] view of the pairs would give XLA:TPU a minor
     # dimension of 2, a slow layout.
-    cos, sin = (jnp.repeat(t, 2, axis=-1)[:, :, None, :] for t in rope)
+    cos, sin = (t[:, :, None, :] for t in rope)
     swapped = jnp.einsum("...d,de->...e", x, jnp.asarray(_signed_pair_swap(x.shape[-1]), x.dtype),
                          precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
     return (x.astype(jnp.float32) * cos + swapped * sin).astype(x.dtype)
@@ -248,14 +251,23 @@ class PagedSelfAttention(_HeadProjections):
           the commit forward writes to the pool.
         """
         batch, n, _ = x.shape
-        q, k = self.q(x), self.k(x)
+        q = self.q(x)
         if self.norm_q is not None:
-            q, k = self.norm_q(q), self.norm_k(k)
+            q = self.norm_q(q)
         q = apply_rope(q.reshape(batch, n, self.num_heads, self.head_dim), rope)
-        k = apply_rope(k.reshape(batch, n, self.num_kv_heads, self.head_dim), rope)
-        v = self.v(x).reshape(batch, n, self.num_kv_heads, self.head_dim)
+        k, v = self.kv(x, rope)
         out = history.attend(q, k, v, layer)
         return self.o(out.reshape(batch, n, -1)), (k, v)
+
+    def kv(self, x: Array, rope: tuple[Array, Array]) -> tuple[Array, Array]:
+        """``(k, v)``, each ``[B, N, Hkv, D]`` (``k`` normed and post-RoPE), of ``x`` ``[B, N, dim]``:
+        what :meth:`__call__` attends with and returns, without the attention."""
+        batch, n, _ = x.shape
+        k = self.k(x)
+        if self.norm_k is not None:
+            k = self.norm_k(k)
+        k = apply_rope(k.reshape(batch, n, self.num_kv_heads, self.head_dim), rope)
+        return k, self.v(x).reshape(batch, n, self.num_kv_heads, self.head_dim)
 
 
 class CachedCrossAttention(_HeadProjections):

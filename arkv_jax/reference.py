@@ -150,9 +150,8 @@ class FullRecompute:
         mask = jnp.asarray(window_frame_mask(frames, self.chunk_frames, self.window))
         history = MaskedHistory(jnp.broadcast_to(mask, (rows, frames, frames)), self.model.config.tokens_per_frame)
         t = jnp.full((rows, frames), float(self.sampler.context_noise))
-        _, kv = model(jnp.repeat(history_latents, nb, axis=0), t, jnp.zeros((rows,), jnp.int32), history, *text_kv,
-                      return_kv=True)
-        return kv
+        return model.commit_kv(jnp.repeat(history_latents, nb, axis=0), t, jnp.zeros((rows,), jnp.int32), history,
+                               *text_kv)
 
     def _chunk_fn(self, params, history_latents: Array, first_frame: Array, noise: Array,
                   text_kv: tuple[Array, Array], visible: Array, pinned: tuple[Array, Array] | None) -> Array:

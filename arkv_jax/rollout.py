@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -71,21 +72,21 @@ class ChunkConfig:
     rows_in_turn: bool = False
 
 
-def _forward(model: CausalDiT, latents: Array, timesteps: Array, first_frame: Array, history: PagedHistory,
-             text_k: Array, text_v: Array, *, return_kv: bool, rows_in_turn: bool):
-    """``model(...)`` on the whole batch, or with ``rows_in_turn`` on one row after the other
-    (:attr:`ChunkConfig.rows_in_turn`): the same outputs, ``latents`` and ``timesteps`` with the
-    rows on axis 0, ``text_k``/``text_v`` and the K/V returned on axis 1."""
+def _forward(forward: Callable, latents: Array, timesteps: Array, first_frame: Array, history: PagedHistory,
+             text_k: Array, text_v: Array, *, rows_in_turn: bool, out_axis: int = 0):
+    """``forward(...)`` (a :class:`CausalDiT` or its ``commit_kv``) on the whole batch, or with
+    ``rows_in_turn`` on one row after the other (:attr:`ChunkConfig.rows_in_turn`): the same
+    outputs, ``latents`` and ``timesteps`` with the rows on axis 0, ``text_k``/``text_v`` on axis 1
+    and every output on ``out_axis``."""
     def call(latents, timesteps, first_frame, pages, lengths, text_k, text_v):
         rows_history = history.replace(pages=pages, lengths=lengths)
-        return model(latents, timesteps, first_frame, rows_history, text_k, text_v, return_kv=return_kv)
+        return forward(latents, timesteps, first_frame, rows_history, text_k, text_v)
 
     args = (latents, timesteps, first_frame, history.pages, history.lengths, text_k, text_v)
     in_axes = (0, 0, 0, 0, 0, 1, 1)
     rows = latents.shape[0]
     if not rows_in_turn or rows == 1:
         return call(*args)
-    out_axes = (0, (1, 1)) if return_kv else 0
 
     def row_args(i):
         return [jax.lax.dynamic_slice_in_dim(a, i, 1, axis) for a, axis in zip(args, in_axes)]
@@ -93,11 +94,11 @@ def _forward(model: CausalDiT, latents: Array, timesteps: Array, first_frame: Ar
     def widen(shape, axis):
         return jnp.zeros((*shape.shape[:axis], rows, *shape.shape[axis + 1:]), shape.dtype)
 
-    outs = jax.tree_util.tree_map(widen, jax.eval_shape(lambda: call(*row_args(0))), out_axes)
+    outs = jax.tree_util.tree_map(lambda shape: widen(shape, out_axis), jax.eval_shape(lambda: call(*row_args(0))))
 
     def body(i, outs):
-        return jax.tree_util.tree_map(lambda out, row, axis: jax.lax.dynamic_update_slice_in_dim(out, row, i, axis),
-                                      outs, call(*row_args(i)), out_axes)
+        return jax.tree_util.tree_map(lambda out, row: jax.lax.dynamic_update_slice_in_dim(out, row, i, out_axis),
+                                      outs, call(*row_args(i)))
 
     return jax.lax.fori_loop(0, rows, body, outs)
 
@@ -142,13 +143,13 @@ def generate_chunk(params: nnx.State, pools: tuple[Array, Array], inputs: ChunkI
     def velocity(x, sigma):
         t = jnp.full((rows, frames), sigma * 1000.0)
         out = _forward(model, jnp.repeat(x, nb, axis=0), t, inputs.first_frame, history, text_k, text_v,
-                       return_kv=False, rows_in_turn=config.rows_in_turn)
+                       rows_in_turn=config.rows_in_turn)
         return combine_branches(out, nb, sampler.guidance_scale)
 
     x = samplers.sample(velocity, draws, sampler)
     context, t_c = samplers.commit_input(x, draws, sampler)
-    _, (k, v) = _forward(model, jnp.repeat(context, nb, axis=0), jnp.full((rows, frames), t_c), inputs.first_frame,
-                         history, text_k, text_v, return_kv=True, rows_in_turn=config.rows_in_turn)
+    k, v = _forward(model.commit_kv, jnp.repeat(context, nb, axis=0), jnp.full((rows, frames), t_c),
+                    inputs.first_frame, history, text_k, text_v, rows_in_turn=config.rows_in_turn, out_axis=1)
     return x, k, v
 
 
@@ -173,9 +174,8 @@ def recache_kv(params: nnx.State, pools: tuple[Array, Array], inputs: ChunkInput
     rows, frames = inputs.rows.shape[0], latents.shape[1]
     history = PagedHistory.from_inputs(pools, inputs, config.tokens_per_frame, config.backend, mesh=config.mesh)
     x = jnp.repeat(latents.astype(model.config.dtype), rows // latents.shape[0], axis=0)
-    _, kv = _forward(model, x, jnp.full((rows, frames), timestep, jnp.float32), inputs.first_frame, history,
-                     *text_kv, return_kv=True, rows_in_turn=config.rows_in_turn)
-    return kv
+    return _forward(model.commit_kv, x, jnp.full((rows, frames), timestep, jnp.float32), inputs.first_frame,
+                    history, *text_kv, rows_in_turn=config.rows_in_turn, out_axis=1)
 
 
 def _batch_noise(cache: PagedKVCache, seeds: list[int], ids: tuple[str, ...], counts: np.ndarray, draws: int,

@@ -180,8 +180,7 @@ class ContiguousRollout:
             return combine_branches(out, nb, self.sampler.guidance_scale)
 
         x = denoise(velocity, noise.astype(cfg.dtype), self.sampler.sigmas())
-        _, (k, v) = model(jnp.repeat(x, nb, axis=0), jnp.zeros((rows, chunk)), first, history, *text_kv,
-                          return_kv=True)
+        k, v = model.commit_kv(jnp.repeat(x, nb, axis=0), jnp.zeros((rows, chunk)), first, history, *text_kv)
         kw = dict(filled=filled, chunk=chunk, sink=self.shape.window.sink_frames, tpf=cfg.tokens_per_frame)
         return x, roll_in(k_buf, k, **kw), roll_in(v_buf, v, **kw)
 

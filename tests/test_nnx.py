@@ -25,6 +25,14 @@ def test_token_positions_are_absolute_frame_row_column():
     np.testing.assert_array_equal(pos[0, :, 1:], pos[1, :, 1:])
 
 
+def test_rope_tables_give_each_feature_its_pairs_angle():
+    cos, sin = rope_tables(jnp.asarray([[[3, 1, 2], [0, 4, 5]]], jnp.int32), 16)
+    assert cos.shape == sin.shape == (1, 2, 16)
+    np.testing.assert_array_equal(cos[..., 0::2], cos[..., 1::2])
+    np.testing.assert_allclose(cos ** 2 + sin ** 2, 1.0, rtol=1e-6)
+    np.testing.assert_allclose(cos[0, 1, :8], 1.0)  # frame 0: the frame pairs' angle is 0
+
+
 def rotate(x, position, head_dim=16):
     """``x`` ``[D]`` rotated at one (frame, row, column) position."""
     rope = rope_tables(jnp.asarray(position, jnp.int32)[None, None], head_dim)

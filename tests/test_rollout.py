@@ -379,14 +379,15 @@ def test_wan_1_3b_shapes_trace(model):
                          spec((1, frames * geo.pages_per_frame), jnp.int32))
     text = spec((geo.num_layers, 1, wan.text_tokens, geo.num_kv_heads, geo.head_dim), jnp.bfloat16)
 
-    def commit_forward(model, pools, inputs, text_k, text_v):
+    def forward(model, pools, inputs, text_k, text_v, commit):
         history = PagedHistory.from_inputs(pools, inputs, geo.tokens_per_frame, "xla")
         latents = jnp.zeros((1, frames, *wan.frame_shape), jnp.bfloat16)
-        return model(latents, jnp.zeros((1, frames)), inputs.first_frame, history, text_k, text_v,
-                     return_kv=True)
+        return (model.commit_kv if commit else model)(latents, jnp.zeros((1, frames)), inputs.first_frame, history,
+                                                       text_k, text_v)
 
-    velocity, (k, v) = jax.eval_shape(commit_forward, abstract, (pool, pool), inputs, text, text)
+    velocity = jax.eval_shape(functools.partial(forward, commit=False), abstract, (pool, pool), inputs, text, text)
     assert velocity.shape == (1, frames, 60, 104, 16)
+    k, v = jax.eval_shape(functools.partial(forward, commit=True), abstract, (pool, pool), inputs, text, text)
     kv_shape = (geo.num_layers, 1, frames * geo.tokens_per_frame, geo.num_kv_heads, geo.head_dim)
     assert k.shape == v.shape == kv_shape
     # The whole chunk (3 denoise steps + the commit forward) traces at this shape too.

@@ -231,8 +231,7 @@ class DiTBlock(nnx.Module):
           ``(x, (k, v))``: the new tokens and this layer's post-RoPE K/V ``[B, N, Hkv, D]``.
         """
         frames = time_mod.shape[1]
-        shift_sa, scale_sa, gate_sa, shift_ff, scale_ff, gate_ff = jnp.unstack(
-            time_mod + self.modulation[...], axis=2)
+        shift_sa, scale_sa, gate_sa, shift_ff, scale_ff, gate_ff = self._modulation(time_mod)
         y, kv = self.self_attn(_modulate(self.norm1(x), shift_sa, scale_sa, frames), rope, history, layer)
         x = x + _gate(y, gate_sa, frames)
         x = x + self.cross_attn(self.norm3(x), text_k, text_v, history)
@@ -242,6 +241,16 @@ class DiTBlock(nnx.Module):
         # keep the matmul alone.
         y = jax.lax.optimization_barrier(self.ffn_out(jax.lax.optimization_barrier(hidden)))
         return x + _gate(y, gate_ff, frames), kv
+
+    def kv(self, x: Array, time_mod: Array, rope: tuple[Array, Array]) -> tuple[Array, Array]:
+        """This block's self-attention K/V of ``x`` (as :meth:`__call__` returns them), without the
+        attention, cross-attention and MLP that would compute the block's output."""
+        shift_sa, scale_sa = self._modulation(time_mod)[:2]
+        return self.self_attn.kv(_modulate(self.norm1(x), shift_sa, scale_sa, time_mod.shape[1]), rope)
+
+    def _modulation(self, time_mod: Array) -> list[Array]:
+        """``shift, scale, gate`` of self-attention then of the MLP, each ``[B, F, dim]``."""
+        return jnp.unstack(time_mod + self.modulation[...], axis=2)
 
 
 class CausalDiT(nnx.Module):
@@ -299,43 +308,73 @@ class CausalDiT(nnx.Module):
         return jax.vmap(lambda state: nnx.merge(graphdef, state).cross_attn.kv(x))(stacked)
 
     def __call__(self, latents: Array, timesteps: Array, first_frame: Array, history: layers.History,
-                 text_k: Array, text_v: Array, *, return_kv: bool = False):
-        """The velocity of ``latents`` ``[B, F, H, W, C]`` at per-frame ``timesteps`` ``[B, F]``.
+                 text_k: Array, text_v: Array) -> Array:
+        """The velocity ``[B, F, H, W, C]`` (model dtype) of ``latents`` ``[B, F, H, W, C]`` at per-frame
+        ``timesteps`` ``[B, F]``.
 
         Args:
           first_frame: int32 ``[B]`` absolute index of each row's first frame (RoPE positions).
           history: where self-attention's keys come from (:class:`arkv_jax.nnx.PagedHistory`, ...).
           text_k, text_v: ``[L, B, T, Hkv, D]`` the rows' text K/V.
-          return_kv: also return every layer's K/V of these frames (the commit forward).
-
-        Returns:
-          velocity ``[B, F, H, W, C]`` in the model dtype; with ``return_kv``, ``(velocity, (k, v))``
-          where ``k``/``v`` are ``[L, B, F * tpf, Hkv, D]`` (``k`` post-RoPE), ready for
-          ``ChunkStep.commit``.
         """
         config = self.config
+        x, t_emb, time_mod, rope = self._embed(latents, timesteps, first_frame)
+        graphdef, stacked = nnx.split(self.blocks)
+
+        def run_block(x, layer_inputs):
+            state, layer_k, layer_v, layer = layer_inputs
+            return nnx.merge(graphdef, state)(x, time_mod, rope, history, layer_k, layer_v, layer)[0], None
+
+        layer_ids = jnp.arange(config.num_layers, dtype=jnp.int32)
+        x, _ = jax.lax.scan(run_block, x, (stacked, text_k, text_v, layer_ids))
+        shift, scale = jnp.unstack(self.head_modulation[...] + t_emb[:, :, None], axis=2)
         frames = latents.shape[1]
+        out = self.head(_modulate(self.head_norm(x), shift, scale, frames))
+        return unpatchify(out, frames, config.grid, config.patch_size)
+
+    def commit_kv(self, latents: Array, timesteps: Array, first_frame: Array, history: layers.History,
+                  text_k: Array, text_v: Array) -> tuple[Array, Array]:
+        """Every layer's self-attention K/V of the forward :meth:`__call__` would run (the commit
+        forward): ``(k, v)``, each ``[L, B, F * tpf, Hkv, D]`` (``k`` post-RoPE), ready for
+        ``ChunkStep.commit``. The last block stops at its K/V: nothing reads its attention, MLP or
+        the head, so they are not computed. Arguments as for :meth:`__call__`."""
+        config = self.config
+        x, _, time_mod, rope = self._embed(latents, timesteps, first_frame)
+        graphdef, stacked = nnx.split(self.blocks)
+        last = config.num_layers - 1
+
+        def block(layer):
+            return nnx.merge(graphdef, jax.tree_util.tree_map(lambda leaf: leaf[layer], stacked))
+
+        k_spec, v_spec = jax.eval_shape(lambda x: block(last).kv(x, time_mod, rope), x)
+
+        def run_block(layer, carry):
+            x, k_all, v_all = carry
+            x, (k, v) = block(layer)(x, time_mod, rope, history, text_k[layer], text_v[layer], layer)
+            return (x, *(jax.lax.dynamic_update_index_in_dim(all_, new, layer, 0)
+                         for all_, new in ((k_all, k), (v_all, v))))
+
+        # Every layer's entry is written below (the loop's, then the last), so the buffers need no
+        # zero fill: XLA:TPU would write a whole [L, ...] array of zeros first.
+        k_all, v_all = (jax.lax.empty((config.num_layers, *spec.shape), spec.dtype) for spec in (k_spec, v_spec))
+        x, k_all, v_all = jax.lax.fori_loop(0, last, run_block, (x, k_all, v_all))
+        k, v = block(last).kv(x, time_mod, rope)
+        return k_all.at[last].set(k), v_all.at[last].set(v)
+
+    def _embed(self, latents: Array, timesteps: Array, first_frame: Array
+               ) -> tuple[Array, Array, Array, tuple[Array, Array]]:
+        """What every block reads: ``(x, t_emb, time_mod, rope)``, the residual stream
+        ``[B, F * tpf, dim]`` (island dtype), the timestep embedding ``[B, F, dim]``, its projection
+        ``[B, F, 6, dim]`` and the RoPE tables of the tokens (:func:`arkv_jax.nnx.rope_tables`)."""
+        config = self.config
         x = self.patch_embedding(patchify(latents.astype(config.dtype), config.patch_size))
         x = x.astype(config.island_dtype)  # the residual stream
         t_emb = self.time_out(jax.nn.silu(self.time_in(timestep_features(timesteps, config.freq_dim)
                                                        .astype(config.island_dtype))))
         time_mod = self.time_projection(jax.nn.silu(t_emb)).reshape(*timesteps.shape, 6, config.dim)
-        rope = layers.rope_tables(layers.token_positions(first_frame, frames, config.grid), config.head_dim,
-                                  config.rope_theta)
-
-        graphdef, stacked = nnx.split(self.blocks)
-
-        def run_block(x, layer_inputs):
-            state, layer_k, layer_v, layer = layer_inputs
-            x, kv = nnx.merge(graphdef, state)(x, time_mod, rope, history, layer_k, layer_v, layer)
-            return x, (kv if return_kv else None)
-
-        layer_ids = jnp.arange(config.num_layers, dtype=jnp.int32)
-        x, kv = jax.lax.scan(run_block, x, (stacked, text_k, text_v, layer_ids))
-        shift, scale = jnp.unstack(self.head_modulation[...] + t_emb[:, :, None], axis=2)
-        out = self.head(_modulate(self.head_norm(x), shift, scale, frames))
-        velocity = unpatchify(out, frames, config.grid, config.patch_size)
-        return (velocity, kv) if return_kv else velocity
+        rope = layers.rope_tables(layers.token_positions(first_frame, latents.shape[1], config.grid),
+                                  config.head_dim, config.rope_theta)
+        return x, t_emb, time_mod, rope
 
 
 #: Tensor-parallel roles of a block's linear layers (Megatron style): column layers split their output
