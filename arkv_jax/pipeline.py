@@ -574,14 +574,16 @@ def dit_flops(pipeline: Pipeline, sessions: int) -> int:
     ``sessions`` sessions, each row's chunk attending its whole window: per layer and token,
     ``2 (6 d^2 + 2 d f)`` for q/k/v/o, the cross-attention's q/o and the MLP, ``4 d K`` for
     self-attention over ``K`` keys (the history a chunk sees plus the chunk) and ``4 d T`` for
-    cross-attention over ``T`` text tokens."""
+    cross-attention over ``T`` text tokens; the commit forward's last layer only its k and v
+    projections, ``4 d^2`` (``CausalDiT.commit_kv``)."""
     g, w, cfg = pipeline.preset.geometry, pipeline.preset.window, pipeline.dit
     tokens = g.frames_per_forward * g.tokens_per_frame
     keys = w.max_history(g.frames_per_forward) * g.tokens_per_frame + tokens
     d = cfg.dim
     per_token = 2 * (6 * d * d + 2 * d * cfg.ffn_dim) + 4 * d * keys + 4 * d * cfg.text_tokens
+    full_layers = cfg.num_layers * (pipeline.sampler.num_steps + 1) - 1
     rows = sessions * pipeline.sampler.num_branches
-    return per_token * tokens * cfg.num_layers * (pipeline.sampler.num_steps + 1) * rows
+    return (per_token * full_layers + 4 * d * d) * tokens * rows
 
 
 def plan_bucket(pipeline: Pipeline, batch: int, generation: str, budget: int,
