@@ -9,9 +9,10 @@ slabs ``[W, Cin]`` are concatenated on lanes into ``[W, 9 Cin]`` and multiplied 
 ``[9 Cin, 3 CoP]`` (:func:`pack_weights`: the three ``dw`` taps side by side in the output columns,
 each padded to ``CoP``, a multiple of 128 lanes); the taps are summed after two sublane rolls (the W
 shift) with the image edge masked (zero "same" padding, as are the rows above and below the image).
-A narrow output (at most 8 channels, :func:`is_narrow`: the decoder's ``conv_out`` to RGB) packs the
-three taps' channels into one 128-lane group, aligns them with lane rolls, and writes each row
-transposed, ``[Cout, W]``, so the output ``[T, H, Cout, W]`` keeps ``W`` on the lanes (the wrapper
+A narrow output (at most 8 channels, :func:`is_narrow`: the decoder's ``conv_out`` to RGB) takes each
+row's product transposed, the packed weights ``[3 x 8, 9 Cin]`` times the slab's transpose, so the
+taps' channels land on sublanes and ``W`` on the lanes (the taps aligned by lane rolls), and writes
+each row as ``[Cout, W]``: the output ``[T, H, Cout, W]`` keeps ``W`` on the lanes (the wrapper
 swaps it back to ``[T, H, W, Cout]``).
 
 The new cache (``[cache, x][T : T + 2]``, frames ``dt = 1, 2`` of the last step) is written into the
@@ -63,22 +64,28 @@ def is_narrow(cout: int) -> bool:
     return cout <= NARROW_OUTPUT
 
 
+NARROW_TAP_ROWS = 8
+"""A narrow output's rows per ``dw`` tap in its transposed weights (one float32 sublane tile)."""
+
+
 def packed_columns(cout: int) -> int:
-    """Columns of :func:`pack_weights`' matrix for ``cout`` output channels: ``3 CoP`` (each ``dw``
-    tap's ``Cout`` padded to ``CoP = round_up(Cout, 128)``), or for a narrow output
-    (:func:`is_narrow`) the three taps' ``3 Cout`` side by side in one 128-lane group."""
-    return LANES if is_narrow(cout) else 3 * round_up(cout, LANES)
+    """Output columns of :func:`pack_weights`' matrix for ``cout`` output channels: ``3 CoP`` (each
+    ``dw`` tap's ``Cout`` padded to ``CoP = round_up(Cout, 128)``), or for a narrow output
+    (:func:`is_narrow`, whose matrix is transposed) its rows, each tap's ``Cout`` padded to
+    :data:`NARROW_TAP_ROWS`."""
+    return 3 * NARROW_TAP_ROWS if is_narrow(cout) else 3 * round_up(cout, LANES)
 
 
 def pack_weights(kernel, dtype):
     """``[3, 3, 3, Cin, Cout]`` -> ``[9 Cin, packed_columns(Cout)]`` in ``dtype``: rows ``(dt, dh,
     cin)``, columns ``(dw, cout)``, each ``dw`` tap's ``Cout`` columns padded with zeros to ``CoP =
-    round_up(Cout, 128)``, or for a narrow output all ``3 Cout`` columns padded together to 128."""
+    round_up(Cout, 128)``; for a narrow output the transpose, ``[packed_columns(Cout), 9 Cin]``,
+    each tap's ``Cout`` rows padded to :data:`NARROW_TAP_ROWS`."""
     kt, kh, kw, cin, cout = kernel.shape
     packed = jnp.transpose(kernel.astype(dtype), (0, 1, 3, 2, 4))  # dt, dh, cin, dw, cout
     if is_narrow(cout):
-        packed = packed.reshape(kt * kh * cin, kw * cout)
-        return jnp.pad(packed, ((0, 0), (0, LANES - kw * cout)))
+        packed = jnp.pad(packed, ((0, 0),) * 4 + ((0, NARROW_TAP_ROWS - cout),))
+        return packed.reshape(kt * kh * cin, packed_columns(cout)).T
     packed = jnp.pad(packed, ((0, 0),) * 4 + ((0, round_up(cout, LANES) - cout),))
     return packed.reshape(kt * kh * cin, packed_columns(cout))
 
@@ -128,8 +135,8 @@ def _kernel(*refs, geom: ConvGeometry, block_h: int, tanh_silu: bool):
     """Refs: SMEM ``stream_ref`` ``[1]`` (the stream of the cache batch), ``x_hbm`` ``[T, H, W,
     Cin]`` and ``batch_cache`` ``[B, 2, H, W, Cin]`` (HBM; the aliased output, read and written in
     place at ``stream_ref[0]``, ``_cache_in`` its unused input view), ``w_ref`` ``[9 Cin,
-    packed_columns(Cout)]``, ``b_ref`` ``[1, Cout]`` float32 (a narrow output's padded to 128
-    lanes), with an input norm ``g_ref`` ``[1, Cin]`` (its
+    packed_columns(Cout)]`` (a narrow output's transposed), ``b_ref`` ``[1, Cout]`` float32 (a
+    narrow output's ``[NARROW_TAP_ROWS, 1]``), with an input norm ``g_ref`` ``[1, Cin]`` (its
     :func:`~pallas_kernels.causal_conv.xla.norm_scale`) and ``ring`` ``[3, block_h + 2, W, Cin]``,
     with a residual ``r_ref`` ``[block_h, W, Cout]`` (``y_ref``'s block of it), ``y_ref``
     ``[block_h, W, Cout]``, or ``[block_h, Cout, W]`` for a narrow output (:func:`is_narrow`; the
@@ -215,16 +222,18 @@ def _kernel(*refs, geom: ConvGeometry, block_h: int, tanh_silu: bool):
     precision = matmul_precision(x_hbm.dtype)
     narrow = is_narrow(cout)
     bias = b_ref[...]
-    columns = lax.broadcasted_iota(jnp.int32, (width, LANES if narrow else cout), 0)
+    columns = (lax.broadcasted_iota(jnp.int32, (NARROW_TAP_ROWS, width), 1) if narrow
+               else lax.broadcasted_iota(jnp.int32, (width, cout), 0))
     first_row = i * block_h
 
     def taps_summed(products):
-        """``[W, Cout]`` (a narrow output: ``[W, 128]``, ``Cout`` valid lanes) of the three ``dw``
-        taps' products, shifted by a sublane roll each (the W shift) with the image edge masked."""
-        if narrow:  # tap dw's channels sit at lanes [dw Cout, (dw + 1) Cout): lane rolls align them
-            left = pltpu.roll(products, 1, 0)
-            center = pltpu.roll(products, LANES - cout, 1)
-            right = pltpu.roll(pltpu.roll(products, LANES - 2 * cout, 1), width - 1, 0)
+        """``[W, Cout]`` (a narrow output: ``[NARROW_TAP_ROWS, W]``, ``Cout`` valid rows) of the three
+        ``dw`` taps' products, shifted by a roll each (the W shift) with the image edge masked."""
+        if narrow:  # tap dw's channels are rows [dw, dw + 1) * NARROW_TAP_ROWS; W is on the lanes
+            n = NARROW_TAP_ROWS
+            left = pltpu.roll(products[0:n], 1, 1)
+            center = products[n:2 * n]
+            right = pltpu.roll(products[2 * n:3 * n], width - 1, 1)
         else:
             left = pltpu.roll(products[:, 0:cout], 1, 0)  # left[w] = tap dw=0 of column w - 1
             center = products[:, cop:cop + cout]
@@ -241,11 +250,15 @@ def _kernel(*refs, geom: ConvGeometry, block_h: int, tanh_silu: bool):
                     inside = h >= 1 if dh == 0 else h + 1 < height
                     piece = jnp.where(inside, piece, jnp.zeros_like(piece))
                 pieces.append(piece)
-        products = jnp.dot(jnp.concatenate(pieces, axis=-1), w_ref[...], precision=precision,
-                           preferred_element_type=jnp.float32)
+        slab = jnp.concatenate(pieces, axis=-1)
+        if narrow:  # [taps' rows, 9 Cin] x [W, 9 Cin]^T: the channels on sublanes, W on the lanes
+            products = lax.dot_general(w_ref[...], slab, (((1,), (1,)), ((), ())), precision=precision,
+                                       preferred_element_type=jnp.float32)
+        else:
+            products = jnp.dot(slab, w_ref[...], precision=precision, preferred_element_type=jnp.float32)
         y = taps_summed(products) + bias
-        if narrow:  # channels onto sublanes, W onto lanes
-            y = y.T[0:cout]
+        if narrow:
+            y = y[0:cout]
         if r_ref is not None:
             y = y + r_ref[j].astype(jnp.float32)
         y_ref[j] = y.astype(y_ref.dtype)
@@ -276,14 +289,14 @@ def causal_conv3d(x, cache, kernel, bias, norm_gamma=None, residual=None, stream
     narrow = is_narrow(cout)
     weights = pack_weights(kernel, x.dtype)
     bias = bias.astype(jnp.float32).reshape(1, cout)
-    if narrow:  # added before the transpose, at the first Cout lanes
-        bias = jnp.pad(bias, ((0, 0), (0, LANES - cout)))
+    if narrow:  # one per row of the transposed output
+        bias = jnp.pad(bias.reshape(cout, 1), ((0, NARROW_TAP_ROWS - cout), (0, 0)))
     batch = cache if stream is not None else cache[None]
     index = jnp.zeros((1,), jnp.int32) if stream is None else jnp.asarray(stream, jnp.int32).reshape(1)
     hbm = pl.BlockSpec(memory_space=pl.ANY)
     limit = min(MAX_VMEM_LIMIT, max(MIN_VMEM_LIMIT, 2 * vmem_bytes(geom, block_h, x.dtype.itemsize)))
     whole = functools.partial(pl.BlockSpec, index_map=lambda i, t, *_: (0, 0))
-    in_specs = [hbm, whole((9 * cin, packed_columns(cout))), whole(bias.shape)]
+    in_specs = [hbm, whole(weights.shape), whole(bias.shape)]
     operands = [index, x, weights, bias]
     scratch = [pltpu.VMEM((2, 3, block_h + 2, width, cin), x.dtype)]
     if geom.input_norm:

@@ -480,6 +480,6 @@ def test_the_bundle_estimate_prices_the_rows(gen):
     normed = estimate(dataclasses.replace(geom, input_norm=True), "bfloat16", gen)
     assert result.seconds < normed.seconds < 2 * result.seconds
     assert "input norm" in normed.note and normed.grid_steps == result.grid_steps
-    narrow = dataclasses.replace(WAN_FULL_RES, out_channels=3)  # one 128-lane group of packed columns
+    narrow = dataclasses.replace(WAN_FULL_RES, out_channels=3)  # the transposed product, 24 rows
     narrow_floor = narrow.frames * narrow.height * conv_estimate.row_floor_cycles(narrow, gen) / chip.clock_hz
     assert narrow_floor < estimate(narrow, "bfloat16", gen).seconds < 3 * narrow_floor
