@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -168,28 +167,31 @@ def unpatchify(tokens: Array, num_frames: int, grid: tuple[int, int], patch: int
     return x.transpose(0, 1, 2, 4, 3, 5, 6).reshape(b, num_frames, rows * patch, cols * patch, -1)
 
 
-def _frame_wise(fn: Callable[..., Array], x: Array, num_frames: int, *per_frame: Array) -> Array:
-    """``fn(tokens, *values)`` on each frame's tokens of ``x`` ``[B, F * tpf, dim]`` with that frame's
-    entries ``[B, 1, dim]`` of each ``per_frame`` ``[B, F, dim]``, concatenated back.
+def _per_token(values: Array, num_frames: int, num_tokens: int) -> Array:
+    """``values`` ``[B, F, dim]`` (one row per frame) as ``[B, F * tpf, dim]``, each token reading its
+    frame's row, written as a chain of selects on the token's frame index.
 
-    Frame by frame rather than through a ``[B, F, tpf, dim]`` view: XLA:TPU materializes a
-    per-frame broadcast through that view as a whole ``f32[F, tpf, dim]`` array (one per
-    modulation, at Wan's shape an HBM write per block), while a broadcast over one frame's
-    contiguous tokens fuses into the consumer (``docs/planning.md``, The whole chip)."""
-    t = x.shape[1] // num_frames
-    return jnp.concatenate([fn(x[:, f * t:(f + 1) * t], *(v[:, f, None] for v in per_frame))
-                            for f in range(num_frames)], axis=1)
+    XLA fuses the selects into the consumer. Through a ``[B, F, tpf, dim]`` view, XLA:TPU
+    materialized each broadcast as a whole ``f32[F, tpf, dim]`` array; frame by frame, with the
+    pieces concatenated, it materialized the per-frame results and built the concatenation from
+    full-size pads (``docs/planning.md``, The whole chip)."""
+    frame = jax.lax.broadcasted_iota(jnp.int32, (1, num_tokens, 1), 1) // (num_tokens // num_frames)
+    out = jnp.broadcast_to(values[:, :1], (values.shape[0], num_tokens, values.shape[2]))
+    for f in range(1, num_frames):
+        out = jnp.where(frame == f, values[:, f:f + 1], out)
+    return out
 
 
 def _modulate(x: Array, shift: Array, scale: Array, num_frames: int) -> Array:
     """``x * (1 + scale) + shift`` with per-frame ``shift``/``scale`` ``[B, F, dim]`` over the
     tokens ``x`` ``[B, F * tpf, dim]``."""
-    return _frame_wise(lambda x, shift, scale: x * (1 + scale) + shift, x, num_frames, shift, scale)
+    n = x.shape[1]
+    return x * (1 + _per_token(scale, num_frames, n)) + _per_token(shift, num_frames, n)
 
 
 def _gate(y: Array, gate: Array, num_frames: int) -> Array:
     """``y * gate`` with a per-frame ``gate`` ``[B, F, dim]``."""
-    return _frame_wise(lambda y, gate: y * gate, y, num_frames, gate)
+    return y * _per_token(gate, num_frames, y.shape[1])
 
 
 class DiTBlock(nnx.Module):

@@ -70,3 +70,9 @@ def test_commit_kv_skips_the_last_blocks_attention_mlp_and_head():
     jax.eval_shape(lambda *a: model.commit_kv(*a[:3], counting, *a[3:]), latents, timesteps, first_frame,
                    text_k, text_v)
     assert calls == ["self"]  # the loop body over the first L - 1 blocks, traced once; none for the last
+
+
+def test_per_frame_values_reach_every_token_of_their_frame():
+    values = jnp.asarray(np.random.default_rng(1).standard_normal((2, 3, 5)), jnp.float32)
+    np.testing.assert_array_equal(dit._per_token(values, 3, 12), jnp.repeat(values, 4, axis=1))
+    np.testing.assert_array_equal(dit._per_token(values[:, :1], 1, 4), jnp.repeat(values[:, :1], 4, axis=1))
