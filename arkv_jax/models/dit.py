@@ -27,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 from arkv_jax import nnx as layers
 from arkv_jax.config import CacheGeometry, CrossAttentionSpec, require_int
 from arkv_jax.models import io
+from pallas_kernels.window_attention.tpu import default_generation
 
 Array = jax.Array
 
@@ -194,6 +195,16 @@ def _gate(y: Array, gate: Array, num_frames: int) -> Array:
     return y * _per_token(gate, num_frames, y.shape[1])
 
 
+def materializes_ffn_input() -> bool:
+    """Whether a block writes the MLP's normalized, modulated input to memory before the FFN-in
+    matmul (an ``optimization_barrier``): on a v6e, the chip the program is built for
+    (:func:`pallas_kernels.window_attention.tpu.default_generation`). There XLA:TPU otherwise fuses
+    the norm and the modulation into the matmul and recomputes them for every output tile; on a v5e
+    the slower MXU hides that and writing the input costs more (``docs/planning.md``, The whole
+    chip)."""
+    return default_generation() == "v6e"
+
+
 class DiTBlock(nnx.Module):
     """One Wan block: modulated self-attention, cross-attention on cached text K/V, modulated MLP."""
 
@@ -237,7 +248,10 @@ class DiTBlock(nnx.Module):
         y, kv = self.self_attn(_modulate(self.norm1(x), shift_sa, scale_sa, frames), rope, history, layer)
         x = x + _gate(y, gate_sa, frames)
         x = x + self.cross_attn(self.norm3(x), text_k, text_v, history)
-        hidden = jax.nn.gelu(self.ffn_in(_modulate(self.norm2(x), shift_ff, scale_ff, frames)), approximate=True)
+        ffn_input = _modulate(self.norm2(x), shift_ff, scale_ff, frames)
+        if materializes_ffn_input():
+            ffn_input = jax.lax.optimization_barrier(ffn_input.astype(self.ffn_in.dtype))
+        hidden = jax.nn.gelu(self.ffn_in(ffn_input), approximate=True)
         # XLA:TPU otherwise fuses the FFN-out matmul with the GELU before it (and the gate and residual
         # after it) into fusions far below MXU peak (docs/planning.md, "The whole chip"): the barriers
         # keep the matmul alone.

@@ -7,6 +7,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from arkv_jax.models import dit
@@ -76,3 +77,17 @@ def test_per_frame_values_reach_every_token_of_their_frame():
     values = jnp.asarray(np.random.default_rng(1).standard_normal((2, 3, 5)), jnp.float32)
     np.testing.assert_array_equal(dit._per_token(values, 3, 12), jnp.repeat(values, 4, axis=1))
     np.testing.assert_array_equal(dit._per_token(values[:, :1], 1, 4), jnp.repeat(values[:, :1], 4, axis=1))
+
+
+@pytest.mark.parametrize("generation", ["v5e", "v6e"])
+def test_the_mlp_input_is_written_out_on_a_v6e_only(generation, monkeypatch):
+    """Built for a v6e a block writes the MLP's input before the FFN-in matmul (one barrier more
+    than the two around FFN-out); the values are the same."""
+    monkeypatch.setattr(dit, "default_generation", lambda: generation)
+    model = dit.init_random(CONFIG, seed=3)
+    args = _inputs()
+    assert str(jax.make_jaxpr(model)(*args)).count("optimization_barrier") == 2 + (generation == "v6e")
+    monkeypatch.setattr(dit, "default_generation", lambda: "v5e")
+    want = model(*args)
+    monkeypatch.setattr(dit, "default_generation", lambda: generation)
+    np.testing.assert_array_equal(model(*args), want)
