@@ -7,8 +7,9 @@ bits, bitcast inside the body. A quantized pool (:class:`pallas_kernels.layout.Q
 gets every page's scales (one per layer and head) from one reduction over the whole chunk before
 the loop (:func:`page_scales`; padding slots are zeros and do not move a scale), and each page is
 quantized with them in the body (the values and scales of
-:func:`pallas_kernels.layout.quantize_pages`, bit for bit); its values (as uint8 bits: XLA:CPU
-updates float8 arrays in place hundreds of times slower) and scales are written in place the same
+:func:`pallas_kernels.layout.quantize_pages`, bit for bit, the values computed as uint8 bits by
+:func:`pallas_kernels.quantization.to_stored_bits`: XLA:CPU converts to 8-bit types and updates
+float8 arrays in place far slower) and scales are written in place the same
 way. Semantics and shapes:
 :func:`pallas_kernels.paged_write.write_chunk`;
 why a loop and not a scatter, and the other choices measured on CPU: ``docs/kernels.md`` (Paged
@@ -22,7 +23,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.layout import PAGE_AXIS, QuantizedPool, from_token_major, is_quantized_pool, pool_geometry
-from pallas_kernels.quantization import inverse_of, scale_of, to_stored
+from pallas_kernels.quantization import inverse_of, scale_of, to_stored_bits
 
 
 def write_chunk(k_pool, v_pool, k_frames, v_frames, ids, ppf: int):
@@ -50,9 +51,9 @@ def write_chunk(k_pool, v_pool, k_frames, v_frames, ids, ppf: int):
         if not quantized:
             return page
         scale = lax.dynamic_slice_in_dim(frame_scales, i, 1, axis=1).transpose(0, 2, 1)  # [L, H, 1]
-        values = to_stored(page.astype(jnp.float32), inverse_of(scale)[..., None, None], k_pool.dtype)
-        # Values as raw bits: XLA:CPU moves float8 very slowly.
-        return QuantizedPool(lax.bitcast_convert_type(values, jnp.uint8), scale)
+        # Values as raw bits: XLA:CPU converts to and moves float8 very slowly.
+        return QuantizedPool(to_stored_bits(page.astype(jnp.float32), inverse_of(scale)[..., None, None],
+                                            k_pool.dtype), scale)
 
     def token_page_at(frames, i):
         """Page ``i`` of the chunk, ``[L, 1, S, H, D]`` (raw bits unless quantized)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import lax
 
 from pallas_kernels.quantization import (
     MAX_VALUES,
@@ -15,6 +16,8 @@ from pallas_kernels.quantization import (
     is_quantized,
     max_value,
     quantize,
+    to_stored,
+    to_stored_bits,
 )
 
 # Relative spacing of each dtype's values near its maximum (one unit in the last place there): fp8
@@ -100,3 +103,34 @@ def test_dequantize_casts_to_the_compute_dtype():
     assert out.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(dequantize(stored, scale, (-1,))),
                                rtol=2 ** -8)
+
+
+def _every_rounding_boundary(dtype) -> np.ndarray:
+    """Each value the dtype stores, each midpoint between neighbours and the float32 values either
+    side of it (where half to even decides), with both signs, plus NaN, infinities and values far
+    out of range."""
+    if dtype == "int8":
+        grid = np.arange(-127, 128, dtype=np.float32)
+    else:
+        grid = np.asarray(lax.bitcast_convert_type(jnp.arange(256, dtype=jnp.uint8), jnp.dtype(dtype))
+                          .astype(jnp.float32))
+    grid = np.unique(grid[np.isfinite(grid)])
+    mid = ((grid[1:].astype(np.float64) + grid[:-1]) / 2).astype(np.float32)
+    near = [np.nextafter(mid, np.float32(np.inf)), np.nextafter(mid, np.float32(-np.inf))]
+    special = np.array([np.nan, np.inf, 1e30, 0.0], np.float32)
+    values = np.concatenate([grid, mid, *near, special])
+    return np.concatenate([values, -values])
+
+
+@pytest.mark.parametrize("dtype", QUANTIZED_DTYPES)
+def test_stored_bits_are_the_cast_bit_for_bit(dtype):
+    rng = np.random.default_rng(1)
+    scales = np.float32([1e-6, 1e-3, 1.0, 300.0, 6e4])
+    x = np.concatenate([_every_rounding_boundary(dtype),
+                        (rng.standard_normal((scales.size, 4096)) * scales[:, None]).ravel()])
+    for inverse in (np.float32(1.0), np.float32(1 / 0.0123)):
+        values = jnp.asarray(x / inverse if inverse != 1 else x)
+        cast = lax.bitcast_convert_type(to_stored(values, inverse, dtype), jnp.uint8)
+        bits = to_stored_bits(values, inverse, dtype)
+        assert bits.dtype == jnp.uint8
+        np.testing.assert_array_equal(np.asarray(bits), np.asarray(cast))
