@@ -282,6 +282,9 @@ class ProgramFigures:
       kernel_calls: Mosaic kernel calls per run, by kernel name and the rows each call runs
         (:attr:`pallas_kernels.tpu_cost.ProgramCost.kernel_calls`).
       unpriced: instruction runs the cost model gave no estimate (counted 0 in ``xla_seconds``).
+      placeholder_copy_bytes: bytes written by copies the cost model priced with its placeholder;
+        ``xla_seconds`` counts their round trip through HBM instead
+        (:func:`pallas_kernels.tpu_cost.program_cycles`).
     """
 
     argument_bytes: int
@@ -291,6 +294,7 @@ class ProgramFigures:
     xla_seconds: float
     kernel_calls: dict[tuple[str, int], int]
     unpriced: int = 0
+    placeholder_copy_bytes: int = 0
 
     @property
     def transient_bytes(self) -> int:
@@ -329,11 +333,13 @@ def measure(compiled, generation: str) -> ProgramFigures:
     """:class:`ProgramFigures` of a program compiled for ``generation``."""
     from pallas_kernels import tpu_aot, tpu_cost
 
+    chip = tpu_aot.CHIPS[generation]
     mem = compiled.memory_analysis()
-    cost = tpu_cost.program_cycles(compiled.as_text())
+    cost = tpu_cost.program_cycles(compiled.as_text(), chip.hbm_bytes_per_cycle)
     return ProgramFigures(int(mem.argument_size_in_bytes), int(mem.output_size_in_bytes),
                           int(mem.temp_size_in_bytes), int(mem.alias_size_in_bytes),
-                          cost.cycles / tpu_aot.CHIPS[generation].clock_hz, cost.kernel_calls, cost.unpriced)
+                          cost.cycles / chip.clock_hz, cost.kernel_calls, cost.unpriced,
+                          cost.placeholder_copy_bytes)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -9,7 +9,9 @@ the first that does not fit; the streaming VAE decode of one chunk per batch; on
 encoding (umT5-XXL, 512 tokens) and its cross-attention K/V; one prompt switch's recache.
 
 Time, a compiler estimate: XLA:TPU's ``estimated_cycles`` of every instruction outside the Mosaic
-kernels, loops times their trip counts (:mod:`pallas_kernels.tpu_cost`), plus each attention call
+kernels, loops times their trip counts (:mod:`pallas_kernels.tpu_cost`; the copies its cost model
+prices with a placeholder count their bytes' round trip through HBM, ``placeholder_copy_gb`` the
+bytes they write), plus each attention call
 priced by the kernel's own bundle estimate at the same rows
 (:mod:`pallas_kernels.window_attention.tpu_estimate`, as ``benchmarks/tpu_compile.py`` prices it), plus
 the commit at HBM bandwidth. It cannot see DMA stalls, host overhead or real clocks. Memory: the
@@ -85,7 +87,8 @@ def chip_report(generation: str, names, buckets) -> dict:
             else:
                 decode = pl.program_seconds(b.decode, price)
                 row.update(transient_gib=b.transient_bytes / 2**30, chunk_xla_s=b.chunk.xla_seconds,
-                           decode_s=decode, unpriced=b.chunk.unpriced + b.decode.unpriced)
+                           decode_s=decode, unpriced=b.chunk.unpriced + b.decode.unpriced,
+                           placeholder_copy_gb=(b.chunk.placeholder_copy_bytes + b.decode.placeholder_copy_bytes) / 1e9)
             if b.chunk_seconds is not None:
                 attention = b.chunk_seconds - b.chunk.xla_seconds - decode \
                     - pl.commit_seconds(pipeline, b.batch, generation)

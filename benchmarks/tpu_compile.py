@@ -32,7 +32,9 @@ HLO, and a compiler-derived time per call, formed the same way for the kernel an
   bandwidth, less the cycles of the tail-chunk loops that run while it is in flight (at least 0);
   later blocks are prefetched behind the previous block's compute and not counted;
 * XLA ops: ``estimated_cycles`` of XLA:TPU's cost model (each instruction's ``backend_config``)
-  summed over every instruction outside the Mosaic custom call, at the chip clock. For the
+  summed over every instruction outside the Mosaic custom call, at the chip clock (a copy the model
+  prices with its placeholder counts its bytes' round trip through HBM,
+  :func:`pallas_kernels.tpu_cost.program_cycles`). For the
   baseline that is the gather of the visible history (one DMA per token), its concatenation with
   the chunk and padding, the scaled queries and the output transpose; for the paged kernel the
   transposes of the queries, tail and output (free where XLA lays them out head-major) and the
@@ -247,7 +249,7 @@ def worker(gen: str, kind: str, rows: int, preset: str, dump: str) -> dict:
     if kv_dtype:
         out.update(_write_figures(p, rows, kv_dtype, specs, rep, dump, chip))
         return out
-    xla_cycles = tpu_cost.program_cycles(rep.hlo).cycles  # Every op but the Mosaic kernel.
+    xla_cycles = tpu_cost.program_cycles(rep.hlo, chip.hbm_bytes_per_cycle).cycles  # Every op but the Mosaic kernel.
     out.update(flops=attention_flops(p, rows), xla_ms=xla_cycles / chip.clock_hz * 1e3)
     out.update(_paged_figures(gen, p, rows, dump, ATTENTION_KV_DTYPES[kind]) if kind in ATTENTION_KV_DTYPES
                else _baseline_figures(p, rows, out["blocks"], dump, chip))
@@ -303,7 +305,7 @@ def _context_figures(gen: str, kind: str, preset: str, rows: int, dump: str) -> 
     except Exception as e:  # Report a failed compile as data.
         return dict(compiles=False, error=str(e).splitlines()[0][:300])
     rep = tpu_aot.report(compiled, [shape for shape, _ in specs])
-    xla_ms = tpu_cost.program_cycles(rep.hlo).cycles / chip.clock_hz * 1e3
+    xla_ms = tpu_cost.program_cycles(rep.hlo, chip.hbm_bytes_per_cycle).cycles / chip.clock_hz * 1e3
     kernel_ms = (tpu_estimate.context_estimate_from_dump(geom, "bfloat16", gen, dump).kernel_seconds * 1e3
                  if kind == "context" else 0.0)
     flops = 4 * rows * geom.q_len * geom.kv_len * geom.num_q_heads * geom.head_dim
@@ -386,7 +388,7 @@ def _write_figures(p: dict, rows: int, kv_dtype: str, specs, rep, dump: str, chi
         trips = (pages + write_tpu.DMAS_IN_FLIGHT if view == "head" else pages * p["layers"],)
     issue = write_cycles(loop_tree(parse_bundles(kernel_dump(dump, "paged_write_tpu"))), trips) / chip.clock_hz
     hbm = (values * 2 + moved) / chip.hbm_bytes_per_s  # Read the bf16 chunk's pages, write them.
-    xla = tpu_cost.program_cycles(rep.hlo).cycles / chip.clock_hz
+    xla = tpu_cost.program_cycles(rep.hlo, chip.hbm_bytes_per_cycle).cycles / chip.clock_hz
     kernel = max(hbm, issue)
     return dict(view=view, kv_heads=p["kv_heads"], kv_dtype=kv_dtype, bytes_moved=moved,
                 temp_chunk_fraction=rep.temp_bytes / chunk_bytes, hbm_ms=hbm * 1e3,

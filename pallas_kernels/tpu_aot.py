@@ -44,6 +44,12 @@ class ChipSpec:
     scoped_vmem_default: int
     vmem_bytes: int
 
+    @property
+    def hbm_bytes_per_cycle(self) -> float:
+        """HBM bandwidth per core clock: what
+        :func:`pallas_kernels.tpu_cost.program_cycles` prices placeholder copies at."""
+        return self.hbm_bytes_per_s / self.clock_hz
+
 
 CHIPS = {
     "v5e": ChipSpec("v5e:1x1", 1.5e9, 197e12, 819e9, 16 << 20, 128 << 20),

@@ -85,6 +85,35 @@ def test_the_cost_models_unknown_is_counted_apart():
     assert cost.cycles == 10 + 4 * (1 + 30 * 100) and cost.unpriced == 30
 
 
+def _copy(cycles: int, iterations: tuple[int, ...] = (1, 19)) -> str:
+    bounds = ",".join(f'"{n}"' for n in iterations)
+    return ('  %c = bf16[4680,1536]{0,1:T(8,128)(2,1)} copy(%x), backend_config={"flag_configs":[],'
+            f'"window_config":{{"estimated_cycles":"{cycles}","iteration_bounds":[{bounds}]}}}}')
+
+
+def test_placeholder_copies_cost_their_bytes_round_trip_at_the_given_rate():
+    """A copy priced 100 cycles per window iteration is repriced as its result read and written at
+    ``hbm_bytes_per_cycle`` (with the loop's trips); a copy with a real estimate keeps it, and
+    without a rate the placeholder stays as it is."""
+    size = 4680 * 1536 * 2
+    placeholder = program().replace(f"{_cost(7)}", f"{_cost(7)}\n{_copy(1900)}")
+    plain = tpu_cost.program_cycles(placeholder)
+    assert plain.cycles == 10 + 4 * (1 + 30 * 100) + 30 * (7 + 1900)
+    assert (plain.placeholder_copies, plain.placeholder_copy_bytes) == (30, 30 * size)
+    repriced = tpu_cost.program_cycles(placeholder, hbm_bytes_per_cycle=1000.0)
+    assert repriced.cycles == 10 + 4 * (1 + 30 * 100) + 30 * (7 + round(2 * size / 1000.0))
+    priced = tpu_cost.program_cycles(program().replace(f"{_cost(7)}", f"{_cost(7)}\n{_copy(73720)}"), 1000.0)
+    assert priced.cycles == 10 + 4 * (1 + 30 * 100) + 30 * (7 + 73720) and priced.placeholder_copies == 0
+
+
+def test_result_bytes_reads_every_array_of_a_result():
+    assert tpu_cost.result_bytes(_copy(1900)) == 4680 * 1536 * 2
+    line = "  %t = (f32[4680]{0:T(1024)}, bf16[2,3]{1,0}, pred[]) fusion(%x), kind=kLoop"
+    assert tpu_cost.result_bytes(line) == 4680 * 4 + 6 * 2 + 1
+    with pytest.raises(ValueError, match="c64"):
+        tpu_cost.result_bytes("  %z = c64[4]{0} copy(%x)")
+
+
 def test_a_condition_that_is_not_a_counted_loop_is_refused():
     with pytest.raises(ValueError, match="trip count"):
         tpu_cost.program_cycles(program(compare="NE"))
@@ -144,3 +173,19 @@ def test_the_compiler_says_how_much_hbm_a_program_may_use():
     tpu_aot.compile_for_tpu(lambda x: x + 1, [((fits,), jnp.bfloat16)], "v5e")
     with pytest.raises(Exception, match="CompileTimeHbmOom"):
         tpu_aot.compile_for_tpu(lambda x: x + 1, [((fits + (1 << 29),), jnp.bfloat16)], "v5e")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not tpu_aot.libtpu_available(), reason="libtpu is not installed (pip install -e '.[tpu]')")
+def test_a_real_layout_copy_gets_the_placeholder_and_is_repriced():
+    """Compiled for v6e, a head-major relayout of a ``[4680, 1536]`` bf16 array (scaled first, so
+    it is not a parameter's layout) goes through a copy priced at the cost model's placeholder;
+    with the chip's rate it costs at least its bytes' round trip through HBM."""
+    def fn(x):
+        return (x * 2).reshape(4680, 12, 128).transpose(1, 0, 2) * 3
+    hlo = tpu_aot.compile_for_tpu(fn, [((4680, 1536), jnp.bfloat16)], "v6e").as_text()
+    chip = tpu_aot.CHIPS["v6e"]
+    plain, repriced = tpu_cost.program_cycles(hlo), tpu_cost.program_cycles(hlo, chip.hbm_bytes_per_cycle)
+    assert plain.placeholder_copies >= 1
+    added = repriced.cycles - plain.cycles
+    assert added >= plain.placeholder_copies * (2 * 4680 * 1536 * 2 / chip.hbm_bytes_per_cycle - 100 * 19) - 1
