@@ -35,10 +35,12 @@ def default_block_q(q_len: int, group: int, kv_len: int) -> int:
 
 
 def _kernel(q_ref, k_ref, v_ref, o_ref, *, scale: float, kv_len: int):
-    """Refs (VMEM): ``q_ref``/``o_ref`` ``[group, block_q, D]`` (rows of the last block past
+    """Refs (VMEM): ``q_ref``/``o_ref`` ``[group, block_q, D]``, or ``[block_q, D]`` where the
+    kernel reads the token-major arrays (:func:`reads_token_major`) (rows of the last block past
     ``q_len`` are unspecified; their outputs are dropped), ``k_ref``/``v_ref`` ``[kv_pad, D]``
     (keys at and past ``kv_len`` are zero padding, their logits masked by selection)."""
-    group, block_q, dim = q_ref.shape
+    *_, block_q, dim = q_ref.shape
+    group = q_ref.shape[0] if q_ref.ndim == 3 else 1
     precision = matmul_precision(q_ref.dtype)
     q = (q_ref[...].reshape(group * block_q, dim).astype(jnp.float32) * (scale * LOG2_E)).astype(q_ref.dtype)
     s = lax.dot_general(q, k_ref[...], (((1,), (1,)), ((), ())), precision=precision,
@@ -49,29 +51,39 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, *, scale: float, kv_len: int):
     total = jnp.sum(p, axis=1, keepdims=True)
     out = lax.dot_general(p.astype(v_ref.dtype), v_ref[...], (((1,), (0,)), ((), ())), precision=precision,
                           preferred_element_type=jnp.float32)
-    o_ref[...] = (out / total).astype(o_ref.dtype).reshape(group, block_q, dim)
+    o_ref[...] = (out / total).astype(o_ref.dtype).reshape(o_ref.shape)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_q", "interpret"))
 def context_attention(q, k, v, *, scale: float, block_q: int, interpret: Any):
     """The kernel on validated inputs: ``q`` ``[B, N, Hq, D]``, ``k``/``v`` ``[B, T, Hkv, D]``.
 
-    The wrapper only transposes ``q`` to ``[B, Hkv, group, N, D]`` and ``k``/``v`` to
-    ``[B, Hkv, T, D]`` (free where XLA:TPU lays the token-major arrays out head-major, as it does
-    for 12 heads) and pads the context to a multiple of :data:`LANES` keys when it is not one.
+    Without GQA and with a head dim of whole lane groups (:func:`reads_token_major`) the kernel
+    reads ``q``, ``k`` and ``v`` and writes its output in these token-major arrays, viewed
+    ``[B, tokens, heads * D]`` with one head's lanes per block; otherwise the wrapper transposes
+    ``q`` to ``[B, Hkv, group, N, D]`` and ``k``/``v`` to ``[B, Hkv, T, D]`` (XLA:TPU relays a
+    head-major view out with copies). The context is padded to a multiple of :data:`LANES` keys
+    when it is not one.
     """
     batch, q_len, q_heads, dim = q.shape
     kv_len, kv_heads = k.shape[1], k.shape[2]
     group = q_heads // kv_heads
     kv_pad = round_up(kv_len, LANES)
-    qh = q.reshape(batch, q_len, kv_heads, group, dim).transpose(0, 2, 3, 1, 4)
 
-    def heads_first(x):
-        x = x.transpose(0, 2, 1, 3)
-        return x if kv_pad == kv_len else jnp.pad(x, ((0, 0), (0, 0), (0, kv_pad - kv_len), (0, 0)))
+    def padded(x):  # [B, T, ...] -> [B, kv_pad, ...]
+        pad = [(0, 0)] * x.ndim
+        pad[1] = (0, kv_pad - kv_len)
+        return x if kv_pad == kv_len else jnp.pad(x, pad)
 
-    q_spec = pl.BlockSpec((None, None, group, block_q, dim), lambda b, h, i: (b, h, 0, i, 0))
-    kv_spec = pl.BlockSpec((None, None, kv_pad, dim), lambda b, h, i: (b, h, 0, 0))
+    if reads_token_major(group, dim):
+        qh, kh, vh = (x.reshape(batch, x.shape[1], -1) for x in (q, padded(k), padded(v)))
+        q_spec = pl.BlockSpec((None, block_q, dim), lambda b, h, i: (b, i, h))
+        kv_spec = pl.BlockSpec((None, kv_pad, dim), lambda b, h, i: (b, 0, h))
+    else:
+        qh = q.reshape(batch, q_len, kv_heads, group, dim).transpose(0, 2, 3, 1, 4)
+        kh, vh = (padded(x).transpose(0, 2, 1, 3) for x in (k, v))
+        q_spec = pl.BlockSpec((None, None, group, block_q, dim), lambda b, h, i: (b, h, 0, i, 0))
+        kv_spec = pl.BlockSpec((None, None, kv_pad, dim), lambda b, h, i: (b, h, 0, 0))
     out = pl.pallas_call(
         functools.partial(_kernel, scale=scale, kv_len=kv_len),
         out_shape=jax.ShapeDtypeStruct(qh.shape, q.dtype),
@@ -81,5 +93,13 @@ def context_attention(q, k, v, *, scale: float, block_q: int, interpret: Any):
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel")),
         interpret=interpret,
         name="context_attention_tpu",
-    )(qh, heads_first(k), heads_first(v))
-    return out.transpose(0, 3, 1, 2, 4).reshape(q.shape)
+    )(qh, kh, vh)
+    if not reads_token_major(group, dim):
+        out = out.transpose(0, 3, 1, 2, 4)
+    return out.reshape(q.shape)
+
+
+def reads_token_major(group: int, head_dim: int) -> bool:
+    """Whether the kernel reads and writes the token-major arrays (one query head per KV head and a
+    head dim of whole lane groups), rather than head-major transposes of them."""
+    return group == 1 and head_dim % LANES == 0

@@ -113,6 +113,14 @@ class Geometry(WindowGeometry):
         """Bytes of one stored page value (what the page DMAs move)."""
         return jnp.dtype(self.kv_dtype).itemsize
 
+    @property
+    def token_major(self) -> bool:
+        """Whether the kernel reads the tail's V and writes its output in the caller's token-major
+        arrays, one head's lanes per block: without GQA and with a head dim of whole lane groups.
+        Otherwise the wrapper transposes them head-major, as it always does the queries and the
+        tail's K (``docs/kernels.md``, the Mosaic TPU kernel, on which layouts cost copies)."""
+        return self.group == 1 and self.head_dim % LANES == 0
+
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
@@ -390,8 +398,9 @@ def _kernel(table_ref, nvis_ref, len_ref, layer_ref, q_in, kt_ref, vt_ref, k_hbm
 
     Refs: SMEM ``table_ref`` ``[rows * max_pages]`` (0 past the visible pages), ``nvis_ref``
     ``[rows]``, ``len_ref`` ``[rows]``, ``layer_ref`` ``[1]``; VMEM ``q_in``/``o_ref``
-    ``[group, block_q, D]`` (the last query block may hold rows past ``q_len``: their outputs are
-    dropped), ``kt_ref``/``vt_ref`` ``[tail_pad, D]`` (rows past ``tail_len`` unspecified, masked);
+    ``[group, block_q, D]`` (``o_ref`` ``[block_q, D]`` where :attr:`Geometry.token_major`; the
+    last query block may hold rows past ``q_len``: their outputs are dropped),
+    ``kt_ref``/``vt_ref`` ``[tail_pad, D]`` (rows past ``tail_len`` unspecified, masked);
     HBM pools ``[L, H, P, S, D]`` (the stored values of quantized pools); scratch ``kbuf``/``vbuf``
     ``[2, pages_per_block, S, D]``, DMA ``sems`` ``[2, 2]`` (K/V x buffer), ``q_ref`` ``[M, D]``
     (the queries times ``q_scale``), ``m_ref``/``l_ref`` ``[M, 128]`` and ``acc_ref`` ``[M, D]``
@@ -586,30 +595,38 @@ def _kernel(table_ref, nvis_ref, len_ref, layer_ref, q_in, kt_ref, vt_ref, k_hbm
 @functools.partial(jax.jit, static_argnames=("geom", "plan", "scale", "vmem_limit", "interpret"))
 def _window_attention(q, k_cur, v_cur, extra_k, extra_v, k_pool, v_pool, pages, lengths, layer, *,
                       geom: Geometry, plan: Plan, scale: float, vmem_limit: int, interpret: Any):
-    """Wrapper of :func:`_kernel`: hands it ``q`` as ``[rows, kv_heads, group, q_len, D]`` and the
-    tail (chunk, then extras) as ``[rows, kv_heads, tail_len, D]``, transposes only (no padding,
-    no scaling: the kernel scales each query block, and the last query block and tail chunk may
-    run past the arrays' ends), builds the page table and the visible counts. The transposes are
-    free where XLA lays the token-major arrays out head-major (as it does for 12 KV heads). For
+    """Wrapper of :func:`_kernel`: hands it ``q`` transposed to ``[rows, kv_heads, group, q_len,
+    D]``, the tail (chunk, then extras) K transposed to ``[rows, kv_heads, tail_len, D]``, and the
+    tail's V and the output as they are, viewed ``[rows, tokens, heads * D]`` with one head's lanes
+    per block (:attr:`Geometry.token_major`; else transposed head-major like K); no padding, no
+    scaling (the kernel scales each query block, and the last query block and tail chunk may run
+    past the arrays' ends); builds the page table and the visible counts. For
     quantized pools the kernel takes the stored values as they are and the visible pages' scales
     (:func:`visible_scales`), one ``[2, max_pages]`` SMEM block per (row, head)."""
     rows, hkv, g, d, bq = geom.rows, geom.kv_heads, geom.group, geom.head_dim, plan.block_q
     nqb, m = plan.num_q_blocks, geom.group * plan.block_q
+    k_tail = jnp.concatenate([k_cur] + ([] if extra_k is None else [extra_k]), axis=1)
+    v_tail = jnp.concatenate([v_cur] + ([] if extra_v is None else [extra_v]), axis=1)
     qh = q.reshape(rows, geom.q_len, hkv, g, d).transpose(0, 2, 3, 1, 4)
-    parts_k = [k_cur] + ([] if extra_k is None else [extra_k])
-    parts_v = [v_cur] + ([] if extra_v is None else [extra_v])
-    k_tail = jnp.concatenate(parts_k, axis=1).transpose(0, 2, 1, 3)
-    v_tail = jnp.concatenate(parts_v, axis=1).transpose(0, 2, 1, 3)
+    q_spec = pl.BlockSpec((None, None, g, bq, d), lambda r, h, b, *_: (r, h, 0, b, 0))
+    k_tail = k_tail.transpose(0, 2, 1, 3)
+    k_spec = pl.BlockSpec((None, None, plan.tail_pad, d), lambda r, h, b, *_: (r, h, 0, 0))
+    if geom.token_major:  # [rows, tokens, heads * D]: a block is one head's lanes.
+        v_tail = v_tail.reshape(rows, v_tail.shape[1], hkv * d)
+        v_spec = pl.BlockSpec((None, plan.tail_pad, d), lambda r, h, b, *_: (r, 0, h))
+        out_spec = pl.BlockSpec((None, bq, d), lambda r, h, b, *_: (r, b, h))
+        out_shape = (rows, geom.q_len, hkv * d)
+    else:
+        v_tail, v_spec = v_tail.transpose(0, 2, 1, 3), k_spec
+        out_spec, out_shape = q_spec, (rows, hkv, g, geom.q_len, d)
 
     lengths = lengths.astype(jnp.int32)
     nvis = visible_page_count(lengths, geom)
     entry = jnp.arange(geom.max_pages, dtype=jnp.int32)[None, :]
     table = jnp.where(entry < nvis[:, None], pages.astype(jnp.int32), 0).reshape(-1)
 
-    q_spec = pl.BlockSpec((None, None, g, bq, d), lambda r, h, b, *_: (r, h, 0, b, 0))
-    tail_spec = pl.BlockSpec((None, None, plan.tail_pad, d), lambda r, h, b, *_: (r, h, 0, 0))
     hbm = pl.BlockSpec(memory_space=pl.ANY)
-    pools, in_specs = [k_pool, v_pool], [q_spec, tail_spec, tail_spec, hbm, hbm]
+    pools, in_specs = [k_pool, v_pool], [q_spec, k_spec, v_spec, hbm, hbm]
     pages_shape = (2, plan.pages_per_block, geom.block_size)
     k_buf = pltpu.VMEM((*pages_shape, d), q.dtype)
     v_buf = pltpu.VMEM((*pages_shape, plan_v_lanes(geom, plan)), q.dtype)
@@ -625,12 +642,12 @@ def _window_attention(q, k_cur, v_cur, extra_k, extra_v, k_pool, v_pool, pages, 
                     pltpu.VMEM((rest_rows, plan_v_lanes(geom, plan)), q.dtype)] if rest_rows else [])
     out = pl.pallas_call(
         functools.partial(_kernel, geom=geom, plan=plan, q_scale=scale * LOG2_E),
-        out_shape=jax.ShapeDtypeStruct((rows, hkv, g, geom.q_len, d), q.dtype),
+        out_shape=jax.ShapeDtypeStruct(out_shape, q.dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=4,
             grid=(rows, hkv, nqb),
             in_specs=in_specs,
-            out_specs=q_spec,
+            out_specs=out_spec,
             scratch_shapes=[k_buf, v_buf, pltpu.SemaphoreType.DMA((2, 2)),
                             pltpu.VMEM((m, d), q.dtype),
                             pltpu.VMEM((m, LANES), jnp.float32),
@@ -642,7 +659,9 @@ def _window_attention(q, k_cur, v_cur, extra_k, extra_v, k_pool, v_pool, pages, 
         interpret=interpret,
         name="window_attention_tpu",
     )(table, nvis, lengths, layer.reshape(1), qh, k_tail, v_tail, *pools)
-    return out.transpose(0, 3, 1, 2, 4).reshape(rows, geom.q_len, geom.num_q_heads, d)
+    if not geom.token_major:
+        out = out.transpose(0, 3, 1, 2, 4)
+    return out.reshape(rows, geom.q_len, geom.num_q_heads, d)
 
 
 def visible_scales(k_pool: QuantizedPool, v_pool: QuantizedPool, table: jax.Array, layer: jax.Array,

@@ -50,13 +50,14 @@ CASES = [
     (2, 100, 4, 2, 24, 16, 32),     # GQA, the last query block partial, a padded context
     (1, 64, 2, 2, 128, 64, None),   # a context of whole lanes, one query block
     (3, 7, 2, 1, 7, 64, None),      # tiny: one partial block, 7 context tokens
+    (2, 100, 2, 2, 24, 128, 32),    # the token-major arrays read as they are, a padded context
     (1, 300, 12, 12, 512, 128, 96),  # Wan's heads and text length, several blocks
 ]
 
 
 @pytest.mark.parametrize("backend", ANYWHERE + [compiled("pallas_tpu"), compiled("cudnn_gather")])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("case", CASES[:3])
+@pytest.mark.parametrize("case", CASES[:4])
 def test_every_backend_matches_the_reference(backend, dtype, case):
     rows, q_len, q_heads, kv_heads, kv_len, head_dim, block_q = case
     q, k, v = inputs(0, rows, q_len, q_heads, kv_heads, kv_len, head_dim, dtype)
@@ -71,8 +72,8 @@ def test_every_backend_matches_the_reference(backend, dtype, case):
 @pytest.mark.parametrize("backend", ["pallas_tpu_interpret", compiled("pallas_tpu")])
 def test_the_tpu_kernel_at_wans_heads_and_text_length(backend):
     """12 heads, 512 text tokens, several query blocks, bf16; and a given scale."""
-    q, k, v = inputs(1, *CASES[3][:-1], jnp.bfloat16)
-    out = context_attention(q, k, v, backend=backend, block_q=CASES[3][-1], scale=0.05)
+    q, k, v = inputs(1, *CASES[4][:-1], jnp.bfloat16)
+    out = context_attention(q, k, v, backend=backend, block_q=CASES[4][-1], scale=0.05)
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(reference(q, k, v, scale=0.05)),
                                atol=3e-2, rtol=3e-2)
 

@@ -123,15 +123,23 @@ def test_fill_levels(tiles=SMALL):
         check(poisoned(case, owned), expected=case, **tiles)
 
 
-def test_ragged_lengths(tiles=SMALL):
-    case, owned = make_case(committed=(3, 3, 1), lengths=[5, 37, 16])
+# GQA reads and writes through head-major transposes; one query head per KV head, through the
+# token-major arrays (tpu.Geometry.token_major).
+HEAD_LAYOUTS = pytest.mark.parametrize("num_q_heads", [2 * KV_HEADS, KV_HEADS], ids=["gqa", "token_major"])
+
+
+@HEAD_LAYOUTS
+def test_ragged_lengths(num_q_heads, tiles=SMALL):
+    case, owned = make_case(committed=(3, 3, 1), lengths=[5, 37, 16], num_q_heads=num_q_heads)
     check(poisoned(case, owned), expected=case, **tiles)
 
 
 @pytest.mark.slow
-def test_extras_frame_padding_and_poison(tiles=SMALL):
+@HEAD_LAYOUTS
+def test_extras_frame_padding_and_poison(num_q_heads, tiles=SMALL):
     """3 extra tokens, 24-token frames on 16-slot pages (8 padding slots per frame)."""
-    case, owned = make_case(committed=(0, 2, 5), window=Window(tokens_per_frame=24), extra=3)
+    case, owned = make_case(committed=(0, 2, 5), window=Window(tokens_per_frame=24), extra=3,
+                            num_q_heads=num_q_heads)
     check(poisoned(case, owned), expected=case, **tiles)
 
 
