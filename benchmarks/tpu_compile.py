@@ -143,6 +143,21 @@ def with_pool_arrays(fn, kv_dtype: str | None = None):
     return flat
 
 
+def as_projected(fn, specs):
+    """``(fn, specs)`` with each rank-4 activation ``[rows, tokens, heads, D]`` (queries, the chunk's
+    K/V, extras, the context) and the result passed as the DiT's projections give and take them,
+    ``[rows, tokens, heads * D]`` row-major, viewed rank-4 inside: compiled alone, a 12-head
+    parameter gets a head-major layout from XLA:TPU, which the model's program never has."""
+    four = [len(shape) == 4 for shape, _ in specs]
+
+    def projected(*args):
+        out = fn(*(a.reshape(shape) if f else a for a, (shape, _), f in zip(args, specs, four)))
+        return out.reshape(*out.shape[:2], -1)
+
+    return projected, [((*shape[:2], shape[2] * shape[3]) if f else shape, dtype)
+                       for (shape, dtype), f in zip(specs, four)]
+
+
 def attention_flops(p: dict, rows: int) -> int:
     """FLOPs of one layer's attention at shape ``p``: QK and PV over the valid keys only (the
     history frames' tokens and the tail)."""
@@ -234,6 +249,7 @@ def worker(gen: str, kind: str, rows: int, preset: str, dump: str) -> dict:
         fn, specs, donate, shape = _write_call(p, rows, kv_dtype)
     else:
         fn, specs, donate, shape = _attention_call(gen, kind, p, rows, out)
+        fn, specs = as_projected(fn, specs)
     leaves = specs[:len(donate) // 2] if kv_dtype else [(shape, "bfloat16")]  # One pool's arrays.
     pool_bytes = pools_bytes(shape, kv_dtype or ATTENTION_KV_DTYPES.get(kind))
     try:
@@ -300,8 +316,9 @@ def _context_figures(gen: str, kind: str, preset: str, rows: int, dump: str) -> 
     geom, chip = context_geometry(preset, rows), tpu_aot.CHIPS[gen]
     specs = [(shape, jnp.dtype(d)) for shape, d in tpu_estimate.call_specs(geom, "bfloat16")]
     backend = CONTEXT_KINDS[kind]
+    fn, specs = as_projected(lambda q, k, v: context_attention(q, k, v, backend=backend), specs)
     try:
-        compiled = tpu_aot.compile_for_tpu(lambda q, k, v: context_attention(q, k, v, backend=backend), specs, gen)
+        compiled = tpu_aot.compile_for_tpu(fn, specs, gen)
     except Exception as e:  # Report a failed compile as data.
         return dict(compiles=False, error=str(e).splitlines()[0][:300])
     rep = tpu_aot.report(compiled, [shape for shape, _ in specs])
