@@ -22,7 +22,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
-from jax.experimental.layout import Layout, with_layout_constraint
 from jax.sharding import Mesh
 
 from arkv_jax.sharded_kernels import sharded_context_attention, sharded_window_attention
@@ -268,10 +267,7 @@ class PagedSelfAttention(_HeadProjections):
         if self.norm_k is not None:
             k = self.norm_k(k)
         k = apply_rope(k.reshape(batch, n, self.num_kv_heads, self.head_dim), rope)
-        # Row-major, as the attention kernels read it: otherwise XLA:TPU may lay a v5e's projection
-        # out head-major and relay it out twice on the way (docs/kernels.md).
-        v = with_layout_constraint(self.v(x), Layout(major_to_minor=(0, 1, 2)))
-        return k, v.reshape(batch, n, self.num_kv_heads, self.head_dim)
+        return k, self.v(x).reshape(batch, n, self.num_kv_heads, self.head_dim)
 
 
 class CachedCrossAttention(_HeadProjections):
