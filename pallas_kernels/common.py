@@ -41,6 +41,13 @@ def cdiv(a, b):
     return (a + b - 1) // b
 
 
+def token_major_blocks(group: int, head_dim: int) -> bool:
+    """Whether a TPU attention kernel reads each head as one block of ``head_dim`` lanes of the
+    caller's token-major ``[rows, tokens, heads * head_dim]`` array: one query head per KV head
+    (no GQA) and a head dim of whole 128-lane groups."""
+    return group == 1 and head_dim % 128 == 0
+
+
 def round_up(a: int, b: int) -> int:
     """The smallest multiple of ``b`` that is ``>= a``."""
     return cdiv(a, b) * b

@@ -15,7 +15,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.common import LOG2_E, MASK_VALUE, cdiv, matmul_precision, round_up
+from pallas_kernels.common import LOG2_E, MASK_VALUE, cdiv, matmul_precision, round_up, token_major_blocks
 
 LANES = 128
 """The context is padded to a multiple of this many keys (TPU lanes); padding keys are masked."""
@@ -36,13 +36,12 @@ def default_block_q(q_len: int, group: int, kv_len: int) -> int:
 
 def _kernel(q_ref, k_ref, v_ref, o_ref, *, scale: float, kv_len: int):
     """Refs (VMEM): ``q_ref``/``o_ref`` ``[group, block_q, D]``, or ``[block_q, D]`` where the
-    kernel reads the token-major arrays (:func:`reads_token_major`) (rows of the last block past
+    kernel reads the token-major arrays (:func:`~pallas_kernels.common.token_major_blocks`) (rows of the last block past
     ``q_len`` are unspecified; their outputs are dropped), ``k_ref``/``v_ref`` ``[kv_pad, D]``
     (keys at and past ``kv_len`` are zero padding, their logits masked by selection)."""
-    *_, block_q, dim = q_ref.shape
-    group = q_ref.shape[0] if q_ref.ndim == 3 else 1
+    dim = q_ref.shape[-1]
     precision = matmul_precision(q_ref.dtype)
-    q = (q_ref[...].reshape(group * block_q, dim).astype(jnp.float32) * (scale * LOG2_E)).astype(q_ref.dtype)
+    q = (q_ref[...].reshape(-1, dim).astype(jnp.float32) * (scale * LOG2_E)).astype(q_ref.dtype)
     s = lax.dot_general(q, k_ref[...], (((1,), (1,)), ((), ())), precision=precision,
                         preferred_element_type=jnp.float32)
     if kv_len < k_ref.shape[0]:  # padding keys (zeros, as are their values) get no weight
@@ -58,7 +57,7 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, *, scale: float, kv_len: int):
 def context_attention(q, k, v, *, scale: float, block_q: int, interpret: Any):
     """The kernel on validated inputs: ``q`` ``[B, N, Hq, D]``, ``k``/``v`` ``[B, T, Hkv, D]``.
 
-    Without GQA and with a head dim of whole lane groups (:func:`reads_token_major`) the kernel
+    Without GQA and with a head dim of whole lane groups (:func:`~pallas_kernels.common.token_major_blocks`) the kernel
     reads ``q``, ``k`` and ``v`` and writes its output in these token-major arrays, viewed
     ``[B, tokens, heads * D]`` with one head's lanes per block; otherwise the wrapper transposes
     ``q`` to ``[B, Hkv, group, N, D]`` and ``k``/``v`` to ``[B, Hkv, T, D]`` (XLA:TPU relays a
@@ -75,7 +74,7 @@ def context_attention(q, k, v, *, scale: float, block_q: int, interpret: Any):
         pad[1] = (0, kv_pad - kv_len)
         return x if kv_pad == kv_len else jnp.pad(x, pad)
 
-    if reads_token_major(group, dim):
+    if token_major_blocks(group, dim):
         qh, kh, vh = (x.reshape(batch, x.shape[1], -1) for x in (q, padded(k), padded(v)))
         q_spec = pl.BlockSpec((None, block_q, dim), lambda b, h, i: (b, i, h))
         kv_spec = pl.BlockSpec((None, kv_pad, dim), lambda b, h, i: (b, 0, h))
@@ -94,12 +93,6 @@ def context_attention(q, k, v, *, scale: float, block_q: int, interpret: Any):
         interpret=interpret,
         name="context_attention_tpu",
     )(qh, kh, vh)
-    if not reads_token_major(group, dim):
+    if not token_major_blocks(group, dim):
         out = out.transpose(0, 3, 1, 2, 4)
     return out.reshape(q.shape)
-
-
-def reads_token_major(group: int, head_dim: int) -> bool:
-    """Whether the kernel reads and writes the token-major arrays (one query head per KV head and a
-    head dim of whole lane groups), rather than head-major transposes of them."""
-    return group == 1 and head_dim % LANES == 0

@@ -28,7 +28,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.backend import resolve_backend
 from pallas_kernels.checks import require_int
-from pallas_kernels.common import MASK_VALUE, target_device
+from pallas_kernels.common import MASK_VALUE, target_device, token_major_blocks
 from pallas_kernels.layout import QuantizedPool, check_tpu_block_size, page_index
 from pallas_kernels.quantization import dequantize, is_quantized
 from pallas_kernels.window_attention.geometry import WindowGeometry, visible_page_count
@@ -116,10 +116,10 @@ class Geometry(WindowGeometry):
     @property
     def token_major(self) -> bool:
         """Whether the kernel reads the tail's V and writes its output in the caller's token-major
-        arrays, one head's lanes per block: without GQA and with a head dim of whole lane groups.
+        arrays, one head's lanes per block (:func:`pallas_kernels.common.token_major_blocks`).
         Otherwise the wrapper transposes them head-major, as it always does the queries and the
         tail's K (``docs/kernels.md``, the Mosaic TPU kernel, on which layouts cost copies)."""
-        return self.group == 1 and self.head_dim % LANES == 0
+        return token_major_blocks(self.group, self.head_dim)
 
 
 @dataclasses.dataclass(frozen=True)
