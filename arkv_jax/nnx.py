@@ -22,11 +22,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
+from jax.experimental.layout import Layout, with_layout_constraint
 from jax.sharding import Mesh
 
 from arkv_jax.sharded_kernels import sharded_context_attention, sharded_window_attention
 from arkv_jax.step import ChunkInputs
 from pallas_kernels import window_attention
+from pallas_kernels.common import target_device
 from pallas_kernels.context_attention import context_attention
 from pallas_kernels.context_attention.xla import attention as dense_attention
 from pallas_kernels.layout import is_quantized_pool
@@ -267,7 +269,17 @@ class PagedSelfAttention(_HeadProjections):
         if self.norm_k is not None:
             k = self.norm_k(k)
         k = apply_rope(k.reshape(batch, n, self.num_kv_heads, self.head_dim), rope)
-        return k, self.v(x).reshape(batch, n, self.num_kv_heads, self.head_dim)
+        v = _row_major_on_tpu(self.v(x))
+        return k, v.reshape(batch, n, self.num_kv_heads, self.head_dim)
+
+
+def _row_major_on_tpu(x: Array) -> Array:
+    """``x`` pinned to its row-major layout when the program is built for a TPU, as the attention
+    kernels read it: a v5e's XLA otherwise lays V's projection out head-major and relays it out
+    twice a layer-forward (``docs/kernels.md``). Other platforms take ``x`` as it is."""
+    if target_device().platform != "tpu":
+        return x
+    return with_layout_constraint(x, Layout(major_to_minor=tuple(range(x.ndim))))
 
 
 class CachedCrossAttention(_HeadProjections):

@@ -211,6 +211,19 @@ def test_the_plan_matches_the_compiled_programs(kv_dtype):
     assert fit.decode.alias_bytes == pl.session_state_bytes(pipeline)["vae_stream_cache"]
 
 
+@pytest.mark.slow
+@needs_libtpu
+@pytest.mark.parametrize("generation", ["v5e", "v6e"])
+def test_the_chunk_program_relays_out_little_more_than_q_and_k(generation):
+    """Compiled at Wan's shapes with two layers, the chunk program's copies that XLA:TPU prices
+    with its placeholder write at most 48 chunk activations (``[4680, 1536]`` bf16): what is left
+    is the queries' and keys' relayouts around RoPE (46-47 measured). V pinned row-major for the
+    attention kernel is what keeps a v5e there: without it, V's two relayouts a layer-forward made
+    61."""
+    figures = pl.plan_bucket(small_wan(), 1, generation, budget=1 << 40).chunk
+    assert figures.placeholder_copy_bytes <= 48 * 4680 * 1536 * 2
+
+
 @needs_libtpu
 def test_a_bucket_the_compiler_refuses_for_hbm_does_not_fit(monkeypatch):
     """The compiler's own refusal (a 1 TiB program) stands in for a chunk program too big for the
