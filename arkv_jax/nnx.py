@@ -3,7 +3,7 @@
 The functional core is plain functions on arrays, usable from NNX, linen or bare JAX: Wan's 3-D
 rotary positions (:func:`token_positions`, :func:`rope_tables`, :func:`apply_rope`: absolute frame,
 patch-grid row and column; keys are rotated *before* they are stored, so history keys are read as
-they are), a :class:`History` (``attend(q, k, v, layer)``; :class:`PagedHistory` reads the visible
+they are), a :class:`History` (``attend(q, k, v, layer, rope)``; :class:`PagedHistory` reads the visible
 pages and the current chunk through :func:`pallas_kernels.window_attention` and never writes the
 pool; the reference's is :class:`arkv_jax.reference.MaskedHistory`) and dense GQA attention
 (:func:`masked_attention`). The NNX modules wrap them: :class:`PagedSelfAttention` returns the output
@@ -15,7 +15,6 @@ text tokens, ``Hq``/``Hkv`` query/KV heads, ``D`` head dim, ``L`` layers. See ``
 
 from __future__ import annotations
 
-import functools
 from typing import Protocol
 
 import jax
@@ -32,6 +31,7 @@ from pallas_kernels.common import target_device
 from pallas_kernels.context_attention import context_attention
 from pallas_kernels.context_attention.xla import attention as dense_attention
 from pallas_kernels.layout import is_quantized_pool
+from pallas_kernels.rope import apply_rope
 
 Array = jax.Array
 
@@ -87,28 +87,6 @@ def rope_tables(positions: Array, head_dim: int, theta: float = 10000.0) -> tupl
     return jnp.cos(angles), jnp.sin(angles)
 
 
-def apply_rope(x: Array, rope: tuple[Array, Array]) -> Array:
-    """Rotates adjacent feature pairs ``(x[2i], x[2i+1])`` of ``x`` ``[B, N, H, D]`` by the angles of
-    ``rope`` (from :func:`rope_tables`); computed in float32, returned in ``x``'s dtype."""
-    # Lane-wise: out = x cos + (x S) sin, where S swaps each pair's features and negates the first
-    # (exact: one +-1 per column). A [..., D / 2, 2] view of the pairs would give XLA:TPU a minor
-    # dimension of 2, a slow layout.
-    cos, sin = (t[:, :, None, :] for t in rope)
-    swapped = jnp.einsum("...d,de->...e", x, jnp.asarray(_signed_pair_swap(x.shape[-1]), x.dtype),
-                         precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
-    return (x.astype(jnp.float32) * cos + swapped * sin).astype(x.dtype)
-
-
-@functools.lru_cache(maxsize=None)
-def _signed_pair_swap(head_dim: int) -> np.ndarray:
-    """``S`` ``[head_dim, head_dim]`` with ``(x S)[2i] = -x[2i+1]`` and ``(x S)[2i+1] = x[2i]``."""
-    swap = np.zeros((head_dim, head_dim), np.float32)
-    pairs = np.arange(0, head_dim, 2)
-    swap[pairs + 1, pairs] = -1.0
-    swap[pairs, pairs + 1] = 1.0
-    return swap
-
-
 # ------------------------------------------------------------------------------------------------
 # Attention and histories
 # ------------------------------------------------------------------------------------------------
@@ -129,10 +107,13 @@ class History(Protocol):
     """Where a self-attention layer's keys come from besides the current tokens, and which kernels
     a forward's attention runs on."""
 
-    def attend(self, q: Array, k: Array, v: Array, layer: Array) -> Array:
+    def attend(self, q: Array, k: Array, v: Array, layer: Array,
+               rope: tuple[Array, Array] | None = None) -> Array:
         """Attention output ``[B, N, Hq, D]`` of the current tokens' ``q`` (``[B, N, Hq, D]``) over
         the history of pool layer ``layer`` (int scalar, may be traced) and the current ``k``/``v``
-        (``[B, N, Hkv, D]``, post-RoPE)."""
+        (``[B, N, Hkv, D]``). ``q`` and ``k`` are post-RoPE, or with ``rope`` (``(cos, sin)``
+        of :func:`rope_tables`) before it, and are rotated by it (:func:`apply_rope`; a kernel may
+        do it as it reads them). History keys are stored post-RoPE."""
 
     def attend_context(self, q: Array, k: Array, v: Array) -> Array:
         """Attention output ``[B, N, Hq, D]`` of ``q`` over every token of a cached context
@@ -168,13 +149,15 @@ class PagedHistory:
         ``step.inputs``, ``mesh`` from ``PagedKVCache.mesh``."""
         return cls(pools[0], pools[1], inputs.pages, inputs.lengths, tokens_per_frame, backend, mesh)
 
-    def attend(self, q: Array, k: Array, v: Array, layer: Array) -> Array:
+    def attend(self, q: Array, k: Array, v: Array, layer: Array,
+               rope: tuple[Array, Array] | None = None) -> Array:
         """See :class:`History`; ``q``/``k``/``v`` are cast to the pool dtype for the kernel (kept in
-        ``q``'s dtype over quantized pools, which the kernel dequantizes to it)."""
+        ``q``'s dtype over quantized pools, which the kernel dequantizes to it); ``rope`` goes to
+        the kernel (``window_attention``'s ``rope``)."""
         dtype = q.dtype if is_quantized_pool(self.k_pool) else self.k_pool.dtype
         args = (q.astype(dtype), k.astype(dtype), v.astype(dtype), self.k_pool, self.v_pool, self.pages,
                 self.lengths)
-        kw = dict(layer=layer, tokens_per_frame=self.tokens_per_frame, backend=self.backend)
+        kw = dict(layer=layer, tokens_per_frame=self.tokens_per_frame, backend=self.backend, rope=rope)
         if self.mesh is None:
             out = window_attention(*args, **kw)
         else:
@@ -256,21 +239,25 @@ class PagedSelfAttention(_HeadProjections):
         q = self.q(x)
         if self.norm_q is not None:
             q = self.norm_q(q)
-        q = apply_rope(q.reshape(batch, n, self.num_heads, self.head_dim), rope)
-        k, v = self.kv(x, rope)
-        out = history.attend(q, k, v, layer)
-        return self.o(out.reshape(batch, n, -1)), (k, v)
+        k, v = self._normed_kv(x)
+        out = history.attend(q.reshape(batch, n, self.num_heads, self.head_dim), k, v, layer, rope)
+        return self.o(out.reshape(batch, n, -1)), (apply_rope(k, rope), v)
 
     def kv(self, x: Array, rope: tuple[Array, Array]) -> tuple[Array, Array]:
         """``(k, v)``, each ``[B, N, Hkv, D]`` (``k`` normed and post-RoPE), of ``x`` ``[B, N, dim]``:
-        what :meth:`__call__` attends with and returns, without the attention."""
+        what :meth:`__call__` returns, without the attention."""
+        k, v = self._normed_kv(x)
+        return apply_rope(k, rope), v
+
+    def _normed_kv(self, x: Array) -> tuple[Array, Array]:
+        """``(k, v)`` ``[B, N, Hkv, D]`` of ``x``, ``k`` normed, before RoPE."""
         batch, n, _ = x.shape
         k = self.k(x)
         if self.norm_k is not None:
             k = self.norm_k(k)
-        k = apply_rope(k.reshape(batch, n, self.num_kv_heads, self.head_dim), rope)
         v = _row_major_on_tpu(self.v(x))
-        return k, v.reshape(batch, n, self.num_kv_heads, self.head_dim)
+        split = (batch, n, self.num_kv_heads, self.head_dim)
+        return k.reshape(split), v.reshape(split)
 
 
 def _row_major_on_tpu(x: Array) -> Array:

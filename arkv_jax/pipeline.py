@@ -510,32 +510,34 @@ def context_geometry(pipeline: Pipeline, rows: int) -> ContextGeometry:
 
 def attention_pricer(pipeline: Pipeline, generation: str) -> KernelPricer:
     """Prices the chunk program's and the VAE decode's Mosaic calls for ``generation``: the paged
-    window-attention kernel at :func:`attention_geometry`, the context-attention kernel at
+    window-attention kernel at :func:`attention_geometry` (with the rotary tables the DiT hands
+    it), the context-attention kernel at
     :func:`context_geometry` and each causal or upsampling convolution at the geometry its kernel
     name spells (:func:`pallas_kernels.causal_conv.geometry_of_kernel`,
     :func:`pallas_kernels.upsample_conv.geometry_of_kernel`; ``rows`` is unused), each by its bundle
     estimate (:func:`pallas_kernels.window_attention.tpu_estimate.estimate`, one compile per kernel
     and shape; the XLA ops around each call are in the program's own cycles)."""
-    geometries = {"window_attention_tpu": attention_geometry, "context_attention_tpu": context_geometry}
 
     def price(name: str, rows: int) -> float:
         for convolution in (causal_conv, upsample_conv):
             if name.startswith(convolution.KERNEL_PREFIX):
                 return _kernel_seconds(convolution.geometry_of_kernel(name), pipeline.vae.dtype, generation)
-        if name not in geometries:
-            raise ValueError(f"no estimate for the Mosaic kernel {name!r}")
-        kv_dtype = pipeline.preset.geometry.page_dtype if name == "window_attention_tpu" else None
-        return _kernel_seconds(geometries[name](pipeline, rows), pipeline.dit.dtype, generation, kv_dtype)
+        if name == "window_attention_tpu":  # The DiT hands it the chunk before RoPE, and the tables.
+            return _kernel_seconds(attention_geometry(pipeline, rows), pipeline.dit.dtype, generation,
+                                   pipeline.preset.geometry.page_dtype, rope=True)
+        if name == "context_attention_tpu":
+            return _kernel_seconds(context_geometry(pipeline, rows), pipeline.dit.dtype, generation)
+        raise ValueError(f"no estimate for the Mosaic kernel {name!r}")
 
     return price
 
 
 @functools.lru_cache(maxsize=None)
 def _kernel_seconds(geom: WindowGeometry | ContextGeometry | ConvGeometry | UpsampleGeometry, dtype: str,
-                    generation: str, kv_dtype: str | None = None) -> float:
+                    generation: str, kv_dtype: str | None = None, rope: bool = False) -> float:
     from pallas_kernels.window_attention import tpu_estimate
 
-    return tpu_estimate.estimate(geom, dtype, generation, kv_dtype).seconds
+    return tpu_estimate.estimate(geom, dtype, generation, kv_dtype, rope).seconds
 
 
 def commit_seconds(pipeline: Pipeline, sessions: int, generation: str) -> float:

@@ -103,11 +103,12 @@ def sharded_window_attention(mesh: Mesh, q: jax.Array, k_cur: jax.Array, v_cur: 
                              lengths: jax.Array, *, layer: Any = 0, extra_k: jax.Array | None = None,
                              extra_v: jax.Array | None = None, scale: float | None = None,
                              tokens_per_frame: int | None = None, backend: str = "auto",
-                             block_q: int | None = None, block_k: int | None = None) -> jax.Array:
+                             block_q: int | None = None, block_k: int | None = None,
+                             rope: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
     """:func:`pallas_kernels.window_attention.window_attention` on every device's part.
 
-    Rows (``q``, ``k_cur``, ``v_cur``, extras, ``pages``, ``lengths``) and pool pages are split over
-    data, query and K/V heads over model; ``pages`` holds *local* page ids of each row's shard and
+    Rows (``q``, ``k_cur``, ``v_cur``, extras, ``pages``, ``lengths``, the ``rope`` tables) and pool
+    pages are split over data, query and K/V heads over model; ``pages`` holds *local* page ids of each row's shard and
     is replicated over model, as are ``lengths``. ``layer`` may be traced (replicated); a Python int
 is range-checked here, page ids and lengths are not (they are per-shard values). The other
     keywords are ``window_attention``'s (``block_q``/``block_k``: Pallas tiles).
@@ -139,23 +140,25 @@ is range-checked here, page ids and lengths are not (they are per-shard values).
     if scale is None:
         scale = float(q.shape[-1]) ** -0.5  # the kernel's default, fixed before sharding
     return _sharded_attention_jit(q, k_cur, v_cur, k_pool, v_pool, pages, lengths,
-                                  jnp.asarray(layer, jnp.int32), extra_k, extra_v, mesh=mesh,
-                                  scale=scale, tokens_per_frame=tokens_per_frame, backend=backend,
+                                  jnp.asarray(layer, jnp.int32), extra_k, extra_v,
+                                  None if rope is None else tuple(rope), mesh=mesh, scale=scale,
+                                  tokens_per_frame=tokens_per_frame, backend=backend,
                                   block_q=block_q, block_k=block_k)
 
 
 @functools.partial(jax.jit, static_argnames=("mesh", "scale", "tokens_per_frame", "backend",
                                              "block_q", "block_k"))
 def _sharded_attention_jit(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, layer, extra_k, extra_v,
-                           *, mesh, scale, tokens_per_frame, backend, block_q, block_k):
-    has_extra = extra_k is not None
+                           rope, *, mesh, scale, tokens_per_frame, backend, block_q, block_k):
+    has_extra, has_rope = extra_k is not None, rope is not None
 
-    def body(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, layer, *extra):
-        ek, ev = extra if has_extra else (None, None)
+    def body(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, layer, *rest):
+        ek, ev = rest[:2] if has_extra else (None, None)
         return window_attention(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, layer=layer,
                                 extra_k=ek, extra_v=ev, scale=scale,
                                 tokens_per_frame=tokens_per_frame, backend=backend,
-                                block_q=block_q, block_k=block_k)
+                                block_q=block_q, block_k=block_k,
+                                rope=rest[-2:] if has_rope else None)
 
     heads, pools = head_spec(), pool_spec(is_quantized_pool(k_pool))
     in_specs = (heads, heads, heads, pools, pools, row_spec(2), row_spec(1), P())
@@ -163,6 +166,9 @@ def _sharded_attention_jit(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, laye
     if has_extra:
         in_specs += (heads, heads)
         args += (extra_k, extra_v)
+    if has_rope:
+        in_specs += (row_spec(3), row_spec(3))
+        args += rope
     return shard_map(body, mesh, in_specs, heads, check=False)(*args)
 
 

@@ -49,7 +49,7 @@ from arkv_jax.config import CacheGeometry, CrossAttentionSpec, KVBranch, WindowP
 from arkv_jax.models import MODEL_CONFIGS
 from arkv_jax.models.dit import init_random
 from arkv_jax.models.loader import load_wan
-from arkv_jax.nnx import masked_attention
+from arkv_jax.nnx import apply_rope, masked_attention
 from arkv_jax.planner import rollout_plan
 from arkv_jax.presets import get_preset
 from arkv_jax.reference import FullRecompute
@@ -71,7 +71,9 @@ class RecordingHistory(ContiguousHistory):
 
     record: object = struct.field(pytree_node=False, default=None)
 
-    def attend(self, q, k, v, layer):
+    def attend(self, q, k, v, layer, rope=None):
+        if rope is not None:
+            q, k = apply_rope(q, rope), apply_rope(k, rope)
         jax.debug.callback(self.record, layer, q, k, v)
         return super().attend(q, k, v, layer)
 

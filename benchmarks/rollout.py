@@ -66,7 +66,7 @@ from flax import nnx, struct
 from arkv_jax.cache import PagedKVCache
 from arkv_jax.config import CacheGeometry, CrossAttentionSpec, KVBranch, WindowPolicy
 from arkv_jax.models.dit import MODEL_CONFIGS, DiTConfig, init_random
-from arkv_jax.nnx import masked_attention
+from arkv_jax.nnx import apply_rope, masked_attention
 from arkv_jax.planner import rollout_plan
 from arkv_jax.reference import FullRecompute
 from arkv_jax.rollout import Rollout
@@ -119,7 +119,9 @@ class ContiguousHistory:
     v: jax.Array
     valid: int = struct.field(pytree_node=False)
 
-    def attend(self, q, k, v, layer):
+    def attend(self, q, k, v, layer, rope=None):
+        if rope is not None:
+            q, k = apply_rope(q, rope), apply_rope(k, rope)
         keys = jnp.concatenate([self.k[layer][:, :self.valid], k], axis=1)
         values = jnp.concatenate([self.v[layer][:, :self.valid], v], axis=1)
         return masked_attention(q, keys, values)

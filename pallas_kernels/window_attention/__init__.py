@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.backend import Backend, resolve_backend
 from pallas_kernels.common import as_index_array, check_validate
+from pallas_kernels.rope import apply_rope
 from pallas_kernels.window_attention import cudnn_gather, gpu, mosaic_gpu, tpu, tpu_gather, xla
 from pallas_kernels.window_attention.geometry import (
     WindowGeometry,
@@ -37,7 +38,7 @@ from pallas_kernels.window_attention.validation import (
 )
 
 __all__ = [
-    "IMPLEMENTATIONS", "WindowGeometry", "check_values", "dynamic_validate_inputs",
+    "IMPLEMENTATIONS", "ROTATES_IN_KERNEL", "WindowGeometry", "check_values", "dynamic_validate_inputs",
     "history_capacity", "history_slot_valid", "layer_page_table", "static_validate_inputs",
     "visible_page_count", "window_attention", "window_attention_reference",
 ]
@@ -45,7 +46,7 @@ __all__ = [
 
 def window_attention(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, layer=0, extra_k=None,
                      extra_v=None, scale=None, tokens_per_frame=None, backend="auto",
-                     block_q=None, block_k=None, validate=True):
+                     block_q=None, block_k=None, validate=True, rope=None):
     """Attention of the current chunk over its visible history pages, itself and extra tokens.
 
     For every row (a request slot: one session x KV branch) the chunk's queries attend to the row's
@@ -99,6 +100,12 @@ def window_attention(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, layer=0
         pages on TPU) or Mosaic GPU key tile (a multiple of 64 dividing ``block_size``, default 128
         where it divides). Unused by ``xla``, ``cudnn_gather*`` and ``pallas_tpu_gather*`` (there
         still ``None`` or a positive int).
+      rope: optional ``(cos, sin)``, float32 ``[rows, q_len, head_dim]`` each
+        (:func:`arkv_jax.nnx.rope_tables`): ``q`` and ``k_cur`` are then taken before their rotary
+        embedding and rotated by it (:func:`pallas_kernels.rope.apply_rope`; ``q_len`` must equal
+        ``cur_len``); extras and history keys are read as they are. The ``pallas_tpu*`` backends
+        rotate inside the kernel where they read the chunk token-major
+        (:func:`pallas_kernels.common.token_major_blocks`), the others before the call.
       validate: the value checks of ``pages``, ``lengths`` and an array ``layer``
         (:data:`pallas_kernels.common.VALIDATE_MODES`): ``True`` checks concrete values on the host,
         ``False`` checks none, ``"checkify"`` also checks traced ones with ``checkify.check`` (run
@@ -122,14 +129,19 @@ def window_attention(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, layer=0
     geom = static_validate_inputs(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, layer=layer,
                                   extra_k=extra_k, extra_v=extra_v, scale=scale,
                                   tokens_per_frame=tokens_per_frame, backend=backend,
-                                  block_q=block_q, block_k=block_k)
+                                  block_q=block_q, block_k=block_k, rope=rope)
     check_values(geom, pages, lengths, layer, validate=validate)
     resolved = resolve_backend(backend, dtype=q.dtype, head_dim=geom.head_dim)
     scale = geom.head_dim ** -0.5 if scale is None else float(scale)
     layer = jnp.asarray(layer, jnp.int32)
+    rotation = {}
+    if rope is not None and resolved.name in ROTATES_IN_KERNEL:
+        rotation = {"rope": tuple(rope)}
+    elif rope is not None:
+        q, k_cur = apply_rope(q, rope), apply_rope(k_cur, rope)
     return IMPLEMENTATIONS[resolved.name](q, k_cur, v_cur, extra_k, extra_v, k_pool, v_pool, pages,
                                           lengths, layer, geom=geom, scale=scale, block_q=block_q,
-                                          block_k=block_k, backend=resolved)
+                                          block_k=block_k, backend=resolved, **rotation)
 
 
 # The implementations of the registry, one signature (:data:`IMPLEMENTATIONS`).
@@ -138,9 +150,10 @@ def _xla(*args, geom: WindowGeometry, scale: float, block_q, block_k, backend: B
     return xla.window_attention(*args, geom=geom, scale=scale)
 
 
-def _pallas_tpu(*args, geom: WindowGeometry, scale: float, block_q, block_k, backend: Backend):
+def _pallas_tpu(*args, geom: WindowGeometry, scale: float, block_q, block_k, backend: Backend,
+                rope=None):
     return tpu._attention(*args, geom=geom, scale=scale, block_q=block_q, block_k=block_k,
-                          backend=backend.name)
+                          backend=backend.name, rope=rope)
 
 
 def _pallas_tpu_gather(*args, geom: WindowGeometry, scale: float, block_q, block_k,
@@ -163,6 +176,10 @@ def _pallas_mgpu(*args, geom: WindowGeometry, scale: float, block_q, block_k, ba
     return mosaic_gpu.window_attention(*args, geom=geom, scale=scale, block_kv=int(block_kv))
 
 
+ROTATES_IN_KERNEL = frozenset({"pallas_tpu", "pallas_tpu_interpret", "pallas_tpu_simulate"})
+"""The backends whose implementation also takes ``rope=(cos, sin)`` and rotates the chunk's queries
+and keys itself; :func:`window_attention` rotates them before calling the others."""
+
 IMPLEMENTATIONS: Mapping[str, Callable[..., jax.Array]] = MappingProxyType({
     "xla": _xla,
     "pallas_tpu": _pallas_tpu,
@@ -181,4 +198,5 @@ names): backend name to implementation, each called as ``impl(q, k_cur, v_cur, e
 k_pool, v_pool, pages, lengths, layer, *, geom, scale, block_q, block_k, backend)`` on inputs
 :func:`window_attention` has validated (``layer`` an int32 scalar, ``extra_k``/``extra_v``
 possibly ``None``, ``geom`` the call's :class:`WindowGeometry`, ``scale`` a float, ``backend`` the
-resolved :class:`~pallas_kernels.backend.Backend`), returning the output."""
+resolved :class:`~pallas_kernels.backend.Backend`), returning the output; those of
+:data:`ROTATES_IN_KERNEL` also take ``rope``."""

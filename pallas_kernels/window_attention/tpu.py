@@ -31,6 +31,7 @@ from pallas_kernels.checks import require_int
 from pallas_kernels.common import MASK_VALUE, target_device, token_major_blocks
 from pallas_kernels.layout import QuantizedPool, check_tpu_block_size, page_index
 from pallas_kernels.quantization import dequantize, is_quantized
+from pallas_kernels.rope import apply_rope, rotate_rows
 from pallas_kernels.window_attention.geometry import WindowGeometry, visible_page_count
 from pallas_kernels.window_attention.validation import check_arrays, check_scale
 
@@ -86,13 +87,17 @@ class Geometry(WindowGeometry):
 
     dtype: str
     kv_dtype: str
+    rotates: bool = False
 
     @classmethod
-    def of(cls, geom: WindowGeometry, dtype, kv_dtype=None) -> "Geometry":
-        """``geom`` computed in ``dtype`` over pages of ``kv_dtype`` (default ``dtype``)."""
+    def of(cls, geom: WindowGeometry, dtype, kv_dtype=None, rope: bool = False) -> "Geometry":
+        """``geom`` computed in ``dtype`` over pages of ``kv_dtype`` (default ``dtype``); with
+        ``rope`` the call has rotary tables, which the kernel applies where it reads the chunk
+        token-major (:attr:`rotates`)."""
         name = jnp.dtype(dtype).name
+        rotates = bool(rope) and token_major_blocks(geom.group, geom.head_dim)
         return cls(**dataclasses.asdict(geom), dtype=name,
-                   kv_dtype=name if kv_dtype is None else jnp.dtype(kv_dtype).name)
+                   kv_dtype=name if kv_dtype is None else jnp.dtype(kv_dtype).name, rotates=rotates)
 
     @property
     def itemsize(self) -> int:
@@ -121,7 +126,6 @@ class Geometry(WindowGeometry):
         tail's K (``docs/kernels.md``, the Mosaic TPU kernel, on which layouts cost copies)."""
         return token_major_blocks(self.group, self.head_dim)
 
-
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """Derived, static tiling of one call."""
@@ -138,6 +142,12 @@ class Plan:
     @property
     def q_pad(self) -> int:
         return self.block_q * self.num_q_blocks
+
+    @property
+    def table_rows(self) -> int:
+        """Rows of the rotary tables' one block per row (:attr:`Geometry.rotates`): the tail's
+        and every query block's."""
+        return max(self.tail_pad, self.q_pad)
 
 
 def _round_up(x: int, m: int) -> int:
@@ -171,8 +181,8 @@ def vmem_estimate_bytes(geom: Geometry, plan: Plan) -> int:
     """Scoped VMEM the kernel needs: double-buffered q, output and tail blocks, the double-buffered
     K and V page blocks (8-bit for quantized pages, plus one compute chunk dequantized), the scaled
     queries, the ``m``/``l``/accumulator scratch, the widened tail and pooled remainders where
-    used, and one compute chunk's float32 logits and probabilities (with their cast copy), in
-    bytes."""
+    used, one compute chunk's float32 logits and probabilities (with their cast copy), and where
+    the kernel rotates (:attr:`Geometry.rotates`) its tables and rotated tail K, in bytes."""
     isz, d = geom.itemsize, geom.head_dim
     m = geom.group * plan.block_q
     slots = _round_up(geom.block_size, geom.sublanes)
@@ -189,7 +199,11 @@ def vmem_estimate_bytes(geom: Geometry, plan: Plan) -> int:
     scratch = 2 * m * LANES * 4 + m * _round_up(d, LANES) * (4 + isz)
     chunk = plan.block_q_compute * plan.block_kv_compute * (4 + 4 + isz) \
         + plan.block_kv_compute * (d + v_lanes) * 4 + plan.block_q_compute * v_lanes * 4
-    return blocks + pages + wide_tail + pooled + scratch + chunk
+    # Rotating: the double-buffered float32 tables, the rotated tail K, and a query block's (or a
+    # tail chunk's) float32 rotation temporaries.
+    rotation = (2 * 2 * plan.table_rows * d * 4 + plan.tail_pad * d * isz
+                + 3 * max(m, plan.block_kv_compute) * d * 4) if geom.rotates else 0
+    return blocks + pages + wide_tail + pooled + scratch + chunk + rotation
 
 
 def plan_remainder(geom: Geometry, plan: Plan) -> tuple[int, int]:
@@ -226,14 +240,14 @@ def temp_bound_bytes(geom: Geometry, plan: Plan) -> int:
 
 
 def window_attention(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, layer=0, extra_k=None,
-                     extra_v=None, scale=None, tokens_per_frame=None, generation=None,
+                     extra_v=None, scale=None, tokens_per_frame=None, rope=None, generation=None,
                      block_q=None, block_q_compute=None, block_kv_compute=None,
                      keys_per_block=None, mxu_row_sums=None, interpret: Any = False):
     """The TPU kernel with every tiling knob (the dispatcher exposes ``block_q``/``block_k``).
 
     Args:
       q, k_cur, v_cur, k_pool, v_pool, pages, lengths, layer, extra_k, extra_v, scale,
-        tokens_per_frame: as :func:`pallas_kernels.window_attention.window_attention` (pools in
+        tokens_per_frame, rope: as :func:`pallas_kernels.window_attention.window_attention` (pools in
         :func:`pallas_kernels.layout.pool_shape`, plain or :class:`QuantizedPool` s).
       generation: ``"v5e"`` or ``"v6e"``: which :data:`TUNED_BLOCKS` row and VMEM budget; default
         the default device's generation, ``"v5e"`` off TPU.
@@ -252,30 +266,37 @@ def window_attention(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, layer=0
         range. Page ids, lengths and array layers are checked by the public ``window_attention``.
     """
     geom = check_arrays(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, layer=layer,
-                        extra_k=extra_k, extra_v=extra_v, tokens_per_frame=tokens_per_frame)
+                        extra_k=extra_k, extra_v=extra_v, tokens_per_frame=tokens_per_frame,
+                        rope=rope)
     if interpret is False:
         check_tpu_block_size(geom.block_size)
     scale = check_scale(geom.head_dim ** -0.5 if scale is None else scale)
-    geom = Geometry.of(geom, q.dtype, k_pool.dtype)
-    plan, vmem_limit = plan_call(geom, generation, block_q=block_q,
-                                 block_q_compute=block_q_compute,
-                                 block_kv_compute=block_kv_compute, keys_per_block=keys_per_block,
-                                 mxu_row_sums=mxu_row_sums)
+    geom = Geometry.of(geom, q.dtype, k_pool.dtype, rope=rope is not None)
+    geom, plan, vmem_limit = plan_rotating_call(geom, generation, block_q=block_q,
+                                                block_q_compute=block_q_compute,
+                                                block_kv_compute=block_kv_compute,
+                                                keys_per_block=keys_per_block,
+                                                mxu_row_sums=mxu_row_sums)
     return _window_attention(q, k_cur, v_cur, extra_k, extra_v, k_pool, v_pool, pages, lengths,
-                             jnp.asarray(layer, jnp.int32), geom=geom, plan=plan, scale=scale,
-                             vmem_limit=vmem_limit, interpret=interpret)
+                             jnp.asarray(layer, jnp.int32), _tables(rope), geom=geom, plan=plan,
+                             scale=scale, vmem_limit=vmem_limit, interpret=interpret)
 
 
 def _attention(q, k_cur, v_cur, extra_k, extra_v, k_pool, v_pool, pages, lengths, layer, *,
                geom: WindowGeometry, scale: float, block_q: int | None, block_k: int | None,
-               backend: str):
+               backend: str, rope=None):
     """The dispatcher's entry, private to the package (inputs already validated): ``block_k`` is
     ``keys_per_block``, the history keys of one DMA block; ``backend`` a ``pallas_tpu*`` name."""
-    geom = Geometry.of(geom, q.dtype, k_pool.dtype)
-    plan, vmem_limit = plan_call(geom, None, block_q=block_q, keys_per_block=block_k)
+    geom = Geometry.of(geom, q.dtype, k_pool.dtype, rope=rope is not None)
+    geom, plan, vmem_limit = plan_rotating_call(geom, None, block_q=block_q, keys_per_block=block_k)
     return _window_attention(q, k_cur, v_cur, extra_k, extra_v, k_pool, v_pool, pages, lengths,
-                             layer, geom=geom, plan=plan, scale=scale, vmem_limit=vmem_limit,
-                             interpret=resolve_backend(backend).interpret)
+                             layer, _tables(rope), geom=geom, plan=plan, scale=scale,
+                             vmem_limit=vmem_limit, interpret=resolve_backend(backend).interpret)
+
+
+def _tables(rope):
+    """``rope`` as a tuple (a pytree jit takes alike from a list or a tuple), or ``None``."""
+    return None if rope is None else tuple(rope)
 
 
 def plan_call(geom: Geometry, generation: str | None, **overrides) -> tuple[Plan, int]:
@@ -295,6 +316,24 @@ def plan_call(geom: Geometry, generation: str | None, **overrides) -> tuple[Plan
                          f"{VMEM_BUDGET[generation] >> 20} MiB budget of {generation}; use smaller "
                          "block_q / block_kv_compute / keys_per_block")
     return plan, _vmem_limit(vmem, generation)
+
+
+def plan_rotating_call(geom: Geometry, generation: str | None, **overrides
+                       ) -> tuple[Geometry, Plan, int]:
+    """``(geom, plan, vmem_limit_bytes)``: :func:`plan_call`, where a kernel that would rotate
+    (:attr:`Geometry.rotates`) but whose tables and rotated tail would take the tiling over the
+    generation's VMEM budget (a long tail, e.g. a recache's) is planned without rotating; the
+    wrapper then rotates with XLA first.
+
+    Raises:
+      ValueError: as :func:`plan_call`.
+    """
+    generation = default_generation() if generation is None else generation
+    if geom.rotates:
+        plan = make_plan(geom, resolve_blocks(generation, **overrides))
+        if vmem_estimate_bytes(geom, plan) > VMEM_BUDGET[generation]:
+            geom = dataclasses.replace(geom, rotates=False)
+    return (geom, *plan_call(geom, generation, **overrides))
 
 
 def default_generation() -> str:
@@ -410,6 +449,13 @@ def _kernel(table_ref, nvis_ref, len_ref, layer_ref, q_in, kt_ref, vt_ref, k_hbm
     DMA block (:func:`plan_remainder`) the last two ``extra`` refs are its K and V,
     ``[pages_per_block * rest_rows, D]`` and ``[..., V lanes]``.
 
+    Rotating (``geom.rotates``): ``q_in`` and ``kt_ref`` hold the queries and the chunk's keys
+    before RoPE, two VMEM inputs ``cos_ref``/``sin_ref`` ``[table_rows, D]`` float32 (the tail's
+    rows, every query block's rows among them; extras' rows 1 and 0) come after ``v_hbm`` and
+    the scales, and the ``extra`` ref after the widened tail holds the tail's keys rotated,
+    ``[tail_pad, D]``, filled at a (row, head)'s first query block; each query block is rotated
+    as it is scaled (:func:`pallas_kernels.rope.rotate_rows`).
+
     Quantized pages (``geom.quantized``): an SMEM input ``scale_ref`` ``[2, max_pages]`` (the K and
     V scales of this (row, head)'s page-list entries) comes right after ``v_hbm``; ``kbuf`` and
     ``vbuf`` hold the pages' stored values (``D`` lanes, DMA'd at their stored width), and each
@@ -418,8 +464,10 @@ def _kernel(table_ref, nvis_ref, len_ref, layer_ref, q_in, kt_ref, vt_ref, k_hbm
     matmuls, where the scheduler overlaps it with them.
     """
     scale_ref, refs = (refs[0], refs[1:]) if geom.quantized else (None, refs)
+    (cos_ref, sin_ref), refs = (refs[:2], refs[2:]) if geom.rotates else ((None, None), refs)
     o_ref, kbuf, vbuf, sems, q_ref, m_ref, l_ref, acc_ref, *extra = refs
-    wide_tail, rest_refs = extra[:1] if plan.mxu_row_sums else (), extra[-2:]
+    v_tail = extra.pop(0) if plan.mxu_row_sums else vt_ref
+    k_tail = extra.pop(0) if geom.rotates else kt_ref
     row, head = pl.program_id(0), pl.program_id(1)
     size, ppb, bkc, bqc = geom.block_size, plan.pages_per_block, plan.block_kv_compute, \
         plan.block_q_compute
@@ -428,18 +476,28 @@ def _kernel(table_ref, nvis_ref, len_ref, layer_ref, q_in, kt_ref, vt_ref, k_hbm
     nvis, length, layer = nvis_ref[row], len_ref[row], layer_ref[0]
     num_blocks = lax.div(nvis + ppb - 1, ppb)
     d = geom.head_dim
-    v_tail = wide_tail[0] if plan.mxu_row_sums else vt_ref
     rest, rest_rows = plan_remainder(geom, plan)
-    k_rest, v_rest = rest_refs if rest_rows else (None, None)
+    k_rest, v_rest = extra if rest_rows else (None, None)
+    full_tail = geom.tail_len // bkc
+    tail_pieces = [(c * bkc, bkc) for c in range(full_tail)]
+    if plan.tail_pad > full_tail * bkc:
+        tail_pieces.append((full_tail * bkc, plan.tail_pad - full_tail * bkc))
 
-    def widen():
-        if not geom.quantized:  # Quantized pages are widened as they are dequantized.
-            vbuf[:, :, :, pl.ds(d, LANES)] = jnp.ones(vbuf.shape[:-1] + (LANES,), vbuf.dtype)
-        v_tail[:, pl.ds(0, d)] = vt_ref[...]
-        v_tail[:, pl.ds(d, LANES)] = jnp.ones((plan.tail_pad, LANES), v_tail.dtype)
+    def first_query_block():
+        """The (row, head)'s tail as every query block reads it: V widened by 128 lanes of ones
+        under ``mxu_row_sums``, K rotated where the kernel rotates."""
+        if plan.mxu_row_sums:
+            if not geom.quantized:  # Quantized pages are widened as they are dequantized.
+                vbuf[:, :, :, pl.ds(d, LANES)] = jnp.ones(vbuf.shape[:-1] + (LANES,), vbuf.dtype)
+            v_tail[:, pl.ds(0, d)] = vt_ref[...]
+            v_tail[:, pl.ds(d, LANES)] = jnp.ones((plan.tail_pad, LANES), v_tail.dtype)
+        if geom.rotates:
+            for start, n in tail_pieces:
+                keys = pl.ds(start, n)
+                k_tail[keys] = rotate_rows(kt_ref[keys], cos_ref[keys], sin_ref[keys])
 
-    if plan.mxu_row_sums:
-        pl.when(pl.program_id(2) == 0)(widen)
+    if plan.mxu_row_sums or geom.rotates:
+        pl.when(pl.program_id(2) == 0)(first_query_block)
 
     def update(k, v, masks=None):
         """Online-softmax update of every query sub-block with one chunk of keys ``k``/``v``."""
@@ -565,17 +623,20 @@ def _kernel(table_ref, nvis_ref, len_ref, layer_ref, q_in, kt_ref, vt_ref, k_hbm
 
     # The first history block's DMAs run while the queries are scaled and the tail is computed.
     pl.when(num_blocks > 0)(lambda: for_block(0, 0, "start"))
-    q_ref[...] = (q_in[...].reshape(q_ref.shape).astype(jnp.float32) * q_scale).astype(q_ref.dtype)
+    q = q_in[...].reshape(q_ref.shape)
+    if geom.rotates:
+        own = pl.ds(pl.multiple_of(pl.program_id(2) * plan.block_q, plan.block_q), plan.block_q)
+        q = rotate_rows(q, cos_ref[own], sin_ref[own])
+    q_ref[...] = (q.astype(jnp.float32) * q_scale).astype(q_ref.dtype)
     m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
     l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
     acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
     # The current chunk and extras first: every row then has a real running max before any
     # partly valid history chunk.
-    full_tail = geom.tail_len // bkc
 
     def tail_chunk(c, carry):
         keys = pl.ds(pl.multiple_of(c * bkc, bkc), bkc)
-        update(kt_ref[keys], v_tail[keys])
+        update(k_tail[keys], v_tail[keys])
         return carry
 
     if full_tail:
@@ -584,7 +645,7 @@ def _kernel(table_ref, nvis_ref, len_ref, layer_ref, q_in, kt_ref, vt_ref, k_hbm
         n = plan.tail_pad - full_tail * bkc
         keys = pl.ds(full_tail * bkc, n)
         valid = geom.tail_len - full_tail * bkc
-        update(kt_ref[keys], v_tail[keys], None if valid == n else _prefix_masks(n, [valid]))
+        update(k_tail[keys], v_tail[keys], None if valid == n else _prefix_masks(n, [valid]))
 
     lax.fori_loop(0, num_blocks, history_block, 0)
     # Every lane holds the row sum (mxu_row_sums), or a partial sum.
@@ -593,8 +654,9 @@ def _kernel(table_ref, nvis_ref, len_ref, layer_ref, q_in, kt_ref, vt_ref, k_hbm
 
 
 @functools.partial(jax.jit, static_argnames=("geom", "plan", "scale", "vmem_limit", "interpret"))
-def _window_attention(q, k_cur, v_cur, extra_k, extra_v, k_pool, v_pool, pages, lengths, layer, *,
-                      geom: Geometry, plan: Plan, scale: float, vmem_limit: int, interpret: Any):
+def _window_attention(q, k_cur, v_cur, extra_k, extra_v, k_pool, v_pool, pages, lengths, layer,
+                      rope=None, *, geom: Geometry, plan: Plan, scale: float, vmem_limit: int,
+                      interpret: Any):
     """Wrapper of :func:`_kernel`: hands it ``q`` transposed to ``[rows, kv_heads, group, q_len,
     D]``, the tail (chunk, then extras) K transposed to ``[rows, kv_heads, tail_len, D]``, and the
     tail's V and the output as they are, viewed ``[rows, tokens, heads * D]`` with one head's lanes
@@ -602,22 +664,41 @@ def _window_attention(q, k_cur, v_cur, extra_k, extra_v, k_pool, v_pool, pages, 
     scaling (the kernel scales each query block, and the last query block and tail chunk may run
     past the arrays' ends); builds the page table and the visible counts. For
     quantized pools the kernel takes the stored values as they are and the visible pages' scales
-    (:func:`visible_scales`), one ``[2, max_pages]`` SMEM block per (row, head)."""
+    (:func:`visible_scales`), one ``[2, max_pages]`` SMEM block per (row, head). With ``rope``
+    (``(cos, sin)``) the kernel rotates ``q`` and ``k_cur`` where :attr:`Geometry.rotates`, and
+    they are rotated here (:func:`pallas_kernels.rope.apply_rope`) where not; the rotating kernel
+    reads them token-major too, and the tables (extras' rows 1 and 0) one block per row."""
     rows, hkv, g, d, bq = geom.rows, geom.kv_heads, geom.group, geom.head_dim, plan.block_q
     nqb, m = plan.num_q_blocks, geom.group * plan.block_q
+    if rope is not None and not geom.rotates:
+        q, k_cur = apply_rope(q, rope), apply_rope(k_cur, rope)
     k_tail = jnp.concatenate([k_cur] + ([] if extra_k is None else [extra_k]), axis=1)
     v_tail = jnp.concatenate([v_cur] + ([] if extra_v is None else [extra_v]), axis=1)
-    qh = q.reshape(rows, geom.q_len, hkv, g, d).transpose(0, 2, 3, 1, 4)
-    q_spec = pl.BlockSpec((None, None, g, bq, d), lambda r, h, b, *_: (r, h, 0, b, 0))
-    k_tail = k_tail.transpose(0, 2, 1, 3)
-    k_spec = pl.BlockSpec((None, None, plan.tail_pad, d), lambda r, h, b, *_: (r, h, 0, 0))
+    tables, table_specs = [], []
+    if geom.rotates:  # q and the tail's K token-major too.
+        qh = q.reshape(rows, geom.q_len, hkv * d)
+        q_spec = pl.BlockSpec((None, bq, d), lambda r, h, b, *_: (r, b, h))
+        k_tail = k_tail.reshape(rows, geom.tail_len, hkv * d)
+        k_spec = pl.BlockSpec((None, plan.tail_pad, d), lambda r, h, b, *_: (r, 0, h))
+        tables = list(rope)
+        if geom.num_extra:  # Extras are read as they are: cos 1, sin 0.
+            pad = (rows, geom.num_extra, d)
+            tables = [jnp.concatenate([tables[0], jnp.ones(pad, jnp.float32)], axis=1),
+                      jnp.concatenate([tables[1], jnp.zeros(pad, jnp.float32)], axis=1)]
+        table_specs = [pl.BlockSpec((None, plan.table_rows, d), lambda r, h, b, *_: (r, 0, 0))] * 2
+    else:
+        qh = q.reshape(rows, geom.q_len, hkv, g, d).transpose(0, 2, 3, 1, 4)
+        q_spec = pl.BlockSpec((None, None, g, bq, d), lambda r, h, b, *_: (r, h, 0, b, 0))
+        k_tail = k_tail.transpose(0, 2, 1, 3)
+        k_spec = pl.BlockSpec((None, None, plan.tail_pad, d), lambda r, h, b, *_: (r, h, 0, 0))
     if geom.token_major:  # [rows, tokens, heads * D]: a block is one head's lanes.
         v_tail = v_tail.reshape(rows, v_tail.shape[1], hkv * d)
         v_spec = pl.BlockSpec((None, plan.tail_pad, d), lambda r, h, b, *_: (r, 0, h))
         out_spec = pl.BlockSpec((None, bq, d), lambda r, h, b, *_: (r, b, h))
         out_shape = (rows, geom.q_len, hkv * d)
     else:
-        v_tail, v_spec = v_tail.transpose(0, 2, 1, 3), k_spec
+        v_tail = v_tail.transpose(0, 2, 1, 3)
+        v_spec = pl.BlockSpec((None, None, plan.tail_pad, d), lambda r, h, b, *_: (r, h, 0, 0))
         out_spec, out_shape = q_spec, (rows, hkv, g, geom.q_len, d)
 
     lengths = lengths.astype(jnp.int32)
@@ -635,8 +716,10 @@ def _window_attention(q, k_cur, v_cur, extra_k, extra_v, k_pool, v_pool, pages, 
         in_specs.append(pl.BlockSpec((None, None, 2, geom.max_pages), lambda r, h, b, *_: (r, h, 0, 0),
                                      memory_space=pltpu.SMEM))
         k_buf = v_buf = pltpu.VMEM((*pages_shape, d), k_pool.dtype)
+    in_specs += table_specs
     wide_tail = ([pltpu.VMEM((plan.tail_pad, plan_v_lanes(geom, plan)), q.dtype)]
                  if plan.mxu_row_sums else [])
+    rotated_tail = [pltpu.VMEM((plan.tail_pad, d), q.dtype)] if geom.rotates else []
     rest_rows = plan.pages_per_block * plan_remainder(geom, plan)[1]
     pooled_rest = ([pltpu.VMEM((rest_rows, d), q.dtype),
                     pltpu.VMEM((rest_rows, plan_v_lanes(geom, plan)), q.dtype)] if rest_rows else [])
@@ -652,13 +735,14 @@ def _window_attention(q, k_cur, v_cur, extra_k, extra_v, k_pool, v_pool, pages, 
                             pltpu.VMEM((m, d), q.dtype),
                             pltpu.VMEM((m, LANES), jnp.float32),
                             pltpu.VMEM((m, LANES), jnp.float32),
-                            pltpu.VMEM((m, d), jnp.float32), *wide_tail, *pooled_rest]),
+                            pltpu.VMEM((m, d), jnp.float32), *wide_tail, *rotated_tail,
+                            *pooled_rest]),
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "arbitrary"),
             vmem_limit_bytes=vmem_limit),
         interpret=interpret,
         name="window_attention_tpu",
-    )(table, nvis, lengths, layer.reshape(1), qh, k_tail, v_tail, *pools)
+    )(table, nvis, lengths, layer.reshape(1), qh, k_tail, v_tail, *pools, *tables)
     if not geom.token_major:
         out = out.transpose(0, 3, 1, 2, 4)
     return out.reshape(rows, geom.q_len, geom.num_q_heads, d)

@@ -47,7 +47,7 @@ from pallas_kernels.window_attention.geometry import WindowGeometry
 
 def static_validate_inputs(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, layer=0,
                            extra_k=None, extra_v=None, scale=None, tokens_per_frame=None,
-                           backend="auto", block_q=None, block_k=None) -> WindowGeometry:
+                           backend="auto", block_q=None, block_k=None, rope=None) -> WindowGeometry:
     """Checks everything about a ``window_attention`` call that does not depend on array values.
 
     Takes ``window_attention``'s arguments; any array may be a tracer or a ``ShapeDtypeStruct``.
@@ -78,12 +78,14 @@ def static_validate_inputs(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, l
 
     Raises:
       ValueError: a bad rank, shape, dtype, head count, frame size, layer rank, a Python-int
-        ``layer`` out of ``[0, num_layers)``, scale, backend name or tile size; quantized pools on
-        a backend that does not read them.
-      TypeError: a non-array input or a ``layer`` that is not an integer.
+        ``layer`` out of ``[0, num_layers)``, scale, backend name, tile size or ``rope`` table;
+        quantized pools on a backend that does not read them.
+      TypeError: a non-array input, a ``layer`` that is not an integer, a ``rope`` that is not a
+        pair.
     """
     geom = check_arrays(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, layer=layer,
-                        extra_k=extra_k, extra_v=extra_v, tokens_per_frame=tokens_per_frame)
+                        extra_k=extra_k, extra_v=extra_v, tokens_per_frame=tokens_per_frame,
+                        rope=rope)
     resolved = resolve_backend(backend, dtype=q.dtype, head_dim=geom.head_dim)
     if is_quantized_pool(k_pool):
         check_quantized_pools("window_attention", backend, resolved)
@@ -141,7 +143,7 @@ def check_mosaic_tiling(geom: WindowGeometry, dtype, block_q, block_kv, stages: 
 
 def dynamic_validate_inputs(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, layer=0,
                             extra_k=None, extra_v=None, scale=None, tokens_per_frame=None,
-                            backend="auto", block_q=None, block_k=None) -> None:
+                            backend="auto", block_q=None, block_k=None, rope=None) -> None:
     """:func:`static_validate_inputs`, then the values read on the host: ``layer`` in
     ``[0, num_layers)``, every ``pages`` entry in ``[0, num_pages)``, every length in
     ``[0, capacity]``.
@@ -156,7 +158,7 @@ def dynamic_validate_inputs(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, 
     geom = static_validate_inputs(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, layer=layer,
                                   extra_k=extra_k, extra_v=extra_v, scale=scale,
                                   tokens_per_frame=tokens_per_frame, backend=backend,
-                                  block_q=block_q, block_k=block_k)
+                                  block_q=block_q, block_k=block_k, rope=rope)
     _check_values(geom, pages, lengths, layer, lambda _: "host")
 
 
@@ -188,21 +190,46 @@ def _check_values(geom: WindowGeometry, pages, lengths, layer, mode_of) -> None:
 
 
 def check_arrays(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, layer=0, extra_k=None,
-                 extra_v=None, tokens_per_frame=None) -> WindowGeometry:
+                 extra_v=None, tokens_per_frame=None, rope=None) -> WindowGeometry:
     """The array part of :func:`static_validate_inputs` (no backend options); returns the geometry.
     Pools may be plain arrays or :class:`~pallas_kernels.layout.QuantizedPool` s (both alike).
 
     Raises:
       ValueError: a bad rank, shape, dtype, head count, frame size or layer rank; a Python-int
-        ``layer`` out of ``[0, num_layers)``; a malformed pair of quantized pools.
-      TypeError: a non-array input; a ``layer`` that is not an integer (``1.9``, ``True``).
+        ``layer`` out of ``[0, num_layers)``; a malformed pair of quantized pools; a bad ``rope``
+        (:func:`check_rope`).
+      TypeError: a non-array input; a ``layer`` that is not an integer (``1.9``, ``True``); a
+        ``rope`` that is not a pair.
     """
     check_pool_pair(k_pool, v_pool)
     geom = _check_shapes(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, extra_k, extra_v,
                          tokens_per_frame)
     _check_dtypes(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, extra_k, extra_v)
     require_index("layer", layer, geom.num_layers, "k_pool.shape[0]")
+    check_rope(rope, geom)
     return geom
+
+
+def check_rope(rope, geom: WindowGeometry) -> None:
+    """``rope`` is ``None`` or ``(cos, sin)``, float32 arrays ``[rows, q_len, head_dim]``, and the
+    queries are the chunk's own tokens (``q_len == cur_len``), as the tables rotate both.
+
+    Raises:
+      TypeError: ``rope`` not a pair, or ``cos``/``sin`` not arrays.
+      ValueError: a table's shape or dtype, or ``q_len != cur_len``.
+    """
+    if rope is None:
+        return
+    if not isinstance(rope, (tuple, list)) or len(rope) != 2:
+        raise TypeError(f"rope must be None or a (cos, sin) pair of arrays, got {type(rope).__name__}")
+    if geom.q_len != geom.cur_len:
+        raise ValueError(f"rope rotates the queries and the chunk's keys at the same positions: "
+                         f"q_len={geom.q_len} must equal cur_len={geom.cur_len}")
+    for name, table in zip(("rope[0] (cos)", "rope[1] (sin)"), rope):
+        check_rank(name, table, 3, "[rows, q_len, head_dim]")
+        _expect(name, table.shape, (geom.rows, geom.q_len, geom.head_dim))
+        if table.dtype != jnp.float32:
+            raise ValueError(f"{name}.dtype must be float32, got {jnp.dtype(table.dtype).name}")
 
 
 def _check_shapes(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, extra_k, extra_v,

@@ -264,6 +264,28 @@ def test_attention_compiles_without_pool_copies(gen, preset, rows):
 @needs_libtpu
 @pytest.mark.slow
 @pytest.mark.parametrize("gen", GENERATIONS)
+def test_the_rotating_kernel_takes_the_chunk_as_projected(gen):
+    """Given rotary tables at wan-1.3b (one query head per KV head, head dim 128), the kernel
+    rotates the queries and the chunk's keys itself and reads them, V and its output as the DiT's
+    projections lay them out: compiled, no pool is copied and the temporaries stay under one
+    chunk activation (the head-major queries and keys of a call without tables are two)."""
+    geom, shape, specs = attention_call("wan-1.3b", 1)
+    tables = [((geom.rows, geom.q_len, geom.head_dim), "float32")] * 2
+
+    def attend(q, kc, vc, kp, vp, pages, lengths, layer, cos, sin):
+        return twa.window_attention(q, kc, vc, kp, vp, pages, lengths, layer=layer, rope=(cos, sin),
+                                    tokens_per_frame=geom.tokens_per_frame, generation=gen)
+
+    fn, projected = tpu_compile.as_projected(attend, specs + tables)
+    rep = tpu_aot.report(tpu_aot.compile_for_tpu(fn, projected, gen), [shape])
+    assert twa.Geometry.of(geom, BF16, rope=True).rotates
+    assert rep.pool_copies == 0
+    assert rep.temp_bytes < geom.rows * geom.q_len * geom.num_q_heads * geom.head_dim * 2
+
+
+@needs_libtpu
+@pytest.mark.slow
+@pytest.mark.parametrize("gen", GENERATIONS)
 @pytest.mark.parametrize("preset", MODEL_PRESETS)
 def test_the_public_entry_compiles_at_each_model_preset(gen, preset):
     """``window_attention(backend="pallas_tpu")``, the call the cache makes (no tiles or generation

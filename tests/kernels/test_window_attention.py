@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.layout import KV_HEAD_AXIS, page_mask, pool_shape, slot_mask
+from pallas_kernels.rope import apply_rope
 from pallas_kernels.window_attention import (
     WindowGeometry,
     dynamic_validate_inputs,
@@ -398,6 +399,45 @@ DYNAMIC_ERRORS = [
     (lambda c: dict(lengths=c["lengths"].at[0].set(-2)), r"lengths\[0\]=-2 .* allowed \[0, 48\]"),
     (lambda c: dict(layer=jnp.int32(LAYERS)), r"layer=2 is out of range; allowed \[0, 2\)"),
 ]
+
+
+def rope_case(extra=0, num_q_heads=8):
+    """A case whose queries are the chunk's own tokens, its rotary tables (random angles, one per
+    feature pair) and the same case rotated."""
+    case, owned = make_case(extra=extra, num_q_heads=num_q_heads, cur_frames=2)
+    rows, cur = case["k_cur"].shape[:2]
+    case = dict(case, q=case["q"][:, :cur])
+    angles = np.repeat(np.random.default_rng(5).uniform(-np.pi, np.pi, (rows, cur, HEAD_DIM // 2)), 2, -1)
+    rope = (jnp.asarray(np.cos(angles), jnp.float32), jnp.asarray(np.sin(angles), jnp.float32))
+    rotated = dict(case, q=apply_rope(case["q"], rope), k_cur=apply_rope(case["k_cur"], rope))
+    return case, owned, rope, rotated
+
+
+@pytest.mark.parametrize("backend", FAST_BACKENDS)
+def test_rope_is_applied_to_the_chunk_only(backend):
+    """``rope``: the queries and the chunk's keys are rotated (before the call or in the kernel),
+    the extras and the history keys are read as they are."""
+    case, owned, rope, rotated = rope_case(extra=3)
+    check(dict(poisoned(case, owned), rope=rope), backend, expected=rotated)
+
+
+ROPE_ERRORS = [
+    (lambda c, r: dict(rope=r[0]), TypeError, r"rope must be None or a \(cos, sin\) pair"),
+    (lambda c, r: dict(rope=(r[0], "sin")), TypeError, r"rope\[1\] \(sin\) must be an array"),
+    (lambda c, r: dict(rope=(r[0][:, :5], r[1])), ValueError, r"rope\[0\] \(cos\).shape=.* does not match"),
+    (lambda c, r: dict(rope=(r[0], r[1].astype(jnp.bfloat16))), ValueError,
+     r"rope\[1\] \(sin\).dtype must be float32, got bfloat16"),
+    (lambda c, r: dict(rope=r, q=jnp.concatenate([c["q"], c["q"][:, :1]], axis=1)), ValueError,
+     r"q_len=33 must equal cur_len=32"),
+]
+
+
+@pytest.mark.parametrize("validate", [window_attention, static_validate_inputs])
+@pytest.mark.parametrize("change,error,message", ROPE_ERRORS)
+def test_rope_errors(change, error, message, validate):
+    case, _, rope, _ = rope_case()
+    with pytest.raises(error, match=message):
+        validate(**dict(case, **change(case, rope)), backend="xla")
 
 
 @pytest.mark.parametrize("validate", [window_attention, static_validate_inputs,

@@ -21,7 +21,8 @@ import pytest
 from pallas_kernels.backend import tpu_simulator_params
 from pallas_kernels.layout import page_mask, pool_geometry, pool_shape, slot_mask
 from pallas_kernels.quantization import QUANTIZED_DTYPES
-from pallas_kernels.window_attention import window_attention_reference
+from pallas_kernels.rope import apply_rope
+from pallas_kernels.window_attention import WindowGeometry, tpu, window_attention_reference
 from pallas_kernels.window_attention.tpu import window_attention
 from tests.tiers import slow_except
 
@@ -141,6 +142,55 @@ def test_extras_frame_padding_and_poison(num_q_heads, tiles=SMALL):
     case, owned = make_case(committed=(0, 2, 5), window=Window(tokens_per_frame=24), extra=3,
                             num_q_heads=num_q_heads)
     check(poisoned(case, owned), expected=case, **tiles)
+
+
+def rope_for(case: dict, seed=1) -> tuple[jax.Array, jax.Array]:
+    """Random rotary tables ``(cos, sin)`` for the chunk of ``case``: one angle per feature pair."""
+    rows, cur, _, d = case["k_cur"].shape
+    angles = np.repeat(np.random.default_rng(seed).uniform(-np.pi, np.pi, (rows, cur, d // 2)), 2, axis=-1)
+    return jnp.asarray(np.cos(angles), jnp.float32), jnp.asarray(np.sin(angles), jnp.float32)
+
+
+@pytest.mark.parametrize("num_q_heads,extra,dtype", [
+    (KV_HEADS, 0, jnp.float32), (KV_HEADS, 3, jnp.bfloat16), (2 * KV_HEADS, 3, jnp.float32)],
+    ids=["token_major", "token_major_extras_bf16", "gqa_extras"])
+def test_rope_rotates_the_chunk_before_it_attends(num_q_heads, extra, dtype):
+    """With ``rope`` the queries and the chunk's keys come before RoPE; the kernel (which rotates
+    them in VMEM where it reads them token-major, else after XLA's rotation) matches the
+    reference on the rotated chunk; extras and history keys are read as they are. Two query
+    blocks; the tables' block (40 rows) is longer than the tail (35)."""
+    case, owned = make_case(committed=(0, 2, 6), extra=extra, num_q_heads=num_q_heads, dtype=dtype,
+                            cur_frames=2)
+    case = dict(case, q=case["q"][:, :case["k_cur"].shape[1]])
+    rope = rope_for(case)
+    rotated = dict(case, q=apply_rope(case["q"], rope), k_cur=apply_rope(case["k_cur"], rope))
+    check(dict(poisoned(case, owned), rope=rope), expected=rotated, **SMALL)
+
+
+@pytest.mark.parametrize("tokens,gen,rotates", [(4680, "v5e", True), (4680, "v6e", True),
+                                                (14040, "v5e", True), (14040, "v6e", False)])
+def test_the_kernel_rotates_where_its_tables_fit(tokens, gen, rotates):
+    """Wan-1.3B's 3-frame chunk is rotated in the kernel on both chips; a 9-frame recache's tables
+    and rotated tail would take v6e's tuned tiling over its VMEM budget, so there XLA rotates first
+    and the call is planned as one without tables."""
+    geom = WindowGeometry(1, tokens, 12, 12, 128, tokens, 0, 30, 100, 1560, 12, 1560)
+    call, plan, _ = tpu.plan_rotating_call(tpu.Geometry.of(geom, jnp.bfloat16, rope=True), gen)
+    assert call.rotates == rotates
+    assert tpu.vmem_estimate_bytes(call, plan) <= tpu.VMEM_BUDGET[gen]
+    assert not tpu.plan_rotating_call(tpu.Geometry.of(geom, jnp.bfloat16), gen)[0].rotates
+
+
+@pytest.mark.slow
+def test_rope_under_the_simulator():
+    """The rotating kernel under the TPU simulator: the rotated tail written at a (row, head)'s
+    first query block is read by the later ones without a race; no read out of bounds."""
+    case, owned = make_case(committed=(0, 1, 4), window=Window(sink=1, recent=1, tokens_per_frame=24),
+                            extra=3, num_q_heads=KV_HEADS)
+    case = dict(case, q=case["q"][:, :case["k_cur"].shape[1]])
+    rope = rope_for(case)
+    rotated = dict(case, q=apply_rope(case["q"], rope), k_cur=apply_rope(case["k_cur"], rope))
+    check(dict(poisoned(case, owned), rope=rope), interpret=tpu_simulator_params(), expected=rotated,
+          block_q=8, block_q_compute=8, block_kv_compute=128, keys_per_block=32)
 
 
 @pytest.mark.slow
