@@ -236,7 +236,7 @@ class PagedSelfAttention(_HeadProjections):
           the commit forward writes to the pool.
         """
         batch, n, _ = x.shape
-        q = self.q(x)
+        q = _row_major_on_tpu(self.q(x))
         if self.norm_q is not None:
             q = self.norm_q(q)
         k, v = self._normed_kv(x)
@@ -252,7 +252,7 @@ class PagedSelfAttention(_HeadProjections):
     def _normed_kv(self, x: Array) -> tuple[Array, Array]:
         """``(k, v)`` ``[B, N, Hkv, D]`` of ``x``, ``k`` normed, before RoPE."""
         batch, n, _ = x.shape
-        k = self.k(x)
+        k = _row_major_on_tpu(self.k(x))
         if self.norm_k is not None:
             k = self.norm_k(k)
         v = _row_major_on_tpu(self.v(x))
@@ -261,9 +261,10 @@ class PagedSelfAttention(_HeadProjections):
 
 
 def _row_major_on_tpu(x: Array) -> Array:
-    """``x`` pinned to its row-major layout when the program is built for a TPU, as the attention
-    kernels read it: a v5e's XLA otherwise lays V's projection out head-major and relays it out
-    twice a layer-forward (``docs/kernels.md``). Other platforms take ``x`` as it is."""
+    """A q, k or v projection ``x`` pinned to its row-major layout when the program is built for a
+    TPU, as the attention kernel reads it: a v5e's XLA otherwise lays V out head-major, and q and
+    K token-minor around their norms, and relays each out twice a layer-forward
+    (``docs/kernels.md``). Other platforms take ``x`` as it is."""
     if target_device().platform != "tpu":
         return x
     return with_layout_constraint(x, Layout(major_to_minor=tuple(range(x.ndim))))

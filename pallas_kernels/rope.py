@@ -36,7 +36,7 @@ def rotate_rows(x: Array, cos: Array, sin: Array) -> Array:
     select (no MXU op); returned in ``x``'s dtype."""
     d = x.shape[-1]
     x32 = x.astype(jnp.float32)
-    even = lax.rem(lax.broadcasted_iota(jnp.int32, x32.shape, 1), 2) == 0
+    even = lax.rem(lax.broadcasted_iota(jnp.int32, (1, d), 1), 2) == 0  # broadcast over rows
     following, preceding = pltpu.roll(x32, d - 1, 1), pltpu.roll(x32, 1, 1)  # x[c + 1], x[c - 1]
     swapped = jnp.where(even, -following, preceding)
     return (x32 * cos + swapped * sin).astype(x.dtype)
