@@ -112,13 +112,17 @@ def attention_cycles(tree, trips: dict, bundles) -> tuple[float, float, str]:
     (``PF``, :func:`_fast_own`); with several it is a sub-block loop (``sub_blocks`` trips), a child
     without MXU loops of its own: the tail-chunk loop has one, each piece of the page loop a pair,
     the history-block loop the pooled remainder's pair, the grid loop the tail remainder's one.
+    Work a (row, head) does at its first query block only, the tail's rotation where the kernel
+    rotates (the grid loop's segment without MXU ops and with lane rotations, :func:`_fast_own`),
+    counts once per ``trips["q_blocks"]`` steps.
     """
     grid, sub, dma = tree[0], trips["sub_blocks"], trips["pages_per_block"]
     pooled = trips["pooled_masked"]
 
-    def cost(node, loop_trips: int, kind: str) -> int:
+    def cost(node, loop_trips: int, kind: str) -> float:
         kids = node["children"]
-        per = _fast_own(bundles, node, pooled and kind == "history" and sub == 1)
+        per = _fast_own(bundles, node, pooled and kind == "history" and sub == 1,
+                        trips["q_blocks"] if kind == "grid" else 1)
         per += sum(cost(c, dma, "dma") for c in kids if not _with_mxu(c))
         leaves = [c for c in kids if _with_mxu(c) and not _mxu_children(c)]
         nested = [c for c in kids if _with_mxu(c) and _mxu_children(c)]
@@ -136,9 +140,9 @@ def attention_cycles(tree, trips: dict, bundles) -> tuple[float, float, str]:
     tail_cycles = sum(cost(t, trips["full_tail"], "tail") for t in tails)
     hist = cost(history, trips["blocks"], "history")
     rest = cost(dict(grid, children=[c for c in grid["children"] if c not in loops]), 1, "grid")
-    note = (f"grid loop {rest} bundles/step (DMA issue and tail remainder included); tail chunk loop "
-            f"x{trips['full_tail']} of {[cost(t, 1, 'tail') for t in tails]}; {trips['blocks']} history "
-            f"blocks of {hist // max(trips['blocks'], 1)} bundles ({trips['pages']} pages each; "
+    note = (f"grid loop {rest:.0f} bundles/step (DMA issue and tail remainder included); tail chunk loop "
+            f"x{trips['full_tail']} of {[round(cost(t, 1, 'tail')) for t in tails]}; {trips['blocks']} history "
+            f"blocks of {hist / max(trips['blocks'], 1):.0f} bundles ({trips['pages']} pages each; "
             f"{sub} sub-block(s); unmasked path)")
     return rest + tail_cycles + hist, tail_cycles, note
 
@@ -152,11 +156,12 @@ def span(node) -> int:
     return node["own"] + sum(span(c) for c in node["children"])
 
 
-def _fast_own(bundles, node, pooled: bool) -> int:
+def _fast_own(bundles, node, pooled: bool, q_blocks: int = 1) -> float:
     """Bundles of ``node``'s body outside its child loops on the fast path (see
     :func:`attention_cycles`): segments cut at ``PF`` markers; segments with MXU ops pair up as
     (unmasked, masked) chunk regions and the unmasked one counts, or for the last pair the masked
-    one when ``pooled``; every other segment counts whole."""
+    one when ``pooled``; a segment with lane rotations and no MXU op (the tail's rotation at a
+    (row, head)'s first query block) counts ``1 / q_blocks``; every other segment counts whole."""
     start, end = node["start"], node["start"] + span(node)
     inside = set()
     for child in node["children"]:
@@ -173,7 +178,10 @@ def _fast_own(bundles, node, pooled: bool) -> int:
     skipped = set(chunks[1::2])
     if pooled and len(chunks) >= 2:
         skipped = (skipped - {chunks[-1]}) | {chunks[-2]}
-    return sum(len(seg) for k, seg in enumerate(segments) if k not in skipped)
+    first_block = {k for k, seg in enumerate(segments) if k not in chunks
+                   and any("vrot" in bundles[i][2] for i in seg)}
+    return sum(len(seg) / (q_blocks if k in first_block else 1)
+               for k, seg in enumerate(segments) if k not in skipped)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,6 +213,7 @@ def loop_trips(geom, plan) -> dict:
     rest, rest_rows = twa.plan_remainder(geom, plan)
     pages = plan.pages_per_block // plan.pages_per_chunk if plan.pages_per_chunk else plan.pages_per_block
     return dict(full_tail=geom.tail_len // plan.block_kv_compute, pages_per_block=plan.pages_per_block,
+                q_blocks=plan.num_q_blocks,
                 sub_blocks=geom.group * plan.block_q // plan.block_q_compute,
                 blocks=-(-geom.max_pages // plan.pages_per_block), pages=pages,
                 pooled_masked=bool(rest_rows and rest_rows != rest))
