@@ -3,7 +3,7 @@
 The functional core is plain functions on arrays, usable from NNX, linen or bare JAX: Wan's 3-D
 rotary positions (:func:`token_positions`, :func:`rope_tables`, :func:`apply_rope`: absolute frame,
 patch-grid row and column; keys are rotated *before* they are stored, so history keys are read as
-they are), a :class:`History` (``attend(q, k, v, layer, rope)``; :class:`PagedHistory` reads the visible
+they are), a :class:`History` (``attend(q, k, v, layer, rope, qk_norm)``; :class:`PagedHistory` reads the visible
 pages and the current chunk through :func:`pallas_kernels.window_attention` and never writes the
 pool; the reference's is :class:`arkv_jax.reference.MaskedHistory`) and dense GQA attention
 (:func:`masked_attention`). The NNX modules wrap them: :class:`PagedSelfAttention` returns the output
@@ -31,7 +31,7 @@ from pallas_kernels.common import target_device
 from pallas_kernels.context_attention import context_attention
 from pallas_kernels.context_attention.xla import attention as dense_attention
 from pallas_kernels.layout import is_quantized_pool
-from pallas_kernels.rope import apply_rope
+from pallas_kernels.rope import apply_rope, inverse_rms, normalize
 
 Array = jax.Array
 
@@ -108,12 +108,15 @@ class History(Protocol):
     a forward's attention runs on."""
 
     def attend(self, q: Array, k: Array, v: Array, layer: Array,
-               rope: tuple[Array, Array] | None = None) -> Array:
+               rope: tuple[Array, Array] | None = None,
+               qk_norm: tuple[Array, Array, Array, Array] | None = None) -> Array:
         """Attention output ``[B, N, Hq, D]`` of the current tokens' ``q`` (``[B, N, Hq, D]``) over
         the history of pool layer ``layer`` (int scalar, may be traced) and the current ``k``/``v``
-        (``[B, N, Hkv, D]``). ``q`` and ``k`` are post-RoPE, or with ``rope`` (``(cos, sin)``
-        of :func:`rope_tables`) before it, and are rotated by it (:func:`apply_rope`; a kernel may
-        do it as it reads them). History keys are stored post-RoPE."""
+        (``[B, N, Hkv, D]``). ``q`` and ``k`` are as attended, or, with ``qk_norm``
+        (``(q_inv_rms, k_inv_rms, q_gain, k_gain)``) and/or ``rope`` (``(cos, sin)`` of
+        :func:`rope_tables`), before those: normalized, then rotated
+        (:func:`pallas_kernels.rope.prepare_qk`; a kernel may do it as it reads them). History
+        keys are stored prepared."""
 
     def attend_context(self, q: Array, k: Array, v: Array) -> Array:
         """Attention output ``[B, N, Hq, D]`` of ``q`` over every token of a cached context
@@ -150,14 +153,16 @@ class PagedHistory:
         return cls(pools[0], pools[1], inputs.pages, inputs.lengths, tokens_per_frame, backend, mesh)
 
     def attend(self, q: Array, k: Array, v: Array, layer: Array,
-               rope: tuple[Array, Array] | None = None) -> Array:
+               rope: tuple[Array, Array] | None = None,
+               qk_norm: tuple[Array, Array, Array, Array] | None = None) -> Array:
         """See :class:`History`; ``q``/``k``/``v`` are cast to the pool dtype for the kernel (kept in
-        ``q``'s dtype over quantized pools, which the kernel dequantizes to it); ``rope`` goes to
-        the kernel (``window_attention``'s ``rope``)."""
+        ``q``'s dtype over quantized pools, which the kernel dequantizes to it); ``rope`` and
+        ``qk_norm`` go to the kernel (``window_attention``'s)."""
         dtype = q.dtype if is_quantized_pool(self.k_pool) else self.k_pool.dtype
         args = (q.astype(dtype), k.astype(dtype), v.astype(dtype), self.k_pool, self.v_pool, self.pages,
                 self.lengths)
-        kw = dict(layer=layer, tokens_per_frame=self.tokens_per_frame, backend=self.backend, rope=rope)
+        kw = dict(layer=layer, tokens_per_frame=self.tokens_per_frame, backend=self.backend, rope=rope,
+                  qk_norm=qk_norm)
         if self.mesh is None:
             out = window_attention(*args, **kw)
         else:
@@ -237,27 +242,35 @@ class PagedSelfAttention(_HeadProjections):
         """
         batch, n, _ = x.shape
         q = _row_major_on_tpu(self.q(x))
+        k, v = self._projected_kv(x)
+        qk_norm = None
         if self.norm_q is not None:
-            q = self.norm_q(q)
-        k, v = self._normed_kv(x)
-        out = history.attend(q.reshape(batch, n, self.num_heads, self.head_dim), k, v, layer, rope)
-        return self.o(out.reshape(batch, n, -1)), (apply_rope(k, rope), v)
+            qk_norm = (inverse_rms(q, self.norm_q.epsilon), self._k_inv_rms(k), self.norm_q.scale[...],
+                       self.norm_k.scale[...])
+        q = q.reshape(batch, n, self.num_heads, self.head_dim)
+        out = history.attend(q, k, v, layer, rope, qk_norm)
+        return self.o(out.reshape(batch, n, -1)), (self._prepared_k(k, rope), v)
 
     def kv(self, x: Array, rope: tuple[Array, Array]) -> tuple[Array, Array]:
         """``(k, v)``, each ``[B, N, Hkv, D]`` (``k`` normed and post-RoPE), of ``x`` ``[B, N, dim]``:
         what :meth:`__call__` returns, without the attention."""
-        k, v = self._normed_kv(x)
-        return apply_rope(k, rope), v
+        k, v = self._projected_kv(x)
+        return self._prepared_k(k, rope), v
 
-    def _normed_kv(self, x: Array) -> tuple[Array, Array]:
-        """``(k, v)`` ``[B, N, Hkv, D]`` of ``x``, ``k`` normed, before RoPE."""
-        batch, n, _ = x.shape
-        k = _row_major_on_tpu(self.k(x))
+    def _projected_kv(self, x: Array) -> tuple[Array, Array]:
+        """The raw projections ``(k, v)`` ``[B, N, Hkv, D]`` of ``x``."""
+        split = (*x.shape[:2], self.num_kv_heads, self.head_dim)
+        return _row_major_on_tpu(self.k(x)).reshape(split), _row_major_on_tpu(self.v(x)).reshape(split)
+
+    def _k_inv_rms(self, k: Array) -> Array:
+        """The inverse RMS ``[B, N]`` of the raw keys ``k`` ``[B, N, Hkv, D]`` (over all heads)."""
+        return inverse_rms(k.reshape(*k.shape[:2], -1), self.norm_k.epsilon)
+
+    def _prepared_k(self, k: Array, rope: tuple[Array, Array]) -> Array:
+        """The raw keys ``k`` normed (where the layer has the QK norm) and rotated: as stored."""
         if self.norm_k is not None:
-            k = self.norm_k(k)
-        v = _row_major_on_tpu(self.v(x))
-        split = (batch, n, self.num_kv_heads, self.head_dim)
-        return k.reshape(split), v.reshape(split)
+            k = normalize(k, self._k_inv_rms(k), self.norm_k.scale[...])
+        return apply_rope(k, rope)
 
 
 def _row_major_on_tpu(x: Array) -> Array:

@@ -510,8 +510,8 @@ def context_geometry(pipeline: Pipeline, rows: int) -> ContextGeometry:
 
 def attention_pricer(pipeline: Pipeline, generation: str) -> KernelPricer:
     """Prices the chunk program's and the VAE decode's Mosaic calls for ``generation``: the paged
-    window-attention kernel at :func:`attention_geometry` (with the rotary tables the DiT hands
-    it), the context-attention kernel at
+    window-attention kernel at :func:`attention_geometry` (with the QK norms and rotary tables the
+    DiT hands it), the context-attention kernel at
     :func:`context_geometry` and each causal or upsampling convolution at the geometry its kernel
     name spells (:func:`pallas_kernels.causal_conv.geometry_of_kernel`,
     :func:`pallas_kernels.upsample_conv.geometry_of_kernel`; ``rows`` is unused), each by its bundle
@@ -522,9 +522,9 @@ def attention_pricer(pipeline: Pipeline, generation: str) -> KernelPricer:
         for convolution in (causal_conv, upsample_conv):
             if name.startswith(convolution.KERNEL_PREFIX):
                 return _kernel_seconds(convolution.geometry_of_kernel(name), pipeline.vae.dtype, generation)
-        if name == "window_attention_tpu":  # The DiT hands it the chunk before RoPE, and the tables.
+        if name == "window_attention_tpu":  # The DiT hands it the raw chunk, its norms and tables.
             return _kernel_seconds(attention_geometry(pipeline, rows), pipeline.dit.dtype, generation,
-                                   pipeline.preset.geometry.page_dtype, rope=True)
+                                   pipeline.preset.geometry.page_dtype, rope=True, qk_norm=True)
         if name == "context_attention_tpu":
             return _kernel_seconds(context_geometry(pipeline, rows), pipeline.dit.dtype, generation)
         raise ValueError(f"no estimate for the Mosaic kernel {name!r}")
@@ -534,10 +534,11 @@ def attention_pricer(pipeline: Pipeline, generation: str) -> KernelPricer:
 
 @functools.lru_cache(maxsize=None)
 def _kernel_seconds(geom: WindowGeometry | ContextGeometry | ConvGeometry | UpsampleGeometry, dtype: str,
-                    generation: str, kv_dtype: str | None = None, rope: bool = False) -> float:
+                    generation: str, kv_dtype: str | None = None, rope: bool = False,
+                    qk_norm: bool = False) -> float:
     from pallas_kernels.window_attention import tpu_estimate
 
-    return tpu_estimate.estimate(geom, dtype, generation, kv_dtype, rope).seconds
+    return tpu_estimate.estimate(geom, dtype, generation, kv_dtype, rope, qk_norm).seconds
 
 
 def commit_seconds(pipeline: Pipeline, sessions: int, generation: str) -> float:

@@ -23,8 +23,9 @@ from arkv_jax import samplers
 from arkv_jax.conditioning import branch_contexts, context_kv
 from arkv_jax.config import WindowPolicy
 from arkv_jax.models.dit import CausalDiT
-from arkv_jax.nnx import apply_rope, masked_attention
+from arkv_jax.nnx import masked_attention
 from arkv_jax.samplers import Sampler, combine_branches
+from pallas_kernels.rope import prepare_qk
 
 Array = jax.Array
 
@@ -46,13 +47,13 @@ class MaskedHistory:
     pinned: tuple[Array, Array] | None = None
 
     def attend(self, q: Array, k: Array, v: Array, layer: Array,
-               rope: tuple[Array, Array] | None = None) -> Array:
+               rope: tuple[Array, Array] | None = None,
+               qk_norm: tuple[Array, Array, Array, Array] | None = None) -> Array:
         """Attention of ``q`` ``[B, F * tpf, Hq, D]`` over the forward's own ``k``/``v``
-        ``[B, F * tpf, Hkv, D]`` (rotated by ``rope`` first where given; the pinned tokens'
-        replaced) under the frame mask."""
+        ``[B, F * tpf, Hkv, D]`` (prepared by ``qk_norm`` and ``rope`` first where given; the
+        pinned tokens' replaced) under the frame mask."""
         tpf = self.tokens_per_frame
-        if rope is not None:
-            q, k = apply_rope(q, rope), apply_rope(k, rope)
+        q, k = prepare_qk(q, k, rope, qk_norm)
         if self.pinned is not None:
             k, v = (jax.lax.dynamic_update_slice_in_dim(x, pin[layer].astype(x.dtype), 0, axis=1)
                     for x, pin in zip((k, v), self.pinned))

@@ -104,11 +104,13 @@ def sharded_window_attention(mesh: Mesh, q: jax.Array, k_cur: jax.Array, v_cur: 
                              extra_v: jax.Array | None = None, scale: float | None = None,
                              tokens_per_frame: int | None = None, backend: str = "auto",
                              block_q: int | None = None, block_k: int | None = None,
-                             rope: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
+                             rope: tuple[jax.Array, jax.Array] | None = None,
+                             qk_norm: tuple[jax.Array, ...] | None = None) -> jax.Array:
     """:func:`pallas_kernels.window_attention.window_attention` on every device's part.
 
-    Rows (``q``, ``k_cur``, ``v_cur``, extras, ``pages``, ``lengths``, the ``rope`` tables) and pool
-    pages are split over data, query and K/V heads over model; ``pages`` holds *local* page ids of each row's shard and
+    Rows (``q``, ``k_cur``, ``v_cur``, extras, ``pages``, ``lengths``, the ``rope`` tables and
+    ``qk_norm``'s inverse RMS) and pool pages are split over data, query and K/V heads (and
+    ``qk_norm``'s gains) over model; ``pages`` holds *local* page ids of each row's shard and
     is replicated over model, as are ``lengths``. ``layer`` may be traced (replicated); a Python int
 is range-checked here, page ids and lengths are not (they are per-shard values). The other
     keywords are ``window_attention``'s (``block_q``/``block_k``: Pallas tiles).
@@ -141,7 +143,8 @@ is range-checked here, page ids and lengths are not (they are per-shard values).
         scale = float(q.shape[-1]) ** -0.5  # the kernel's default, fixed before sharding
     return _sharded_attention_jit(q, k_cur, v_cur, k_pool, v_pool, pages, lengths,
                                   jnp.asarray(layer, jnp.int32), extra_k, extra_v,
-                                  None if rope is None else tuple(rope), mesh=mesh, scale=scale,
+                                  None if rope is None else tuple(rope),
+                                  None if qk_norm is None else tuple(qk_norm), mesh=mesh, scale=scale,
                                   tokens_per_frame=tokens_per_frame, backend=backend,
                                   block_q=block_q, block_k=block_k)
 
@@ -149,16 +152,19 @@ is range-checked here, page ids and lengths are not (they are per-shard values).
 @functools.partial(jax.jit, static_argnames=("mesh", "scale", "tokens_per_frame", "backend",
                                              "block_q", "block_k"))
 def _sharded_attention_jit(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, layer, extra_k, extra_v,
-                           rope, *, mesh, scale, tokens_per_frame, backend, block_q, block_k):
-    has_extra, has_rope = extra_k is not None, rope is not None
+                           rope, qk_norm, *, mesh, scale, tokens_per_frame, backend, block_q,
+                           block_k):
+    has_extra, has_rope, has_norm = extra_k is not None, rope is not None, qk_norm is not None
 
     def body(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, layer, *rest):
         ek, ev = rest[:2] if has_extra else (None, None)
+        rest = rest[2 * has_extra:]
         return window_attention(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, layer=layer,
                                 extra_k=ek, extra_v=ev, scale=scale,
                                 tokens_per_frame=tokens_per_frame, backend=backend,
                                 block_q=block_q, block_k=block_k,
-                                rope=rest[-2:] if has_rope else None)
+                                rope=rest[:2] if has_rope else None,
+                                qk_norm=rest[2 * has_rope:] if has_norm else None)
 
     heads, pools = head_spec(), pool_spec(is_quantized_pool(k_pool))
     in_specs = (heads, heads, heads, pools, pools, row_spec(2), row_spec(1), P())
@@ -169,6 +175,9 @@ def _sharded_attention_jit(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, laye
     if has_rope:
         in_specs += (row_spec(3), row_spec(3))
         args += rope
+    if has_norm:
+        in_specs += (row_spec(2), row_spec(2), P(MODEL), P(MODEL))
+        args += qk_norm
     return shard_map(body, mesh, in_specs, heads, check=False)(*args)
 
 

@@ -49,7 +49,7 @@ from arkv_jax.config import CacheGeometry, CrossAttentionSpec, KVBranch, WindowP
 from arkv_jax.models import MODEL_CONFIGS
 from arkv_jax.models.dit import init_random
 from arkv_jax.models.loader import load_wan
-from arkv_jax.nnx import apply_rope, masked_attention
+from arkv_jax.nnx import masked_attention
 from arkv_jax.planner import rollout_plan
 from arkv_jax.presets import get_preset
 from arkv_jax.reference import FullRecompute
@@ -59,6 +59,7 @@ from benchmarks import harness
 from benchmarks.rollout import SHAPES, ContiguousHistory, ContiguousRollout
 from pallas_kernels.common import pages_per_frame
 from pallas_kernels.quantization import QUANTIZED_DTYPES, SCALE_ITEMSIZE, dequantize, quantize
+from pallas_kernels.rope import prepare_qk
 
 GRANULARITIES = {"page": (1, 3), "token": (3,)}
 """Axes of ``[frames * pages_per_frame, slot, kv_head, head_dim]`` history pages one scale covers."""
@@ -71,9 +72,8 @@ class RecordingHistory(ContiguousHistory):
 
     record: object = struct.field(pytree_node=False, default=None)
 
-    def attend(self, q, k, v, layer, rope=None):
-        if rope is not None:
-            q, k = apply_rope(q, rope), apply_rope(k, rope)
+    def attend(self, q, k, v, layer, rope=None, qk_norm=None):
+        q, k = prepare_qk(q, k, rope, qk_norm)
         jax.debug.callback(self.record, layer, q, k, v)
         return super().attend(q, k, v, layer)
 

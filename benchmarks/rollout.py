@@ -66,7 +66,7 @@ from flax import nnx, struct
 from arkv_jax.cache import PagedKVCache
 from arkv_jax.config import CacheGeometry, CrossAttentionSpec, KVBranch, WindowPolicy
 from arkv_jax.models.dit import MODEL_CONFIGS, DiTConfig, init_random
-from arkv_jax.nnx import apply_rope, masked_attention
+from arkv_jax.nnx import masked_attention
 from arkv_jax.planner import rollout_plan
 from arkv_jax.reference import FullRecompute
 from arkv_jax.rollout import Rollout
@@ -74,6 +74,7 @@ from arkv_jax.samplers import Sampler, chunk_noise, combine_branches
 from arkv_jax.samplers import euler as denoise
 from arkv_jax.step import ChunkInputs
 from benchmarks import harness
+from pallas_kernels.rope import prepare_qk
 
 CFG = (KVBranch("positive", 0), KVBranch("negative", 1))
 
@@ -119,9 +120,8 @@ class ContiguousHistory:
     v: jax.Array
     valid: int = struct.field(pytree_node=False)
 
-    def attend(self, q, k, v, layer, rope=None):
-        if rope is not None:
-            q, k = apply_rope(q, rope), apply_rope(k, rope)
+    def attend(self, q, k, v, layer, rope=None, qk_norm=None):
+        q, k = prepare_qk(q, k, rope, qk_norm)
         keys = jnp.concatenate([self.k[layer][:, :self.valid], k], axis=1)
         values = jnp.concatenate([self.v[layer][:, :self.valid], v], axis=1)
         return masked_attention(q, keys, values)

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.backend import Backend, resolve_backend
 from pallas_kernels.common import as_index_array, check_validate
-from pallas_kernels.rope import apply_rope
+from pallas_kernels.rope import prepare_qk
 from pallas_kernels.window_attention import cudnn_gather, gpu, mosaic_gpu, tpu, tpu_gather, xla
 from pallas_kernels.window_attention.geometry import (
     WindowGeometry,
@@ -46,7 +46,7 @@ __all__ = [
 
 def window_attention(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, layer=0, extra_k=None,
                      extra_v=None, scale=None, tokens_per_frame=None, backend="auto",
-                     block_q=None, block_k=None, validate=True, rope=None):
+                     block_q=None, block_k=None, validate=True, rope=None, qk_norm=None):
     """Attention of the current chunk over its visible history pages, itself and extra tokens.
 
     For every row (a request slot: one session x KV branch) the chunk's queries attend to the row's
@@ -106,6 +106,11 @@ def window_attention(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, layer=0
         ``cur_len``); extras and history keys are read as they are. The ``pallas_tpu*`` backends
         rotate inside the kernel where they read the chunk token-major
         (:func:`pallas_kernels.common.token_major_blocks`), the others before the call.
+      qk_norm: optional ``(q_inv_rms, k_inv_rms, q_gain, k_gain)``: float32 ``[rows, q_len]`` and
+        ``[rows, cur_len]``, floating ``[num_q_heads * head_dim]`` and ``[kv_heads * head_dim]``:
+        ``q`` and ``k_cur`` are then the raw projections, RMS-normalized by their tokens' inverse RMS and the
+        features' gains before RoPE (:func:`pallas_kernels.rope.normalize`). Inside the kernel
+        where it rotates and there are no extras, else before the call.
       validate: the value checks of ``pages``, ``lengths`` and an array ``layer``
         (:data:`pallas_kernels.common.VALIDATE_MODES`): ``True`` checks concrete values on the host,
         ``False`` checks none, ``"checkify"`` also checks traced ones with ``checkify.check`` (run
@@ -129,19 +134,19 @@ def window_attention(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, layer=0
     geom = static_validate_inputs(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, layer=layer,
                                   extra_k=extra_k, extra_v=extra_v, scale=scale,
                                   tokens_per_frame=tokens_per_frame, backend=backend,
-                                  block_q=block_q, block_k=block_k, rope=rope)
+                                  block_q=block_q, block_k=block_k, rope=rope, qk_norm=qk_norm)
     check_values(geom, pages, lengths, layer, validate=validate)
     resolved = resolve_backend(backend, dtype=q.dtype, head_dim=geom.head_dim)
     scale = geom.head_dim ** -0.5 if scale is None else float(scale)
     layer = jnp.asarray(layer, jnp.int32)
-    rotation = {}
-    if rope is not None and resolved.name in ROTATES_IN_KERNEL:
-        rotation = {"rope": tuple(rope)}
-    elif rope is not None:
-        q, k_cur = apply_rope(q, rope), apply_rope(k_cur, rope)
+    prologue = {}
+    if resolved.name in ROTATES_IN_KERNEL:
+        prologue = {"rope": rope, "qk_norm": qk_norm}
+    else:
+        q, k_cur = prepare_qk(q, k_cur, rope, qk_norm)
     return IMPLEMENTATIONS[resolved.name](q, k_cur, v_cur, extra_k, extra_v, k_pool, v_pool, pages,
                                           lengths, layer, geom=geom, scale=scale, block_q=block_q,
-                                          block_k=block_k, backend=resolved, **rotation)
+                                          block_k=block_k, backend=resolved, **prologue)
 
 
 # The implementations of the registry, one signature (:data:`IMPLEMENTATIONS`).
@@ -151,9 +156,9 @@ def _xla(*args, geom: WindowGeometry, scale: float, block_q, block_k, backend: B
 
 
 def _pallas_tpu(*args, geom: WindowGeometry, scale: float, block_q, block_k, backend: Backend,
-                rope=None):
+                rope=None, qk_norm=None):
     return tpu._attention(*args, geom=geom, scale=scale, block_q=block_q, block_k=block_k,
-                          backend=backend.name, rope=rope)
+                          backend=backend.name, rope=rope, qk_norm=qk_norm)
 
 
 def _pallas_tpu_gather(*args, geom: WindowGeometry, scale: float, block_q, block_k,
@@ -177,8 +182,9 @@ def _pallas_mgpu(*args, geom: WindowGeometry, scale: float, block_q, block_k, ba
 
 
 ROTATES_IN_KERNEL = frozenset({"pallas_tpu", "pallas_tpu_interpret", "pallas_tpu_simulate"})
-"""The backends whose implementation also takes ``rope=(cos, sin)`` and rotates the chunk's queries
-and keys itself; :func:`window_attention` rotates them before calling the others."""
+"""The backends whose implementation also takes ``rope`` and ``qk_norm`` and prepares the chunk's
+queries and keys itself; :func:`window_attention` prepares them before calling the others
+(:func:`pallas_kernels.rope.prepare_qk`)."""
 
 IMPLEMENTATIONS: Mapping[str, Callable[..., jax.Array]] = MappingProxyType({
     "xla": _xla,
@@ -199,4 +205,4 @@ k_pool, v_pool, pages, lengths, layer, *, geom, scale, block_q, block_k, backend
 :func:`window_attention` has validated (``layer`` an int32 scalar, ``extra_k``/``extra_v``
 possibly ``None``, ``geom`` the call's :class:`WindowGeometry`, ``scale`` a float, ``backend`` the
 resolved :class:`~pallas_kernels.backend.Backend`), returning the output; those of
-:data:`ROTATES_IN_KERNEL` also take ``rope``."""
+:data:`ROTATES_IN_KERNEL` also take ``rope`` and ``qk_norm``."""

@@ -31,7 +31,7 @@ from pallas_kernels.checks import require_int
 from pallas_kernels.common import MASK_VALUE, target_device, token_major_blocks
 from pallas_kernels.layout import QuantizedPool, check_tpu_block_size, page_index
 from pallas_kernels.quantization import dequantize, is_quantized
-from pallas_kernels.rope import apply_rope, rotate_rows
+from pallas_kernels.rope import prepare_qk, rotate_rows
 from pallas_kernels.window_attention.geometry import WindowGeometry, visible_page_count
 from pallas_kernels.window_attention.validation import check_arrays, check_scale
 
@@ -88,16 +88,27 @@ class Geometry(WindowGeometry):
     dtype: str
     kv_dtype: str
     rotates: bool = False
+    normalizes: bool = False
 
     @classmethod
-    def of(cls, geom: WindowGeometry, dtype, kv_dtype=None, rope: bool = False) -> "Geometry":
+    def of(cls, geom: WindowGeometry, dtype, kv_dtype=None, rope: bool = False,
+           qk_norm: bool = False) -> "Geometry":
         """``geom`` computed in ``dtype`` over pages of ``kv_dtype`` (default ``dtype``); with
         ``rope`` the call has rotary tables, which the kernel applies where it reads the chunk
-        token-major (:attr:`rotates`)."""
+        token-major (:attr:`rotates`); with ``qk_norm`` RMS norms too, which a rotating kernel
+        applies where there are no extras (:attr:`normalizes`)."""
         name = jnp.dtype(dtype).name
         rotates = bool(rope) and token_major_blocks(geom.group, geom.head_dim)
         return cls(**dataclasses.asdict(geom), dtype=name,
-                   kv_dtype=name if kv_dtype is None else jnp.dtype(kv_dtype).name, rotates=rotates)
+                   kv_dtype=name if kv_dtype is None else jnp.dtype(kv_dtype).name, rotates=rotates,
+                   normalizes=rotates and bool(qk_norm) and geom.num_extra == 0)
+
+    @property
+    def prologue_tables(self) -> int:
+        """Float32 ``[tokens, head_dim]`` tables the kernel reads per row: cos and sin where it
+        rotates, one pair for q and one for K (each scaled by its tokens' inverse RMS) where it
+        also normalizes."""
+        return 4 if self.normalizes else 2 if self.rotates else 0
 
     @property
     def itemsize(self) -> int:
@@ -201,7 +212,7 @@ def vmem_estimate_bytes(geom: Geometry, plan: Plan) -> int:
         + plan.block_kv_compute * (d + v_lanes) * 4 + plan.block_q_compute * v_lanes * 4
     # Rotating: the double-buffered float32 tables, the rotated tail K, and a query block's (or a
     # tail chunk's) float32 rotation temporaries.
-    rotation = (2 * 2 * plan.table_rows * d * 4 + plan.tail_pad * d * isz
+    rotation = (2 * geom.prologue_tables * plan.table_rows * d * 4 + plan.tail_pad * d * isz
                 + 3 * max(m, plan.block_kv_compute) * d * 4) if geom.rotates else 0
     return blocks + pages + wide_tail + pooled + scratch + chunk + rotation
 
@@ -240,14 +251,15 @@ def temp_bound_bytes(geom: Geometry, plan: Plan) -> int:
 
 
 def window_attention(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, layer=0, extra_k=None,
-                     extra_v=None, scale=None, tokens_per_frame=None, rope=None, generation=None,
+                     extra_v=None, scale=None, tokens_per_frame=None, rope=None, qk_norm=None,
+                     generation=None,
                      block_q=None, block_q_compute=None, block_kv_compute=None,
                      keys_per_block=None, mxu_row_sums=None, interpret: Any = False):
     """The TPU kernel with every tiling knob (the dispatcher exposes ``block_q``/``block_k``).
 
     Args:
       q, k_cur, v_cur, k_pool, v_pool, pages, lengths, layer, extra_k, extra_v, scale,
-        tokens_per_frame, rope: as :func:`pallas_kernels.window_attention.window_attention` (pools in
+        tokens_per_frame, rope, qk_norm: as :func:`pallas_kernels.window_attention.window_attention` (pools in
         :func:`pallas_kernels.layout.pool_shape`, plain or :class:`QuantizedPool` s).
       generation: ``"v5e"`` or ``"v6e"``: which :data:`TUNED_BLOCKS` row and VMEM budget; default
         the default device's generation, ``"v5e"`` off TPU.
@@ -267,36 +279,36 @@ def window_attention(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, layer=0
     """
     geom = check_arrays(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, layer=layer,
                         extra_k=extra_k, extra_v=extra_v, tokens_per_frame=tokens_per_frame,
-                        rope=rope)
+                        rope=rope, qk_norm=qk_norm)
     if interpret is False:
         check_tpu_block_size(geom.block_size)
     scale = check_scale(geom.head_dim ** -0.5 if scale is None else scale)
-    geom = Geometry.of(geom, q.dtype, k_pool.dtype, rope=rope is not None)
+    geom = Geometry.of(geom, q.dtype, k_pool.dtype, rope=rope is not None, qk_norm=qk_norm is not None)
     geom, plan, vmem_limit = plan_rotating_call(geom, generation, block_q=block_q,
                                                 block_q_compute=block_q_compute,
                                                 block_kv_compute=block_kv_compute,
                                                 keys_per_block=keys_per_block,
                                                 mxu_row_sums=mxu_row_sums)
     return _window_attention(q, k_cur, v_cur, extra_k, extra_v, k_pool, v_pool, pages, lengths,
-                             jnp.asarray(layer, jnp.int32), _tables(rope), geom=geom, plan=plan,
-                             scale=scale, vmem_limit=vmem_limit, interpret=interpret)
+                             jnp.asarray(layer, jnp.int32), _tuple(rope), _tuple(qk_norm), geom=geom,
+                             plan=plan, scale=scale, vmem_limit=vmem_limit, interpret=interpret)
 
 
 def _attention(q, k_cur, v_cur, extra_k, extra_v, k_pool, v_pool, pages, lengths, layer, *,
                geom: WindowGeometry, scale: float, block_q: int | None, block_k: int | None,
-               backend: str, rope=None):
+               backend: str, rope=None, qk_norm=None):
     """The dispatcher's entry, private to the package (inputs already validated): ``block_k`` is
     ``keys_per_block``, the history keys of one DMA block; ``backend`` a ``pallas_tpu*`` name."""
-    geom = Geometry.of(geom, q.dtype, k_pool.dtype, rope=rope is not None)
+    geom = Geometry.of(geom, q.dtype, k_pool.dtype, rope=rope is not None, qk_norm=qk_norm is not None)
     geom, plan, vmem_limit = plan_rotating_call(geom, None, block_q=block_q, keys_per_block=block_k)
     return _window_attention(q, k_cur, v_cur, extra_k, extra_v, k_pool, v_pool, pages, lengths,
-                             layer, _tables(rope), geom=geom, plan=plan, scale=scale,
+                             layer, _tuple(rope), _tuple(qk_norm), geom=geom, plan=plan, scale=scale,
                              vmem_limit=vmem_limit, interpret=resolve_backend(backend).interpret)
 
 
-def _tables(rope):
-    """``rope`` as a tuple (a pytree jit takes alike from a list or a tuple), or ``None``."""
-    return None if rope is None else tuple(rope)
+def _tuple(arrays):
+    """``arrays`` as a tuple (a pytree jit takes alike from a list or a tuple), or ``None``."""
+    return None if arrays is None else tuple(arrays)
 
 
 def plan_call(geom: Geometry, generation: str | None, **overrides) -> tuple[Plan, int]:
@@ -332,7 +344,7 @@ def plan_rotating_call(geom: Geometry, generation: str | None, **overrides
     if geom.rotates:
         plan = make_plan(geom, resolve_blocks(generation, **overrides))
         if vmem_estimate_bytes(geom, plan) > VMEM_BUDGET[generation]:
-            geom = dataclasses.replace(geom, rotates=False)
+            geom = dataclasses.replace(geom, rotates=False, normalizes=False)
     return (geom, *plan_call(geom, generation, **overrides))
 
 
@@ -450,11 +462,13 @@ def _kernel(table_ref, nvis_ref, len_ref, layer_ref, q_in, kt_ref, vt_ref, k_hbm
     ``[pages_per_block * rest_rows, D]`` and ``[..., V lanes]``.
 
     Rotating (``geom.rotates``): ``q_in`` and ``kt_ref`` hold the queries and the chunk's keys
-    before RoPE, two VMEM inputs ``cos_ref``/``sin_ref`` ``[table_rows, D]`` float32 (the tail's
-    rows, every query block's rows among them; extras' rows 1 and 0) come after ``v_hbm`` and
-    the scales, and the ``extra`` ref after the widened tail holds the tail's keys rotated,
+    before RoPE, two VMEM inputs ``cos``/``sin`` ``[table_rows, D]`` float32 (the tail's rows,
+    every query block's rows among them; extras' rows 1 and 0) come after ``v_hbm`` and the
+    scales, and the ``extra`` ref after the widened tail holds the tail's keys rotated,
     ``[tail_pad, D]``, filled at a (row, head)'s first query block; each query block is rotated
-    as it is scaled (:func:`pallas_kernels.rope.rotate_rows`).
+    as it is scaled (:func:`pallas_kernels.rope.rotate_rows`). Normalizing too
+    (``geom.normalizes``): ``q_in`` and ``kt_ref`` are the raw projections, the inputs are q's
+    ``cos``/``sin`` and K's, each times its tokens' inverse RMS, then q's and K's gains ``[1, D]``.
 
     Quantized pages (``geom.quantized``): an SMEM input ``scale_ref`` ``[2, max_pages]`` (the K and
     V scales of this (row, head)'s page-list entries) comes right after ``v_hbm``; ``kbuf`` and
@@ -464,7 +478,8 @@ def _kernel(table_ref, nvis_ref, len_ref, layer_ref, q_in, kt_ref, vt_ref, k_hbm
     matmuls, where the scheduler overlaps it with them.
     """
     scale_ref, refs = (refs[0], refs[1:]) if geom.quantized else (None, refs)
-    (cos_ref, sin_ref), refs = (refs[:2], refs[2:]) if geom.rotates else ((None, None), refs)
+    prologue = geom.prologue_tables + 2 * geom.normalizes
+    (q_tables, k_tables, gains), refs = _prologue_refs(refs[:prologue], geom), refs[prologue:]
     o_ref, kbuf, vbuf, sems, q_ref, m_ref, l_ref, acc_ref, *extra = refs
     v_tail = extra.pop(0) if plan.mxu_row_sums else vt_ref
     k_tail = extra.pop(0) if geom.rotates else kt_ref
@@ -492,9 +507,10 @@ def _kernel(table_ref, nvis_ref, len_ref, layer_ref, q_in, kt_ref, vt_ref, k_hbm
             v_tail[:, pl.ds(0, d)] = vt_ref[...]
             v_tail[:, pl.ds(d, LANES)] = jnp.ones((plan.tail_pad, LANES), v_tail.dtype)
         if geom.rotates:
+            gain = gains[1][...] if geom.normalizes else None
             for start, n in tail_pieces:
                 keys = pl.ds(start, n)
-                k_tail[keys] = rotate_rows(kt_ref[keys], cos_ref[keys], sin_ref[keys])
+                k_tail[keys] = rotate_rows(kt_ref[keys], k_tables[0][keys], k_tables[1][keys], gain)
 
     if plan.mxu_row_sums or geom.rotates:
         pl.when(pl.program_id(2) == 0)(first_query_block)
@@ -626,7 +642,7 @@ def _kernel(table_ref, nvis_ref, len_ref, layer_ref, q_in, kt_ref, vt_ref, k_hbm
     q = q_in[...].reshape(q_ref.shape)
     if geom.rotates:
         own = pl.ds(pl.multiple_of(pl.program_id(2) * plan.block_q, plan.block_q), plan.block_q)
-        q = rotate_rows(q, cos_ref[own], sin_ref[own])
+        q = rotate_rows(q, q_tables[0][own], q_tables[1][own], gains[0][...] if geom.normalizes else None)
     q_ref[...] = (q.astype(jnp.float32) * q_scale).astype(q_ref.dtype)
     m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
     l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
@@ -653,10 +669,19 @@ def _kernel(table_ref, nvis_ref, len_ref, layer_ref, q_in, kt_ref, vt_ref, k_hbm
     o_ref[...] = (acc_ref[...] / _lanes(l_row, d)).astype(o_ref.dtype).reshape(o_ref.shape)
 
 
+def _prologue_refs(refs, geom: Geometry):
+    """``(q_tables, k_tables, gains)`` of the kernel's prologue inputs (:attr:`Geometry.rotates`,
+    :attr:`Geometry.normalizes`): the (cos, sin) refs of q and of K (one pair for both where the
+    kernel does not normalize), and the (q, K) gain refs or ``None``."""
+    if geom.normalizes:
+        return tuple(refs[:2]), tuple(refs[2:4]), tuple(refs[4:])
+    return tuple(refs), tuple(refs), None
+
+
 @functools.partial(jax.jit, static_argnames=("geom", "plan", "scale", "vmem_limit", "interpret"))
 def _window_attention(q, k_cur, v_cur, extra_k, extra_v, k_pool, v_pool, pages, lengths, layer,
-                      rope=None, *, geom: Geometry, plan: Plan, scale: float, vmem_limit: int,
-                      interpret: Any):
+                      rope=None, qk_norm=None, *, geom: Geometry, plan: Plan, scale: float,
+                      vmem_limit: int, interpret: Any):
     """Wrapper of :func:`_kernel`: hands it ``q`` transposed to ``[rows, kv_heads, group, q_len,
     D]``, the tail (chunk, then extras) K transposed to ``[rows, kv_heads, tail_len, D]``, and the
     tail's V and the output as they are, viewed ``[rows, tokens, heads * D]`` with one head's lanes
@@ -667,11 +692,15 @@ def _window_attention(q, k_cur, v_cur, extra_k, extra_v, k_pool, v_pool, pages, 
     (:func:`visible_scales`), one ``[2, max_pages]`` SMEM block per (row, head). With ``rope``
     (``(cos, sin)``) the kernel rotates ``q`` and ``k_cur`` where :attr:`Geometry.rotates`, and
     they are rotated here (:func:`pallas_kernels.rope.apply_rope`) where not; the rotating kernel
-    reads them token-major too, and the tables (extras' rows 1 and 0) one block per row."""
+    reads them token-major too, and the tables (extras' rows 1 and 0) one block per row. With
+    ``qk_norm`` the kernel normalizes them too where :attr:`Geometry.normalizes` (the inverse RMS
+    folded into per-row q and K tables here), and they are normalized here where not."""
     rows, hkv, g, d, bq = geom.rows, geom.kv_heads, geom.group, geom.head_dim, plan.block_q
     nqb, m = plan.num_q_blocks, geom.group * plan.block_q
-    if rope is not None and not geom.rotates:
-        q, k_cur = apply_rope(q, rope), apply_rope(k_cur, rope)
+    if not geom.rotates:
+        q, k_cur = prepare_qk(q, k_cur, rope, qk_norm)
+    elif not geom.normalizes:
+        q, k_cur = prepare_qk(q, k_cur, None, qk_norm)
     k_tail = jnp.concatenate([k_cur] + ([] if extra_k is None else [extra_k]), axis=1)
     v_tail = jnp.concatenate([v_cur] + ([] if extra_v is None else [extra_v]), axis=1)
     tables, table_specs = [], []
@@ -685,7 +714,13 @@ def _window_attention(q, k_cur, v_cur, extra_k, extra_v, k_pool, v_pool, pages, 
             pad = (rows, geom.num_extra, d)
             tables = [jnp.concatenate([tables[0], jnp.ones(pad, jnp.float32)], axis=1),
                       jnp.concatenate([tables[1], jnp.zeros(pad, jnp.float32)], axis=1)]
-        table_specs = [pl.BlockSpec((None, plan.table_rows, d), lambda r, h, b, *_: (r, 0, 0))] * 2
+        table_specs = [pl.BlockSpec((None, plan.table_rows, d), lambda r, h, b, *_: (r, 0, 0))]
+        table_specs *= geom.prologue_tables
+        if geom.normalizes:  # q's tables and K's, each times its tokens' inverse RMS; the gains.
+            q_inv_rms, k_inv_rms, q_gain, k_gain = qk_norm
+            tables = [t * inv[:, :, None] for inv in (q_inv_rms, k_inv_rms) for t in tables]
+            tables += [g.astype(jnp.float32).reshape(1, hkv * d) for g in (q_gain, k_gain)]
+            table_specs += [pl.BlockSpec((1, d), lambda r, h, b, *_: (0, h))] * 2
     else:
         qh = q.reshape(rows, geom.q_len, hkv, g, d).transpose(0, 2, 3, 1, 4)
         q_spec = pl.BlockSpec((None, None, g, bq, d), lambda r, h, b, *_: (r, h, 0, b, 0))

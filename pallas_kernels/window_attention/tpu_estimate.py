@@ -220,19 +220,20 @@ def loop_trips(geom, plan) -> dict:
 
 
 def estimate_from_dump(geom: WindowGeometry, dtype: str, generation: str, dump_dir: str,
-                       kv_dtype: str | None = None, rope: bool = False) -> Estimate:
+                       kv_dtype: str | None = None, rope: bool = False, qk_norm: bool = False) -> Estimate:
     """Prices the paged kernel of ``geom`` computing in ``dtype`` over pages stored as ``kv_dtype``
     (default ``dtype``; a quantized dtype for quantized pools) from the final bundles of a compile
     for ``generation`` in ``dump_dir`` (its tiling is the one
     :func:`~pallas_kernels.window_attention.tpu.plan_call` gives that chip). Quantized pages'
     dequantization loop, a child of the history-block loop without MXU ops, counts once per page
-    of a block, like the DMA loops; their DMAs move the stored bytes. ``rope``: the call had
-    rotary tables (:attr:`~pallas_kernels.window_attention.tpu.Geometry.rotates`)."""
+    of a block, like the DMA loops; their DMAs move the stored bytes. ``rope``, ``qk_norm``: the
+    call had rotary tables and RMS norms (:attr:`~pallas_kernels.window_attention.tpu.Geometry.rotates`,
+    ``normalizes``)."""
     from pallas_kernels import tpu_aot
     from pallas_kernels.window_attention import tpu as twa
 
     chip = tpu_aot.check_generation(generation)
-    geom, plan, _ = twa.plan_rotating_call(twa.Geometry.of(geom, dtype, kv_dtype, rope), generation)
+    geom, plan, _ = twa.plan_rotating_call(twa.Geometry.of(geom, dtype, kv_dtype, rope, qk_norm), generation)
     bundles = parse_bundles(kernel_dump(dump_dir, "window_attention_tpu"))
     per_step, tail, note = attention_cycles(loop_tree(bundles), loop_trips(geom, plan), bundles)
     steps = geom.rows * geom.kv_heads * plan.num_q_blocks
@@ -257,11 +258,12 @@ def context_estimate_from_dump(geom: ContextGeometry, dtype: str, generation: st
     return Estimate(steps * (per_step / chip.clock_hz + tpu_aot.GRID_STEP_SECONDS), 0.0, steps, note)
 
 
-def call_specs(geom: WindowGeometry | ContextGeometry, dtype: str, rope: bool = False
-               ) -> list[tuple[tuple[int, ...], str]]:
+def call_specs(geom: WindowGeometry | ContextGeometry, dtype: str, rope: bool = False,
+               qk_norm: bool = False) -> list[tuple[tuple[int, ...], str]]:
     """``(shape, dtype)`` of the arguments of one call of ``geom``: for window attention ``q,
     k_cur, v_cur, k_pool, v_pool, pages, lengths, layer`` (then ``extra_k, extra_v`` with extra
-    tokens, then the rotary tables ``cos, sin`` with ``rope``), for context attention ``q, k, v``."""
+    tokens, the rotary tables ``cos, sin`` with ``rope``, then ``q_inv_rms, k_inv_rms, q_gain,
+    k_gain`` with ``qk_norm``, the gains in ``dtype``), for context attention ``q, k, v``."""
     from pallas_kernels.layout import pool_shape
 
     h, d = geom.kv_heads, geom.head_dim
@@ -273,7 +275,10 @@ def call_specs(geom: WindowGeometry | ContextGeometry, dtype: str, rope: bool = 
     specs = [q, kv, kv, (pool, dtype), (pool, dtype),
              ((geom.rows, geom.max_pages), "int32"), ((geom.rows,), "int32"), ((), "int32")]
     specs += [((geom.rows, geom.num_extra, h, d), dtype)] * 2 * bool(geom.num_extra)
-    return specs + [((geom.rows, geom.q_len, d), "float32")] * 2 * rope
+    specs += [((geom.rows, geom.q_len, d), "float32")] * 2 * rope
+    norms = [((geom.rows, geom.q_len), "float32"), ((geom.rows, geom.cur_len), "float32"),
+             ((geom.num_q_heads * d,), dtype), ((h * d,), dtype)]
+    return specs + norms * qk_norm
 
 
 def _compile_and_price_conv(geom: ConvGeometry, dtype: str, generation: str, dump_dir: str) -> Estimate:
@@ -340,10 +345,10 @@ def _compile_and_price_upsample(geom: UpsampleGeometry, dtype: str, generation: 
 
 def _compile_and_price(geom: WindowGeometry | ContextGeometry | ConvGeometry | UpsampleGeometry, dtype: str,
                        generation: str, dump_dir: str, kv_dtype: str | None = None,
-                       rope: bool = False) -> Estimate:
+                       rope: bool = False, qk_norm: bool = False) -> Estimate:
     """In the worker process: compiles one call of ``geom`` for ``generation`` (window attention
-    over pages stored as ``kv_dtype``, default ``dtype``, with rotary tables where ``rope``) and
-    prices it."""
+    over pages stored as ``kv_dtype``, default ``dtype``, with rotary tables where ``rope`` and RMS
+    norms where ``qk_norm``) and prices it."""
     import jax.numpy as jnp
 
     from pallas_kernels import tpu_aot
@@ -356,16 +361,17 @@ def _compile_and_price(geom: WindowGeometry | ContextGeometry | ConvGeometry | U
         return _compile_and_price_conv(geom, dtype, generation, dump_dir)
     if isinstance(geom, UpsampleGeometry):
         return _compile_and_price_upsample(geom, dtype, generation, dump_dir)
-    specs = [(shape, jnp.dtype(d)) for shape, d in call_specs(geom, dtype, rope)]
+    specs = [(shape, jnp.dtype(d)) for shape, d in call_specs(geom, dtype, rope, qk_norm)]
     if isinstance(geom, ContextGeometry):
         tpu_aot.compile_for_tpu(lambda q, k, v: context_attention(q, k, v, backend="pallas_tpu"), specs, generation)
         return context_estimate_from_dump(geom, dtype, generation, dump_dir)
 
     def fn(q, kc, vc, kp, vp, pages, lengths, layer, *rest):
         ek, ev = rest[:2] if geom.num_extra else (None, None)
+        rest = rest[2 * bool(geom.num_extra):]
         return twa.window_attention(q, kc, vc, kp, vp, pages, lengths, layer=layer, extra_k=ek, extra_v=ev,
-                                    rope=rest[-2:] if rope else None, tokens_per_frame=geom.tokens_per_frame,
-                                    generation=generation)
+                                    rope=rest[:2] if rope else None, qk_norm=rest[2 * rope:] if qk_norm else None,
+                                    tokens_per_frame=geom.tokens_per_frame, generation=generation)
 
     if is_quantized(kv_dtype):  # each pool as its values and scales
         pool = specs[3][0]
@@ -377,7 +383,7 @@ def _compile_and_price(geom: WindowGeometry | ContextGeometry | ConvGeometry | U
             return plain(q, kc, vc, QuantizedPool(kv, ks), QuantizedPool(vv, vs), *rest)
 
     tpu_aot.compile_for_tpu(fn, specs, generation)
-    return estimate_from_dump(geom, dtype, generation, dump_dir, kv_dtype, rope)
+    return estimate_from_dump(geom, dtype, generation, dump_dir, kv_dtype, rope, qk_norm)
 
 
 _GEOMETRIES = {"window-attention": WindowGeometry, "context-attention": ContextGeometry,
@@ -385,15 +391,16 @@ _GEOMETRIES = {"window-attention": WindowGeometry, "context-attention": ContextG
 
 
 def estimate(geom: WindowGeometry | ContextGeometry | ConvGeometry | UpsampleGeometry, dtype: str, generation: str,
-             kv_dtype: str | None = None, rope: bool = False) -> Estimate:
+             kv_dtype: str | None = None, rope: bool = False, qk_norm: bool = False) -> Estimate:
     """Compiles one call of ``geom`` (the paged window-attention kernel for a
     :class:`~pallas_kernels.window_attention.WindowGeometry` over pages stored as ``kv_dtype``,
     default ``dtype``; the context-attention kernel for a
     :class:`~pallas_kernels.context_attention.ContextGeometry`, the causal-convolution kernel for a
     :class:`~pallas_kernels.causal_conv.ConvGeometry`, the upsampling-convolution kernel for an
     :class:`~pallas_kernels.upsample_conv.UpsampleGeometry`) for ``generation`` (libtpu's
-    compile-only device, in a child process with its own bundle dump) and prices it; ``rope``:
-    window attention with rotary tables (the chunk rotated in the kernel where it can).
+    compile-only device, in a child process with its own bundle dump) and prices it; ``rope``,
+    ``qk_norm``: window attention with rotary tables and RMS norms (the chunk prepared in the
+    kernel where it can).
 
     Raises:
       RuntimeError: the call does not compile (the compiler's last line is in the message).
@@ -404,7 +411,8 @@ def estimate(geom: WindowGeometry | ContextGeometry | ConvGeometry | UpsampleGeo
                    LIBTPU_INIT_ARGS=f"--xla_jf_dump_to={dump} --xla_jf_dump_llo_text=true",
                    ALLOW_MULTIPLE_LIBTPU_LOAD="1")
         request = json.dumps(dict(kernel=kernel, geometry=dataclasses.asdict(geom), dtype=dtype,
-                                  generation=generation, dump=dump, kv_dtype=kv_dtype, rope=rope))
+                                  generation=generation, dump=dump, kv_dtype=kv_dtype, rope=rope,
+                                  qk_norm=qk_norm))
         proc = subprocess.run([sys.executable, "-m", __name__, request], env=env, capture_output=True, text=True)
         lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
         if proc.returncode or not lines:
@@ -417,5 +425,5 @@ if __name__ == "__main__":
     args = json.loads(sys.argv[1])
     geometry = _GEOMETRIES[args["kernel"]](**args["geometry"])
     result = _compile_and_price(geometry, args["dtype"], args["generation"], args["dump"], args["kv_dtype"],
-                                args["rope"])
+                                args["rope"], args["qk_norm"])
     print(json.dumps(dataclasses.asdict(result)))

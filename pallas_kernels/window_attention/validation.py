@@ -47,7 +47,8 @@ from pallas_kernels.window_attention.geometry import WindowGeometry
 
 def static_validate_inputs(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, layer=0,
                            extra_k=None, extra_v=None, scale=None, tokens_per_frame=None,
-                           backend="auto", block_q=None, block_k=None, rope=None) -> WindowGeometry:
+                           backend="auto", block_q=None, block_k=None, rope=None,
+                           qk_norm=None) -> WindowGeometry:
     """Checks everything about a ``window_attention`` call that does not depend on array values.
 
     Takes ``window_attention``'s arguments; any array may be a tracer or a ``ShapeDtypeStruct``.
@@ -78,14 +79,14 @@ def static_validate_inputs(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, l
 
     Raises:
       ValueError: a bad rank, shape, dtype, head count, frame size, layer rank, a Python-int
-        ``layer`` out of ``[0, num_layers)``, scale, backend name, tile size or ``rope`` table;
-        quantized pools on a backend that does not read them.
+        ``layer`` out of ``[0, num_layers)``, scale, backend name, tile size, ``rope`` table or
+        ``qk_norm`` array; quantized pools on a backend that does not read them.
       TypeError: a non-array input, a ``layer`` that is not an integer, a ``rope`` that is not a
-        pair.
+        pair or a ``qk_norm`` that is not a 4-tuple.
     """
     geom = check_arrays(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, layer=layer,
                         extra_k=extra_k, extra_v=extra_v, tokens_per_frame=tokens_per_frame,
-                        rope=rope)
+                        rope=rope, qk_norm=qk_norm)
     resolved = resolve_backend(backend, dtype=q.dtype, head_dim=geom.head_dim)
     if is_quantized_pool(k_pool):
         check_quantized_pools("window_attention", backend, resolved)
@@ -143,7 +144,8 @@ def check_mosaic_tiling(geom: WindowGeometry, dtype, block_q, block_kv, stages: 
 
 def dynamic_validate_inputs(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, layer=0,
                             extra_k=None, extra_v=None, scale=None, tokens_per_frame=None,
-                            backend="auto", block_q=None, block_k=None, rope=None) -> None:
+                            backend="auto", block_q=None, block_k=None, rope=None,
+                            qk_norm=None) -> None:
     """:func:`static_validate_inputs`, then the values read on the host: ``layer`` in
     ``[0, num_layers)``, every ``pages`` entry in ``[0, num_pages)``, every length in
     ``[0, capacity]``.
@@ -158,7 +160,7 @@ def dynamic_validate_inputs(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, 
     geom = static_validate_inputs(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, layer=layer,
                                   extra_k=extra_k, extra_v=extra_v, scale=scale,
                                   tokens_per_frame=tokens_per_frame, backend=backend,
-                                  block_q=block_q, block_k=block_k, rope=rope)
+                                  block_q=block_q, block_k=block_k, rope=rope, qk_norm=qk_norm)
     _check_values(geom, pages, lengths, layer, lambda _: "host")
 
 
@@ -190,16 +192,16 @@ def _check_values(geom: WindowGeometry, pages, lengths, layer, mode_of) -> None:
 
 
 def check_arrays(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, layer=0, extra_k=None,
-                 extra_v=None, tokens_per_frame=None, rope=None) -> WindowGeometry:
+                 extra_v=None, tokens_per_frame=None, rope=None, qk_norm=None) -> WindowGeometry:
     """The array part of :func:`static_validate_inputs` (no backend options); returns the geometry.
     Pools may be plain arrays or :class:`~pallas_kernels.layout.QuantizedPool` s (both alike).
 
     Raises:
       ValueError: a bad rank, shape, dtype, head count, frame size or layer rank; a Python-int
         ``layer`` out of ``[0, num_layers)``; a malformed pair of quantized pools; a bad ``rope``
-        (:func:`check_rope`).
+        or ``qk_norm`` (:func:`check_rope`, :func:`check_qk_norm`).
       TypeError: a non-array input; a ``layer`` that is not an integer (``1.9``, ``True``); a
-        ``rope`` that is not a pair.
+        ``rope`` that is not a pair or a ``qk_norm`` that is not a 4-tuple.
     """
     check_pool_pair(k_pool, v_pool)
     geom = _check_shapes(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, extra_k, extra_v,
@@ -207,7 +209,34 @@ def check_arrays(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, layer=0, ex
     _check_dtypes(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, extra_k, extra_v)
     require_index("layer", layer, geom.num_layers, "k_pool.shape[0]")
     check_rope(rope, geom)
+    check_qk_norm(qk_norm, geom)
     return geom
+
+
+def check_qk_norm(qk_norm, geom: WindowGeometry) -> None:
+    """``qk_norm`` is ``None`` or ``(q_inv_rms, k_inv_rms, q_gain, k_gain)``: float32
+    ``[rows, q_len]`` and ``[rows, cur_len]``, and floating ``[num_q_heads * head_dim]`` and
+    ``[kv_heads * head_dim]`` (taken in float32; :func:`pallas_kernels.rope.normalize`).
+
+    Raises:
+      TypeError: ``qk_norm`` not a 4-tuple, or an entry not an array.
+      ValueError: an entry's shape or dtype.
+    """
+    if qk_norm is None:
+        return
+    if not isinstance(qk_norm, (tuple, list)) or len(qk_norm) != 4:
+        raise TypeError("qk_norm must be None or a (q_inv_rms, k_inv_rms, q_gain, k_gain) tuple of "
+                        f"arrays, got {type(qk_norm).__name__}")
+    expected = {"q_inv_rms": (geom.rows, geom.q_len), "k_inv_rms": (geom.rows, geom.cur_len),
+                "q_gain": (geom.num_q_heads * geom.head_dim,), "k_gain": (geom.kv_heads * geom.head_dim,)}
+    for (name, shape), x in zip(expected.items(), qk_norm):
+        name = f"qk_norm {name}"
+        check_rank(name, x, len(shape), str(list(shape)))
+        _expect(name, x.shape, shape)
+        if "inv_rms" in name and x.dtype != jnp.float32:
+            raise ValueError(f"{name}.dtype must be float32, got {jnp.dtype(x.dtype).name}")
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise ValueError(f"{name}.dtype must be floating, got {jnp.dtype(x.dtype).name}")
 
 
 def check_rope(rope, geom: WindowGeometry) -> None:

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.layout import KV_HEAD_AXIS, page_mask, pool_shape, slot_mask
-from pallas_kernels.rope import apply_rope
+from pallas_kernels.rope import apply_rope, prepare_qk
 from pallas_kernels.window_attention import (
     WindowGeometry,
     dynamic_validate_inputs,
@@ -419,6 +419,39 @@ def test_rope_is_applied_to_the_chunk_only(backend):
     the extras and the history keys are read as they are."""
     case, owned, rope, rotated = rope_case(extra=3)
     check(dict(poisoned(case, owned), rope=rope), backend, expected=rotated)
+
+
+@pytest.mark.parametrize("backend", FAST_BACKENDS)
+def test_qk_norm_then_rope_prepare_the_raw_chunk(backend):
+    """``qk_norm`` with ``rope``: the raw queries and keys are RMS-normalized, then rotated."""
+    case, owned, rope, _ = rope_case()
+    rng = np.random.default_rng(7)
+    rows, cur, kv_heads, d = case["k_cur"].shape
+    qk_norm = tuple(jnp.asarray(rng.uniform(0.5, 1.5, shape), jnp.float32) for shape in
+                    [(rows, cur), (rows, cur), (case["q"].shape[2] * d,), (kv_heads * d,)])
+    q, k = prepare_qk(case["q"], case["k_cur"], rope, qk_norm)
+    check(dict(poisoned(case, owned), rope=rope, qk_norm=qk_norm), backend, expected=dict(case, q=q, k_cur=k))
+
+
+QK_NORM_ERRORS = [
+    (lambda n: n[:3], TypeError, r"qk_norm must be None or a \(q_inv_rms, k_inv_rms, q_gain, k_gain\)"),
+    (lambda n: (n[0][:, :4], *n[1:]), ValueError, r"qk_norm q_inv_rms.shape=.* does not match"),
+    (lambda n: (*n[:3], n[3][:8]), ValueError, r"qk_norm k_gain.shape=.* does not match"),
+    (lambda n: (n[0], n[1].astype(jnp.bfloat16), *n[2:]), ValueError,
+     r"qk_norm k_inv_rms.dtype must be float32, got bfloat16"),
+    (lambda n: (*n[:2], n[2].astype(jnp.int32), n[3]), ValueError, r"qk_norm q_gain.dtype must be floating"),
+]
+
+
+@pytest.mark.parametrize("change,error,message", QK_NORM_ERRORS)
+def test_qk_norm_errors(change, error, message):
+    case, _, _, _ = rope_case()
+    rows, cur, kv_heads, d = case["k_cur"].shape
+    good = (jnp.ones((rows, cur)), jnp.ones((rows, cur)), jnp.ones(case["q"].shape[2] * d),
+            jnp.ones(kv_heads * d))
+    static_validate_inputs(**case, qk_norm=good, backend="xla")
+    with pytest.raises(error, match=message):
+        window_attention(**case, qk_norm=change(good), backend="xla")
 
 
 ROPE_ERRORS = [

@@ -21,7 +21,7 @@ import pytest
 from pallas_kernels.backend import tpu_simulator_params
 from pallas_kernels.layout import page_mask, pool_geometry, pool_shape, slot_mask
 from pallas_kernels.quantization import QUANTIZED_DTYPES
-from pallas_kernels.rope import apply_rope
+from pallas_kernels.rope import apply_rope, prepare_qk
 from pallas_kernels.window_attention import WindowGeometry, tpu, window_attention_reference
 from pallas_kernels.window_attention.tpu import window_attention
 from tests.tiers import slow_except
@@ -167,6 +167,34 @@ def test_rope_rotates_the_chunk_before_it_attends(num_q_heads, extra, dtype):
     check(dict(poisoned(case, owned), rope=rope), expected=rotated, **SMALL)
 
 
+def qk_norm_for(case: dict, seed=2):
+    """Random RMS norms for the chunk of ``case``: each token's inverse RMS and each feature's gain."""
+    rng = np.random.default_rng(seed)
+    rows, cur, kv_heads, d = case["k_cur"].shape
+
+    def f32(*shape):
+        return jnp.asarray(rng.uniform(0.5, 1.5, shape), jnp.float32)
+
+    return f32(rows, cur), f32(rows, cur), f32(case["q"].shape[2] * d), f32(kv_heads * d)
+
+
+@pytest.mark.parametrize("num_q_heads,extra,dtype", [
+    (KV_HEADS, 0, jnp.float32), (KV_HEADS, 0, jnp.bfloat16), (KV_HEADS, 3, jnp.float32),
+    (2 * KV_HEADS, 0, jnp.float32)], ids=["token_major", "token_major_bf16", "extras", "gqa"])
+def test_qk_norm_normalizes_the_raw_chunk_before_rope(num_q_heads, extra, dtype):
+    """With ``qk_norm`` and ``rope`` the queries and the chunk's keys are the raw projections:
+    normalized and rotated in the kernel where it reads them token-major without extras, else by
+    XLA first (normalized, or normalized and rotated); the same attention as the reference on the
+    prepared chunk."""
+    case, owned = make_case(committed=(0, 2, 6), extra=extra, num_q_heads=num_q_heads, dtype=dtype,
+                            cur_frames=2)
+    case = dict(case, q=case["q"][:, :case["k_cur"].shape[1]])
+    rope, qk_norm = rope_for(case), qk_norm_for(case)
+    q, k = prepare_qk(case["q"], case["k_cur"], rope, qk_norm)
+    check(dict(poisoned(case, owned), rope=rope, qk_norm=qk_norm), expected=dict(case, q=q, k_cur=k),
+          **SMALL)
+
+
 @pytest.mark.parametrize("tokens,gen,rotates", [(4680, "v5e", True), (4680, "v6e", True),
                                                 (14040, "v5e", True), (14040, "v6e", False)])
 def test_the_kernel_rotates_where_its_tables_fit(tokens, gen, rotates):
@@ -174,8 +202,9 @@ def test_the_kernel_rotates_where_its_tables_fit(tokens, gen, rotates):
     and rotated tail would take v6e's tuned tiling over its VMEM budget, so there XLA rotates first
     and the call is planned as one without tables."""
     geom = WindowGeometry(1, tokens, 12, 12, 128, tokens, 0, 30, 100, 1560, 12, 1560)
-    call, plan, _ = tpu.plan_rotating_call(tpu.Geometry.of(geom, jnp.bfloat16, rope=True), gen)
-    assert call.rotates == rotates
+    call, plan, _ = tpu.plan_rotating_call(tpu.Geometry.of(geom, jnp.bfloat16, rope=True, qk_norm=True),
+                                           gen)
+    assert call.rotates == call.normalizes == rotates
     assert tpu.vmem_estimate_bytes(call, plan) <= tpu.VMEM_BUDGET[gen]
     assert not tpu.plan_rotating_call(tpu.Geometry.of(geom, jnp.bfloat16), gen)[0].rotates
 

@@ -62,9 +62,9 @@ def test_commit_kv_skips_the_last_blocks_attention_mlp_and_head():
     calls = []
 
     class Counting(MaskedHistory):
-        def attend(self, q, k, v, layer, rope=None):
+        def attend(self, q, k, v, layer, rope=None, qk_norm=None):
             calls.append("self")
-            return super().attend(q, k, v, layer, rope)
+            return super().attend(q, k, v, layer, rope, qk_norm)
 
     latents, timesteps, first_frame, history, text_k, text_v = _inputs()
     counting = Counting(history.frame_mask, history.tokens_per_frame)
