@@ -265,22 +265,26 @@ def test_attention_compiles_without_pool_copies(gen, preset, rows):
 @pytest.mark.slow
 @pytest.mark.parametrize("gen", GENERATIONS)
 def test_the_rotating_kernel_takes_the_chunk_as_projected(gen):
-    """Given rotary tables at wan-1.3b (one query head per KV head, head dim 128), the kernel
-    rotates the queries and the chunk's keys itself and reads them, V and its output as the DiT's
-    projections lay them out: compiled, no pool is copied and the temporaries stay under one
-    chunk activation (the head-major queries and keys of a call without tables are two)."""
+    """Given RMS norms and rotary tables at wan-1.3b (one query head per KV head, head dim 128),
+    the kernel normalizes and rotates the raw queries and chunk keys itself and reads them, V and
+    its output as the DiT's projections lay them out: compiled, no pool is copied and the
+    temporaries stay under one chunk activation (the head-major queries and keys of a call
+    without tables are two)."""
     geom, shape, specs = attention_call("wan-1.3b", 1)
-    tables = [((geom.rows, geom.q_len, geom.head_dim), "float32")] * 2
+    d = geom.head_dim
+    prologue = [((geom.rows, geom.q_len, d), "float32")] * 2 + [((geom.rows, geom.q_len), "float32")] * 2 \
+        + [((geom.num_q_heads * d,), BF16), ((geom.kv_heads * d,), BF16)]
 
-    def attend(q, kc, vc, kp, vp, pages, lengths, layer, cos, sin):
+    def attend(q, kc, vc, kp, vp, pages, lengths, layer, cos, sin, *qk_norm):
         return twa.window_attention(q, kc, vc, kp, vp, pages, lengths, layer=layer, rope=(cos, sin),
-                                    tokens_per_frame=geom.tokens_per_frame, generation=gen)
+                                    qk_norm=qk_norm, tokens_per_frame=geom.tokens_per_frame, generation=gen)
 
-    fn, projected = tpu_compile.as_projected(attend, specs + tables)
+    fn, projected = tpu_compile.as_projected(attend, specs + prologue)
     rep = tpu_aot.report(tpu_aot.compile_for_tpu(fn, projected, gen), [shape])
-    assert twa.Geometry.of(geom, BF16, rope=True).rotates
+    call = twa.Geometry.of(geom, BF16, rope=True, qk_norm=True)
+    assert call.rotates and call.normalizes
     assert rep.pool_copies == 0
-    assert rep.temp_bytes < geom.rows * geom.q_len * geom.num_q_heads * geom.head_dim * 2
+    assert rep.temp_bytes < geom.rows * geom.q_len * geom.num_q_heads * d * 2
 
 
 @needs_libtpu
