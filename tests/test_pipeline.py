@@ -216,11 +216,11 @@ def test_the_plan_matches_the_compiled_programs(kv_dtype):
 @pytest.mark.parametrize("generation", ["v5e", "v6e"])
 def test_the_chunk_program_does_not_relay_out_attentions_activations(generation):
     """Compiled at Wan's shapes with two layers, the chunk program's copies that XLA:TPU prices
-    with its placeholder write at most 18 chunk activations (``[4680, 1536]`` bf16; 16.8 on a v5e
-    and 11.8 on a v6e measured, none of them around self-attention). Before the attention kernel
-    took q and K before RoPE (XLA relaid them out around its RoPE) and the DiT pinned the q, k and
-    v projections row-major on a TPU (a v5e relaid them out around the QK norms and for the
-    kernel), it was 61 on a v5e and 46 on a v6e."""
+    with its placeholder write at most 18 chunk activations (``[4680, 1536]`` bf16; 14.5 on a v5e
+    and 13.8 on a v6e measured, none of them in the denoise forwards' self-attention). Before the
+    attention kernel took q and K as projected (XLA relaid them out around its RoPE) and the DiT
+    pinned the q, k and v projections row-major on a TPU (a v5e relaid them out around the QK
+    norms and for the kernel), it was 61 on a v5e and 46 on a v6e."""
     figures = pl.plan_bucket(small_wan(), 1, generation, budget=1 << 40).chunk
     assert figures.placeholder_copy_bytes <= 18 * 4680 * 1536 * 2
 
