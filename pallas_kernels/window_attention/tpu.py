@@ -83,7 +83,9 @@ class Geometry(WindowGeometry):
     compute dtype and of the pools' page dtype (hashable): the static sizes of one TPU call.
 
     ``kv_dtype`` is ``dtype`` for plain pools, a quantized dtype
-    (:data:`pallas_kernels.quantization.QUANTIZED_DTYPES`) for :class:`QuantizedPool` s."""
+    (:data:`pallas_kernels.quantization.QUANTIZED_DTYPES`) for :class:`QuantizedPool` s.
+    ``rotates``/``normalizes``: the kernel applies the call's RoPE / QK norms to the chunk
+    (:meth:`of`, :func:`plan_rotating_call`)."""
 
     dtype: str
     kv_dtype: str
@@ -136,6 +138,7 @@ class Geometry(WindowGeometry):
         Otherwise the wrapper transposes them head-major, as it always does the queries and the
         tail's K (``docs/kernels.md``, the Mosaic TPU kernel, on which layouts cost copies)."""
         return token_major_blocks(self.group, self.head_dim)
+
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
