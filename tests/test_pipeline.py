@@ -146,15 +146,16 @@ def test_the_pricer_prices_each_convolution_at_its_own_shape(monkeypatch):
 
 
 def test_the_pricer_prices_attention_over_the_pages_stored_dtype(monkeypatch):
-    """Window attention is priced over the pages' storage dtype (int8 pages here), the text
-    cross-attention in the compute dtype."""
+    """Window attention is priced over the pages' storage dtype (int8 pages here), with the QK
+    norms and rotary tables the DiT hands it; the text cross-attention in the compute dtype."""
     asked = []
-    monkeypatch.setattr(pl, "_kernel_seconds", lambda geom, dtype, gen, kv_dtype=None:
-                        asked.append((type(geom).__name__, dtype, kv_dtype)) or 1e-3)
+    monkeypatch.setattr(pl, "_kernel_seconds", lambda geom, dtype, gen, kv_dtype=None, **prologue:
+                        asked.append((type(geom).__name__, dtype, kv_dtype, prologue)) or 1e-3)
     price = pl.attention_pricer(pl.PIPELINES["self-forcing"].with_kv_dtype("int8"), "v5e")
     price("window_attention_tpu", 1)
     price("context_attention_tpu", 1)
-    assert asked == [("WindowGeometry", "bfloat16", "int8"), ("ContextGeometry", "bfloat16", None)]
+    assert asked == [("WindowGeometry", "bfloat16", "int8", dict(rope=True, qk_norm=True)),
+                     ("ContextGeometry", "bfloat16", None, {})]
 
 
 def test_the_flop_count_scales_with_rows_and_steps():

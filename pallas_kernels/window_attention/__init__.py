@@ -38,7 +38,7 @@ from pallas_kernels.window_attention.validation import (
 )
 
 __all__ = [
-    "IMPLEMENTATIONS", "ROTATES_IN_KERNEL", "WindowGeometry", "check_values", "dynamic_validate_inputs",
+    "IMPLEMENTATIONS", "WindowGeometry", "check_values", "dynamic_validate_inputs",
     "history_capacity", "history_slot_valid", "layer_page_table", "static_validate_inputs",
     "visible_page_count", "window_attention", "window_attention_reference",
 ]
@@ -139,52 +139,55 @@ def window_attention(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, layer=0
     resolved = resolve_backend(backend, dtype=q.dtype, head_dim=geom.head_dim)
     scale = geom.head_dim ** -0.5 if scale is None else float(scale)
     layer = jnp.asarray(layer, jnp.int32)
-    prologue = {}
-    if resolved.name in ROTATES_IN_KERNEL:
-        prologue = {"rope": rope, "qk_norm": qk_norm}
-    else:
-        q, k_cur = prepare_qk(q, k_cur, rope, qk_norm)
     return IMPLEMENTATIONS[resolved.name](q, k_cur, v_cur, extra_k, extra_v, k_pool, v_pool, pages,
                                           lengths, layer, geom=geom, scale=scale, block_q=block_q,
-                                          block_k=block_k, backend=resolved, **prologue)
+                                          block_k=block_k, backend=resolved, rope=rope, qk_norm=qk_norm)
 
 
-# The implementations of the registry, one signature (:data:`IMPLEMENTATIONS`).
+# The implementations of the registry, one signature (:data:`IMPLEMENTATIONS`). The TPU kernel
+# prepares the chunk's queries and keys itself; the others take them prepared by XLA.
 
-def _xla(*args, geom: WindowGeometry, scale: float, block_q, block_k, backend: Backend):
-    return xla.window_attention(*args, geom=geom, scale=scale)
+def _prepared(args: tuple, rope, qk_norm) -> tuple:
+    """The implementations' positional arguments with ``q`` and ``k_cur`` (the first two)
+    normalized and rotated (:func:`pallas_kernels.rope.prepare_qk`)."""
+    return (*prepare_qk(args[0], args[1], rope, qk_norm), *args[2:])
 
 
-def _pallas_tpu(*args, geom: WindowGeometry, scale: float, block_q, block_k, backend: Backend,
-                rope=None, qk_norm=None):
+def _xla(*args, geom: WindowGeometry, scale: float, block_q, block_k, backend: Backend, rope, qk_norm):
+    return xla.window_attention(*_prepared(args, rope, qk_norm), geom=geom, scale=scale)
+
+
+def _pallas_tpu(*args, geom: WindowGeometry, scale: float, block_q, block_k, backend: Backend, rope,
+                qk_norm):
     return tpu._attention(*args, geom=geom, scale=scale, block_q=block_q, block_k=block_k,
                           backend=backend.name, rope=rope, qk_norm=qk_norm)
 
 
 def _pallas_tpu_gather(*args, geom: WindowGeometry, scale: float, block_q, block_k,
-                       backend: Backend):
-    return tpu_gather._attention(*args, geom=geom, scale=scale, backend=backend.name)
+                       backend: Backend, rope, qk_norm):
+    return tpu_gather._attention(*_prepared(args, rope, qk_norm), geom=geom, scale=scale,
+                                 backend=backend.name)
 
 
-def _pallas_gpu(*args, geom: WindowGeometry, scale: float, block_q, block_k, backend: Backend):
+def _pallas_gpu(*args, geom: WindowGeometry, scale: float, block_q, block_k, backend: Backend, rope,
+                qk_norm):
     block_q, block_k = gpu.tiles(geom, block_q, block_k)
-    return gpu.window_attention(*args, geom=geom, scale=scale, block_q=block_q, block_k=block_k,
-                                backend=backend.name)
+    return gpu.window_attention(*_prepared(args, rope, qk_norm), geom=geom, scale=scale, block_q=block_q,
+                                block_k=block_k, backend=backend.name)
 
 
-def _cudnn_gather(*args, geom: WindowGeometry, scale: float, block_q, block_k, backend: Backend):
-    return cudnn_gather.window_attention(*args, geom=geom, scale=scale, backend=backend.name)
+def _cudnn_gather(*args, geom: WindowGeometry, scale: float, block_q, block_k, backend: Backend, rope,
+                  qk_norm):
+    return cudnn_gather.window_attention(*_prepared(args, rope, qk_norm), geom=geom, scale=scale,
+                                         backend=backend.name)
 
 
-def _pallas_mgpu(*args, geom: WindowGeometry, scale: float, block_q, block_k, backend: Backend):
+def _pallas_mgpu(*args, geom: WindowGeometry, scale: float, block_q, block_k, backend: Backend, rope,
+                 qk_norm):
     block_kv = mosaic_gpu.default_block_kv(geom.block_size) if block_k is None else block_k
-    return mosaic_gpu.window_attention(*args, geom=geom, scale=scale, block_kv=int(block_kv))
+    return mosaic_gpu.window_attention(*_prepared(args, rope, qk_norm), geom=geom, scale=scale,
+                                       block_kv=int(block_kv))
 
-
-ROTATES_IN_KERNEL = frozenset({"pallas_tpu", "pallas_tpu_interpret", "pallas_tpu_simulate"})
-"""The backends whose implementation also takes ``rope`` and ``qk_norm`` and prepares the chunk's
-queries and keys itself; :func:`window_attention` prepares them before calling the others
-(:func:`pallas_kernels.rope.prepare_qk`)."""
 
 IMPLEMENTATIONS: Mapping[str, Callable[..., jax.Array]] = MappingProxyType({
     "xla": _xla,
@@ -201,8 +204,8 @@ IMPLEMENTATIONS: Mapping[str, Callable[..., jax.Array]] = MappingProxyType({
 })
 """This kernel's table of the backend registry (:data:`pallas_kernels.backend.BACKENDS`, the same
 names): backend name to implementation, each called as ``impl(q, k_cur, v_cur, extra_k, extra_v,
-k_pool, v_pool, pages, lengths, layer, *, geom, scale, block_q, block_k, backend)`` on inputs
+k_pool, v_pool, pages, lengths, layer, *, geom, scale, block_q, block_k, backend, rope, qk_norm)`` on inputs
 :func:`window_attention` has validated (``layer`` an int32 scalar, ``extra_k``/``extra_v``
 possibly ``None``, ``geom`` the call's :class:`WindowGeometry`, ``scale`` a float, ``backend`` the
-resolved :class:`~pallas_kernels.backend.Backend`), returning the output; those of
-:data:`ROTATES_IN_KERNEL` also take ``rope`` and ``qk_norm``."""
+resolved :class:`~pallas_kernels.backend.Backend`, ``rope`` and ``qk_norm`` possibly ``None``),
+returning the output."""

@@ -126,8 +126,8 @@ def test_check_backend_asks_the_registry(monkeypatch):
 def test_window_attention_runs_the_table_entry(monkeypatch):
     calls = []
 
-    def fake(*args, geom, scale, block_q, block_k, backend):
-        calls.append((len(args), geom.head_dim, scale, block_q, block_k, backend))
+    def fake(*args, geom, scale, block_q, block_k, backend, rope, qk_norm):
+        calls.append((len(args), geom.head_dim, scale, block_q, block_k, backend, rope, qk_norm))
         return args[0]
 
     monkeypatch.setattr(ATTENTION, "IMPLEMENTATIONS",
@@ -138,7 +138,7 @@ def test_window_attention_runs_the_table_entry(monkeypatch):
                                      jnp.zeros((1,), jnp.int32), backend="cudnn_gather_xla",
                                      block_k=4)
     assert out is q
-    assert calls == [(10, 8, 8 ** -0.5, None, 4, BACKENDS["cudnn_gather_xla"])]
+    assert calls == [(10, 8, 8 ** -0.5, None, 4, BACKENDS["cudnn_gather_xla"], None, None)]
 
 
 def _registry_params():
