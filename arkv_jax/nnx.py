@@ -3,11 +3,12 @@
 The functional core is plain functions on arrays, usable from NNX, linen or bare JAX: Wan's 3-D
 rotary positions (:func:`token_positions`, :func:`rope_tables`, :func:`apply_rope`: absolute frame,
 patch-grid row and column; keys are rotated *before* they are stored, so history keys are read as
-they are), a :class:`History` (``attend(q, k, v, layer, rope, qk_norm)``; :class:`PagedHistory` reads the visible
-pages and the current chunk through :func:`pallas_kernels.window_attention` and never writes the
-pool; the reference's is :class:`arkv_jax.reference.MaskedHistory`) and dense GQA attention
-(:func:`masked_attention`). The NNX modules wrap them: :class:`PagedSelfAttention` returns the output
-*and* the chunk's post-RoPE K/V, which the commit forward hands to ``ChunkStep.commit``;
+they are), a :class:`History` (``attend(q, k, v, layer, rope, qk_norm)``: the chunk's raw q and K
+with their norms and tables; :class:`PagedHistory` reads the visible pages and the current chunk
+through :func:`pallas_kernels.window_attention` and never writes the pool; the reference's is
+:class:`arkv_jax.reference.MaskedHistory`) and dense GQA attention (:func:`masked_attention`).
+The NNX modules wrap them: :class:`PagedSelfAttention` returns the output *and* the chunk's
+post-RoPE K/V, which the commit forward hands to ``ChunkStep.commit``;
 :class:`CachedCrossAttention` computes a session's text K/V once (``kv``) and reads them. Shapes:
 ``B`` rows (sessions x KV branches), ``N`` tokens of the forward (frames x tokens per frame), ``T``
 text tokens, ``Hq``/``Hkv`` query/KV heads, ``D`` head dim, ``L`` layers. See ``docs/rollout.md``.
