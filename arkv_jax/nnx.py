@@ -244,33 +244,37 @@ class PagedSelfAttention(_HeadProjections):
         batch, n, _ = x.shape
         q = _row_major_on_tpu(self.q(x))
         k, v = self._projected_kv(x)
-        qk_norm = None
+        k_inv_rms, qk_norm = self._k_inv_rms(k), None
         if self.norm_q is not None:
-            qk_norm = (inverse_rms(q, self.norm_q.epsilon), self._k_inv_rms(k), self.norm_q.scale[...],
+            qk_norm = (inverse_rms(q, self.norm_q.epsilon), k_inv_rms, self.norm_q.scale[...],
                        self.norm_k.scale[...])
         q = q.reshape(batch, n, self.num_heads, self.head_dim)
         out = history.attend(q, k, v, layer, rope, qk_norm)
-        return self.o(out.reshape(batch, n, -1)), (self._prepared_k(k, rope), v)
+        return self.o(out.reshape(batch, n, -1)), (self._prepared_k(k, k_inv_rms, rope), v)
 
     def kv(self, x: Array, rope: tuple[Array, Array]) -> tuple[Array, Array]:
         """``(k, v)``, each ``[B, N, Hkv, D]`` (``k`` normed and post-RoPE), of ``x`` ``[B, N, dim]``:
         what :meth:`__call__` returns, without the attention."""
         k, v = self._projected_kv(x)
-        return self._prepared_k(k, rope), v
+        return self._prepared_k(k, self._k_inv_rms(k), rope), v
 
     def _projected_kv(self, x: Array) -> tuple[Array, Array]:
         """The raw projections ``(k, v)`` ``[B, N, Hkv, D]`` of ``x``."""
         split = (*x.shape[:2], self.num_kv_heads, self.head_dim)
         return _row_major_on_tpu(self.k(x)).reshape(split), _row_major_on_tpu(self.v(x)).reshape(split)
 
-    def _k_inv_rms(self, k: Array) -> Array:
-        """The inverse RMS ``[B, N]`` of the raw keys ``k`` ``[B, N, Hkv, D]`` (over all heads)."""
+    def _k_inv_rms(self, k: Array) -> Array | None:
+        """The inverse RMS ``[B, N]`` of the raw keys ``k`` ``[B, N, Hkv, D]`` (over all heads), or
+        ``None`` where the layer has no QK norm."""
+        if self.norm_k is None:
+            return None
         return inverse_rms(k.reshape(*k.shape[:2], -1), self.norm_k.epsilon)
 
-    def _prepared_k(self, k: Array, rope: tuple[Array, Array]) -> Array:
-        """The raw keys ``k`` normed (where the layer has the QK norm) and rotated: as stored."""
+    def _prepared_k(self, k: Array, k_inv_rms: Array | None, rope: tuple[Array, Array]) -> Array:
+        """The raw keys ``k`` normed by ``k_inv_rms`` (:meth:`_k_inv_rms`, where the layer has the QK
+        norm) and rotated: as stored."""
         if self.norm_k is not None:
-            k = normalize(k, self._k_inv_rms(k), self.norm_k.scale[...])
+            k = normalize(k, k_inv_rms, self.norm_k.scale[...])
         return apply_rope(k, rope)
 
 

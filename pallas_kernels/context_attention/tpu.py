@@ -36,9 +36,10 @@ def default_block_q(q_len: int, group: int, kv_len: int) -> int:
 
 def _kernel(q_ref, k_ref, v_ref, o_ref, *, scale: float, kv_len: int):
     """Refs (VMEM): ``q_ref``/``o_ref`` ``[group, block_q, D]``, or ``[block_q, D]`` where the
-    kernel reads the token-major arrays (:func:`~pallas_kernels.common.token_major_blocks`) (rows of the last block past
-    ``q_len`` are unspecified; their outputs are dropped), ``k_ref``/``v_ref`` ``[kv_pad, D]``
-    (keys at and past ``kv_len`` are zero padding, their logits masked by selection)."""
+    kernel reads the token-major arrays (:func:`~pallas_kernels.common.token_major_blocks`; rows
+    of the last block past ``q_len`` are unspecified, their outputs dropped), ``k_ref``/``v_ref``
+    ``[kv_pad, D]`` (keys at and past ``kv_len`` are zero padding, their logits masked by
+    selection)."""
     dim = q_ref.shape[-1]
     precision = matmul_precision(q_ref.dtype)
     q = (q_ref[...].reshape(-1, dim).astype(jnp.float32) * (scale * LOG2_E)).astype(q_ref.dtype)
@@ -57,9 +58,10 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, *, scale: float, kv_len: int):
 def context_attention(q, k, v, *, scale: float, block_q: int, interpret: Any):
     """The kernel on validated inputs: ``q`` ``[B, N, Hq, D]``, ``k``/``v`` ``[B, T, Hkv, D]``.
 
-    Without GQA and with a head dim of whole lane groups (:func:`~pallas_kernels.common.token_major_blocks`) the kernel
-    reads ``q``, ``k`` and ``v`` and writes its output in these token-major arrays, viewed
-    ``[B, tokens, heads * D]`` with one head's lanes per block; otherwise the wrapper transposes
+    Without GQA and with a head dim of whole lane groups
+    (:func:`~pallas_kernels.common.token_major_blocks`) the kernel reads ``q``, ``k`` and ``v``
+    and writes its output in these token-major arrays, viewed ``[B, tokens, heads * D]`` with one
+    head's lanes per block; otherwise the wrapper transposes
     ``q`` to ``[B, Hkv, group, N, D]`` and ``k``/``v`` to ``[B, Hkv, T, D]`` (XLA:TPU relays a
     head-major view out with copies). The context is padded to a multiple of :data:`LANES` keys
     when it is not one.

@@ -108,9 +108,9 @@ def window_attention(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, layer=0
         (:func:`pallas_kernels.common.token_major_blocks`), the others before the call.
       qk_norm: optional ``(q_inv_rms, k_inv_rms, q_gain, k_gain)``: float32 ``[rows, q_len]`` and
         ``[rows, cur_len]``, floating ``[num_q_heads * head_dim]`` and ``[kv_heads * head_dim]``:
-        ``q`` and ``k_cur`` are then the raw projections, RMS-normalized by their tokens' inverse RMS and the
-        features' gains before RoPE (:func:`pallas_kernels.rope.normalize`). Inside the kernel
-        where it rotates and there are no extras, else before the call.
+        ``q`` and ``k_cur`` are then the raw projections, RMS-normalized by their tokens'
+        inverse RMS and the features' gains before RoPE (:func:`pallas_kernels.rope.normalize`).
+        Inside the kernel where it rotates and there are no extras, else before the call.
       validate: the value checks of ``pages``, ``lengths`` and an array ``layer``
         (:data:`pallas_kernels.common.VALIDATE_MODES`): ``True`` checks concrete values on the host,
         ``False`` checks none, ``"checkify"`` also checks traced ones with ``checkify.check`` (run
@@ -204,8 +204,8 @@ IMPLEMENTATIONS: Mapping[str, Callable[..., jax.Array]] = MappingProxyType({
 })
 """This kernel's table of the backend registry (:data:`pallas_kernels.backend.BACKENDS`, the same
 names): backend name to implementation, each called as ``impl(q, k_cur, v_cur, extra_k, extra_v,
-k_pool, v_pool, pages, lengths, layer, *, geom, scale, block_q, block_k, backend, rope, qk_norm)`` on inputs
-:func:`window_attention` has validated (``layer`` an int32 scalar, ``extra_k``/``extra_v``
+k_pool, v_pool, pages, lengths, layer, *, geom, scale, block_q, block_k, backend, rope,
+qk_norm)`` on inputs :func:`window_attention` has validated (``layer`` an int32 scalar, ``extra_k``/``extra_v``
 possibly ``None``, ``geom`` the call's :class:`WindowGeometry`, ``scale`` a float, ``backend`` the
 resolved :class:`~pallas_kernels.backend.Backend`, ``rope`` and ``qk_norm`` possibly ``None``),
 returning the output."""

@@ -706,12 +706,13 @@ def _window_attention(q, k_cur, v_cur, extra_k, extra_v, k_pool, v_pool, pages, 
         q, k_cur = prepare_qk(q, k_cur, None, qk_norm)
     k_tail = jnp.concatenate([k_cur] + ([] if extra_k is None else [extra_k]), axis=1)
     v_tail = jnp.concatenate([v_cur] + ([] if extra_v is None else [extra_v]), axis=1)
+    # Token-major blocks, [rows, tokens, heads * D] viewed one head's lanes at a time.
+    query_rows = pl.BlockSpec((None, bq, d), lambda r, h, b, *_: (r, b, h))
+    tail_rows = pl.BlockSpec((None, plan.tail_pad, d), lambda r, h, b, *_: (r, 0, h))
     tables, table_specs = [], []
     if geom.rotates:  # q and the tail's K token-major too.
-        qh = q.reshape(rows, geom.q_len, hkv * d)
-        q_spec = pl.BlockSpec((None, bq, d), lambda r, h, b, *_: (r, b, h))
-        k_tail = k_tail.reshape(rows, geom.tail_len, hkv * d)
-        k_spec = pl.BlockSpec((None, plan.tail_pad, d), lambda r, h, b, *_: (r, 0, h))
+        qh, q_spec = q.reshape(rows, geom.q_len, hkv * d), query_rows
+        k_tail, k_spec = k_tail.reshape(rows, geom.tail_len, hkv * d), tail_rows
         tables = list(rope)
         if geom.num_extra:  # Extras are read as they are: cos 1, sin 0.
             pad = (rows, geom.num_extra, d)
@@ -729,14 +730,11 @@ def _window_attention(q, k_cur, v_cur, extra_k, extra_v, k_pool, v_pool, pages, 
         q_spec = pl.BlockSpec((None, None, g, bq, d), lambda r, h, b, *_: (r, h, 0, b, 0))
         k_tail = k_tail.transpose(0, 2, 1, 3)
         k_spec = pl.BlockSpec((None, None, plan.tail_pad, d), lambda r, h, b, *_: (r, h, 0, 0))
-    if geom.token_major:  # [rows, tokens, heads * D]: a block is one head's lanes.
-        v_tail = v_tail.reshape(rows, v_tail.shape[1], hkv * d)
-        v_spec = pl.BlockSpec((None, plan.tail_pad, d), lambda r, h, b, *_: (r, 0, h))
-        out_spec = pl.BlockSpec((None, bq, d), lambda r, h, b, *_: (r, b, h))
-        out_shape = (rows, geom.q_len, hkv * d)
-    else:
-        v_tail = v_tail.transpose(0, 2, 1, 3)
-        v_spec = pl.BlockSpec((None, None, plan.tail_pad, d), lambda r, h, b, *_: (r, h, 0, 0))
+    if geom.token_major:
+        v_tail, v_spec = v_tail.reshape(rows, v_tail.shape[1], hkv * d), tail_rows
+        out_spec, out_shape = query_rows, (rows, geom.q_len, hkv * d)
+    else:  # Head-major like q and K (a kernel that rotates reads token-major).
+        v_tail, v_spec = v_tail.transpose(0, 2, 1, 3), k_spec
         out_spec, out_shape = q_spec, (rows, hkv, g, geom.q_len, d)
 
     lengths = lengths.astype(jnp.int32)
