@@ -67,7 +67,9 @@ TUNED_BLOCKS = {
     # v6e 2.22); 3-page DMA blocks (keys_per_block 4680, was 2048), so the 24-slot remainders of
     # 1,560-slot pages cut into 512- or 1536-key pieces are pooled into one chunk per block (v5e
     # 3.07 -> 2.89); on v6e the row sums on the MXU (1.66 -> 1.58), then pooled remainders (1.44)
-    # and 2352-row query blocks (1.42; block_kv_compute 512 or 768: 1.56, 1.66).
+    # and 2352-row query blocks (1.42; block_kv_compute 512 or 768: 1.56, 1.66); then the
+    # remainders and the tail's pooled into one chunk per grid step (v5e 2.91 -> 2.89, v6e 1.42
+    # -> 1.38; a single 4688-row query block with 768-key chunks: v6e 1.52).
     "v5e": Blocks(block_q=1568, block_q_compute=1568, block_kv_compute=512, keys_per_block=4680),
     "v6e": Blocks(block_q=2352, block_q_compute=2352, block_kv_compute=1536, keys_per_block=4680,
                   mxu_row_sums=True),
@@ -209,7 +211,7 @@ def vmem_estimate_bytes(geom: Geometry, plan: Plan) -> int:
     else:
         pages = 2 * plan.pages_per_block * slots * (d + v_lanes) * isz
     wide_tail = plan.tail_pad * v_lanes * isz if plan.mxu_row_sums else 0
-    pooled = plan.pages_per_block * plan_remainder(geom, plan)[1] * (d + v_lanes) * isz
+    pooled = plan_pooled(geom, plan)[1] * (d + v_lanes) * isz
     scratch = 2 * m * LANES * 4 + m * _round_up(d, LANES) * (4 + isz)
     chunk = plan.block_q_compute * plan.block_kv_compute * (4 + 4 + isz) \
         + plan.block_kv_compute * (d + v_lanes) * 4 + plan.block_q_compute * v_lanes * 4
@@ -221,14 +223,42 @@ def vmem_estimate_bytes(geom: Geometry, plan: Plan) -> int:
 
 
 def plan_remainder(geom: Geometry, plan: Plan) -> tuple[int, int]:
-    """``(rest, rest_rows)``: where pages are cut into pieces of ``block_kv_compute`` keys and a DMA
-    block holds several pages, each page's last ``rest = block_size % block_kv_compute`` slots are
-    copied into ``rest_rows`` (``rest`` rounded up to whole tiles) rows of one pooled chunk, which
-    the block computes once, instead of one small chunk per page; ``(rest, 0)`` where nothing is
-    pooled."""
+    """``(rest, rest_rows)``: where pages are cut into pieces of ``block_kv_compute`` keys, each
+    page's last ``rest = block_size % block_kv_compute`` slots are copied into ``rest_rows``
+    (``rest`` rounded up to whole tiles) rows of the pooled chunk (:func:`plan_pooled`) instead of
+    being one small chunk per page; ``(rest, 0)`` where nothing is pooled."""
     rest = 0 if plan.pages_per_chunk else geom.block_size % plan.block_kv_compute
-    pooled = rest and plan.pages_per_block > 1
-    return rest, _round_up(rest, geom.sublanes) if pooled else 0
+    return rest, _round_up(rest, geom.sublanes) if rest else 0
+
+
+def plan_pooled(geom: Geometry, plan: Plan) -> tuple[int, int]:
+    """``(tail_rows, rows)`` of the pooled chunk, where pages have remainders
+    (:func:`plan_remainder`): the tail's last, partial compute chunk (``tail_rows``, 0 where the
+    tail is whole chunks) and then every page-list entry's remainder (``rest_rows`` each, for
+    whole DMA blocks) are copied into one buffer of ``rows`` rows, which a grid step computes once,
+    last, in pieces of at most ``block_kv_compute`` keys (:func:`pooled_pieces`); ``(0, 0)`` where
+    nothing is pooled."""
+    rest_rows = plan_remainder(geom, plan)[1]
+    if not rest_rows:
+        return 0, 0
+    tail_rows = plan.tail_pad - geom.tail_len // plan.block_kv_compute * plan.block_kv_compute
+    return tail_rows, tail_rows + _round_up(geom.max_pages, plan.pages_per_block) * rest_rows
+
+
+def pooled_pieces(geom: Geometry, plan: Plan) -> list[list[tuple[int, int]]]:
+    """The pooled chunk (:func:`plan_pooled`) cut into compute pieces: each a list of segments
+    ``(page-list entry, rows)`` (entry -1: the tail's segment), whole segments, at most
+    ``block_kv_compute`` rows a piece."""
+    tail_rows, rows = plan_pooled(geom, plan)
+    rest_rows = plan_remainder(geom, plan)[1]
+    segments = [(-1, tail_rows)] * bool(tail_rows)
+    segments += [(entry, rest_rows) for entry in range((rows - tail_rows) // max(rest_rows, 1))]
+    pieces = []
+    for segment in segments:
+        if not pieces or sum(n for _, n in pieces[-1]) + segment[1] > plan.block_kv_compute:
+            pieces.append([])
+        pieces[-1].append(segment)
+    return pieces
 
 
 def plan_v_lanes(geom: Geometry, plan: Plan) -> int:
@@ -411,17 +441,17 @@ def _lane_partial_sums(p):
     return out
 
 
-def _prefix_masks(n: int, limits):
-    """Key masks of a chunk of ``n`` keys made of ``len(limits)`` equal pages, page ``i`` valid in
-    its first ``limits[i]`` slots: ``([1, n], [n, 1])`` booleans."""
-    size = n // len(limits)
+def _prefix_masks(sizes, limits):
+    """Key masks of a chunk made of segments of ``sizes`` keys, segment ``i`` valid in its first
+    ``limits[i]`` slots: ``([1, n], [n, 1])`` booleans, ``n = sum(sizes)``."""
+    n = sum(sizes)
     masks = []
     for shape, axis in (((1, n), 1), ((n, 1), 0)):
         pos = lax.broadcasted_iota(jnp.int32, shape, axis)
-        mask = None
-        for i, lim in enumerate(limits):
-            part = (pos >= i * size) & (pos < i * size + lim)
-            mask = part if mask is None else mask | part
+        mask, start = None, 0
+        for size, lim in zip(sizes, limits):
+            part = (pos >= start) & (pos < start + lim)
+            mask, start = part if mask is None else mask | part, start + size
         masks.append(mask)
     return masks
 
@@ -460,9 +490,10 @@ def _kernel(table_ref, nvis_ref, len_ref, layer_ref, q_in, kt_ref, vt_ref, k_hbm
     (the queries times ``q_scale``), ``m_ref``/``l_ref`` ``[M, 128]`` and ``acc_ref`` ``[M, D]``
     float32. Under ``mxu_row_sums`` ``vbuf`` rows are ``D + 128`` lanes (V, then ones) and the
     first ``extra`` ref holds the tail's V so widened, ``[tail_pad, D + 128]``, both filled at a
-    (row, head)'s first query block. Where pages are cut into pieces with a remainder pooled per
-    DMA block (:func:`plan_remainder`) the last two ``extra`` refs are its K and V,
-    ``[pages_per_block * rest_rows, D]`` and ``[..., V lanes]``.
+    (row, head)'s first query block. Where pages are cut into pieces with a remainder
+    (:func:`plan_remainder`) the last two ``extra`` refs are the pooled chunk's K and V
+    (:func:`plan_pooled`), ``[rows, D]`` and ``[rows, V lanes]``: the tail's partial chunk, copied
+    at the first query block, then each page's remainder, copied as its block is computed.
 
     Rotating (``geom.rotates``): ``q_in`` and ``kt_ref`` hold the queries and the chunk's keys
     before RoPE, two VMEM inputs ``cos``/``sin`` ``[table_rows, D]`` float32 (the tail's rows,
@@ -496,6 +527,7 @@ def _kernel(table_ref, nvis_ref, len_ref, layer_ref, q_in, kt_ref, vt_ref, k_hbm
     d = geom.head_dim
     rest, rest_rows = plan_remainder(geom, plan)
     k_rest, v_rest = extra if rest_rows else (None, None)
+    pooled_tail = plan_pooled(geom, plan)[0]
     full_tail = geom.tail_len // bkc
     tail_pieces = [(c * bkc, bkc) for c in range(full_tail)]
     if plan.tail_pad > full_tail * bkc:
@@ -503,7 +535,8 @@ def _kernel(table_ref, nvis_ref, len_ref, layer_ref, q_in, kt_ref, vt_ref, k_hbm
 
     def first_query_block():
         """The (row, head)'s tail as every query block reads it: V widened by 128 lanes of ones
-        under ``mxu_row_sums``, K rotated where the kernel rotates."""
+        under ``mxu_row_sums``, K rotated where the kernel rotates; its partial chunk copied to
+        the pooled chunk's first rows where pooled."""
         if plan.mxu_row_sums:
             if not geom.quantized:  # Quantized pages are widened as they are dequantized.
                 vbuf[:, :, :, pl.ds(d, LANES)] = jnp.ones(vbuf.shape[:-1] + (LANES,), vbuf.dtype)
@@ -514,8 +547,12 @@ def _kernel(table_ref, nvis_ref, len_ref, layer_ref, q_in, kt_ref, vt_ref, k_hbm
             for start, n in tail_pieces:
                 keys = pl.ds(start, n)
                 k_tail[keys] = rotate_rows(kt_ref[keys], k_tables[0][keys], k_tables[1][keys], gain)
+        if pooled_tail:
+            keys = pl.ds(full_tail * bkc, pooled_tail)
+            k_rest[pl.ds(0, pooled_tail)] = k_tail[keys]
+            v_rest[pl.ds(0, pooled_tail)] = v_tail[keys]
 
-    if plan.mxu_row_sums or geom.rotates:
+    if plan.mxu_row_sums or geom.rotates or pooled_tail:
         pl.when(pl.program_id(2) == 0)(first_query_block)
 
     def update(k, v, masks=None):
@@ -575,13 +612,14 @@ def _kernel(table_ref, nvis_ref, len_ref, layer_ref, q_in, kt_ref, vt_ref, k_hbm
         n = jnp.minimum(geom.tokens_per_frame - first, length - frame * geom.tokens_per_frame - first)
         return jnp.clip(n, 0, size)
 
-    def chunk(k, v, limits, n):
-        """Computes one chunk: unmasked if every slot is valid, masked if some, skipped if none."""
-        full = functools.reduce(jnp.logical_and, [lim == n // len(limits) for lim in limits])
+    def chunk(k, v, limits, sizes):
+        """Computes one chunk of segments of ``sizes`` keys, ``limits`` of each valid: unmasked if
+        every slot is valid, masked if some, skipped if none."""
+        full = functools.reduce(jnp.logical_and, [lim == n for lim, n in zip(limits, sizes)])
         some = functools.reduce(jnp.logical_or, [lim > 0 for lim in limits])
         pl.when(full)(lambda: update(k(), v()))
         pl.when(some & jnp.logical_not(full))(
-            lambda: update(k(), v(), _prefix_masks(n, limits)))
+            lambda: update(k(), v(), _prefix_masks(sizes, limits)))
 
     def history_block(block, carry):
         slot = lax.rem(block, 2)
@@ -614,7 +652,7 @@ def _kernel(table_ref, nvis_ref, len_ref, layer_ref, q_in, kt_ref, vt_ref, k_hbm
 
             def page_chunk(c, carry):
                 limits = [valid_slots(first + c * g + i) for i in range(g)]
-                chunk(lambda: pages(kbuf, 0, c), lambda: pages(vbuf, 1, c), limits, n)
+                chunk(lambda: pages(kbuf, 0, c), lambda: pages(vbuf, 1, c), limits, [size] * g)
                 return carry
 
             lax.fori_loop(0, ppb // g, page_chunk, 0)
@@ -627,18 +665,31 @@ def _kernel(table_ref, nvis_ref, len_ref, layer_ref, q_in, kt_ref, vt_ref, k_hbm
                     n = min(bkc, body - start)
                     keys = pl.ds(start, n)
                     chunk(lambda keys=keys: load(kbuf, 0, i, keys), lambda keys=keys: load(vbuf, 1, i, keys),
-                          [jnp.clip(limit - start, 0, n)], n)
-                if rest_rows:  # This page's remainder joins the block's pooled remainder chunk.
-                    pooled = pl.ds(pl.multiple_of(i * rest_rows, rest_rows), rest)
+                          [jnp.clip(limit - start, 0, n)], [n])
+                if rest_rows:  # This page's remainder joins the pooled chunk.
+                    at = pooled_tail + (first + i) * rest_rows
+                    pooled = pl.ds(pl.multiple_of(at, geom.sublanes), rest)
                     k_rest[pooled] = load(kbuf, 0, i, pl.ds(body, rest))
                     v_rest[pooled] = load(vbuf, 1, i, pl.ds(body, rest))
                 return carry
 
             lax.fori_loop(0, ppb, page, 0)
-            if rest_rows:
-                limits = [jnp.clip(valid_slots(first + i) - body, 0, rest) for i in range(ppb)]
-                chunk(lambda: k_rest[...], lambda: v_rest[...], limits, ppb * rest_rows)
         return carry
+
+    def pooled_chunks():
+        """The pooled chunk's pieces (:func:`pooled_pieces`), each masked: the tail's segment
+        valid in its first ``tail_len % block_kv_compute`` rows, each entry's in its remainder's
+        valid slots (none past the visible pages)."""
+        start = 0
+        for piece in pooled_pieces(geom, plan):
+            limits = [geom.tail_len - full_tail * bkc if entry < 0
+                      else jnp.clip(valid_slots(entry) - (size - rest), 0, rest) for entry, _ in piece]
+            sizes = [n for _, n in piece]
+            keys = pl.ds(start, sum(sizes))
+            some = functools.reduce(jnp.logical_or, [jnp.asarray(lim) > 0 for lim in limits])
+            pl.when(some)(lambda keys=keys, limits=limits, sizes=sizes: update(
+                k_rest[keys], v_rest[keys], _prefix_masks(sizes, limits)))
+            start += sum(sizes)
 
     # The first history block's DMAs run while the queries are scaled and the tail is computed.
     pl.when(num_blocks > 0)(lambda: for_block(0, 0, "start"))
@@ -650,8 +701,9 @@ def _kernel(table_ref, nvis_ref, len_ref, layer_ref, q_in, kt_ref, vt_ref, k_hbm
     m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
     l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
     acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
-    # The current chunk and extras first: every row then has a real running max before any
-    # partly valid history chunk.
+    # The tail's whole chunks first (they hide the first history block's DMAs), then the history,
+    # then the pooled chunk. A computed chunk has a valid key for every row, so every row's
+    # running max is real from its first update on.
 
     def tail_chunk(c, carry):
         keys = pl.ds(pl.multiple_of(c * bkc, bkc), bkc)
@@ -660,13 +712,15 @@ def _kernel(table_ref, nvis_ref, len_ref, layer_ref, q_in, kt_ref, vt_ref, k_hbm
 
     if full_tail:
         lax.fori_loop(0, full_tail, tail_chunk, 0)
-    if plan.tail_pad > full_tail * bkc:
+    if plan.tail_pad > full_tail * bkc and not pooled_tail:
         n = plan.tail_pad - full_tail * bkc
         keys = pl.ds(full_tail * bkc, n)
         valid = geom.tail_len - full_tail * bkc
-        update(k_tail[keys], v_tail[keys], None if valid == n else _prefix_masks(n, [valid]))
+        update(k_tail[keys], v_tail[keys], None if valid == n else _prefix_masks([n], [valid]))
 
     lax.fori_loop(0, num_blocks, history_block, 0)
+    if rest_rows:
+        pooled_chunks()
     # Every lane holds the row sum (mxu_row_sums), or a partial sum.
     l_row = l_ref[...] if plan.mxu_row_sums else jnp.sum(l_ref[...], axis=1, keepdims=True)
     o_ref[...] = (acc_ref[...] / _lanes(l_row, d)).astype(o_ref.dtype).reshape(o_ref.shape)
@@ -756,7 +810,7 @@ def _window_attention(q, k_cur, v_cur, extra_k, extra_v, k_pool, v_pool, pages, 
     wide_tail = ([pltpu.VMEM((plan.tail_pad, plan_v_lanes(geom, plan)), q.dtype)]
                  if plan.mxu_row_sums else [])
     rotated_tail = [pltpu.VMEM((plan.tail_pad, d), q.dtype)] if geom.rotates else []
-    rest_rows = plan.pages_per_block * plan_remainder(geom, plan)[1]
+    rest_rows = plan_pooled(geom, plan)[1]
     pooled_rest = ([pltpu.VMEM((rest_rows, d), q.dtype),
                     pltpu.VMEM((rest_rows, plan_v_lanes(geom, plan)), q.dtype)] if rest_rows else [])
     out = pl.pallas_call(

@@ -103,26 +103,24 @@ def attention_cycles(tree, trips: dict, bundles) -> tuple[float, float, str]:
     are in flight.
 
     Tree: the grid loop; inside it the DMA-issue loops (no MXU op; ``pages_per_block`` trips,
-    absent where unrolled), the tail-chunk loop(s), the tail remainder and, last, the
-    history-block loop, whose children are DMA loops, the page loop (``trips["pages"]`` trips) and
-    the pooled remainder. A compute chunk is an unmasked then a masked update, and full pages take
-    the unmasked one, except the pooled remainder, which takes the masked one when
-    ``trips["pooled_masked"]``. With one softmax sub-block (``trips["sub_blocks"] == 1``) an
-    update is a predicated region of its loop's own bundles, cut at the region fallthroughs
-    (``PF``, :func:`_fast_own`); with several it is a sub-block loop (``sub_blocks`` trips), a child
-    without MXU loops of its own: the tail-chunk loop has one, each piece of the page loop a pair,
-    the history-block loop the pooled remainder's pair, the grid loop the tail remainder's one.
+    absent where unrolled), the tail-chunk loop(s), the tail remainder, the history-block loop,
+    whose children are DMA loops and the page loop (``trips["pages"]`` trips), and last the pooled
+    chunk's pieces (which take the tail remainder's place where pages have remainders). A page's
+    compute chunk is an unmasked then a masked update, and full pages take the unmasked one; the
+    grid loop's updates (the tail remainder, the pooled pieces) are one region each, all taken.
+    With one softmax sub-block (``trips["sub_blocks"] == 1``) an update is a predicated region of
+    its loop's own bundles, cut at the region fallthroughs (``PF``, :func:`_fast_own`); with
+    several it is a sub-block loop (``sub_blocks`` trips), a child without MXU loops of its own:
+    the tail-chunk loop has one, each piece of the page loop a pair, the grid loop one per update.
     Work a (row, head) does at its first query block only, the tail's rotation where the kernel
     rotates (the grid loop's segment without MXU ops and with lane rotations, :func:`_fast_own`),
     counts once per ``trips["q_blocks"]`` steps.
     """
     grid, sub, dma = tree[0], trips["sub_blocks"], trips["pages_per_block"]
-    pooled = trips["pooled_masked"]
 
     def cost(node, loop_trips: int, kind: str) -> float:
         kids = node["children"]
-        per = _fast_own(bundles, node, pooled and kind == "history" and sub == 1,
-                        trips["q_blocks"] if kind == "grid" else 1)
+        per = _fast_own(bundles, node, kind != "grid", trips["q_blocks"] if kind == "grid" else 1)
         per += sum(cost(c, dma, "dma") for c in kids if not _with_mxu(c))
         leaves = [c for c in kids if _with_mxu(c) and not _mxu_children(c)]
         nested = [c for c in kids if _with_mxu(c) and _mxu_children(c)]
@@ -130,8 +128,6 @@ def attention_cycles(tree, trips: dict, bundles) -> tuple[float, float, str]:
             return loop_trips * (per + sum(cost(c, trips["pages"], "page") for c in leaves + nested))
         if kind == "page":
             leaves = leaves[0::2]
-        elif kind == "history":
-            leaves = leaves[1::2] if pooled else leaves[0::2]
         per += sum(cost(c, sub, "sub") for c in leaves)
         return loop_trips * (per + sum(cost(c, trips["pages"], "page") for c in nested))
 
@@ -156,12 +152,12 @@ def span(node) -> int:
     return node["own"] + sum(span(c) for c in node["children"])
 
 
-def _fast_own(bundles, node, pooled: bool, q_blocks: int = 1) -> float:
+def _fast_own(bundles, node, paired: bool, q_blocks: int = 1) -> float:
     """Bundles of ``node``'s body outside its child loops on the fast path (see
-    :func:`attention_cycles`): segments cut at ``PF`` markers; segments with MXU ops pair up as
-    (unmasked, masked) chunk regions and the unmasked one counts, or for the last pair the masked
-    one when ``pooled``; a segment with lane rotations and no MXU op (the tail's rotation at a
-    (row, head)'s first query block) counts ``1 / q_blocks``; every other segment counts whole."""
+    :func:`attention_cycles`): segments cut at ``PF`` markers; where ``paired``, segments with MXU
+    ops pair up as (unmasked, masked) chunk regions and the unmasked one counts; a segment with
+    lane rotations and no MXU op (the tail's rotation at a (row, head)'s first query block) counts
+    ``1 / q_blocks``; every other segment counts whole."""
     start, end = node["start"], node["start"] + span(node)
     inside = set()
     for child in node["children"]:
@@ -175,9 +171,7 @@ def _fast_own(bundles, node, pooled: bool, q_blocks: int = 1) -> float:
         current.append(i)
     segments.append(current)
     chunks = [k for k, seg in enumerate(segments) if any("vmatmul" in bundles[i][2] for i in seg)]
-    skipped = set(chunks[1::2])
-    if pooled and len(chunks) >= 2:
-        skipped = (skipped - {chunks[-1]}) | {chunks[-2]}
+    skipped = set(chunks[1::2]) if paired else set()
     first_block = {k for k, seg in enumerate(segments) if k not in chunks
                    and any("vrot" in bundles[i][2] for i in seg)}
     return sum(len(seg) / (q_blocks if k in first_block else 1)
@@ -208,15 +202,11 @@ class Estimate:
 def loop_trips(geom, plan) -> dict:
     """The trip counts :func:`attention_cycles` needs for the kernel of ``geom``
     (:class:`~pallas_kernels.window_attention.tpu.Geometry`) tiled by ``plan``."""
-    from pallas_kernels.window_attention import tpu as twa
-
-    rest, rest_rows = twa.plan_remainder(geom, plan)
     pages = plan.pages_per_block // plan.pages_per_chunk if plan.pages_per_chunk else plan.pages_per_block
     return dict(full_tail=geom.tail_len // plan.block_kv_compute, pages_per_block=plan.pages_per_block,
                 q_blocks=plan.num_q_blocks,
                 sub_blocks=geom.group * plan.block_q // plan.block_q_compute,
-                blocks=-(-geom.max_pages // plan.pages_per_block), pages=pages,
-                pooled_masked=bool(rest_rows and rest_rows != rest))
+                blocks=-(-geom.max_pages // plan.pages_per_block), pages=pages)
 
 
 def estimate_from_dump(geom: WindowGeometry, dtype: str, generation: str, dump_dir: str,

@@ -146,14 +146,16 @@ def test_a_compiled_scan_costs_its_trips():
 def test_the_first_query_blocks_rotation_counts_once_per_row_and_head():
     """In the paged kernel's grid loop a segment with lane rotations and no MXU op (the tail's
     rotation, done at a (row, head)'s first query block) counts once per query blocks; of a
-    (unmasked, masked) pair of chunk regions the unmasked one counts; other segments whole."""
+    (unmasked, masked) pair of chunk regions the unmasked one counts where regions pair up (a page
+    loop's), both where they do not (the grid loop's remainders); other segments whole."""
     from pallas_kernels.window_attention import tpu_estimate
 
     segments = [["vadd"] * 3, ["vrot.lane"] * 4, ["vmatmul"] * 5, ["vmatmul vsel"] * 6, ["vst"] * 2]
     bundles = [("PF" if i == 0 else "", 1, text) for seg in segments for i, text in enumerate(seg)]
     node = dict(start=0, depth=1, own=len(bundles), children=[], mxu=11)
-    assert tpu_estimate._fast_own(bundles, node, pooled=False) == 3 + 4 + 5 + 2
-    assert tpu_estimate._fast_own(bundles, node, pooled=False, q_blocks=2) == 3 + 2 + 5 + 2
+    assert tpu_estimate._fast_own(bundles, node, paired=True) == 3 + 4 + 5 + 2
+    assert tpu_estimate._fast_own(bundles, node, paired=True, q_blocks=2) == 3 + 2 + 5 + 2
+    assert tpu_estimate._fast_own(bundles, node, paired=False, q_blocks=2) == 3 + 2 + 5 + 6 + 2
 
 
 @pytest.mark.slow

@@ -247,6 +247,33 @@ def test_pages_cut_into_pieces(block, tpf, dtype):
           block_kv_compute=128, keys_per_block=block)
 
 
+def test_pooled_chunk_in_several_pieces():
+    """The tail's partial chunk and 9 page-list entries' 16-slot remainders (144-slot pages, 8 of
+    them frame padding, cut into a 128-key piece) pooled: 160 rows computed last in two pieces of at
+    most 128 keys; rows with no history, with part of it, and with a full window."""
+    window = Window(sink=2, recent=6, tokens_per_frame=136, block=144)
+    case, owned = make_case(committed=(0, 3, 11), window=window, extra=3, num_q_heads=KV_HEADS)
+    geom = tpu.Geometry.of(WindowGeometry(3, 136, KV_HEADS, KV_HEADS, HEAD_DIM, 136, 3, LAYERS, NUM_PAGES,
+                                          144, 8, 136), jnp.float32)
+    plan = tpu.plan_call(geom, "v5e", block_q=32, block_q_compute=32, block_kv_compute=128,
+                         keys_per_block=3 * 144)[0]
+    assert tpu.plan_pooled(geom, plan) == (16, 16 + 9 * 16)
+    assert [[entry for entry, _ in piece] for piece in tpu.pooled_pieces(geom, plan)] == [
+        [-1, 0, 1, 2, 3, 4, 5, 6], [7, 8]]
+    check(poisoned(case, owned), expected=case, block_q=32, block_q_compute=32, block_kv_compute=128,
+          keys_per_block=3 * 144)
+
+
+def test_wan_pools_its_remainders_into_one_chunk():
+    """At Wan-1.3B's shape (1,560-slot pages in 1,536-key pieces, a 4,680-key chunk) the tail's
+    72-key remainder and the 9 pages' 24-slot ones form one 368-row chunk on both chips."""
+    geom = tpu.Geometry.of(WindowGeometry(1, 4680, 12, 12, 128, 4680, 0, 30, 10, 1560, 9, 1560), jnp.bfloat16)
+    for generation in ("v5e", "v6e"):
+        plan = tpu.plan_call(geom, generation)[0]
+        assert tpu.plan_pooled(geom, plan) == (80, 368)
+        assert len(tpu.pooled_pieces(geom, plan)) == 1
+
+
 @pytest.mark.slow
 def test_simulator_races_and_oob():
     """The TPU simulator: DMAs emulated, races detected, OOB reads raise, uninitialised VMEM NaN;
