@@ -555,8 +555,9 @@ def _kernel(table_ref, nvis_ref, len_ref, layer_ref, q_in, kt_ref, vt_ref, k_hbm
     if plan.mxu_row_sums or geom.rotates or pooled_tail:
         pl.when(pl.program_id(2) == 0)(first_query_block)
 
-    def update(k, v, masks=None):
-        """Online-softmax update of every query sub-block with one chunk of keys ``k``/``v``."""
+    def update(k, v, masks=None, first=False):
+        """Online-softmax update of every query sub-block with one chunk of keys ``k``/``v``; the
+        ``first`` of a grid step sets the statistics and the accumulator instead."""
         n = k.shape[0]
         if masks is not None:
             v = jnp.where(masks[1], v, jnp.zeros_like(v))
@@ -567,19 +568,26 @@ def _kernel(table_ref, nvis_ref, len_ref, layer_ref, q_in, kt_ref, vt_ref, k_hbm
                                 preferred_element_type=jnp.float32)
             if masks is not None:
                 s = jnp.where(masks[0], s, MASK_VALUE)
-            m_prev, l_prev = m_ref[rows_], l_ref[rows_]
-            m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+            row_max = jnp.max(s, axis=1, keepdims=True)
+            if first:
+                m_next = jnp.broadcast_to(row_max, (bqc, LANES))
+            else:
+                m_prev = m_ref[rows_]
+                m_next = jnp.maximum(m_prev, row_max)
             p = jnp.exp2(s - _lanes(m_next, n))
-            alpha = jnp.exp2(m_prev - m_next)
             m_ref[rows_] = m_next
             pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
                                  precision=precision, preferred_element_type=jnp.float32)
             if plan.mxu_row_sums:  # Lanes d: of P @ [V | 1] hold the row sum on every lane.
-                l_ref[rows_] = alpha * l_prev + pv[:, d:]
-                pv = pv[:, :d]
+                sums, pv = pv[:, d:], pv[:, :d]
             else:
-                l_ref[rows_] = alpha * l_prev + _lane_partial_sums(p)
-            acc_ref[rows_] = acc_ref[rows_] * _lanes(alpha, d) + pv
+                sums = _lane_partial_sums(p)
+            if first:
+                l_ref[rows_], acc_ref[rows_] = sums, pv
+            else:
+                alpha = jnp.exp2(m_prev - m_next)
+                l_ref[rows_] = alpha * l_ref[rows_] + sums
+                acc_ref[rows_] = acc_ref[rows_] * _lanes(alpha, d) + pv
             return carry
 
         lax.fori_loop(0, m_rows // bqc, sub_block, 0)
@@ -698,9 +706,6 @@ def _kernel(table_ref, nvis_ref, len_ref, layer_ref, q_in, kt_ref, vt_ref, k_hbm
         own = pl.ds(pl.multiple_of(pl.program_id(2) * plan.block_q, plan.block_q), plan.block_q)
         q = rotate_rows(q, q_tables[0][own], q_tables[1][own], gains[0][...] if geom.normalizes else None)
     q_ref[...] = (q.astype(jnp.float32) * q_scale).astype(q_ref.dtype)
-    m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
-    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
-    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
     # The tail's whole chunks first (they hide the first history block's DMAs), then the history,
     # then the pooled chunk. A computed chunk has a valid key for every row, so every row's
     # running max is real from its first update on.
@@ -710,8 +715,13 @@ def _kernel(table_ref, nvis_ref, len_ref, layer_ref, q_in, kt_ref, vt_ref, k_hbm
         update(k_tail[keys], v_tail[keys])
         return carry
 
-    if full_tail:
-        lax.fori_loop(0, full_tail, tail_chunk, 0)
+    if full_tail:  # The first sets the statistics and the accumulator.
+        update(k_tail[pl.ds(0, bkc)], v_tail[pl.ds(0, bkc)], first=True)
+        lax.fori_loop(1, full_tail, tail_chunk, 0)
+    else:
+        m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
+        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
     if plan.tail_pad > full_tail * bkc and not pooled_tail:
         n = plan.tail_pad - full_tail * bkc
         keys = pl.ds(full_tail * bkc, n)

@@ -203,7 +203,8 @@ def loop_trips(geom, plan) -> dict:
     """The trip counts :func:`attention_cycles` needs for the kernel of ``geom``
     (:class:`~pallas_kernels.window_attention.tpu.Geometry`) tiled by ``plan``."""
     pages = plan.pages_per_block // plan.pages_per_chunk if plan.pages_per_chunk else plan.pages_per_block
-    return dict(full_tail=geom.tail_len // plan.block_kv_compute, pages_per_block=plan.pages_per_block,
+    # The tail-chunk loop computes the tail's whole chunks after the first (the grid loop's own).
+    return dict(full_tail=max(geom.tail_len // plan.block_kv_compute - 1, 0), pages_per_block=plan.pages_per_block,
                 q_blocks=plan.num_q_blocks,
                 sub_blocks=geom.group * plan.block_q // plan.block_q_compute,
                 blocks=-(-geom.max_pages // plan.pages_per_block), pages=pages)
