@@ -250,9 +250,11 @@ def pooled_pieces(geom: Geometry, plan: Plan) -> list[list[tuple[int, int]]]:
     ``(page-list entry, rows)`` (entry -1: the tail's segment), whole segments, at most
     ``block_kv_compute`` rows a piece."""
     tail_rows, rows = plan_pooled(geom, plan)
+    if not rows:
+        return []
     rest_rows = plan_remainder(geom, plan)[1]
     segments = [(-1, tail_rows)] * bool(tail_rows)
-    segments += [(entry, rest_rows) for entry in range((rows - tail_rows) // max(rest_rows, 1))]
+    segments += [(entry, rest_rows) for entry in range((rows - tail_rows) // rest_rows)]
     pieces = []
     for segment in segments:
         if not pieces or sum(n for _, n in pieces[-1]) + segment[1] > plan.block_kv_compute:
@@ -526,9 +528,11 @@ def _kernel(table_ref, nvis_ref, len_ref, layer_ref, q_in, kt_ref, vt_ref, k_hbm
     num_blocks = lax.div(nvis + ppb - 1, ppb)
     d = geom.head_dim
     rest, rest_rows = plan_remainder(geom, plan)
+    body = size - rest if rest_rows else size  # A page's slots computed in pieces, not pooled.
     k_rest, v_rest = extra if rest_rows else (None, None)
     pooled_tail = plan_pooled(geom, plan)[0]
     full_tail = geom.tail_len // bkc
+    tail_valid = geom.tail_len - full_tail * bkc  # Valid rows of the tail's partial chunk.
     tail_pieces = [(c * bkc, bkc) for c in range(full_tail)]
     if plan.tail_pad > full_tail * bkc:
         tail_pieces.append((full_tail * bkc, plan.tail_pad - full_tail * bkc))
@@ -665,8 +669,6 @@ def _kernel(table_ref, nvis_ref, len_ref, layer_ref, q_in, kt_ref, vt_ref, k_hbm
 
             lax.fori_loop(0, ppb // g, page_chunk, 0)
         else:
-            body = size - rest if rest_rows else size
-
             def page(i, carry):
                 limit = valid_slots(first + i)
                 for start in range(0, body, bkc):
@@ -690,8 +692,8 @@ def _kernel(table_ref, nvis_ref, len_ref, layer_ref, q_in, kt_ref, vt_ref, k_hbm
         valid slots (none past the visible pages)."""
         start = 0
         for piece in pooled_pieces(geom, plan):
-            limits = [geom.tail_len - full_tail * bkc if entry < 0
-                      else jnp.clip(valid_slots(entry) - (size - rest), 0, rest) for entry, _ in piece]
+            limits = [tail_valid if entry < 0 else jnp.clip(valid_slots(entry) - body, 0, rest)
+                      for entry, _ in piece]
             sizes = [n for _, n in piece]
             keys = pl.ds(start, sum(sizes))
             some = functools.reduce(jnp.logical_or, [jnp.asarray(lim) > 0 for lim in limits])
@@ -725,8 +727,7 @@ def _kernel(table_ref, nvis_ref, len_ref, layer_ref, q_in, kt_ref, vt_ref, k_hbm
     if plan.tail_pad > full_tail * bkc and not pooled_tail:
         n = plan.tail_pad - full_tail * bkc
         keys = pl.ds(full_tail * bkc, n)
-        valid = geom.tail_len - full_tail * bkc
-        update(k_tail[keys], v_tail[keys], None if valid == n else _prefix_masks([n], [valid]))
+        update(k_tail[keys], v_tail[keys], None if tail_valid == n else _prefix_masks([n], [tail_valid]))
 
     lax.fori_loop(0, num_blocks, history_block, 0)
     if rest_rows:
@@ -820,9 +821,9 @@ def _window_attention(q, k_cur, v_cur, extra_k, extra_v, k_pool, v_pool, pages, 
     wide_tail = ([pltpu.VMEM((plan.tail_pad, plan_v_lanes(geom, plan)), q.dtype)]
                  if plan.mxu_row_sums else [])
     rotated_tail = [pltpu.VMEM((plan.tail_pad, d), q.dtype)] if geom.rotates else []
-    rest_rows = plan_pooled(geom, plan)[1]
-    pooled_rest = ([pltpu.VMEM((rest_rows, d), q.dtype),
-                    pltpu.VMEM((rest_rows, plan_v_lanes(geom, plan)), q.dtype)] if rest_rows else [])
+    pooled_rows = plan_pooled(geom, plan)[1]
+    pooled_rest = ([pltpu.VMEM((pooled_rows, d), q.dtype),
+                    pltpu.VMEM((pooled_rows, plan_v_lanes(geom, plan)), q.dtype)] if pooled_rows else [])
     out = pl.pallas_call(
         functools.partial(_kernel, geom=geom, plan=plan, q_scale=scale * LOG2_E),
         out_shape=jax.ShapeDtypeStruct(out_shape, q.dtype),
