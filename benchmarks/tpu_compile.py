@@ -37,9 +37,8 @@ HLO, and a compiler-derived time per call, formed the same way for the kernel an
   :func:`pallas_kernels.tpu_cost.program_cycles`). For the
   baseline that is the gather of the visible history (one DMA per token), its concatenation with
   the chunk and padding, the scaled queries and the output transpose; for the paged kernel the
-  head-major transposes of the queries and the tail's K (relayout copies of the activations,
-  which come in row-major as the DiT's projections give them: :func:`as_projected`) and the
-  page table.
+  page table (it reads the queries and the chunk's K and V, row-major as the DiT's projections
+  give them, :func:`as_projected`, through token-major blocks).
 
 The write's time is the larger of its bytes (read and written) over the HBM bandwidth and its
 bundles' issue time. ``--quick`` compiles rows 1 only. The last line is JSON (a figure of a kernel

@@ -135,10 +135,11 @@ class Geometry(WindowGeometry):
 
     @property
     def token_major(self) -> bool:
-        """Whether the kernel reads the tail's V and writes its output in the caller's token-major
-        arrays, one head's lanes per block (:func:`pallas_kernels.common.token_major_blocks`).
-        Otherwise the wrapper transposes them head-major, as it always does the queries and the
-        tail's K (``docs/kernels.md``, the Mosaic TPU kernel, on which layouts cost copies)."""
+        """Whether the kernel reads the queries and the tail's K and V and writes its output in
+        the caller's token-major arrays, one head's lanes per block
+        (:func:`pallas_kernels.common.token_major_blocks`), except q and K that the wrapper
+        rotates with XLA. Otherwise the wrapper transposes them head-major (``docs/kernels.md``,
+        the Mosaic TPU kernel, on which layouts cost copies)."""
         return token_major_blocks(self.group, self.head_dim)
 
 
@@ -484,8 +485,8 @@ def _kernel(table_ref, nvis_ref, len_ref, layer_ref, q_in, kt_ref, vt_ref, k_hbm
 
     Refs: SMEM ``table_ref`` ``[rows * max_pages]`` (0 past the visible pages), ``nvis_ref``
     ``[rows]``, ``len_ref`` ``[rows]``, ``layer_ref`` ``[1]``; VMEM ``q_in``/``o_ref``
-    ``[group, block_q, D]`` (``o_ref`` ``[block_q, D]`` where :attr:`Geometry.token_major`; the
-    last query block may hold rows past ``q_len``: their outputs are dropped),
+    ``[group, block_q, D]`` or ``[block_q, D]`` (token-major blocks; the last query block may
+    hold rows past ``q_len``: their outputs are dropped),
     ``kt_ref``/``vt_ref`` ``[tail_pad, D]`` (rows past ``tail_len`` unspecified, masked);
     HBM pools ``[L, H, P, S, D]`` (the stored values of quantized pools); scratch ``kbuf``/``vbuf``
     ``[2, pages_per_block, S, D]``, DMA ``sems`` ``[2, 2]`` (K/V x buffer), ``q_ref`` ``[M, D]``
@@ -750,10 +751,11 @@ def _prologue_refs(refs, geom: Geometry):
 def _window_attention(q, k_cur, v_cur, extra_k, extra_v, k_pool, v_pool, pages, lengths, layer,
                       rope=None, qk_norm=None, *, geom: Geometry, plan: Plan, scale: float,
                       vmem_limit: int, interpret: Any):
-    """Wrapper of :func:`_kernel`: hands it ``q`` transposed to ``[rows, kv_heads, group, q_len,
-    D]``, the tail (chunk, then extras) K transposed to ``[rows, kv_heads, tail_len, D]``, and the
-    tail's V and the output as they are, viewed ``[rows, tokens, heads * D]`` with one head's lanes
-    per block (:attr:`Geometry.token_major`; else transposed head-major like K); no padding, no
+    """Wrapper of :func:`_kernel`: hands it ``q``, the tail's (chunk, then extras) K and V and
+    the output as they are, viewed ``[rows, tokens, heads * D]`` with one head's lanes per block
+    (:attr:`Geometry.token_major`), else transposed head-major, ``q`` to ``[rows, kv_heads, group,
+    q_len, D]`` and the tail to ``[rows, kv_heads, tail_len, D]`` (so too ``q`` and K where XLA
+    rotates them here, whose rotation is computed head-major); no padding, no
     scaling (the kernel scales each query block, and the last query block and tail chunk may run
     past the arrays' ends); builds the page table and the visible counts. For
     quantized pools the kernel takes the stored values as they are and the visible pages' scales
@@ -775,9 +777,18 @@ def _window_attention(q, k_cur, v_cur, extra_k, extra_v, k_pool, v_pool, pages, 
     query_rows = pl.BlockSpec((None, bq, d), lambda r, h, b, *_: (r, b, h))
     tail_rows = pl.BlockSpec((None, plan.tail_pad, d), lambda r, h, b, *_: (r, 0, h))
     tables, table_specs = [], []
-    if geom.rotates:  # q and the tail's K token-major too.
+    # q and the tail's K token-major too, unless XLA rotated them above: its rotation's output
+    # would be relaid out twice to reach token-major blocks (docs/kernels.md, on which layouts
+    # cost copies).
+    if geom.token_major and (geom.rotates or rope is None):
         qh, q_spec = q.reshape(rows, geom.q_len, hkv * d), query_rows
         k_tail, k_spec = k_tail.reshape(rows, geom.tail_len, hkv * d), tail_rows
+    else:
+        qh = q.reshape(rows, geom.q_len, hkv, g, d).transpose(0, 2, 3, 1, 4)
+        q_spec = pl.BlockSpec((None, None, g, bq, d), lambda r, h, b, *_: (r, h, 0, b, 0))
+        k_tail = k_tail.transpose(0, 2, 1, 3)
+        k_spec = pl.BlockSpec((None, None, plan.tail_pad, d), lambda r, h, b, *_: (r, h, 0, 0))
+    if geom.rotates:
         tables = list(rope)
         if geom.num_extra:  # Extras are read as they are: cos 1, sin 0.
             pad = (rows, geom.num_extra, d)
@@ -790,11 +801,6 @@ def _window_attention(q, k_cur, v_cur, extra_k, extra_v, k_pool, v_pool, pages, 
             tables = [t * inv[:, :, None] for inv in (q_inv_rms, k_inv_rms) for t in tables]
             tables += [g.astype(jnp.float32).reshape(1, hkv * d) for g in (q_gain, k_gain)]
             table_specs += [pl.BlockSpec((1, d), lambda r, h, b, *_: (0, h))] * 2
-    else:
-        qh = q.reshape(rows, geom.q_len, hkv, g, d).transpose(0, 2, 3, 1, 4)
-        q_spec = pl.BlockSpec((None, None, g, bq, d), lambda r, h, b, *_: (r, h, 0, b, 0))
-        k_tail = k_tail.transpose(0, 2, 1, 3)
-        k_spec = pl.BlockSpec((None, None, plan.tail_pad, d), lambda r, h, b, *_: (r, h, 0, 0))
     if geom.token_major:
         v_tail, v_spec = v_tail.reshape(rows, v_tail.shape[1], hkv * d), tail_rows
         out_spec, out_shape = query_rows, (rows, geom.q_len, hkv * d)

@@ -268,8 +268,7 @@ def test_the_rotating_kernel_takes_the_chunk_as_projected(gen):
     """Given RMS norms and rotary tables at wan-1.3b (one query head per KV head, head dim 128),
     the kernel normalizes and rotates the raw queries and chunk keys itself and reads them, V and
     its output as the DiT's projections lay them out: compiled, no pool is copied and the
-    temporaries stay under one chunk activation (the head-major queries and keys of a call
-    without tables are two)."""
+    temporaries stay under one chunk activation."""
     geom, shape, specs = attention_call("wan-1.3b", 1)
     d = geom.head_dim
     prologue = [((geom.rows, geom.q_len, d), "float32")] * 2 + [((geom.rows, geom.q_len), "float32")] * 2 \
@@ -285,6 +284,20 @@ def test_the_rotating_kernel_takes_the_chunk_as_projected(gen):
     assert call.rotates and call.normalizes
     assert rep.pool_copies == 0
     assert rep.temp_bytes < geom.rows * geom.q_len * geom.num_q_heads * d * 2
+
+
+@needs_libtpu
+@pytest.mark.slow
+@pytest.mark.parametrize("gen", GENERATIONS)
+def test_the_plain_kernel_reads_the_chunk_as_projected(gen):
+    """Without tables, at wan-1.3b (one query head per KV head, head dim 128), the kernel reads the
+    queries and the chunk's K and V token-major as the DiT's projections lay them out: neither a
+    pool nor a chunk activation is copied (head-major q and K had cost two copies each)."""
+    geom, shape, specs = attention_call("wan-1.3b", 1)
+    fn, projected = tpu_compile.as_projected(attention_fn(twa.window_attention, geom, generation=gen), specs)
+    rep = tpu_aot.report(tpu_aot.compile_for_tpu(fn, projected, gen), [shape])
+    assert rep.pool_copies == 0
+    assert tpu_aot.copies_of(rep.hlo, [(geom.rows, geom.q_len, geom.num_q_heads * geom.head_dim)]) == 0
 
 
 @needs_libtpu

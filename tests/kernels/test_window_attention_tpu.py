@@ -24,6 +24,7 @@ from pallas_kernels.quantization import QUANTIZED_DTYPES
 from pallas_kernels.rope import apply_rope, prepare_qk
 from pallas_kernels.window_attention import WindowGeometry, tpu, window_attention_reference
 from pallas_kernels.window_attention.tpu import window_attention
+from pallas_kernels.window_attention.validation import check_arrays
 from tests.tiers import slow_except
 
 TOLERANCE = {jnp.float32: 2e-5, jnp.bfloat16: 3e-2, jnp.float16: 4e-3}
@@ -193,6 +194,50 @@ def test_qk_norm_normalizes_the_raw_chunk_before_rope(num_q_heads, extra, dtype)
     q, k = prepare_qk(case["q"], case["k_cur"], rope, qk_norm)
     check(dict(poisoned(case, owned), rope=rope, qk_norm=qk_norm), expected=dict(case, q=q, k_cur=k),
           **SMALL)
+
+
+def test_a_chunk_xla_prepares_goes_in_head_major(monkeypatch):
+    """A rotating call (one query head per KV head, head dim 128) whose tables do not fit the VMEM
+    budget is planned without them: XLA normalizes and rotates the chunk and the kernel reads it
+    head-major (the wrapper's one exception to token-major blocks); the same attention as the
+    reference on the prepared chunk."""
+    case, owned = make_case(committed=(0, 2, 6), num_q_heads=KV_HEADS, cur_frames=2)
+    case = dict(case, q=case["q"][:, :case["k_cur"].shape[1]])
+    rope, qk_norm = rope_for(case), qk_norm_for(case)
+    geom = check_arrays(*(case[k] for k in ("q", "k_cur", "v_cur", "k_pool", "v_pool", "pages", "lengths")),
+                        layer=case["layer"], tokens_per_frame=case["tokens_per_frame"], rope=rope,
+                        qk_norm=qk_norm)
+    rotating = tpu.Geometry.of(geom, jnp.float32, rope=True, qk_norm=True)
+    plain = tpu.Geometry.of(geom, jnp.float32)
+    assert rotating.rotates and rotating.token_major
+    blocks = tpu.resolve_blocks("v5e", **SMALL)
+    budget = tpu.vmem_estimate_bytes(plain, tpu.make_plan(plain, blocks))
+    assert tpu.vmem_estimate_bytes(rotating, tpu.make_plan(rotating, blocks)) > budget
+    monkeypatch.setitem(tpu.VMEM_BUDGET, "v5e", budget)
+    assert not tpu.plan_rotating_call(rotating, "v5e", **SMALL)[0].rotates
+    q, k = prepare_qk(case["q"], case["k_cur"], rope, qk_norm)
+    check(dict(poisoned(case, owned), rope=rope, qk_norm=qk_norm), expected=dict(case, q=q, k_cur=k),
+          generation="v5e", **SMALL)
+    assert kernel_query_rank(dict(case, rope=rope, qk_norm=qk_norm), generation="v5e", **SMALL) == 5
+    assert kernel_query_rank(case, generation="v5e", **SMALL) == 3  # Nothing prepared: token-major.
+
+
+def kernel_query_rank(case: dict, **kwargs) -> int:
+    """Rank of the queries the Mosaic call takes (3: token-major ``[rows, tokens, heads * D]``, 5:
+    head-major ``[rows, kv_heads, group, tokens, D]``)."""
+
+    def pallas_call(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                return eqn
+            for param in eqn.params.values():
+                inner = getattr(param, "jaxpr", param)
+                if hasattr(inner, "eqns") and (found := pallas_call(inner)) is not None:
+                    return found
+        return None
+
+    jaxpr = jax.make_jaxpr(lambda: window_attention(**case, interpret=True, **kwargs))()
+    return len(pallas_call(jaxpr.jaxpr).invars[4].aval.shape)  # table, counts, lengths, layer, q
 
 
 @pytest.mark.parametrize("tokens,gen,rotates", [(4680, "v5e", True), (4680, "v6e", True),
