@@ -132,10 +132,12 @@ def test_an_int8_rollout_stays_close_to_the_float32_one():
 @pytest.mark.parametrize("kv_dtype", ["int8", "float8_e4m3fn"])
 def test_a_quantized_rollout_on_the_tpu_kernels_matches_the_xla_path(kv_dtype):
     """The whole cache on the TPU kernels (interpreted: the write quantizing in VMEM, attention
-    dequantizing per compute chunk) gives the XLA path's latents: the same stored pages, attention
-    equal up to float rounding."""
+    dequantizing per compute chunk) gives the XLA path's latents up to float rounding, which a
+    stored value rounded to the neighbouring level amplifies in later chunks. Measured max abs
+    difference: 3e-6 under jax 0.12; under jax 0.10.2 on an AMD EPYC 1.1e-4 for int8 (3 % of the
+    int8 pages' own error against float32 pages, 3.2e-3), 3.7e-5 for e4m3fn."""
     model = init_random(MODEL_CONFIGS["tiny"], seed=0)
     xla, tpu = (paged_rollout(model, TINY_SETUP, kv_dtype, 3, backend=b) for b in ("xla", "pallas_tpu_interpret"))
     assert np.all(np.isfinite(tpu))
-    np.testing.assert_allclose(tpu, xla, atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(tpu, xla, atol=3e-4, rtol=1e-4)
 
