@@ -127,9 +127,9 @@ def test_the_pricer_knows_the_chunk_programs_kernels():
 
 def test_the_pricer_prices_each_convolution_at_its_own_shape(monkeypatch):
     """A causal- or upsampling-convolution kernel is priced at the geometry its name spells, in the
-    VAE's dtype; the decode's time is XLA's estimate plus its kernel calls, each priced once per
-    shape."""
-    from pallas_kernels import causal_conv, upsample_conv
+    VAE's dtype, and the DiT's adaLN MLP at its own in the DiT's; a program's time is XLA's
+    estimate plus its kernel calls, each priced once per shape."""
+    from pallas_kernels import adaln_mlp, causal_conv, upsample_conv
 
     asked = []
     monkeypatch.setattr(pl, "_kernel_seconds", lambda geom, dtype, gen: asked.append((geom, dtype, gen)) or 1e-3)
@@ -143,6 +143,10 @@ def test_the_pricer_prices_each_convolution_at_its_own_shape(monkeypatch):
         (upsample_conv.kernel_name(up), 4): 3})
     assert pl.program_seconds(decode, price) == pytest.approx(0.1 + 48e-3)
     assert asked == [(small, "bfloat16", "v6e"), (large, "bfloat16", "v6e"), (up, "bfloat16", "v6e")]
+    mlp = adaln_mlp.MLPGeometry(4680, 1536, 8960, 1560)
+    chunk = dataclasses.replace(_figures(0), kernel_calls={(adaln_mlp.kernel_name(mlp), 4680): 150})
+    assert pl.program_seconds(chunk, price) == pytest.approx(0.1 + 150e-3)
+    assert asked[3:] == [(mlp, "bfloat16", "v6e")]
 
 
 def test_the_pricer_prices_attention_over_the_pages_stored_dtype(monkeypatch):

@@ -27,6 +27,9 @@ from jax.sharding import PartitionSpec as P
 from arkv_jax import nnx as layers
 from arkv_jax.config import CacheGeometry, CrossAttentionSpec, require_int
 from arkv_jax.models import io
+from pallas_kernels.adaln_mlp import adaln_mlp
+from pallas_kernels.adaln_mlp.xla import per_token
+from pallas_kernels.backend import resolve_backend
 from pallas_kernels.window_attention.tpu import default_generation
 
 Array = jax.Array
@@ -169,41 +172,30 @@ def unpatchify(tokens: Array, num_frames: int, grid: tuple[int, int], patch: int
     return x.transpose(0, 1, 2, 4, 3, 5, 6).reshape(b, num_frames, rows * patch, cols * patch, -1)
 
 
-def _per_token(values: Array, num_frames: int, num_tokens: int) -> Array:
-    """``values`` ``[B, F, dim]`` (one row per frame) as ``[B, F * tpf, dim]``, each token reading its
-    frame's row, written as a chain of selects on the token's frame index.
-
-    XLA fuses the selects into the consumer. Through a ``[B, F, tpf, dim]`` view, XLA:TPU
-    materialized each broadcast as a whole ``f32[F, tpf, dim]`` array; frame by frame, with the
-    pieces concatenated, it materialized the per-frame results and built the concatenation from
-    full-size pads (``docs/planning.md``, The whole chip)."""
-    frame = jax.lax.broadcasted_iota(jnp.int32, (1, num_tokens, 1), 1) // (num_tokens // num_frames)
-    out = jnp.broadcast_to(values[:, :1], (values.shape[0], num_tokens, values.shape[2]))
-    for f in range(1, num_frames):
-        out = jnp.where(frame == f, values[:, f:f + 1], out)
-    return out
-
-
-def _modulate(x: Array, shift: Array, scale: Array, num_frames: int) -> Array:
+def _modulate(x: Array, shift: Array, scale: Array) -> Array:
     """``x * (1 + scale) + shift`` with per-frame ``shift``/``scale`` ``[B, F, dim]`` over the
     tokens ``x`` ``[B, F * tpf, dim]``."""
     n = x.shape[1]
-    return x * (1 + _per_token(scale, num_frames, n)) + _per_token(shift, num_frames, n)
+    return x * (1 + per_token(scale, n)) + per_token(shift, n)
 
 
-def _gate(y: Array, gate: Array, num_frames: int) -> Array:
+def _gate(y: Array, gate: Array) -> Array:
     """``y * gate`` with a per-frame ``gate`` ``[B, F, dim]``."""
-    return y * _per_token(gate, num_frames, y.shape[1])
+    return y * per_token(gate, y.shape[1])
 
 
-def materializes_ffn_input() -> bool:
-    """Whether a block writes the MLP's normalized, modulated input to memory before the FFN-in
-    matmul (an ``optimization_barrier``): on a v6e, the chip the program is built for
-    (:func:`pallas_kernels.window_attention.tpu.default_generation`). There XLA:TPU otherwise fuses
-    the norm and the modulation into the matmul and recomputes them for every output tile; on a v5e
-    the slower MXU hides that and writing the input costs more (``docs/planning.md``, The whole
-    chip)."""
-    return default_generation() == "v6e"
+def mlp_backend(history: layers.History) -> str:
+    """The backend of a block's MLP (:func:`pallas_kernels.adaln_mlp.adaln_mlp`): the history's TPU
+    backend on a v6e without a mesh (:func:`pallas_kernels.window_attention.tpu.default_generation`,
+    the chip the program is built for), where the Mosaic kernel keeps the hidden activations in
+    VMEM and runs near the MXU's peak while XLA:TPU's fusions do not; ``"xla"`` everywhere else
+    (on a v5e XLA's MLP is already near peak, so the kernel, at its MXU floor, gains nothing:
+    ``docs/planning.md``, What is left on a v6e)."""
+    backend = getattr(history, "backend", "xla")
+    if getattr(history, "mesh", None) is None and default_generation() == "v6e" \
+            and resolve_backend(backend).kind == "pallas_tpu":
+        return backend
+    return "xla"
 
 
 class DiTBlock(nnx.Module):
@@ -220,14 +212,15 @@ class DiTBlock(nnx.Module):
         self.norm3 = nnx.LayerNorm(dim, **norm)
         self.cross_attn = layers.CachedCrossAttention(dim, config.num_heads, config.num_kv_heads,
                                                       eps=config.eps, rngs=rngs, **kw)
-        self.norm2 = nnx.LayerNorm(dim, use_bias=False, use_scale=False, **norm)
         self.ffn_in = nnx.Linear(dim, config.ffn_dim, rngs=rngs, **kw)
         self.ffn_out = nnx.Linear(config.ffn_dim, dim, rngs=rngs, **kw)
+        self.eps = config.eps
         self.modulation = nnx.Param(
             (jax.random.normal(rngs.params(), (6, dim)) / math.sqrt(dim)).astype(island))
 
     def __call__(self, x: Array, time_mod: Array, rope: tuple[Array, Array], history: layers.History,
-                 text_k: Array, text_v: Array, layer: Array) -> tuple[Array, tuple[Array, Array]]:
+                 text_k: Array, text_v: Array, layer: Array, mlp_weights: tuple[Array, Array, Array, Array]
+                 ) -> tuple[Array, tuple[Array, Array]]:
         """One block on ``x`` ``[B, F * tpf, dim]``.
 
         Under the ``"mixed"`` precision ``x``, ``time_mod`` and the norms are float32 and each
@@ -239,31 +232,27 @@ class DiTBlock(nnx.Module):
           rope: ``(cos, sin)`` of the tokens' positions.
           history: where self-attention's keys come from (and which kernels cross-attention runs on).
           text_k, text_v: ``[B, T, Hkv, D]`` this layer's text K/V.
-          layer: int32 scalar, this block's pool layer.
+          layer: int32 scalar, this block's pool layer and its index in the stacks.
+          mlp_weights: every block's FFN weights stacked, as :meth:`CausalDiT.mlp_weights` gives
+            them (the MLP reads layer ``layer``'s, :func:`pallas_kernels.adaln_mlp.adaln_mlp`: a
+            kernel given the stacks reads the layer's slice where it lies, so no slice is copied).
 
         Returns:
           ``(x, (k, v))``: the new tokens and this layer's post-RoPE K/V ``[B, N, Hkv, D]``.
         """
-        frames = time_mod.shape[1]
         shift_sa, scale_sa, gate_sa, shift_ff, scale_ff, gate_ff = self._modulation(time_mod)
-        y, kv = self.self_attn(_modulate(self.norm1(x), shift_sa, scale_sa, frames), rope, history, layer)
-        x = x + _gate(y, gate_sa, frames)
+        y, kv = self.self_attn(_modulate(self.norm1(x), shift_sa, scale_sa), rope, history, layer)
+        x = x + _gate(y, gate_sa)
         x = x + self.cross_attn(self.norm3(x), text_k, text_v, history)
-        ffn_input = _modulate(self.norm2(x), shift_ff, scale_ff, frames)
-        if materializes_ffn_input():
-            ffn_input = jax.lax.optimization_barrier(ffn_input.astype(self.ffn_in.dtype))
-        hidden = jax.nn.gelu(self.ffn_in(ffn_input), approximate=True)
-        # XLA:TPU otherwise fuses the FFN-out matmul with the GELU before it (and the gate and residual
-        # after it) into fusions far below MXU peak (docs/planning.md, "The whole chip"): the barriers
-        # keep the matmul alone.
-        y = jax.lax.optimization_barrier(self.ffn_out(jax.lax.optimization_barrier(hidden)))
-        return x + _gate(y, gate_ff, frames), kv
+        x = adaln_mlp(x, shift_ff, scale_ff, gate_ff, *mlp_weights, layer, eps=self.eps,
+                      backend=mlp_backend(history), validate=False)
+        return x, kv
 
     def kv(self, x: Array, time_mod: Array, rope: tuple[Array, Array]) -> tuple[Array, Array]:
         """This block's self-attention K/V of ``x`` (as :meth:`__call__` returns them), without the
         attention, cross-attention and MLP that would compute the block's output."""
         shift_sa, scale_sa = self._modulation(time_mod)[:2]
-        return self.self_attn.kv(_modulate(self.norm1(x), shift_sa, scale_sa, time_mod.shape[1]), rope)
+        return self.self_attn.kv(_modulate(self.norm1(x), shift_sa, scale_sa), rope)
 
     def _modulation(self, time_mod: Array) -> list[Array]:
         """``shift, scale, gate`` of self-attention then of the MLP, each ``[B, F, dim]``."""
@@ -338,15 +327,17 @@ class CausalDiT(nnx.Module):
         x, t_emb, time_mod, rope = self._embed(latents, timesteps, first_frame)
         graphdef, stacked = nnx.split(self.blocks)
 
+        mlp_weights = self.mlp_weights()
+
         def run_block(x, layer_inputs):
             state, layer_k, layer_v, layer = layer_inputs
-            return nnx.merge(graphdef, state)(x, time_mod, rope, history, layer_k, layer_v, layer)[0], None
+            return nnx.merge(graphdef, state)(x, time_mod, rope, history, layer_k, layer_v, layer, mlp_weights)[0], None
 
         layer_ids = jnp.arange(config.num_layers, dtype=jnp.int32)
         x, _ = jax.lax.scan(run_block, x, (stacked, text_k, text_v, layer_ids))
         shift, scale = jnp.unstack(self.head_modulation[...] + t_emb[:, :, None], axis=2)
         frames = latents.shape[1]
-        out = self.head(_modulate(self.head_norm(x), shift, scale, frames))
+        out = self.head(_modulate(self.head_norm(x), shift, scale))
         return unpatchify(out, frames, config.grid, config.patch_size)
 
     def commit_kv(self, latents: Array, timesteps: Array, first_frame: Array, history: layers.History,
@@ -365,9 +356,11 @@ class CausalDiT(nnx.Module):
 
         k_spec, v_spec = jax.eval_shape(lambda x: block(last).kv(x, time_mod, rope), x)
 
+        mlp_weights = self.mlp_weights()
+
         def run_block(layer, carry):
             x, k_all, v_all = carry
-            x, (k, v) = block(layer)(x, time_mod, rope, history, text_k[layer], text_v[layer], layer)
+            x, (k, v) = block(layer)(x, time_mod, rope, history, text_k[layer], text_v[layer], layer, mlp_weights)
             return (x, *(jax.lax.dynamic_update_index_in_dim(all_, new, layer, 0)
                          for all_, new in ((k_all, k), (v_all, v))))
 
@@ -377,6 +370,13 @@ class CausalDiT(nnx.Module):
         x, k_all, v_all = jax.lax.fori_loop(0, last, run_block, (x, k_all, v_all))
         k, v = block(last).kv(x, time_mod, rope)
         return k_all.at[last].set(k), v_all.at[last].set(v)
+
+    def mlp_weights(self) -> tuple[Array, Array, Array, Array]:
+        """Every block's FFN weights, stacked: ``(w_in [L, dim, ffn_dim], b_in [L, ffn_dim], w_out
+        [L, ffn_dim, dim], b_out [L, dim])``, the arguments of
+        :func:`pallas_kernels.adaln_mlp.adaln_mlp` a block's MLP takes with its layer index."""
+        return (self.blocks.ffn_in.kernel[...], self.blocks.ffn_in.bias[...], self.blocks.ffn_out.kernel[...],
+                self.blocks.ffn_out.bias[...])
 
     def _embed(self, latents: Array, timesteps: Array, first_frame: Array
                ) -> tuple[Array, Array, Array, tuple[Array, Array]]:

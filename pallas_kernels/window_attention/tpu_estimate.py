@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 
+from pallas_kernels.adaln_mlp.geometry import MLPGeometry
 from pallas_kernels.causal_conv.geometry import ConvGeometry
 from pallas_kernels.context_attention import ContextGeometry
 from pallas_kernels.upsample_conv.geometry import UpsampleGeometry
@@ -334,6 +335,29 @@ def _compile_and_price_upsample(geom: UpsampleGeometry, dtype: str, generation: 
     return upsample_estimate.estimate_from_dump(geom, upsample_tpu.default_block_h(g.height), generation, dump_dir)
 
 
+def _compile_and_price_mlp(geom: MLPGeometry, dtype: str, generation: str, dump_dir: str) -> Estimate:
+    """In the worker process: compiles one adaLN MLP of ``geom`` (one row of ``geom.rows`` tokens in
+    frames of ``geom.tokens_per_frame``, a float32 residual stream donated and ``dtype`` weights
+    stacked over two layers, as a DiT block passes them) and prices it
+    (:func:`pallas_kernels.adaln_mlp.tpu_estimate.estimate_from_dump`)."""
+    import jax.numpy as jnp
+
+    from pallas_kernels import tpu_aot
+    from pallas_kernels.adaln_mlp import adaln_mlp
+    from pallas_kernels.adaln_mlp import tpu as mlp_tpu
+    from pallas_kernels.adaln_mlp import tpu_estimate as mlp_estimate
+
+    g, dt, f32 = geom, jnp.dtype(dtype), jnp.float32
+    rows = mlp_tpu.block_rows(g, dt.itemsize, 4)
+    if rows is None:
+        raise ValueError(f"no adaLN-MLP kernel fits at {g}: the call runs XLA")
+    frames = g.rows // g.tokens_per_frame
+    specs = [((1, g.rows, g.dim), f32), *[((1, frames, g.dim), f32)] * 3, ((2, g.dim, g.hidden), dt),
+             ((2, g.hidden), dt), ((2, g.hidden, g.dim), dt), ((2, g.dim), dt), ((), jnp.int32)]
+    tpu_aot.compile_for_tpu(lambda *a: adaln_mlp(*a, backend="pallas_tpu"), specs, generation, donate_argnums=(0,))
+    return mlp_estimate.estimate_from_dump(g, rows, generation, dump_dir)
+
+
 def _compile_and_price(geom: WindowGeometry | ContextGeometry | ConvGeometry | UpsampleGeometry, dtype: str,
                        generation: str, dump_dir: str, kv_dtype: str | None = None,
                        rope: bool = False, qk_norm: bool = False) -> Estimate:
@@ -352,6 +376,8 @@ def _compile_and_price(geom: WindowGeometry | ContextGeometry | ConvGeometry | U
         return _compile_and_price_conv(geom, dtype, generation, dump_dir)
     if isinstance(geom, UpsampleGeometry):
         return _compile_and_price_upsample(geom, dtype, generation, dump_dir)
+    if isinstance(geom, MLPGeometry):
+        return _compile_and_price_mlp(geom, dtype, generation, dump_dir)
     specs = [(shape, jnp.dtype(d)) for shape, d in call_specs(geom, dtype, rope, qk_norm)]
     if isinstance(geom, ContextGeometry):
         tpu_aot.compile_for_tpu(lambda q, k, v: context_attention(q, k, v, backend="pallas_tpu"), specs, generation)
@@ -378,17 +404,19 @@ def _compile_and_price(geom: WindowGeometry | ContextGeometry | ConvGeometry | U
 
 
 _GEOMETRIES = {"window-attention": WindowGeometry, "context-attention": ContextGeometry,
-               "causal-convolution": ConvGeometry, "upsampling-convolution": UpsampleGeometry}
+               "causal-convolution": ConvGeometry, "upsampling-convolution": UpsampleGeometry,
+               "adaln-mlp": MLPGeometry}
 
 
-def estimate(geom: WindowGeometry | ContextGeometry | ConvGeometry | UpsampleGeometry, dtype: str, generation: str,
-             kv_dtype: str | None = None, rope: bool = False, qk_norm: bool = False) -> Estimate:
+def estimate(geom: WindowGeometry | ContextGeometry | ConvGeometry | UpsampleGeometry | MLPGeometry, dtype: str,
+             generation: str, kv_dtype: str | None = None, rope: bool = False, qk_norm: bool = False) -> Estimate:
     """Compiles one call of ``geom`` (the paged window-attention kernel for a
     :class:`~pallas_kernels.window_attention.WindowGeometry` over pages stored as ``kv_dtype``,
     default ``dtype``; the context-attention kernel for a
     :class:`~pallas_kernels.context_attention.ContextGeometry`, the causal-convolution kernel for a
     :class:`~pallas_kernels.causal_conv.ConvGeometry`, the upsampling-convolution kernel for an
-    :class:`~pallas_kernels.upsample_conv.UpsampleGeometry`) for ``generation`` (libtpu's
+    :class:`~pallas_kernels.upsample_conv.UpsampleGeometry`, the adaLN-MLP kernel for an
+    :class:`~pallas_kernels.adaln_mlp.MLPGeometry`) for ``generation`` (libtpu's
     compile-only device, in a child process with its own bundle dump) and prices it; ``rope``,
     ``qk_norm``: window attention with rotary tables and RMS norms (the chunk prepared in the
     kernel where it can).

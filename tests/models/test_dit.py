@@ -8,10 +8,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
+from flax import nnx, struct
 
 from arkv_jax.models import dit
 from arkv_jax.reference import MaskedHistory
+from pallas_kernels.adaln_mlp import xla as adaln_xla
 
 CONFIG = dataclasses.replace(dit.MODEL_CONFIGS["tiny"], num_layers=3)
 
@@ -36,7 +37,8 @@ def _block_by_block_kv(model: dit.CausalDiT, latents, timesteps, first_frame, hi
     ks, vs = [], []
     for layer in range(CONFIG.num_layers):
         block = nnx.merge(graphdef, jax.tree_util.tree_map(lambda leaf, i=layer: leaf[i], stacked))
-        x, (k, v) = block(x, time_mod, rope, history, text_k[layer], text_v[layer], jnp.int32(layer))
+        x, (k, v) = block(x, time_mod, rope, history, text_k[layer], text_v[layer], jnp.int32(layer),
+                          model.mlp_weights())
         ks.append(k)
         vs.append(v)
     return jnp.stack(ks), jnp.stack(vs)
@@ -73,21 +75,43 @@ def test_commit_kv_skips_the_last_blocks_attention_mlp_and_head():
     assert calls == ["self"]  # the loop body over the first L - 1 blocks, traced once; none for the last
 
 
-def test_per_frame_values_reach_every_token_of_their_frame():
-    values = jnp.asarray(np.random.default_rng(1).standard_normal((2, 3, 5)), jnp.float32)
-    np.testing.assert_array_equal(dit._per_token(values, 3, 12), jnp.repeat(values, 4, axis=1))
-    np.testing.assert_array_equal(dit._per_token(values[:, :1], 1, 4), jnp.repeat(values[:, :1], 4, axis=1))
-
-
 @pytest.mark.parametrize("generation", ["v5e", "v6e"])
 def test_the_mlp_input_is_written_out_on_a_v6e_only(generation, monkeypatch):
-    """Built for a v6e a block writes the MLP's input before the FFN-in matmul (one barrier more
-    than the two around FFN-out); the values are the same."""
-    monkeypatch.setattr(dit, "default_generation", lambda: generation)
+    """On the XLA path, built for a v6e a block writes the MLP's input before the FFN-in matmul
+    (one barrier more than the two around FFN-out); the values are the same."""
+    monkeypatch.setattr(adaln_xla, "default_generation", lambda: generation)
     model = dit.init_random(CONFIG, seed=3)
     args = _inputs()
     assert str(jax.make_jaxpr(model)(*args)).count("optimization_barrier") == 2 + (generation == "v6e")
-    monkeypatch.setattr(dit, "default_generation", lambda: "v5e")
+    monkeypatch.setattr(adaln_xla, "default_generation", lambda: "v5e")
     want = model(*args)
-    monkeypatch.setattr(dit, "default_generation", lambda: generation)
+    monkeypatch.setattr(adaln_xla, "default_generation", lambda: generation)
     np.testing.assert_array_equal(model(*args), want)
+
+
+@struct.dataclass
+class _TPUHistory(MaskedHistory):
+    """A :class:`MaskedHistory` whose forwards name a TPU backend (the MLP's kernel, interpreted)."""
+
+    backend: str = struct.field(pytree_node=False, default="pallas_tpu_interpret")
+
+
+@pytest.mark.parametrize("generation", ["v5e", "v6e"])
+def test_the_mlp_runs_as_one_kernel_on_a_v6e_tpu_backend(generation, monkeypatch):
+    """With a TPU backend, built for a v6e, every block's MLP is the adaLN-MLP kernel reading the
+    stacked weights at its layer (in both forwards); built for a v5e, XLA. The values match the XLA
+    path's."""
+    monkeypatch.setattr(dit, "default_generation", lambda: generation)
+    model = dit.init_random(CONFIG, seed=3)
+    latents, timesteps, first_frame, history, text_k, text_v = _inputs()
+    tpu_history = _TPUHistory(history.frame_mask, history.tokens_per_frame)
+    args = (latents, timesteps, first_frame, tpu_history, text_k, text_v)
+    on_tpu = generation == "v6e"
+    assert dit.mlp_backend(tpu_history) == ("pallas_tpu_interpret" if on_tpu else "xla")
+    assert dit.mlp_backend(history) == "xla"
+    for forward in (model, model.commit_kv):
+        jaxpr = str(jax.make_jaxpr(forward)(*args))
+        assert ("adaln_mlp_tpu" in jaxpr) == on_tpu
+        want = forward(latents, timesteps, first_frame, history, text_k, text_v)
+        jax.tree.map(lambda got, want: np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5),
+                     forward(*args), want)

@@ -1,0 +1,143 @@
+"""The adaLN MLP of a DiT block: ``x + gate * ffn_out(gelu(ffn_in(layer_norm(x) * (1 + scale) +
+shift)))``, with one ``shift``/``scale``/``gate`` row per frame of tokens and the weights taken
+from the model's stacked ``[L, ...]`` arrays at a layer index, as one call.
+
+:func:`adaln_mlp` is the entry point (its docstring tables the shapes); it checks the call and
+runs the ``backend=`` name's implementation from :data:`IMPLEMENTATIONS`: plain XLA
+(:mod:`~pallas_kernels.adaln_mlp.xla`, also the reference) or a Mosaic TPU kernel
+(:mod:`~pallas_kernels.adaln_mlp.tpu`) that keeps the hidden activations in VMEM and writes its
+output over ``x``. Design and figures: ``docs/kernels.md`` (adaLN MLP).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.adaln_mlp import tpu, xla
+from pallas_kernels.adaln_mlp.geometry import KERNEL_PREFIX, MLPGeometry, geometry_of_kernel, kernel_name
+from pallas_kernels.backend import Backend, resolve_backend, tpu_kernel_else_xla
+from pallas_kernels.common import (
+    check_entries,
+    check_rank,
+    check_same_dtype,
+    check_supported_dtype,
+    check_validate,
+    value_check_mode,
+)
+
+__all__ = ["IMPLEMENTATIONS", "KERNEL_PREFIX", "MLPGeometry", "adaln_mlp", "geometry_of_kernel", "kernel_name",
+           "static_validate_inputs"]
+
+
+def adaln_mlp(x, shift, scale, gate, w_in, b_in, w_out, b_out, layer, *, eps=1e-6, backend="auto", validate=True):
+    """One DiT block's MLP with its adaLN modulation and gated residual add.
+
+    ===========================  ====================  ==========================
+    ``x``                        ``[B, N, dim]``       f32, bf16, f16
+    ``shift``, ``scale``,        ``[B, F, dim]``       ``x``'s dtype
+    ``gate``
+    ``w_in``                     ``[L, dim, hidden]``  f32, bf16, f16
+    ``b_in``                     ``[L, hidden]``       ``w_in``'s dtype
+    ``w_out``                    ``[L, hidden, dim]``  ``w_in``'s dtype
+    ``b_out``                    ``[L, dim]``          ``w_in``'s dtype
+    ``layer``                    scalar                integer, in ``[0, L)``
+    output                       ``[B, N, dim]``       ``x``'s dtype
+    ===========================  ====================  ==========================
+
+    Token ``n`` belongs to frame ``n // (N // F)`` (``F`` divides ``N``) and reads that frame's
+    rows. The layer norm has no scale or bias and keeps its statistics in at least float32
+    (:func:`~pallas_kernels.adaln_mlp.xla.layer_norm`); its modulated output is cast to the
+    weights' dtype, and each linear layer computes in that dtype (the product accumulated in
+    float32 and rounded once, then the bias added), the GELU (tanh approximation) too; the gated
+    output is added to ``x`` in ``x``'s dtype (float32 under a DiT's mixed precision).
+
+    Args:
+      x: the residual stream (a donated ``x`` is overwritten in place on a TPU).
+      shift, scale, gate: the frame's modulation rows.
+      w_in, b_in, w_out, b_out: the FFN-in and FFN-out weights and biases of every layer.
+      layer: which layer's weights (a Python int or an integer array; may be traced).
+      eps: the layer norm's epsilon.
+      backend: a name from :data:`pallas_kernels.backend.BACKEND_NAMES`. The TPU names run the
+        Mosaic kernel where both weights and a block of a frame's tokens fit its VMEM
+        (:func:`~pallas_kernels.adaln_mlp.tpu.block_rows`), else XLA; the others XLA.
+      validate: the value check of an array ``layer`` (:data:`pallas_kernels.common.VALIDATE_MODES`);
+        unchecked, a layer out of range reads some other part of the weights' buffers.
+
+    Raises:
+      TypeError: an input that is not an array.
+      ValueError: mismatched shapes or dtypes, a layer out of range, an unknown backend.
+    """
+    resolved = resolve_backend(backend)
+    check_validate(validate)
+    if isinstance(layer, int) and not isinstance(layer, bool):
+        layer = np.int32(layer)  # a Python int: concrete, so checked on the host below
+    geom = static_validate_inputs(x, shift, scale, gate, w_in, b_in, w_out, b_out, layer)
+    num_layers = w_in.shape[0]
+    check_entries(value_check_mode(validate, layer), "layer", layer, lambda v: (v < 0) | (v >= num_layers),
+                  f"is out of range; allowed [0, {num_layers}) (w_in.shape[0])")
+    layer = jnp.asarray(layer, jnp.int32)
+    return IMPLEMENTATIONS[resolved.name](x, shift, scale, gate, w_in, b_in, w_out, b_out, layer, eps=float(eps),
+                                          geom=geom, backend=resolved)
+
+
+def static_validate_inputs(x, shift, scale, gate, w_in, b_in, w_out, b_out, layer) -> MLPGeometry:
+    """The call's :class:`MLPGeometry`, or the error :func:`adaln_mlp` raises."""
+    check_rank("x", x, 3, "[B, N, dim]")
+    for name, array in (("shift", shift), ("scale", scale), ("gate", gate)):
+        check_rank(name, array, 3, "[B, F, dim]")
+    check_rank("w_in", w_in, 3, "[L, dim, hidden]")
+    check_rank("b_in", b_in, 2, "[L, hidden]")
+    check_rank("w_out", w_out, 3, "[L, hidden, dim]")
+    check_rank("b_out", b_out, 2, "[L, dim]")
+    check_rank("layer", layer, 0)
+    if not jnp.issubdtype(jnp.result_type(layer), jnp.integer):
+        raise TypeError(f"layer must be an integer scalar, got dtype {jnp.result_type(layer)}")
+    check_supported_dtype("x.dtype", x.dtype)
+    check_supported_dtype("w_in.dtype", w_in.dtype)
+    check_same_dtype("x", x.dtype, (("shift", shift), ("scale", scale), ("gate", gate)))
+    check_same_dtype("w_in", w_in.dtype, (("b_in", b_in), ("w_out", w_out), ("b_out", b_out)))
+    batch, tokens, dim = x.shape
+    num_layers, _, hidden = w_in.shape
+    if min(x.shape) < 1 or min(w_in.shape) < 1:
+        raise ValueError(f"every dimension of x and w_in must be positive, got x {tuple(x.shape)}, "
+                         f"w_in {tuple(w_in.shape)}")
+    expected = {"w_in": (num_layers, dim, hidden), "b_in": (num_layers, hidden), "w_out": (num_layers, hidden, dim),
+                "b_out": (num_layers, dim)}
+    for name, array in (("w_in", w_in), ("b_in", b_in), ("w_out", w_out), ("b_out", b_out)):
+        if tuple(array.shape) != expected[name]:
+            raise ValueError(f"{name}.shape must be {expected[name]} (L and hidden of w_in, dim of x), got "
+                             f"{tuple(array.shape)}")
+    frames = shift.shape[1]
+    for name, array in (("shift", shift), ("scale", scale), ("gate", gate)):
+        if array.shape[0] != batch or array.shape[2] != dim or array.shape[1] != frames or frames < 1 \
+                or tokens % frames:
+            raise ValueError(f"{name}.shape must be ({batch}, F, {dim}), one F for the three dividing "
+                             f"N = {tokens}, got {tuple(array.shape)}")
+    return MLPGeometry(batch * tokens, dim, hidden, tokens // frames)
+
+
+# The implementations of the registry, one signature (:data:`IMPLEMENTATIONS`).
+
+def _xla(x, shift, scale, gate, w_in, b_in, w_out, b_out, layer, *, eps: float, geom: MLPGeometry,
+         backend: Backend):
+    return xla.adaln_mlp(x, shift, scale, gate, w_in, b_in, w_out, b_out, layer, eps=eps)
+
+
+def _pallas_tpu(x, shift, scale, gate, w_in, b_in, w_out, b_out, layer, *, eps: float, geom: MLPGeometry,
+                backend: Backend):
+    rows = tpu.block_rows(geom, jnp.dtype(w_in.dtype).itemsize, jnp.dtype(x.dtype).itemsize)
+    if rows is None:
+        return _xla(x, shift, scale, gate, w_in, b_in, w_out, b_out, layer, eps=eps, geom=geom, backend=backend)
+    return tpu.adaln_mlp(x, shift, scale, gate, w_in, b_in, w_out, b_out, layer, eps=eps, rows_per_block=rows,
+                         interpret=backend.interpret)
+
+
+IMPLEMENTATIONS: Mapping[str, Callable[..., jax.Array]] = tpu_kernel_else_xla(_pallas_tpu, _xla)
+"""This kernel's table of the backend registry (:data:`pallas_kernels.backend.BACKENDS`, the same
+names): backend name to implementation, called as ``impl(x, shift, scale, gate, w_in, b_in, w_out,
+b_out, layer, *, eps, geom, backend)`` on validated inputs. The TPU names run the Mosaic kernel
+where its blocks fit; every other name runs XLA."""

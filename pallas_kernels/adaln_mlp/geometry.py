@@ -1,0 +1,48 @@
+"""The static shape of one adaLN MLP call, and the kernel name that carries it.
+
+As for the convolutions (:mod:`pallas_kernels.causal_conv.geometry`), the TPU kernel's name in the
+compiled HLO spells out its geometry, so a program's Mosaic calls can be priced from the HLO alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+KERNEL_PREFIX = "adaln_mlp_tpu"
+"""Every TPU adaLN-MLP kernel's name starts with this."""
+
+_NAME = re.compile(rf"^{KERNEL_PREFIX}_m(\d+)_d(\d+)_h(\d+)_f(\d+)$")
+
+
+@dataclasses.dataclass(frozen=True)
+class MLPGeometry:
+    """One call: ``rows`` tokens (a batch's, flattened) of width ``dim`` through a ``dim -> hidden
+    -> dim`` MLP, modulated and gated per frame of ``tokens_per_frame`` tokens."""
+
+    rows: int
+    dim: int
+    hidden: int
+    tokens_per_frame: int
+
+    @property
+    def flops(self) -> int:
+        """Multiply-add FLOPs of the two products: ``4 * rows * dim * hidden``."""
+        return 4 * self.rows * self.dim * self.hidden
+
+
+def kernel_name(geom: MLPGeometry) -> str:
+    """The TPU kernel's name for ``geom`` (``adaln_mlp_tpu_m4680_d1536_h8960_f1560``)."""
+    return f"{KERNEL_PREFIX}_m{geom.rows}_d{geom.dim}_h{geom.hidden}_f{geom.tokens_per_frame}"
+
+
+def geometry_of_kernel(name: str) -> MLPGeometry:
+    """The :class:`MLPGeometry` a :func:`kernel_name` spells.
+
+    Raises:
+      ValueError: ``name`` is not one.
+    """
+    found = _NAME.match(name)
+    if not found:
+        raise ValueError(f"{name!r} is not an adaLN-MLP kernel name ({KERNEL_PREFIX}_m.._d.._h.._f..)")
+    return MLPGeometry(*(int(g) for g in found.groups()))

@@ -1,0 +1,105 @@
+"""The adaLN MLP as one Mosaic TPU kernel: a grid over row blocks of one frame's tokens, each block
+normalized and modulated into the matmul dtype, through the FFN-in, the GELU and the FFN-out with
+its hidden activations kept in VMEM, then gated and added to the residual, written over the
+residual's buffer. The weights are the model's ``[L, ...]`` stacks, the layer's slice chosen by a
+scalar-prefetched index and fetched once (single-buffered). Semantics and shapes:
+:func:`pallas_kernels.adaln_mlp.adaln_mlp`; design and figures: ``docs/kernels.md`` (adaLN MLP).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels.adaln_mlp import xla
+from pallas_kernels.adaln_mlp.geometry import MLPGeometry, kernel_name
+from pallas_kernels.common import matmul_precision
+
+VMEM_LIMIT = 110 << 20
+"""Scoped VMEM the kernel asks for (of 128 MiB physical on v5e and v6e): both weights, the
+hidden activations of a block and the double-buffered residual and output blocks."""
+
+MAX_BLOCK_ROWS = 1024
+"""Most rows per grid step."""
+
+
+def vmem_bytes(geom: MLPGeometry, block_rows: int, itemsize: int, residual_itemsize: int) -> int:
+    """VMEM of the kernel's buffers at ``block_rows`` rows a step: the two weights (single
+    buffers, ``itemsize`` bytes an element), the block's hidden activations (the float32 product,
+    it and its GELU in the matmul dtype) and two residual and two output blocks
+    (``residual_itemsize``)."""
+    weights = 2 * geom.dim * geom.hidden * itemsize + 2 * (geom.dim + geom.hidden) * itemsize
+    hidden = block_rows * geom.hidden * (4 + 2 * itemsize)
+    rows = 4 * block_rows * geom.dim * residual_itemsize + block_rows * geom.dim * (4 + itemsize)
+    return weights + hidden + rows
+
+
+def block_rows(geom: MLPGeometry, itemsize: int, residual_itemsize: int) -> int | None:
+    """The rows per grid step: the largest multiple of 8 that divides a frame's tokens (so a block
+    lies in one frame and reads one modulation row), at most :data:`MAX_BLOCK_ROWS`, whose
+    buffers fit :data:`VMEM_LIMIT`; ``None`` where there is none (the XLA path then runs)."""
+    for rows in range(min(MAX_BLOCK_ROWS, geom.tokens_per_frame) // 8 * 8, 0, -8):
+        if geom.tokens_per_frame % rows == 0 and vmem_bytes(geom, rows, itemsize, residual_itemsize) <= VMEM_LIMIT:
+            return rows
+    return None
+
+
+def _kernel(layer_ref, x_ref, shift_ref, scale_ref, gate_ref, w_in_ref, b_in_ref, w_out_ref, b_out_ref,
+            out_ref, *, eps: float):
+    """Refs: ``layer_ref`` int32 ``[1]`` (SMEM, used by the index maps only); VMEM ``x_ref`` and
+    ``out_ref`` ``[rows, dim]``, ``shift_ref``/``scale_ref``/``gate_ref`` ``[1, 1, dim]`` (the
+    block's frame), ``w_in_ref`` ``[dim, hidden]``, ``b_in_ref`` ``[1, hidden]``, ``w_out_ref``
+    ``[hidden, dim]``, ``b_out_ref`` ``[1, dim]`` (the layer's)."""
+    del layer_ref
+    x = x_ref[...]
+    dtype = w_in_ref.dtype
+    hidden_input = xla.modulated_input(x, shift_ref[0], scale_ref[0], eps, dtype)
+    product = jnp.dot(hidden_input, w_in_ref[...], precision=matmul_precision(dtype),
+                      preferred_element_type=jnp.float32)
+    hidden = xla.gelu(product.astype(dtype) + b_in_ref[...])
+    y = jnp.dot(hidden, w_out_ref[...], precision=matmul_precision(dtype), preferred_element_type=jnp.float32)
+    out_ref[...] = x + (y.astype(dtype) + b_out_ref[...]).astype(x.dtype) * gate_ref[0]
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "rows_per_block", "interpret"))
+def adaln_mlp(x, shift, scale, gate, w_in, b_in, w_out, b_out, layer, *, eps: float, rows_per_block: int,
+              interpret: Any):
+    """The kernel on validated inputs (``x`` ``[B, N, dim]``, ``shift``/``scale``/``gate``
+    ``[B, F, dim]``, stacked weights, ``layer`` an int32 scalar, ``rows_per_block`` dividing a
+    frame's ``N // F`` tokens)."""
+    batch, tokens, dim = x.shape
+    frames, hidden = shift.shape[1], w_in.shape[2]
+    geom = MLPGeometry(batch * tokens, dim, hidden, tokens // frames)
+    blocks_per_row = tokens // rows_per_block
+    blocks_per_frame = geom.tokens_per_frame // rows_per_block
+
+    def frame_row(i, layer_ref):  # the modulation row of block i: its row's frame
+        return (i // blocks_per_row) * frames + (i % blocks_per_row) // blocks_per_frame, 0, 0
+
+    def of_layer(*block):
+        return pl.BlockSpec((None, *block), lambda i, layer_ref: (layer_ref[0], 0, 0),
+                            pipeline_mode=pl.Buffered(1))
+
+    rows = pl.BlockSpec((rows_per_block, dim), lambda i, layer_ref: (i, 0))
+    per_frame = pl.BlockSpec((1, 1, dim), frame_row)
+    out = pl.pallas_call(
+        functools.partial(_kernel, eps=eps),
+        out_shape=jax.ShapeDtypeStruct((geom.rows, dim), x.dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1, grid=(geom.rows // rows_per_block,),
+            in_specs=[rows, per_frame, per_frame, per_frame, of_layer(dim, hidden), of_layer(1, hidden),
+                      of_layer(hidden, dim), of_layer(1, dim)],
+            out_specs=rows),
+        input_output_aliases={1: 0},
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",), vmem_limit_bytes=VMEM_LIMIT),
+        interpret=interpret,
+        name=kernel_name(geom),
+    )(jnp.reshape(layer, (1,)), x.reshape(geom.rows, dim),
+      *(m.reshape(batch * frames, 1, dim) for m in (shift, scale, gate)),
+      w_in, b_in[:, None], w_out, b_out[:, None])
+    return out.reshape(batch, tokens, dim)
