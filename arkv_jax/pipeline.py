@@ -536,8 +536,8 @@ def attention_pricer(pipeline: Pipeline, generation: str) -> KernelPricer:
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel_seconds(geom: WindowGeometry | ContextGeometry | ConvGeometry | UpsampleGeometry, dtype: str,
-                    generation: str, kv_dtype: str | None = None, rope: bool = False,
+def _kernel_seconds(geom: WindowGeometry | ContextGeometry | ConvGeometry | UpsampleGeometry | adaln_mlp.MLPGeometry,
+                    dtype: str, generation: str, kv_dtype: str | None = None, rope: bool = False,
                     qk_norm: bool = False) -> float:
     from pallas_kernels.window_attention import tpu_estimate
 

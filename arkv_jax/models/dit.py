@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +29,7 @@ from arkv_jax import nnx as layers
 from arkv_jax.config import CacheGeometry, CrossAttentionSpec, require_int
 from arkv_jax.models import io
 from pallas_kernels.adaln_mlp import adaln_mlp
-from pallas_kernels.adaln_mlp.xla import per_token
+from pallas_kernels.adaln_mlp.xla import modulated_input, per_token
 from pallas_kernels.backend import resolve_backend
 from pallas_kernels.window_attention.tpu import default_generation
 
@@ -198,18 +199,41 @@ def mlp_backend(history: layers.History) -> str:
     return "xla"
 
 
+class BlockStacks(NamedTuple):
+    """What a block reads from every block's parameters, stacked over the layers
+    (:meth:`CausalDiT.stacks`): a kernel given a stack reads the layer's slice where it lies, so no
+    slice is copied out of it.
+
+    Attributes:
+      mlp: ``(w_in [L, dim, ffn_dim], b_in [L, ffn_dim], w_out [L, ffn_dim, dim], b_out [L, dim])``,
+        the FFN weights as :func:`pallas_kernels.adaln_mlp.adaln_mlp` takes them.
+      modulation: ``[L, 6, dim]`` every block's learned modulation offsets.
+    """
+
+    mlp: tuple[Array, Array, Array, Array]
+    modulation: Array
+
+    def attention_modulation(self, time_mod: Array, layer: Array) -> tuple[Array, Array]:
+        """``(shift, scale)``, each ``[B, F, dim]``, of block ``layer``'s self-attention input
+        (``time_mod`` ``[B, F, 6, dim]``); past the last block, the last block's."""
+        offsets = self.modulation[jnp.minimum(layer, self.modulation.shape[0] - 1)]
+        return time_mod[:, :, 0] + offsets[0], time_mod[:, :, 1] + offsets[1]
+
+
 class DiTBlock(nnx.Module):
-    """One Wan block: modulated self-attention, cross-attention on cached text K/V, modulated MLP."""
+    """One Wan block: modulated self-attention, cross-attention on cached text K/V, modulated MLP.
+
+    A block takes its self-attention input already normalized and modulated, and hands the next
+    block its own (:meth:`__call__`), so that on a TPU the MLP's kernel writes it from the
+    residual it has just computed (``docs/planning.md``, What is left on a v6e)."""
 
     def __init__(self, config: DiTConfig, *, rngs: nnx.Rngs):
         dtype, island = jnp.dtype(config.dtype), config.island_dtype
         kw = dict(dtype=dtype, param_dtype=dtype)
-        norm = dict(epsilon=config.eps, dtype=island, param_dtype=island, rngs=rngs)
         dim = config.dim
-        self.norm1 = nnx.LayerNorm(dim, use_bias=False, use_scale=False, **norm)
         self.self_attn = layers.PagedSelfAttention(dim, config.num_heads, config.num_kv_heads, eps=config.eps,
                                                    rngs=rngs, **kw)
-        self.norm3 = nnx.LayerNorm(dim, **norm)
+        self.norm3 = nnx.LayerNorm(dim, epsilon=config.eps, dtype=island, param_dtype=island, rngs=rngs)
         self.cross_attn = layers.CachedCrossAttention(dim, config.num_heads, config.num_kv_heads,
                                                       eps=config.eps, rngs=rngs, **kw)
         self.ffn_in = nnx.Linear(dim, config.ffn_dim, rngs=rngs, **kw)
@@ -218,9 +242,9 @@ class DiTBlock(nnx.Module):
         self.modulation = nnx.Param(
             (jax.random.normal(rngs.params(), (6, dim)) / math.sqrt(dim)).astype(island))
 
-    def __call__(self, x: Array, time_mod: Array, rope: tuple[Array, Array], history: layers.History,
-                 text_k: Array, text_v: Array, layer: Array, mlp_weights: tuple[Array, Array, Array, Array]
-                 ) -> tuple[Array, tuple[Array, Array]]:
+    def __call__(self, x: Array, attention_input: Array, time_mod: Array, rope: tuple[Array, Array],
+                 history: layers.History, text_k: Array, text_v: Array, layer: Array, stacks: BlockStacks
+                 ) -> tuple[Array, Array, tuple[Array, Array]]:
         """One block on ``x`` ``[B, F * tpf, dim]``.
 
         Under the ``"mixed"`` precision ``x``, ``time_mod`` and the norms are float32 and each
@@ -228,31 +252,30 @@ class DiTBlock(nnx.Module):
         is added to the float32 residual after the gate).
 
         Args:
+          attention_input: ``[B, F * tpf, dim]`` in the matmul dtype: ``x`` layer-normalized and
+            modulated by this block's self-attention shift and scale
+            (:meth:`CausalDiT.attention_input`, or the previous block's output).
           time_mod: ``[B, F, 6, dim]`` the timestep projection (shared by all blocks).
           rope: ``(cos, sin)`` of the tokens' positions.
           history: where self-attention's keys come from (and which kernels cross-attention runs on).
           text_k, text_v: ``[B, T, Hkv, D]`` this layer's text K/V.
           layer: int32 scalar, this block's pool layer and its index in the stacks.
-          mlp_weights: every block's FFN weights stacked, as :meth:`CausalDiT.mlp_weights` gives
-            them (the MLP reads layer ``layer``'s, :func:`pallas_kernels.adaln_mlp.adaln_mlp`: a
-            kernel given the stacks reads the layer's slice where it lies, so no slice is copied).
+          stacks: every block's FFN weights and modulation offsets (the MLP reads layer
+            ``layer``'s weights, :func:`pallas_kernels.adaln_mlp.adaln_mlp`).
 
         Returns:
-          ``(x, (k, v))``: the new tokens and this layer's post-RoPE K/V ``[B, N, Hkv, D]``.
+          ``(x, next_attention_input, (k, v))``: the new tokens, their self-attention input for
+          block ``layer + 1`` (for the last block, under its own modulation; unused) and this
+          layer's post-RoPE K/V ``[B, N, Hkv, D]``.
         """
-        shift_sa, scale_sa, gate_sa, shift_ff, scale_ff, gate_ff = self._modulation(time_mod)
-        y, kv = self.self_attn(_modulate(self.norm1(x), shift_sa, scale_sa), rope, history, layer)
+        _, _, gate_sa, shift_ff, scale_ff, gate_ff = self._modulation(time_mod)
+        y, kv = self.self_attn(attention_input, rope, history, layer)
         x = x + _gate(y, gate_sa)
         x = x + self.cross_attn(self.norm3(x), text_k, text_v, history)
-        x = adaln_mlp(x, shift_ff, scale_ff, gate_ff, *mlp_weights, layer, eps=self.eps,
-                      backend=mlp_backend(history), validate=False)
-        return x, kv
-
-    def kv(self, x: Array, time_mod: Array, rope: tuple[Array, Array]) -> tuple[Array, Array]:
-        """This block's self-attention K/V of ``x`` (as :meth:`__call__` returns them), without the
-        attention, cross-attention and MLP that would compute the block's output."""
-        shift_sa, scale_sa = self._modulation(time_mod)[:2]
-        return self.self_attn.kv(_modulate(self.norm1(x), shift_sa, scale_sa), rope)
+        x, next_input = adaln_mlp(x, shift_ff, scale_ff, gate_ff, *stacks.mlp, layer,
+                                  next_modulation=stacks.attention_modulation(time_mod, layer + 1), eps=self.eps,
+                                  backend=mlp_backend(history), validate=False)
+        return x, next_input, kv
 
     def _modulation(self, time_mod: Array) -> list[Array]:
         """``shift, scale, gate`` of self-attention then of the MLP, each ``[B, F, dim]``."""
@@ -326,15 +349,17 @@ class CausalDiT(nnx.Module):
         config = self.config
         x, t_emb, time_mod, rope = self._embed(latents, timesteps, first_frame)
         graphdef, stacked = nnx.split(self.blocks)
+        stacks = self.stacks()
 
-        mlp_weights = self.mlp_weights()
-
-        def run_block(x, layer_inputs):
+        def run_block(carry, layer_inputs):
             state, layer_k, layer_v, layer = layer_inputs
-            return nnx.merge(graphdef, state)(x, time_mod, rope, history, layer_k, layer_v, layer, mlp_weights)[0], None
+            x, attention_input, _ = nnx.merge(graphdef, state)(*carry, time_mod, rope, history, layer_k, layer_v,
+                                                               layer, stacks)
+            return (x, attention_input), None
 
         layer_ids = jnp.arange(config.num_layers, dtype=jnp.int32)
-        x, _ = jax.lax.scan(run_block, x, (stacked, text_k, text_v, layer_ids))
+        carry = (x, self.attention_input(x, time_mod, stacks, 0))
+        (x, _), _ = jax.lax.scan(run_block, carry, (stacked, text_k, text_v, layer_ids))
         shift, scale = jnp.unstack(self.head_modulation[...] + t_emb[:, :, None], axis=2)
         frames = latents.shape[1]
         out = self.head(_modulate(self.head_norm(x), shift, scale))
@@ -349,34 +374,42 @@ class CausalDiT(nnx.Module):
         config = self.config
         x, _, time_mod, rope = self._embed(latents, timesteps, first_frame)
         graphdef, stacked = nnx.split(self.blocks)
+        stacks = self.stacks()
         last = config.num_layers - 1
 
         def block(layer):
             return nnx.merge(graphdef, jax.tree_util.tree_map(lambda leaf: leaf[layer], stacked))
 
-        k_spec, v_spec = jax.eval_shape(lambda x: block(last).kv(x, time_mod, rope), x)
-
-        mlp_weights = self.mlp_weights()
+        attention_input = self.attention_input(x, time_mod, stacks, 0)
+        k_spec, v_spec = jax.eval_shape(lambda a: block(last).self_attn.kv(a, rope), attention_input)
 
         def run_block(layer, carry):
-            x, k_all, v_all = carry
-            x, (k, v) = block(layer)(x, time_mod, rope, history, text_k[layer], text_v[layer], layer, mlp_weights)
-            return (x, *(jax.lax.dynamic_update_index_in_dim(all_, new, layer, 0)
-                         for all_, new in ((k_all, k), (v_all, v))))
+            x, attention_input, k_all, v_all = carry
+            x, attention_input, (k, v) = block(layer)(x, attention_input, time_mod, rope, history, text_k[layer],
+                                                      text_v[layer], layer, stacks)
+            return (x, attention_input, *(jax.lax.dynamic_update_index_in_dim(all_, new, layer, 0)
+                                          for all_, new in ((k_all, k), (v_all, v))))
 
         # Every layer's entry is written below (the loop's, then the last), so the buffers need no
         # zero fill: XLA:TPU would write a whole [L, ...] array of zeros first.
         k_all, v_all = (jax.lax.empty((config.num_layers, *spec.shape), spec.dtype) for spec in (k_spec, v_spec))
-        x, k_all, v_all = jax.lax.fori_loop(0, last, run_block, (x, k_all, v_all))
-        k, v = block(last).kv(x, time_mod, rope)
+        _, attention_input, k_all, v_all = jax.lax.fori_loop(0, last, run_block, (x, attention_input, k_all, v_all))
+        k, v = block(last).self_attn.kv(attention_input, rope)
         return k_all.at[last].set(k), v_all.at[last].set(v)
 
-    def mlp_weights(self) -> tuple[Array, Array, Array, Array]:
-        """Every block's FFN weights, stacked: ``(w_in [L, dim, ffn_dim], b_in [L, ffn_dim], w_out
-        [L, ffn_dim, dim], b_out [L, dim])``, the arguments of
-        :func:`pallas_kernels.adaln_mlp.adaln_mlp` a block's MLP takes with its layer index."""
-        return (self.blocks.ffn_in.kernel[...], self.blocks.ffn_in.bias[...], self.blocks.ffn_out.kernel[...],
-                self.blocks.ffn_out.bias[...])
+    def stacks(self) -> BlockStacks:
+        """Every block's FFN weights and modulation offsets, stacked (:class:`BlockStacks`)."""
+        blocks = self.blocks
+        return BlockStacks((blocks.ffn_in.kernel[...], blocks.ffn_in.bias[...], blocks.ffn_out.kernel[...],
+                            blocks.ffn_out.bias[...]), blocks.modulation[...])
+
+    def attention_input(self, x: Array, time_mod: Array, stacks: BlockStacks, layer: int) -> Array:
+        """Block ``layer``'s self-attention input of the residual stream ``x`` ``[B, N, dim]``: layer
+        norm, then its modulation, in the matmul dtype
+        (:func:`pallas_kernels.adaln_mlp.xla.modulated_input`, as the blocks hand it on)."""
+        n = x.shape[1]
+        shift, scale = stacks.attention_modulation(time_mod, layer)
+        return modulated_input(x, per_token(shift, n), per_token(scale, n), self.config.eps, self.config.dtype)
 
     def _embed(self, latents: Array, timesteps: Array, first_frame: Array
                ) -> tuple[Array, Array, Array, tuple[Array, Array]]:

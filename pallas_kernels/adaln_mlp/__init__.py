@@ -33,7 +33,8 @@ __all__ = ["IMPLEMENTATIONS", "KERNEL_PREFIX", "MLPGeometry", "adaln_mlp", "geom
            "static_validate_inputs"]
 
 
-def adaln_mlp(x, shift, scale, gate, w_in, b_in, w_out, b_out, layer, *, eps=1e-6, backend="auto", validate=True):
+def adaln_mlp(x, shift, scale, gate, w_in, b_in, w_out, b_out, layer, *, next_modulation=None, eps=1e-6,
+              backend="auto", validate=True):
     """One DiT block's MLP with its adaLN modulation and gated residual add.
 
     ===========================  ====================  ==========================
@@ -45,7 +46,9 @@ def adaln_mlp(x, shift, scale, gate, w_in, b_in, w_out, b_out, layer, *, eps=1e-
     ``w_out``                    ``[L, hidden, dim]``  ``w_in``'s dtype
     ``b_out``                    ``[L, dim]``          ``w_in``'s dtype
     ``layer``                    scalar                integer, in ``[0, L)``
+    ``next_modulation``          two ``[B, F, dim]``   ``x``'s dtype
     output                       ``[B, N, dim]``       ``x``'s dtype
+    next input                   ``[B, N, dim]``       ``w_in``'s dtype
     ===========================  ====================  ==========================
 
     Token ``n`` belongs to frame ``n // (N // F)`` (``F`` divides ``N``) and reads that frame's
@@ -60,12 +63,19 @@ def adaln_mlp(x, shift, scale, gate, w_in, b_in, w_out, b_out, layer, *, eps=1e-
       shift, scale, gate: the frame's modulation rows.
       w_in, b_in, w_out, b_out: the FFN-in and FFN-out weights and biases of every layer.
       layer: which layer's weights (a Python int or an integer array; may be traced).
+      next_modulation: optional ``(shift, scale)`` of the next block's attention input: the call
+        then also returns the output normalized and modulated by them, cast to the weights' dtype
+        (:func:`~pallas_kernels.adaln_mlp.xla.modulated_input`), as the next block's
+        self-attention reads it; the TPU kernel writes it from the block it has in VMEM.
       eps: the layer norm's epsilon.
       backend: a name from :data:`pallas_kernels.backend.BACKEND_NAMES`. The TPU names run the
         Mosaic kernel where both weights and a block of a frame's tokens fit its VMEM
         (:func:`~pallas_kernels.adaln_mlp.tpu.block_rows`), else XLA; the others XLA.
       validate: the value check of an array ``layer`` (:data:`pallas_kernels.common.VALIDATE_MODES`);
         unchecked, a layer out of range reads some other part of the weights' buffers.
+
+    Returns:
+      the output, or with ``next_modulation`` the pair ``(output, next input)``.
 
     Raises:
       TypeError: an input that is not an array.
@@ -75,19 +85,25 @@ def adaln_mlp(x, shift, scale, gate, w_in, b_in, w_out, b_out, layer, *, eps=1e-
     check_validate(validate)
     if isinstance(layer, int) and not isinstance(layer, bool):
         layer = np.int32(layer)  # a Python int: concrete, so checked on the host below
-    geom = static_validate_inputs(x, shift, scale, gate, w_in, b_in, w_out, b_out, layer)
+    geom = static_validate_inputs(x, shift, scale, gate, w_in, b_in, w_out, b_out, layer, next_modulation)
     num_layers = w_in.shape[0]
     check_entries(value_check_mode(validate, layer), "layer", layer, lambda v: (v < 0) | (v >= num_layers),
                   f"is out of range; allowed [0, {num_layers}) (w_in.shape[0])")
     layer = jnp.asarray(layer, jnp.int32)
-    return IMPLEMENTATIONS[resolved.name](x, shift, scale, gate, w_in, b_in, w_out, b_out, layer, eps=float(eps),
-                                          geom=geom, backend=resolved)
+    return IMPLEMENTATIONS[resolved.name](x, shift, scale, gate, w_in, b_in, w_out, b_out, layer, next_modulation,
+                                          eps=float(eps), geom=geom, backend=resolved)
 
 
-def static_validate_inputs(x, shift, scale, gate, w_in, b_in, w_out, b_out, layer) -> MLPGeometry:
+def static_validate_inputs(x, shift, scale, gate, w_in, b_in, w_out, b_out, layer, next_modulation=None
+                           ) -> MLPGeometry:
     """The call's :class:`MLPGeometry`, or the error :func:`adaln_mlp` raises."""
     check_rank("x", x, 3, "[B, N, dim]")
-    for name, array in (("shift", shift), ("scale", scale), ("gate", gate)):
+    per_frame = [("shift", shift), ("scale", scale), ("gate", gate)]
+    if next_modulation is not None:
+        if not (isinstance(next_modulation, (tuple, list)) and len(next_modulation) == 2):
+            raise ValueError(f"next_modulation must be a pair (shift, scale), got {type(next_modulation).__name__}")
+        per_frame += [("next_modulation[0]", next_modulation[0]), ("next_modulation[1]", next_modulation[1])]
+    for name, array in per_frame:
         check_rank(name, array, 3, "[B, F, dim]")
     check_rank("w_in", w_in, 3, "[L, dim, hidden]")
     check_rank("b_in", b_in, 2, "[L, hidden]")
@@ -98,7 +114,7 @@ def static_validate_inputs(x, shift, scale, gate, w_in, b_in, w_out, b_out, laye
         raise TypeError(f"layer must be an integer scalar, got dtype {jnp.result_type(layer)}")
     check_supported_dtype("x.dtype", x.dtype)
     check_supported_dtype("w_in.dtype", w_in.dtype)
-    check_same_dtype("x", x.dtype, (("shift", shift), ("scale", scale), ("gate", gate)))
+    check_same_dtype("x", x.dtype, per_frame)
     check_same_dtype("w_in", w_in.dtype, (("b_in", b_in), ("w_out", w_out), ("b_out", b_out)))
     batch, tokens, dim = x.shape
     num_layers, _, hidden = w_in.shape
@@ -112,32 +128,34 @@ def static_validate_inputs(x, shift, scale, gate, w_in, b_in, w_out, b_out, laye
             raise ValueError(f"{name}.shape must be {expected[name]} (L and hidden of w_in, dim of x), got "
                              f"{tuple(array.shape)}")
     frames = shift.shape[1]
-    for name, array in (("shift", shift), ("scale", scale), ("gate", gate)):
+    for name, array in per_frame:
         if array.shape[0] != batch or array.shape[2] != dim or array.shape[1] != frames or frames < 1 \
                 or tokens % frames:
-            raise ValueError(f"{name}.shape must be ({batch}, F, {dim}), one F for the three dividing "
-                             f"N = {tokens}, got {tuple(array.shape)}")
-    return MLPGeometry(batch * tokens, dim, hidden, tokens // frames)
+            raise ValueError(f"{name}.shape must be ({batch}, F, {dim}), one F for every row table "
+                             f"dividing N = {tokens}, got {tuple(array.shape)}")
+    return MLPGeometry(batch * tokens, dim, hidden, tokens // frames, next_modulation is not None)
 
 
 # The implementations of the registry, one signature (:data:`IMPLEMENTATIONS`).
 
-def _xla(x, shift, scale, gate, w_in, b_in, w_out, b_out, layer, *, eps: float, geom: MLPGeometry,
-         backend: Backend):
-    return xla.adaln_mlp(x, shift, scale, gate, w_in, b_in, w_out, b_out, layer, eps=eps)
+def _xla(x, shift, scale, gate, w_in, b_in, w_out, b_out, layer, next_modulation, *, eps: float,
+         geom: MLPGeometry, backend: Backend):
+    return xla.adaln_mlp(x, shift, scale, gate, w_in, b_in, w_out, b_out, layer, eps=eps,
+                         next_modulation=next_modulation)
 
 
-def _pallas_tpu(x, shift, scale, gate, w_in, b_in, w_out, b_out, layer, *, eps: float, geom: MLPGeometry,
-                backend: Backend):
+def _pallas_tpu(x, shift, scale, gate, w_in, b_in, w_out, b_out, layer, next_modulation, *, eps: float,
+                geom: MLPGeometry, backend: Backend):
     rows = tpu.block_rows(geom, jnp.dtype(w_in.dtype).itemsize, jnp.dtype(x.dtype).itemsize)
     if rows is None:
-        return _xla(x, shift, scale, gate, w_in, b_in, w_out, b_out, layer, eps=eps, geom=geom, backend=backend)
-    return tpu.adaln_mlp(x, shift, scale, gate, w_in, b_in, w_out, b_out, layer, eps=eps, rows_per_block=rows,
-                         interpret=backend.interpret)
+        return _xla(x, shift, scale, gate, w_in, b_in, w_out, b_out, layer, next_modulation, eps=eps, geom=geom,
+                    backend=backend)
+    return tpu.adaln_mlp(x, shift, scale, gate, w_in, b_in, w_out, b_out, layer, next_modulation, eps=eps,
+                         rows_per_block=rows, interpret=backend.interpret)
 
 
 IMPLEMENTATIONS: Mapping[str, Callable[..., jax.Array]] = tpu_kernel_else_xla(_pallas_tpu, _xla)
 """This kernel's table of the backend registry (:data:`pallas_kernels.backend.BACKENDS`, the same
 names): backend name to implementation, called as ``impl(x, shift, scale, gate, w_in, b_in, w_out,
-b_out, layer, *, eps, geom, backend)`` on validated inputs. The TPU names run the Mosaic kernel
+b_out, layer, next_modulation, *, eps, geom, backend)`` on validated inputs. The TPU names run the Mosaic kernel
 where its blocks fit; every other name runs XLA."""

@@ -12,18 +12,20 @@ import re
 KERNEL_PREFIX = "adaln_mlp_tpu"
 """Every TPU adaLN-MLP kernel's name starts with this."""
 
-_NAME = re.compile(rf"^{KERNEL_PREFIX}_m(\d+)_d(\d+)_h(\d+)_f(\d+)$")
+_NAME = re.compile(rf"^{KERNEL_PREFIX}_m(\d+)_d(\d+)_h(\d+)_f(\d+)(_next)?$")
 
 
 @dataclasses.dataclass(frozen=True)
 class MLPGeometry:
     """One call: ``rows`` tokens (a batch's, flattened) of width ``dim`` through a ``dim -> hidden
-    -> dim`` MLP, modulated and gated per frame of ``tokens_per_frame`` tokens."""
+    -> dim`` MLP, modulated and gated per frame of ``tokens_per_frame`` tokens; ``next_input``:
+    the call also writes the next block's normalized, modulated input."""
 
     rows: int
     dim: int
     hidden: int
     tokens_per_frame: int
+    next_input: bool = False
 
     @property
     def flops(self) -> int:
@@ -32,8 +34,10 @@ class MLPGeometry:
 
 
 def kernel_name(geom: MLPGeometry) -> str:
-    """The TPU kernel's name for ``geom`` (``adaln_mlp_tpu_m4680_d1536_h8960_f1560``)."""
-    return f"{KERNEL_PREFIX}_m{geom.rows}_d{geom.dim}_h{geom.hidden}_f{geom.tokens_per_frame}"
+    """The TPU kernel's name for ``geom`` (``adaln_mlp_tpu_m4680_d1536_h8960_f1560``, then
+    ``_next`` where it writes the next block's input)."""
+    return (f"{KERNEL_PREFIX}_m{geom.rows}_d{geom.dim}_h{geom.hidden}_f{geom.tokens_per_frame}"
+            f"{'_next' * geom.next_input}")
 
 
 def geometry_of_kernel(name: str) -> MLPGeometry:
@@ -44,5 +48,6 @@ def geometry_of_kernel(name: str) -> MLPGeometry:
     """
     found = _NAME.match(name)
     if not found:
-        raise ValueError(f"{name!r} is not an adaLN-MLP kernel name ({KERNEL_PREFIX}_m.._d.._h.._f..)")
-    return MLPGeometry(*(int(g) for g in found.groups()))
+        raise ValueError(f"{name!r} is not an adaLN-MLP kernel name ({KERNEL_PREFIX}_m.._d.._h.._f..[_next])")
+    *sizes, next_input = found.groups()
+    return MLPGeometry(*(int(g) for g in sizes), next_input=next_input is not None)

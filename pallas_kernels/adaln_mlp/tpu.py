@@ -1,7 +1,8 @@
 """The adaLN MLP as one Mosaic TPU kernel: a grid over row blocks of one frame's tokens, each block
 normalized and modulated into the matmul dtype, through the FFN-in, the GELU and the FFN-out with
 its hidden activations kept in VMEM, then gated and added to the residual, written over the
-residual's buffer. The weights are the model's ``[L, ...]`` stacks, the layer's slice chosen by a
+residual's buffer (and, where asked, normalized and modulated again for the next block). The
+weights are the model's ``[L, ...]`` stacks, the layer's slice chosen by a
 scalar-prefetched index and fetched once (single-buffered). Semantics and shapes:
 :func:`pallas_kernels.adaln_mlp.adaln_mlp`; design and figures: ``docs/kernels.md`` (adaLN MLP).
 """
@@ -31,11 +32,11 @@ MAX_BLOCK_ROWS = 1024
 def vmem_bytes(geom: MLPGeometry, block_rows: int, itemsize: int, residual_itemsize: int) -> int:
     """VMEM of the kernel's buffers at ``block_rows`` rows a step: the two weights (single
     buffers, ``itemsize`` bytes an element), the block's hidden activations (the float32 product,
-    it and its GELU in the matmul dtype) and two residual and two output blocks
-    (``residual_itemsize``)."""
+    it and its GELU in the matmul dtype), two residual and two output blocks
+    (``residual_itemsize``) and two blocks of the next block's input (``itemsize``)."""
     weights = 2 * geom.dim * geom.hidden * itemsize + 2 * (geom.dim + geom.hidden) * itemsize
     hidden = block_rows * geom.hidden * (4 + 2 * itemsize)
-    rows = 4 * block_rows * geom.dim * residual_itemsize + block_rows * geom.dim * (4 + itemsize)
+    rows = 4 * block_rows * geom.dim * residual_itemsize + block_rows * geom.dim * (4 + 3 * itemsize)
     return weights + hidden + rows
 
 
@@ -49,12 +50,14 @@ def block_rows(geom: MLPGeometry, itemsize: int, residual_itemsize: int) -> int 
     return None
 
 
-def _kernel(layer_ref, x_ref, shift_ref, scale_ref, gate_ref, w_in_ref, b_in_ref, w_out_ref, b_out_ref,
-            out_ref, *, eps: float):
-    """Refs: ``layer_ref`` int32 ``[1]`` (SMEM, used by the index maps only); VMEM ``x_ref`` and
-    ``out_ref`` ``[rows, dim]``, ``shift_ref``/``scale_ref``/``gate_ref`` ``[1, 1, dim]`` (the
-    block's frame), ``w_in_ref`` ``[dim, hidden]``, ``b_in_ref`` ``[1, hidden]``, ``w_out_ref``
-    ``[hidden, dim]``, ``b_out_ref`` ``[1, dim]`` (the layer's)."""
+def _kernel(layer_ref, x_ref, shift_ref, scale_ref, gate_ref, w_in_ref, b_in_ref, w_out_ref, b_out_ref, *refs,
+            eps: float):
+    """Refs: ``layer_ref`` int32 ``[1]`` (SMEM, used by the index maps only); VMEM ``x_ref``
+    ``[rows, dim]``, ``shift_ref``/``scale_ref``/``gate_ref`` ``[1, 1, dim]`` (the block's frame),
+    ``w_in_ref`` ``[dim, hidden]``, ``b_in_ref`` ``[1, hidden]``, ``w_out_ref`` ``[hidden, dim]``,
+    ``b_out_ref`` ``[1, dim]`` (the layer's); then ``out_ref`` ``[rows, dim]``, or the next
+    block's ``next_shift_ref``/``next_scale_ref`` ``[1, 1, dim]``, ``out_ref`` and its input
+    ``next_ref`` ``[rows, dim]`` (the weights' dtype)."""
     del layer_ref
     x = x_ref[...]
     dtype = w_in_ref.dtype
@@ -63,18 +66,24 @@ def _kernel(layer_ref, x_ref, shift_ref, scale_ref, gate_ref, w_in_ref, b_in_ref
                       preferred_element_type=jnp.float32)
     hidden = xla.gelu(product.astype(dtype) + b_in_ref[...])
     y = jnp.dot(hidden, w_out_ref[...], precision=matmul_precision(dtype), preferred_element_type=jnp.float32)
-    out_ref[...] = x + (y.astype(dtype) + b_out_ref[...]).astype(x.dtype) * gate_ref[0]
+    out = x + (y.astype(dtype) + b_out_ref[...]).astype(x.dtype) * gate_ref[0]
+    if len(refs) == 1:
+        refs[0][...] = out
+        return
+    next_shift_ref, next_scale_ref, out_ref, next_ref = refs
+    out_ref[...] = out
+    next_ref[...] = xla.modulated_input(out, next_shift_ref[0], next_scale_ref[0], eps, dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "rows_per_block", "interpret"))
-def adaln_mlp(x, shift, scale, gate, w_in, b_in, w_out, b_out, layer, *, eps: float, rows_per_block: int,
-              interpret: Any):
-    """The kernel on validated inputs (``x`` ``[B, N, dim]``, ``shift``/``scale``/``gate``
-    ``[B, F, dim]``, stacked weights, ``layer`` an int32 scalar, ``rows_per_block`` dividing a
-    frame's ``N // F`` tokens)."""
+def adaln_mlp(x, shift, scale, gate, w_in, b_in, w_out, b_out, layer, next_modulation=None, *, eps: float,
+              rows_per_block: int, interpret: Any):
+    """The kernel on validated inputs (``x`` ``[B, N, dim]``, ``shift``/``scale``/``gate`` and
+    ``next_modulation``'s pair ``[B, F, dim]``, stacked weights, ``layer`` an int32 scalar,
+    ``rows_per_block`` dividing a frame's ``N // F`` tokens)."""
     batch, tokens, dim = x.shape
     frames, hidden = shift.shape[1], w_in.shape[2]
-    geom = MLPGeometry(batch * tokens, dim, hidden, tokens // frames)
+    geom = MLPGeometry(batch * tokens, dim, hidden, tokens // frames, next_modulation is not None)
     blocks_per_row = tokens // rows_per_block
     blocks_per_frame = geom.tokens_per_frame // rows_per_block
 
@@ -87,19 +96,24 @@ def adaln_mlp(x, shift, scale, gate, w_in, b_in, w_out, b_out, layer, *, eps: fl
 
     rows = pl.BlockSpec((rows_per_block, dim), lambda i, layer_ref: (i, 0))
     per_frame = pl.BlockSpec((1, 1, dim), frame_row)
-    out = pl.pallas_call(
+    modulation = (shift, scale, gate) + (() if next_modulation is None else tuple(next_modulation))
+    out_shape = jax.ShapeDtypeStruct((geom.rows, dim), x.dtype)
+    if next_modulation is not None:
+        out_shape = (out_shape, jax.ShapeDtypeStruct((geom.rows, dim), w_in.dtype))
+    outs = pl.pallas_call(
         functools.partial(_kernel, eps=eps),
-        out_shape=jax.ShapeDtypeStruct((geom.rows, dim), x.dtype),
+        out_shape=out_shape,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1, grid=(geom.rows // rows_per_block,),
             in_specs=[rows, per_frame, per_frame, per_frame, of_layer(dim, hidden), of_layer(1, hidden),
-                      of_layer(hidden, dim), of_layer(1, dim)],
-            out_specs=rows),
+                      of_layer(hidden, dim), of_layer(1, dim), *[per_frame] * (len(modulation) - 3)],
+            out_specs=rows if next_modulation is None else (rows, rows)),
         input_output_aliases={1: 0},
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",), vmem_limit_bytes=VMEM_LIMIT),
         interpret=interpret,
         name=kernel_name(geom),
-    )(jnp.reshape(layer, (1,)), x.reshape(geom.rows, dim),
-      *(m.reshape(batch * frames, 1, dim) for m in (shift, scale, gate)),
-      w_in, b_in[:, None], w_out, b_out[:, None])
-    return out.reshape(batch, tokens, dim)
+    )(jnp.reshape(layer, (1,)), x.reshape(geom.rows, dim), *(m.reshape(batch * frames, 1, dim) for m in modulation[:3]),
+      w_in, b_in[:, None], w_out, b_out[:, None], *(m.reshape(batch * frames, 1, dim) for m in modulation[3:]))
+    if next_modulation is None:
+        return outs.reshape(batch, tokens, dim)
+    return tuple(o.reshape(batch, tokens, dim) for o in outs)

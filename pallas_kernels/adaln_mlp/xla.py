@@ -56,10 +56,11 @@ def materializes_ffn_input() -> bool:
     return default_generation() == "v6e"
 
 
-def adaln_mlp(x, shift, scale, gate, w_in, b_in, w_out, b_out, layer, *, eps):
+def adaln_mlp(x, shift, scale, gate, w_in, b_in, w_out, b_out, layer, *, eps, next_modulation=None):
     """``x + gate * mlp(modulated_input(x))`` with layer ``layer`` of the stacked weights, the
     per-frame rows broadcast to their tokens (:func:`per_token`), each linear layer in the
-    weights' dtype (``jnp.dot`` then the bias, as ``flax.nnx.Linear`` computes it)."""
+    weights' dtype (``jnp.dot`` then the bias, as ``flax.nnx.Linear`` computes it); with
+    ``next_modulation`` also the output's own :func:`modulated_input` under it."""
     n = x.shape[1]
     w_in, b_in, w_out, b_out = (stack[layer] for stack in (w_in, b_in, w_out, b_out))
     hidden_input = modulated_input(x, per_token(shift, n), per_token(scale, n), eps, w_in.dtype)
@@ -70,4 +71,8 @@ def adaln_mlp(x, shift, scale, gate, w_in, b_in, w_out, b_out, layer, *, eps):
     # after it) into fusions far below MXU peak (docs/planning.md, "The whole chip"): the barriers
     # keep the matmul alone.
     y = jax.lax.optimization_barrier(jnp.dot(jax.lax.optimization_barrier(hidden), w_out) + b_out)
-    return x + y * per_token(gate, n)
+    out = x + y * per_token(gate, n)
+    if next_modulation is None:
+        return out
+    next_shift, next_scale = (per_token(m, n) for m in next_modulation)
+    return out, modulated_input(out, next_shift, next_scale, eps, w_in.dtype)

@@ -4,6 +4,8 @@ needed)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -71,6 +73,30 @@ def test_the_kernel_matches_xla_interpreted(shape, dtype):
         assert np.all(np.abs(np.asarray(tpu) - np.asarray(xla)) <= bound + 1e-6)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
+def test_the_next_blocks_input_matches_xla_interpreted(dtype):
+    """With ``next_modulation`` both paths also return the output layer-normalized and modulated by
+    the next rows, in the weights' dtype: float32 to rounding, bf16 within one bf16 rounding of
+    it (the two outputs it is computed from differ by rounding)."""
+    args = _inputs(2, 3, 16, 128, 256, dtype)
+    rng = np.random.default_rng(5)
+    next_modulation = tuple(jnp.asarray(rng.standard_normal((2, 3, 128)) * 0.5, jnp.float32) for _ in range(2))
+    xla_out, xla_next = adaln_mlp(*args, 1, next_modulation=next_modulation, eps=EPS, backend="xla")
+    tpu_out, tpu_next = adaln_mlp(*args, 1, next_modulation=next_modulation, eps=EPS,
+                                  backend="pallas_tpu_interpret")
+    assert tpu_next.dtype == xla_next.dtype == dtype and tpu_next.shape == args[0].shape
+    np.testing.assert_array_equal(tpu_out, adaln_mlp(*args, 1, eps=EPS, backend="pallas_tpu_interpret"))
+    out = np.asarray(tpu_out, np.float64)
+    normed = (out - out.mean(-1, keepdims=True)) / np.sqrt(out.var(-1, keepdims=True) + EPS)
+    shift, scale = (np.repeat(np.asarray(m, np.float64), 16, axis=1) for m in next_modulation)
+    want = normed * (1 + scale) + shift
+    tolerance = 1e-5 if dtype == jnp.float32 else 2.0 ** -7
+    for got in (tpu_next, xla_next):
+        np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=tolerance, atol=tolerance)
+    np.testing.assert_allclose(np.asarray(tpu_next, np.float32), np.asarray(xla_next, np.float32),
+                               rtol=2 * tolerance, atol=2 * tolerance)
+
+
 def test_a_bf16_residual_stream_stays_bf16():
     """Under a uniform bf16 policy (``x`` and the modulation in bf16) the output is bf16 and the
     kernel agrees with XLA to bf16 rounding of the sum."""
@@ -119,6 +145,9 @@ def test_no_block_fits_runs_xla():
 def test_the_kernel_name_spells_its_geometry():
     assert kernel_name(WAN_MLP) == "adaln_mlp_tpu_m4680_d1536_h8960_f1560"
     assert geometry_of_kernel(kernel_name(WAN_MLP)) == WAN_MLP
+    handing_on = dataclasses.replace(WAN_MLP, next_input=True)
+    assert kernel_name(handing_on) == "adaln_mlp_tpu_m4680_d1536_h8960_f1560_next"
+    assert geometry_of_kernel(kernel_name(handing_on)) == handing_on
     with pytest.raises(ValueError, match="is not an adaLN-MLP kernel name"):
         geometry_of_kernel("causal_conv3d_tpu_t4_h480_w832_i96_o96")
 
@@ -130,8 +159,8 @@ def _replace(args, index, value):
 @pytest.mark.parametrize("change, message", [
     (lambda a: _replace(a, 0, a[0][0]), r"x must have rank 3 \[B, N, dim\]"),
     (lambda a: _replace(a, 1, jnp.concatenate([a[1], a[1][:, :2]], axis=1)),
-     r"shift.shape must be \(2, F, 128\), one F for the three dividing N = 48, got \(2, 5, 128\)"),
-    (lambda a: _replace(a, 2, a[2][:, :1]), r"scale.shape must be \(2, F, 128\), one F for the three"),
+     r"shift.shape must be \(2, F, 128\), one F for every row table dividing N = 48, got \(2, 5, 128\)"),
+    (lambda a: _replace(a, 2, a[2][:, :1]), r"scale.shape must be \(2, F, 128\), one F for every row table"),
     (lambda a: _replace(a, 3, a[3][:, :, :-1]), r"gate.shape must be \(2, F, 128\)"),
     (lambda a: _replace(a, 2, a[2].astype(jnp.bfloat16)), r"scale.dtype"),
     (lambda a: _replace(a, 4, a[4][:, :-1]), r"w_in.shape must be \(3, 128, 256\)|b_in.shape must be"),
@@ -143,6 +172,17 @@ def test_bad_calls_name_the_argument(change, message):
     args = change(_inputs(2, 3, 16, 128, 256, jnp.bfloat16))
     with pytest.raises(ValueError, match=message):
         adaln_mlp(*args, 0, backend="xla")
+
+
+def test_a_bad_next_modulation_is_refused():
+    args = _inputs(2, 3, 16, 128, 256, jnp.bfloat16)
+    shift = args[1]
+    with pytest.raises(ValueError, match="next_modulation must be a pair"):
+        adaln_mlp(*args, 0, next_modulation=shift, backend="xla")
+    with pytest.raises(ValueError, match=r"next_modulation\[1\].shape must be \(2, F, 128\)"):
+        adaln_mlp(*args, 0, next_modulation=(shift, shift[:, :, :64]), backend="xla")
+    with pytest.raises(ValueError, match=r"next_modulation\[0\].dtype"):
+        adaln_mlp(*args, 0, next_modulation=(shift.astype(jnp.bfloat16), shift), backend="xla")
 
 
 @pytest.mark.parametrize("layer", [3, -1, np.int32(5), jnp.int32(3)], ids=str)
@@ -165,17 +205,23 @@ def test_an_unknown_backend_is_refused():
 
 @needs_libtpu
 @pytest.mark.slow
+@pytest.mark.parametrize("next_input", [False, True], ids=["plain", "next"])
 @pytest.mark.parametrize("gen", ["v5e", "v6e"])
-def test_compiles_with_the_residual_in_place(gen):
-    """At Wan-1.3B's MLP, weights stacked over 30 layers at a traced index: the donated residual is
-    the output's buffer, no weight slice or activation is copied, no temporaries, the kernel named
-    by its geometry; on the bundle estimate it is at or above its MXU floor and, on a v6e, above
-    90 % of the chip's peak."""
-    g, bf16, f32 = WAN_MLP, jnp.bfloat16, jnp.float32
-    specs = [((1, g.rows, g.dim), f32), *[((1, 3, g.dim), f32)] * 3, ((30, g.dim, g.hidden), bf16),
-             ((30, g.hidden), bf16), ((30, g.hidden, g.dim), bf16), ((30, g.dim), bf16), ((), jnp.int32)]
-    compiled = tpu_aot.compile_for_tpu(lambda *a: adaln_mlp(*a, backend="pallas_tpu"), specs, gen,
-                                       donate_argnums=(0,))
+def test_compiles_with_the_residual_in_place(gen, next_input):
+    """At Wan-1.3B's MLP, weights stacked over 30 layers at a traced index (and the next block's
+    input written, as the DiT calls it): the donated residual is the output's buffer, no weight
+    slice or activation is copied, no temporaries, the kernel named by its geometry; on the bundle
+    estimate it is at or above its MXU floor and, on a v6e, above 90 % of the chip's peak."""
+    g, bf16, f32 = dataclasses.replace(WAN_MLP, next_input=next_input), jnp.bfloat16, jnp.float32
+    per_frame = ((1, 3, g.dim), f32)
+    specs = [((1, g.rows, g.dim), f32), *[per_frame] * 3, ((30, g.dim, g.hidden), bf16),
+             ((30, g.hidden), bf16), ((30, g.hidden, g.dim), bf16), ((30, g.dim), bf16), ((), jnp.int32),
+             *[per_frame] * (2 * next_input)]
+
+    def call(*args):
+        return adaln_mlp(*args[:9], next_modulation=tuple(args[9:]) or None, backend="pallas_tpu")
+
+    compiled = tpu_aot.compile_for_tpu(call, specs, gen, donate_argnums=(0,))
     residual_bytes = 4 * g.rows * g.dim
     report = tpu_aot.report(compiled, [(1, g.rows, g.dim), (g.rows, g.dim), (30, g.dim, g.hidden),
                                        (30, g.hidden, g.dim), (g.dim, g.hidden), (g.hidden, g.dim)])

@@ -34,11 +34,13 @@ def _inputs(frames: int = 2, rows: int = 2):
 def _block_by_block_kv(model: dit.CausalDiT, latents, timesteps, first_frame, history, text_k, text_v):
     x, _, time_mod, rope = model._embed(latents, timesteps, first_frame)
     graphdef, stacked = nnx.split(model.blocks)
+    stacks = model.stacks()
     ks, vs = [], []
     for layer in range(CONFIG.num_layers):
         block = nnx.merge(graphdef, jax.tree_util.tree_map(lambda leaf, i=layer: leaf[i], stacked))
-        x, (k, v) = block(x, time_mod, rope, history, text_k[layer], text_v[layer], jnp.int32(layer),
-                          model.mlp_weights())
+        attention_input = model.attention_input(x, time_mod, stacks, layer)
+        x, _, (k, v) = block(x, attention_input, time_mod, rope, history, text_k[layer], text_v[layer],
+                             jnp.int32(layer), stacks)
         ks.append(k)
         vs.append(v)
     return jnp.stack(ks), jnp.stack(vs)
