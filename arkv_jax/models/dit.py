@@ -31,7 +31,6 @@ from arkv_jax.models import io
 from pallas_kernels.adaln_mlp import adaln_mlp
 from pallas_kernels.adaln_mlp.xla import modulated_input, per_token
 from pallas_kernels.backend import resolve_backend
-from pallas_kernels.window_attention.tpu import default_generation
 
 Array = jax.Array
 
@@ -187,14 +186,11 @@ def _gate(y: Array, gate: Array) -> Array:
 
 def mlp_backend(history: layers.History) -> str:
     """The backend of a block's MLP (:func:`pallas_kernels.adaln_mlp.adaln_mlp`): the history's TPU
-    backend on a v6e without a mesh (:func:`pallas_kernels.window_attention.tpu.default_generation`,
-    the chip the program is built for), where the Mosaic kernel keeps the hidden activations in
-    VMEM and runs near the MXU's peak while XLA:TPU's fusions do not; ``"xla"`` everywhere else
-    (on a v5e XLA's MLP is already near peak, so the kernel, at its MXU floor, gains nothing:
-    ``docs/planning.md``, What is left on a v6e)."""
+    backend without a mesh, where the Mosaic kernel keeps the hidden activations in VMEM and runs
+    near the MXU's peak while XLA:TPU's fusions do not (``docs/kernels.md``, adaLN MLP); ``"xla"``
+    everywhere else."""
     backend = getattr(history, "backend", "xla")
-    if getattr(history, "mesh", None) is None and default_generation() == "v6e" \
-            and resolve_backend(backend).kind == "pallas_tpu":
+    if getattr(history, "mesh", None) is None and resolve_backend(backend).kind == "pallas_tpu":
         return backend
     return "xla"
 

@@ -98,22 +98,20 @@ class _TPUHistory(MaskedHistory):
     backend: str = struct.field(pytree_node=False, default="pallas_tpu_interpret")
 
 
-@pytest.mark.parametrize("generation", ["v5e", "v6e"])
-def test_the_mlp_runs_as_one_kernel_on_a_v6e_tpu_backend(generation, monkeypatch):
-    """With a TPU backend, built for a v6e, every block's MLP is the adaLN-MLP kernel reading the
-    stacked weights at its layer (in both forwards); built for a v5e, XLA. The values match the XLA
-    path's."""
-    monkeypatch.setattr(dit, "default_generation", lambda: generation)
+def test_the_mlp_runs_as_one_kernel_on_a_tpu_backend():
+    """With a TPU backend every block's MLP is the adaLN-MLP kernel reading the stacked weights at
+    its layer (in both forwards), writing the next block's attention input; with XLA's, XLA. The
+    values match the XLA path's."""
     model = dit.init_random(CONFIG, seed=3)
     latents, timesteps, first_frame, history, text_k, text_v = _inputs()
     tpu_history = _TPUHistory(history.frame_mask, history.tokens_per_frame)
     args = (latents, timesteps, first_frame, tpu_history, text_k, text_v)
-    on_tpu = generation == "v6e"
-    assert dit.mlp_backend(tpu_history) == ("pallas_tpu_interpret" if on_tpu else "xla")
+    assert dit.mlp_backend(tpu_history) == "pallas_tpu_interpret"
     assert dit.mlp_backend(history) == "xla"
     for forward in (model, model.commit_kv):
-        jaxpr = str(jax.make_jaxpr(forward)(*args))
-        assert ("adaln_mlp_tpu" in jaxpr) == on_tpu
+        assert "adaln_mlp_tpu_m96_d64_h128_f24_next" in str(jax.make_jaxpr(forward)(*args))
+        assert "adaln_mlp_tpu" not in str(jax.make_jaxpr(forward)(latents, timesteps, first_frame, history,
+                                                                   text_k, text_v))
         want = forward(latents, timesteps, first_frame, history, text_k, text_v)
         jax.tree.map(lambda got, want: np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5),
                      forward(*args), want)
