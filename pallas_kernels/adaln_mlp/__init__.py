@@ -15,11 +15,11 @@ from collections.abc import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from pallas_kernels.adaln_mlp import tpu, xla
 from pallas_kernels.adaln_mlp.geometry import KERNEL_PREFIX, MLPGeometry, geometry_of_kernel, kernel_name
 from pallas_kernels.backend import Backend, resolve_backend, tpu_kernel_else_xla
+from pallas_kernels.checks import is_int, require_index, require_real
 from pallas_kernels.common import (
     check_entries,
     check_rank,
@@ -67,7 +67,7 @@ def adaln_mlp(x, shift, scale, gate, w_in, b_in, w_out, b_out, layer, *, next_mo
         then also returns the output normalized and modulated by them, cast to the weights' dtype
         (:func:`~pallas_kernels.adaln_mlp.xla.modulated_input`), as the next block's
         self-attention reads it; the TPU kernel writes it from the block it has in VMEM.
-      eps: the layer norm's epsilon.
+      eps: the layer norm's epsilon (a positive real).
       backend: a name from :data:`pallas_kernels.backend.BACKEND_NAMES`. The TPU names run the
         Mosaic kernel where both weights and a block of a frame's tokens fit its VMEM
         (:func:`~pallas_kernels.adaln_mlp.tpu.block_rows`), else XLA; the others XLA.
@@ -78,20 +78,22 @@ def adaln_mlp(x, shift, scale, gate, w_in, b_in, w_out, b_out, layer, *, next_mo
       the output, or with ``next_modulation`` the pair ``(output, next input)``.
 
     Raises:
-      TypeError: an input that is not an array.
-      ValueError: mismatched shapes or dtypes, a layer out of range, an unknown backend.
+      TypeError: an input that is not an array, a layer that is not an integer scalar, an ``eps``
+        that is not a real number.
+      ValueError: mismatched shapes or dtypes, a layer out of range, a non-positive ``eps``, an
+        unknown backend.
     """
     resolved = resolve_backend(backend)
     check_validate(validate)
-    if isinstance(layer, int) and not isinstance(layer, bool):
-        layer = np.int32(layer)  # a Python int: concrete, so checked on the host below
+    eps = require_real("eps", eps, low=0.0, low_open=True)
     geom = static_validate_inputs(x, shift, scale, gate, w_in, b_in, w_out, b_out, layer, next_modulation)
     num_layers = w_in.shape[0]
-    check_entries(value_check_mode(validate, layer), "layer", layer, lambda v: (v < 0) | (v >= num_layers),
-                  f"is out of range; allowed [0, {num_layers}) (w_in.shape[0])")
+    if not is_int(layer):  # A Python int was checked statically.
+        check_entries(value_check_mode(validate, layer), "layer", layer, lambda v: (v < 0) | (v >= num_layers),
+                      f"is out of range; allowed [0, {num_layers}) (w_in.shape[0])")
     layer = jnp.asarray(layer, jnp.int32)
     return IMPLEMENTATIONS[resolved.name](x, shift, scale, gate, w_in, b_in, w_out, b_out, layer, next_modulation,
-                                          eps=float(eps), geom=geom, backend=resolved)
+                                          eps=eps, geom=geom, backend=resolved)
 
 
 def static_validate_inputs(x, shift, scale, gate, w_in, b_in, w_out, b_out, layer, next_modulation=None
@@ -109,9 +111,7 @@ def static_validate_inputs(x, shift, scale, gate, w_in, b_in, w_out, b_out, laye
     check_rank("b_in", b_in, 2, "[L, hidden]")
     check_rank("w_out", w_out, 3, "[L, hidden, dim]")
     check_rank("b_out", b_out, 2, "[L, dim]")
-    check_rank("layer", layer, 0)
-    if not jnp.issubdtype(jnp.result_type(layer), jnp.integer):
-        raise TypeError(f"layer must be an integer scalar, got dtype {jnp.result_type(layer)}")
+    require_index("layer", layer, w_in.shape[0], "w_in.shape[0]")
     check_supported_dtype("x.dtype", x.dtype)
     check_supported_dtype("w_in.dtype", w_in.dtype)
     check_same_dtype("x", x.dtype, per_frame)

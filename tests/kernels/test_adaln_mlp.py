@@ -194,8 +194,17 @@ def test_a_layer_out_of_range_is_refused(layer):
 def test_a_non_integer_layer_is_refused():
     with pytest.raises(TypeError, match="layer must be an integer scalar"):
         adaln_mlp(*_inputs(1, 1, 8, 128, 128, jnp.float32), jnp.float32(0), backend="xla")
-    with pytest.raises(ValueError, match="layer must have rank 0"):
+    with pytest.raises(TypeError, match="layer must be an integer scalar"):
+        adaln_mlp(*_inputs(1, 1, 8, 128, 128, jnp.float32), True, backend="xla")
+    with pytest.raises(ValueError, match=r"layer must be an int scalar, got shape \(2,\)"):
         adaln_mlp(*_inputs(1, 1, 8, 128, 128, jnp.float32), jnp.zeros(2, jnp.int32), backend="xla")
+
+
+@pytest.mark.parametrize("eps, error", [(0.0, ValueError), (-1e-6, ValueError), (float("nan"), ValueError),
+                                        ("1e-6", TypeError)], ids=str)
+def test_a_bad_eps_is_refused(eps, error):
+    with pytest.raises(error, match="eps"):
+        adaln_mlp(*_inputs(1, 1, 8, 128, 128, jnp.float32), 0, eps=eps, backend="xla")
 
 
 def test_an_unknown_backend_is_refused():
