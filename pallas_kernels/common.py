@@ -12,6 +12,7 @@ static arguments are checked on every call whatever ``validate`` says, by the ru
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 import jax
@@ -66,6 +67,19 @@ def pages_per_frame(tokens_per_frame: int, block_size: int) -> int:
 # ------------------------------------------------------------------------------------------------
 # Input checks shared by the kernels' validators (host side, static: shapes and dtypes only)
 # ------------------------------------------------------------------------------------------------
+
+
+def kernel_name_fields(pattern: re.Pattern, name: str, what: str) -> tuple:
+    """The groups of ``pattern`` in a kernel's ``name``: how a kernel whose name spells its
+    geometry (the convolutions', the adaLN MLP's) is read back from the compiled HLO.
+
+    Raises:
+      ValueError: ``name`` does not match (``"{name!r} is not {what}"``).
+    """
+    found = pattern.match(name)
+    if not found:
+        raise ValueError(f"{name!r} is not {what}")
+    return found.groups()
 
 
 def check_rank(name: str, x, rank: int, layout: str = "") -> None:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import re
 
+from pallas_kernels.common import kernel_name_fields
+
 KERNEL_PREFIX = "adaln_mlp_tpu"
 """Every TPU adaLN-MLP kernel's name starts with this."""
 
@@ -46,8 +48,6 @@ def geometry_of_kernel(name: str) -> MLPGeometry:
     Raises:
       ValueError: ``name`` is not one.
     """
-    found = _NAME.match(name)
-    if not found:
-        raise ValueError(f"{name!r} is not an adaLN-MLP kernel name ({KERNEL_PREFIX}_m.._d.._h.._f..[_next])")
-    *sizes, next_input = found.groups()
+    *sizes, next_input = kernel_name_fields(
+        _NAME, name, f"an adaLN-MLP kernel name ({KERNEL_PREFIX}_m.._d.._h.._f..[_next])")
     return MLPGeometry(*(int(g) for g in sizes), next_input=next_input is not None)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import re
 
+from pallas_kernels.common import kernel_name_fields
+
 KERNEL_PREFIX = "causal_conv3d_tpu"
 """Every TPU causal-convolution kernel's name starts with this."""
 
@@ -50,9 +52,6 @@ def geometry_of_kernel(name: str) -> ConvGeometry:
     Raises:
       ValueError: ``name`` is not one.
     """
-    found = _NAME.match(name)
-    if not found:
-        raise ValueError(f"{name!r} is not a causal-convolution kernel name "
-                         f"({KERNEL_PREFIX}_t.._h.._w.._i.._o..[_norm][_res])")
-    *sizes, norm, residual = found.groups()
+    *sizes, norm, residual = kernel_name_fields(
+        _NAME, name, f"a causal-convolution kernel name ({KERNEL_PREFIX}_t.._h.._w.._i.._o..[_norm][_res])")
     return ConvGeometry(*(int(g) for g in sizes), input_norm=norm is not None, residual=residual is not None)

@@ -7,6 +7,8 @@ from __future__ import annotations
 import dataclasses
 import re
 
+from pallas_kernels.common import kernel_name_fields
+
 KERNEL_PREFIX = "upsample_conv2d_tpu"
 """Every TPU upsampling-convolution kernel's name starts with this."""
 
@@ -44,7 +46,6 @@ def geometry_of_kernel(name: str) -> UpsampleGeometry:
     Raises:
       ValueError: ``name`` is not one.
     """
-    found = _NAME.match(name)
-    if not found:
-        raise ValueError(f"{name!r} is not an upsampling-convolution kernel name ({KERNEL_PREFIX}_t.._h.._w.._i.._o..)")
-    return UpsampleGeometry(*(int(g) for g in found.groups()))
+    fields = kernel_name_fields(
+        _NAME, name, f"an upsampling-convolution kernel name ({KERNEL_PREFIX}_t.._h.._w.._i.._o..)")
+    return UpsampleGeometry(*(int(g) for g in fields))
