@@ -241,6 +241,14 @@ class PagedSelfAttention(_HeadProjections):
           ``(out [B, N, dim], (k, v))`` with ``k``/``v`` ``[B, N, Hkv, D]``, ``k`` post-RoPE: what
           the commit forward writes to the pool.
         """
+        attention, kv = self.attend(x, rope, history, layer)
+        return self.o(attention), kv
+
+    def attend(self, x: Array, rope: tuple[Array, Array], history: History, layer: Array
+               ) -> tuple[Array, tuple[Array, Array]]:
+        """:meth:`__call__` without the output projection: ``(attention [B, N, dim], (k, v))``, the
+        heads' outputs concatenated (for a caller that projects them itself, as
+        :func:`pallas_kernels.cross_query.cross_query` does)."""
         batch, n, _ = x.shape
         q = _row_major_on_tpu(self.q(x))
         k, v = self._projected_kv(x)
@@ -250,7 +258,7 @@ class PagedSelfAttention(_HeadProjections):
                        self.norm_k.scale[...])
         q = q.reshape(batch, n, self.num_heads, self.head_dim)
         out = history.attend(q, k, v, layer, rope, qk_norm)
-        return self.o(out.reshape(batch, n, -1)), (self._prepared_k(k, k_inv_rms, rope), v)
+        return out.reshape(batch, n, -1), (self._prepared_k(k, k_inv_rms, rope), v)
 
     def kv(self, x: Array, rope: tuple[Array, Array]) -> tuple[Array, Array]:
         """``(k, v)``, each ``[B, N, Hkv, D]`` (``k`` normed and post-RoPE), of ``x`` ``[B, N, dim]``:
@@ -319,10 +327,16 @@ class CachedCrossAttention(_HeadProjections):
     def __call__(self, x: Array, k: Array, v: Array, history: History | None = None) -> Array:
         """``[B, N, dim]``: ``x`` ``[B, N, dim]`` attending to all of ``k``/``v`` ``[B, T, Hkv, D]``,
         through ``history``'s :meth:`~History.attend_context` (default plain XLA)."""
-        batch, n, dim = x.shape
         q = self.q(x)
         if self.norm_q is not None:
             q = self.norm_q(q)
+        return self.attend(q, k, v, history)
+
+    def attend(self, q: Array, k: Array, v: Array, history: History | None = None) -> Array:
+        """:meth:`__call__` from the queries on: ``q`` ``[B, N, dim]`` projected and normed (as
+        :func:`pallas_kernels.cross_query.cross_query` gives them) attending to ``k``/``v``, then
+        the output projection."""
+        batch, n, dim = q.shape
         q = q.reshape(batch, n, dim // self.head_dim, self.head_dim)
         k, v = k.astype(q.dtype), v.astype(q.dtype)
         out = dense_attention(q, k, v) if history is None else history.attend_context(q, k, v)

@@ -31,6 +31,7 @@ from arkv_jax.models import io
 from pallas_kernels.adaln_mlp import adaln_mlp
 from pallas_kernels.adaln_mlp.xla import modulated_input, per_token
 from pallas_kernels.backend import resolve_backend
+from pallas_kernels.cross_query import cross_query
 
 Array = jax.Array
 
@@ -179,16 +180,12 @@ def _modulate(x: Array, shift: Array, scale: Array) -> Array:
     return x * (1 + per_token(scale, n)) + per_token(shift, n)
 
 
-def _gate(y: Array, gate: Array) -> Array:
-    """``y * gate`` with a per-frame ``gate`` ``[B, F, dim]``."""
-    return y * per_token(gate, y.shape[1])
-
-
-def mlp_backend(history: layers.History) -> str:
-    """The backend of a block's MLP (:func:`pallas_kernels.adaln_mlp.adaln_mlp`): the history's TPU
-    backend without a mesh, where the Mosaic kernel keeps the hidden activations in VMEM and runs
-    near the MXU's peak while XLA:TPU's fusions do not (``docs/kernels.md``, adaLN MLP); ``"xla"``
-    everywhere else."""
+def kernel_backend(history: layers.History) -> str:
+    """The backend of a block's fused steps (:func:`pallas_kernels.cross_query.cross_query` and
+    :func:`pallas_kernels.adaln_mlp.adaln_mlp`): the history's TPU backend without a mesh, where
+    the Mosaic kernels keep a block of tokens in VMEM through their products and run near the
+    MXU's peak while XLA:TPU's fusions do not (``docs/kernels.md``, adaLN MLP and cross query);
+    ``"xla"`` everywhere else."""
     backend = getattr(history, "backend", "xla")
     if getattr(history, "mesh", None) is None and resolve_backend(backend).kind == "pallas_tpu":
         return backend
@@ -204,10 +201,14 @@ class BlockStacks(NamedTuple):
       mlp: ``(w_in [L, dim, ffn_dim], b_in [L, ffn_dim], w_out [L, ffn_dim, dim], b_out [L, dim])``,
         the FFN weights as :func:`pallas_kernels.adaln_mlp.adaln_mlp` takes them.
       modulation: ``[L, 6, dim]`` every block's learned modulation offsets.
+      cross_query: self-attention's output projection, the cross-attention norm's scale and bias,
+        its query projection and RMS-norm gain (``w_o, b_o, norm_scale, norm_bias, w_q, b_q,
+        q_gain``), as :func:`pallas_kernels.cross_query.cross_query` takes them.
     """
 
     mlp: tuple[Array, Array, Array, Array]
     modulation: Array
+    cross_query: tuple[Array, Array, Array, Array, Array, Array, Array]
 
     def attention_modulation(self, time_mod: Array, layer: Array) -> tuple[Array, Array]:
         """``(shift, scale)``, each ``[B, F, dim]``, of block ``layer``'s self-attention input
@@ -265,12 +266,14 @@ class DiTBlock(nnx.Module):
           layer's post-RoPE K/V ``[B, N, Hkv, D]``.
         """
         _, _, gate_sa, shift_ff, scale_ff, gate_ff = self._modulation(time_mod)
-        y, kv = self.self_attn(attention_input, rope, history, layer)
-        x = x + _gate(y, gate_sa)
-        x = x + self.cross_attn(self.norm3(x), text_k, text_v, history)
+        backend = kernel_backend(history)
+        attention, kv = self.self_attn.attend(attention_input, rope, history, layer)
+        x, query = cross_query(x, attention, gate_sa, *stacks.cross_query, layer, eps=self.eps, backend=backend,
+                               validate=False)
+        x = x + self.cross_attn.attend(query, text_k, text_v, history)
         x, next_input = adaln_mlp(x, shift_ff, scale_ff, gate_ff, *stacks.mlp, layer,
                                   next_modulation=stacks.attention_modulation(time_mod, layer + 1), eps=self.eps,
-                                  backend=mlp_backend(history), validate=False)
+                                  backend=backend, validate=False)
         return x, next_input, kv
 
     def _modulation(self, time_mod: Array) -> list[Array]:
@@ -394,10 +397,13 @@ class CausalDiT(nnx.Module):
         return k_all.at[last].set(k), v_all.at[last].set(v)
 
     def stacks(self) -> BlockStacks:
-        """Every block's FFN weights and modulation offsets, stacked (:class:`BlockStacks`)."""
+        """What the blocks' fused steps read of every block, stacked (:class:`BlockStacks`)."""
         blocks = self.blocks
+        self_attn, norm, cross_attn = blocks.self_attn, blocks.norm3, blocks.cross_attn
+        cross = (self_attn.o.kernel, self_attn.o.bias, norm.scale, norm.bias, cross_attn.q.kernel, cross_attn.q.bias,
+                 cross_attn.norm_q.scale)
         return BlockStacks((blocks.ffn_in.kernel[...], blocks.ffn_in.bias[...], blocks.ffn_out.kernel[...],
-                            blocks.ffn_out.bias[...]), blocks.modulation[...])
+                            blocks.ffn_out.bias[...]), blocks.modulation[...], tuple(p[...] for p in cross))
 
     def attention_input(self, x: Array, time_mod: Array, stacks: BlockStacks, layer: int) -> Array:
         """Block ``layer``'s self-attention input of the residual stream ``x`` ``[B, N, dim]``: layer

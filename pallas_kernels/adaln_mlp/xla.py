@@ -26,14 +26,22 @@ def per_token(values: jax.Array, num_tokens: int) -> jax.Array:
     return out
 
 
-def layer_norm(x: jax.Array, eps: float) -> jax.Array:
-    """Layer norm over the last axis without scale or bias, as ``flax.nnx.LayerNorm`` computes it:
-    statistics in at least float32 (the variance as ``E[x^2] - E[x]^2``, clipped at 0), the result
-    in ``x``'s dtype."""
+def layer_norm(x: jax.Array, eps: float, scale: jax.Array | None = None, bias: jax.Array | None = None
+               ) -> jax.Array:
+    """Layer norm over the last axis, as ``flax.nnx.LayerNorm`` computes it: statistics in at
+    least float32 (the variance as ``E[x^2] - E[x]^2``, clipped at 0), ``(x - mean) * (rsqrt(var +
+    eps) * scale) + bias`` (each of ``scale``/``bias`` ``[..., dim]`` where given), the result in
+    ``x``'s dtype."""
     x32 = x.astype(jnp.promote_types(x.dtype, jnp.float32))
     mean = jnp.mean(x32, axis=-1, keepdims=True)
     var = jnp.maximum(0.0, jnp.mean(jnp.square(x32), axis=-1, keepdims=True) - jnp.square(mean))
-    return ((x32 - mean) * jax.lax.rsqrt(var + eps)).astype(x.dtype)
+    mul = jax.lax.rsqrt(var + eps)
+    if scale is not None:
+        mul = mul * scale
+    y = (x32 - mean) * mul
+    if bias is not None:
+        y = y + bias
+    return y.astype(x.dtype)
 
 
 def modulated_input(x: jax.Array, shift: jax.Array, scale: jax.Array, eps: float, dtype) -> jax.Array:

@@ -24,6 +24,7 @@ import tempfile
 from pallas_kernels.adaln_mlp.geometry import MLPGeometry
 from pallas_kernels.causal_conv.geometry import ConvGeometry
 from pallas_kernels.context_attention import ContextGeometry
+from pallas_kernels.cross_query.geometry import QueryGeometry
 from pallas_kernels.upsample_conv.geometry import UpsampleGeometry
 from pallas_kernels.window_attention.geometry import WindowGeometry
 
@@ -364,7 +365,32 @@ def _compile_and_price_mlp(geom: MLPGeometry, dtype: str, generation: str, dump_
     return mlp_estimate.estimate_from_dump(g, rows, generation, dump_dir)
 
 
-def _compile_and_price(geom: WindowGeometry | ContextGeometry | ConvGeometry | UpsampleGeometry, dtype: str,
+def _compile_and_price_cross_query(geom: QueryGeometry, dtype: str, generation: str, dump_dir: str) -> Estimate:
+    """In the worker process: compiles one cross query of ``geom`` (one row of ``geom.rows`` tokens
+    in frames of ``geom.tokens_per_frame``, a float32 residual stream donated, its norm's affine
+    parameters float32 and ``dtype`` weights stacked over two layers, as a DiT block passes them)
+    and prices it (:func:`pallas_kernels.cross_query.tpu_estimate.estimate_from_dump`)."""
+    import jax.numpy as jnp
+
+    from pallas_kernels import tpu_aot
+    from pallas_kernels.cross_query import cross_query
+    from pallas_kernels.cross_query import tpu as query_tpu
+    from pallas_kernels.cross_query import tpu_estimate as query_estimate
+
+    g, dt, f32 = geom, jnp.dtype(dtype), jnp.float32
+    rows = query_tpu.block_rows(g, dt.itemsize, 4)
+    if rows is None:
+        raise ValueError(f"no cross-query kernel fits at {g}: the call runs XLA")
+    tokens, matrix, vector = ((1, g.rows, g.dim), dt), ((2, g.dim, g.dim), dt), ((2, g.dim), dt)
+    specs = [((1, g.rows, g.dim), f32), tokens, ((1, g.rows // g.tokens_per_frame, g.dim), f32), matrix, vector,
+             ((2, g.dim), f32), ((2, g.dim), f32), matrix, vector, vector, ((), jnp.int32)]
+    tpu_aot.compile_for_tpu(lambda *args: cross_query(*args, backend="pallas_tpu"), specs, generation,
+                            donate_argnums=(0,))
+    return query_estimate.estimate_from_dump(g, rows, generation, dump_dir)
+
+
+def _compile_and_price(geom: WindowGeometry | ContextGeometry | ConvGeometry | UpsampleGeometry | MLPGeometry
+                       | QueryGeometry, dtype: str,
                        generation: str, dump_dir: str, kv_dtype: str | None = None,
                        rope: bool = False, qk_norm: bool = False) -> Estimate:
     """In the worker process: compiles one call of ``geom`` for ``generation`` (window attention
@@ -384,6 +410,8 @@ def _compile_and_price(geom: WindowGeometry | ContextGeometry | ConvGeometry | U
         return _compile_and_price_upsample(geom, dtype, generation, dump_dir)
     if isinstance(geom, MLPGeometry):
         return _compile_and_price_mlp(geom, dtype, generation, dump_dir)
+    if isinstance(geom, QueryGeometry):
+        return _compile_and_price_cross_query(geom, dtype, generation, dump_dir)
     specs = [(shape, jnp.dtype(d)) for shape, d in call_specs(geom, dtype, rope, qk_norm)]
     if isinstance(geom, ContextGeometry):
         tpu_aot.compile_for_tpu(lambda q, k, v: context_attention(q, k, v, backend="pallas_tpu"), specs, generation)
@@ -411,18 +439,20 @@ def _compile_and_price(geom: WindowGeometry | ContextGeometry | ConvGeometry | U
 
 _GEOMETRIES = {"window-attention": WindowGeometry, "context-attention": ContextGeometry,
                "causal-convolution": ConvGeometry, "upsampling-convolution": UpsampleGeometry,
-               "adaln-mlp": MLPGeometry}
+               "adaln-mlp": MLPGeometry, "cross-query": QueryGeometry}
 
 
-def estimate(geom: WindowGeometry | ContextGeometry | ConvGeometry | UpsampleGeometry | MLPGeometry, dtype: str,
-             generation: str, kv_dtype: str | None = None, rope: bool = False, qk_norm: bool = False) -> Estimate:
+def estimate(geom: WindowGeometry | ContextGeometry | ConvGeometry | UpsampleGeometry | MLPGeometry | QueryGeometry,
+             dtype: str, generation: str, kv_dtype: str | None = None, rope: bool = False, qk_norm: bool = False
+             ) -> Estimate:
     """Compiles one call of ``geom`` (the paged window-attention kernel for a
     :class:`~pallas_kernels.window_attention.WindowGeometry` over pages stored as ``kv_dtype``,
     default ``dtype``; the context-attention kernel for a
     :class:`~pallas_kernels.context_attention.ContextGeometry`, the causal-convolution kernel for a
     :class:`~pallas_kernels.causal_conv.ConvGeometry`, the upsampling-convolution kernel for an
     :class:`~pallas_kernels.upsample_conv.UpsampleGeometry`, the adaLN-MLP kernel for an
-    :class:`~pallas_kernels.adaln_mlp.MLPGeometry`) for ``generation`` (libtpu's
+    :class:`~pallas_kernels.adaln_mlp.MLPGeometry`, the cross-query kernel for a
+    :class:`~pallas_kernels.cross_query.QueryGeometry`) for ``generation`` (libtpu's
     compile-only device, in a child process with its own bundle dump) and prices it; ``rope``,
     ``qk_norm``: window attention with rotary tables and RMS norms (the chunk prepared in the
     kernel where it can).

@@ -98,20 +98,22 @@ class _TPUHistory(MaskedHistory):
     backend: str = struct.field(pytree_node=False, default="pallas_tpu_interpret")
 
 
-def test_the_mlp_runs_as_one_kernel_on_a_tpu_backend():
+def test_the_fused_steps_run_as_kernels_on_a_tpu_backend():
     """With a TPU backend every block's MLP is the adaLN-MLP kernel reading the stacked weights at
-    its layer (in both forwards), writing the next block's attention input; with XLA's, XLA. The
-    values match the XLA path's."""
+    its layer (in both forwards), writing the next block's attention input, and its step from
+    self- to cross-attention the cross-query kernel; with XLA's, XLA. The values match the XLA
+    path's."""
     model = dit.init_random(CONFIG, seed=3)
     latents, timesteps, first_frame, history, text_k, text_v = _inputs()
     tpu_history = _TPUHistory(history.frame_mask, history.tokens_per_frame)
     args = (latents, timesteps, first_frame, tpu_history, text_k, text_v)
-    assert dit.mlp_backend(tpu_history) == "pallas_tpu_interpret"
-    assert dit.mlp_backend(history) == "xla"
+    assert dit.kernel_backend(tpu_history) == "pallas_tpu_interpret"
+    assert dit.kernel_backend(history) == "xla"
     for forward in (model, model.commit_kv):
-        assert "adaln_mlp_tpu_m96_d64_h128_f24_next" in str(jax.make_jaxpr(forward)(*args))
-        assert "adaln_mlp_tpu" not in str(jax.make_jaxpr(forward)(latents, timesteps, first_frame, history,
-                                                                   text_k, text_v))
+        jaxpr = str(jax.make_jaxpr(forward)(*args))
+        assert "adaln_mlp_tpu_m96_d64_h128_f24_next" in jaxpr and "cross_query_tpu_m96_d64_f24" in jaxpr
+        xla_jaxpr = str(jax.make_jaxpr(forward)(latents, timesteps, first_frame, history, text_k, text_v))
+        assert "adaln_mlp_tpu" not in xla_jaxpr and "cross_query_tpu" not in xla_jaxpr
         want = forward(latents, timesteps, first_frame, history, text_k, text_v)
         jax.tree.map(lambda got, want: np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5),
                      forward(*args), want)
