@@ -260,6 +260,18 @@ class PagedSelfAttention(_HeadProjections):
         out = history.attend(q, k, v, layer, rope, qk_norm)
         return out.reshape(batch, n, -1), (self._prepared_k(k, k_inv_rms, rope), v)
 
+    def attend_normed(self, q: Array, k: Array, v: Array, rope: tuple[Array, Array], history: History,
+                      layer: Array) -> tuple[Array, tuple[Array, Array]]:
+        """:meth:`attend` from the projections on: ``q`` ``[B, N, dim]`` and ``k``/``v`` ``[B, N,
+        Hkv * D]``, ``q`` and ``k`` already through the layer's QK norm where it has one (as
+        :func:`pallas_kernels.qkv_projection.qkv_projection` gives them), rotated here."""
+        batch, n, _ = q.shape
+        split = (batch, n, self.num_kv_heads, self.head_dim)
+        q = q.reshape(batch, n, self.num_heads, self.head_dim)
+        k, v = k.reshape(split), v.reshape(split)
+        out = history.attend(q, k, v, layer, rope)
+        return out.reshape(batch, n, -1), (apply_rope(k, rope), v)
+
     def kv(self, x: Array, rope: tuple[Array, Array]) -> tuple[Array, Array]:
         """``(k, v)``, each ``[B, N, Hkv, D]`` (``k`` normed and post-RoPE), of ``x`` ``[B, N, dim]``:
         what :meth:`__call__` returns, without the attention."""

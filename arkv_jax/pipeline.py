@@ -32,7 +32,7 @@ from arkv_jax.presets import ModelPreset, get_preset
 from arkv_jax.rollout import ChunkConfig, generate_chunk, recache_kv
 from arkv_jax.samplers import Sampler
 from arkv_jax.step import ChunkInputs
-from pallas_kernels import adaln_mlp, causal_conv, cross_query, upsample_conv
+from pallas_kernels import adaln_mlp, causal_conv, cross_query, qkv_projection, upsample_conv
 from pallas_kernels.causal_conv import ConvGeometry
 from pallas_kernels.context_attention import ContextGeometry
 from pallas_kernels.layout import empty_pool
@@ -510,14 +510,14 @@ def context_geometry(pipeline: Pipeline, rows: int) -> ContextGeometry:
 
 def attention_pricer(pipeline: Pipeline, generation: str) -> KernelPricer:
     """Prices the chunk program's and the VAE decode's Mosaic calls for ``generation``: the paged
-    window-attention kernel at :func:`attention_geometry` (with the QK norms and rotary tables the
-    DiT hands it), the context-attention kernel at
-    :func:`context_geometry` and each causal or upsampling convolution and the DiT's adaLN MLP
-    and cross query at the geometry its kernel name spells
-    (:func:`pallas_kernels.causal_conv.geometry_of_kernel`,
+    window-attention kernel at :func:`attention_geometry` (with the rotary tables the DiT hands
+    it), the context-attention kernel at :func:`context_geometry` and each causal or upsampling
+    convolution and the DiT's q/k/v projection, cross query and adaLN MLP at the geometry its
+    kernel name spells (:func:`pallas_kernels.causal_conv.geometry_of_kernel`,
     :func:`pallas_kernels.upsample_conv.geometry_of_kernel`,
-    :func:`pallas_kernels.adaln_mlp.geometry_of_kernel`,
-    :func:`pallas_kernels.cross_query.geometry_of_kernel`; ``rows`` is unused), each by its bundle
+    :func:`pallas_kernels.qkv_projection.geometry_of_kernel`,
+    :func:`pallas_kernels.cross_query.geometry_of_kernel`,
+    :func:`pallas_kernels.adaln_mlp.geometry_of_kernel`; ``rows`` is unused), each by its bundle
     estimate (:func:`pallas_kernels.window_attention.tpu_estimate.estimate`, one compile per kernel
     and shape; the XLA ops around each call are in the program's own cycles)."""
 
@@ -525,12 +525,12 @@ def attention_pricer(pipeline: Pipeline, generation: str) -> KernelPricer:
         for convolution in (causal_conv, upsample_conv):
             if name.startswith(convolution.KERNEL_PREFIX):
                 return _kernel_seconds(convolution.geometry_of_kernel(name), pipeline.vae.dtype, generation)
-        for block_step in (adaln_mlp, cross_query):
+        for block_step in (qkv_projection, cross_query, adaln_mlp):
             if name.startswith(block_step.KERNEL_PREFIX):
                 return _kernel_seconds(block_step.geometry_of_kernel(name), pipeline.dit.dtype, generation)
-        if name == "window_attention_tpu":  # The DiT hands it the raw chunk, its norms and tables.
+        if name == "window_attention_tpu":  # The DiT hands it the normalized chunk and its tables.
             return _kernel_seconds(attention_geometry(pipeline, rows), pipeline.dit.dtype, generation,
-                                   pipeline.preset.geometry.page_dtype, rope=True, qk_norm=True)
+                                   pipeline.preset.geometry.page_dtype, rope=True)
         if name == "context_attention_tpu":
             return _kernel_seconds(context_geometry(pipeline, rows), pipeline.dit.dtype, generation)
         raise ValueError(f"no estimate for the Mosaic kernel {name!r}")
@@ -540,7 +540,7 @@ def attention_pricer(pipeline: Pipeline, generation: str) -> KernelPricer:
 
 @functools.lru_cache(maxsize=None)
 def _kernel_seconds(geom: WindowGeometry | ContextGeometry | ConvGeometry | UpsampleGeometry | adaln_mlp.MLPGeometry
-                    | cross_query.QueryGeometry,
+                    | cross_query.QueryGeometry | qkv_projection.ProjectionGeometry,
                     dtype: str, generation: str, kv_dtype: str | None = None, rope: bool = False,
                     qk_norm: bool = False) -> float:
     from pallas_kernels.window_attention import tpu_estimate

@@ -32,6 +32,7 @@ from pallas_kernels.adaln_mlp import adaln_mlp
 from pallas_kernels.adaln_mlp.xla import modulated_input, per_token
 from pallas_kernels.backend import resolve_backend
 from pallas_kernels.cross_query import cross_query
+from pallas_kernels.qkv_projection import qkv_projection
 
 Array = jax.Array
 
@@ -181,11 +182,11 @@ def _modulate(x: Array, shift: Array, scale: Array) -> Array:
 
 
 def kernel_backend(history: layers.History) -> str:
-    """The backend of a block's fused steps (:func:`pallas_kernels.cross_query.cross_query` and
-    :func:`pallas_kernels.adaln_mlp.adaln_mlp`): the history's TPU backend without a mesh, where
-    the Mosaic kernels keep a block of tokens in VMEM through their products and run near the
-    MXU's peak while XLA:TPU's fusions do not (``docs/kernels.md``, adaLN MLP and cross query);
-    ``"xla"`` everywhere else."""
+    """The backend of a block's fused steps (:func:`pallas_kernels.qkv_projection.qkv_projection`,
+    :func:`pallas_kernels.cross_query.cross_query` and :func:`pallas_kernels.adaln_mlp.adaln_mlp`):
+    the history's TPU backend without a mesh, where the Mosaic kernels keep a block of tokens in
+    VMEM through their products and run near the MXU's peak while XLA:TPU's fusions do not
+    (``docs/kernels.md``, the DiT block's kernels); ``"xla"`` everywhere else."""
     backend = getattr(history, "backend", "xla")
     if getattr(history, "mesh", None) is None and resolve_backend(backend).kind == "pallas_tpu":
         return backend
@@ -204,11 +205,14 @@ class BlockStacks(NamedTuple):
       cross_query: self-attention's output projection, the cross-attention norm's scale and bias,
         its query projection and RMS-norm gain (``w_o, b_o, norm_scale, norm_bias, w_q, b_q,
         q_gain``), as :func:`pallas_kernels.cross_query.cross_query` takes them.
+      qkv: self-attention's projections and QK-norm gains (``w_q, b_q, q_gain, w_k, b_k, k_gain,
+        w_v, b_v``), as :func:`pallas_kernels.qkv_projection.qkv_projection` takes them.
     """
 
     mlp: tuple[Array, Array, Array, Array]
     modulation: Array
     cross_query: tuple[Array, Array, Array, Array, Array, Array, Array]
+    qkv: tuple[Array, Array, Array, Array, Array, Array, Array, Array]
 
     def attention_modulation(self, time_mod: Array, layer: Array) -> tuple[Array, Array]:
         """``(shift, scale)``, each ``[B, F, dim]``, of block ``layer``'s self-attention input
@@ -267,7 +271,8 @@ class DiTBlock(nnx.Module):
         """
         _, _, gate_sa, shift_ff, scale_ff, gate_ff = self._modulation(time_mod)
         backend = kernel_backend(history)
-        attention, kv = self.self_attn.attend(attention_input, rope, history, layer)
+        q, k, v = qkv_projection(attention_input, *stacks.qkv, layer, eps=self.eps, backend=backend, validate=False)
+        attention, kv = self.self_attn.attend_normed(q, k, v, rope, history, layer)
         x, query = cross_query(x, attention, gate_sa, *stacks.cross_query, layer, eps=self.eps, backend=backend,
                                validate=False)
         x = x + self.cross_attn.attend(query, text_k, text_v, history)
@@ -402,8 +407,11 @@ class CausalDiT(nnx.Module):
         self_attn, norm, cross_attn = blocks.self_attn, blocks.norm3, blocks.cross_attn
         cross = (self_attn.o.kernel, self_attn.o.bias, norm.scale, norm.bias, cross_attn.q.kernel, cross_attn.q.bias,
                  cross_attn.norm_q.scale)
+        qkv = (self_attn.q.kernel, self_attn.q.bias, self_attn.norm_q.scale, self_attn.k.kernel, self_attn.k.bias,
+               self_attn.norm_k.scale, self_attn.v.kernel, self_attn.v.bias)
         return BlockStacks((blocks.ffn_in.kernel[...], blocks.ffn_in.bias[...], blocks.ffn_out.kernel[...],
-                            blocks.ffn_out.bias[...]), blocks.modulation[...], tuple(p[...] for p in cross))
+                            blocks.ffn_out.bias[...]), blocks.modulation[...], tuple(p[...] for p in cross),
+                           tuple(p[...] for p in qkv))
 
     def attention_input(self, x: Array, time_mod: Array, stacks: BlockStacks, layer: int) -> Array:
         """Block ``layer``'s self-attention input of the residual stream ``x`` ``[B, N, dim]``: layer

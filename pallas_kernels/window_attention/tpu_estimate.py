@@ -25,6 +25,7 @@ from pallas_kernels.adaln_mlp.geometry import MLPGeometry
 from pallas_kernels.causal_conv.geometry import ConvGeometry
 from pallas_kernels.context_attention import ContextGeometry
 from pallas_kernels.cross_query.geometry import QueryGeometry
+from pallas_kernels.qkv_projection.geometry import ProjectionGeometry
 from pallas_kernels.upsample_conv.geometry import UpsampleGeometry
 from pallas_kernels.window_attention.geometry import WindowGeometry
 
@@ -389,8 +390,32 @@ def _compile_and_price_cross_query(geom: QueryGeometry, dtype: str, generation: 
     return query_estimate.estimate_from_dump(g, rows, generation, dump_dir)
 
 
+def _compile_and_price_qkv(geom: ProjectionGeometry, dtype: str, generation: str, dump_dir: str) -> Estimate:
+    """In the worker process: compiles one q/k/v projection of ``geom`` (one row of ``geom.rows``
+    tokens, ``dtype`` weights stacked over two layers, as a DiT block passes them) and prices it
+    (:func:`pallas_kernels.qkv_projection.tpu_estimate.estimate_from_dump`)."""
+    import jax.numpy as jnp
+
+    from pallas_kernels import tpu_aot
+    from pallas_kernels.qkv_projection import qkv_projection
+    from pallas_kernels.qkv_projection import tpu as qkv_tpu
+    from pallas_kernels.qkv_projection import tpu_estimate as qkv_estimate
+
+    g, dt = geom, jnp.dtype(dtype)
+    rows = qkv_tpu.block_rows(g, dt.itemsize)
+    if rows is None:
+        raise ValueError(f"no q/k/v projection kernel fits at {g}: the call runs XLA")
+    specs = [((1, g.rows, g.dim), dt)]
+    for n in (g.dim, g.kv_dim, g.kv_dim):
+        specs += [((2, g.dim, n), dt), ((2, n), dt), ((2, n), dt)]
+    del specs[-1]  # the values have no gain
+    tpu_aot.compile_for_tpu(lambda *args: qkv_projection(*args, backend="pallas_tpu"), specs + [((), jnp.int32)],
+                            generation)
+    return qkv_estimate.estimate_from_dump(g, rows, generation, dump_dir)
+
+
 def _compile_and_price(geom: WindowGeometry | ContextGeometry | ConvGeometry | UpsampleGeometry | MLPGeometry
-                       | QueryGeometry, dtype: str,
+                       | QueryGeometry | ProjectionGeometry, dtype: str,
                        generation: str, dump_dir: str, kv_dtype: str | None = None,
                        rope: bool = False, qk_norm: bool = False) -> Estimate:
     """In the worker process: compiles one call of ``geom`` for ``generation`` (window attention
@@ -412,6 +437,8 @@ def _compile_and_price(geom: WindowGeometry | ContextGeometry | ConvGeometry | U
         return _compile_and_price_mlp(geom, dtype, generation, dump_dir)
     if isinstance(geom, QueryGeometry):
         return _compile_and_price_cross_query(geom, dtype, generation, dump_dir)
+    if isinstance(geom, ProjectionGeometry):
+        return _compile_and_price_qkv(geom, dtype, generation, dump_dir)
     specs = [(shape, jnp.dtype(d)) for shape, d in call_specs(geom, dtype, rope, qk_norm)]
     if isinstance(geom, ContextGeometry):
         tpu_aot.compile_for_tpu(lambda q, k, v: context_attention(q, k, v, backend="pallas_tpu"), specs, generation)
@@ -439,12 +466,12 @@ def _compile_and_price(geom: WindowGeometry | ContextGeometry | ConvGeometry | U
 
 _GEOMETRIES = {"window-attention": WindowGeometry, "context-attention": ContextGeometry,
                "causal-convolution": ConvGeometry, "upsampling-convolution": UpsampleGeometry,
-               "adaln-mlp": MLPGeometry, "cross-query": QueryGeometry}
+               "adaln-mlp": MLPGeometry, "cross-query": QueryGeometry, "qkv-projection": ProjectionGeometry}
 
 
-def estimate(geom: WindowGeometry | ContextGeometry | ConvGeometry | UpsampleGeometry | MLPGeometry | QueryGeometry,
-             dtype: str, generation: str, kv_dtype: str | None = None, rope: bool = False, qk_norm: bool = False
-             ) -> Estimate:
+def estimate(geom: WindowGeometry | ContextGeometry | ConvGeometry | UpsampleGeometry | MLPGeometry | QueryGeometry
+             | ProjectionGeometry, dtype: str, generation: str, kv_dtype: str | None = None, rope: bool = False,
+             qk_norm: bool = False) -> Estimate:
     """Compiles one call of ``geom`` (the paged window-attention kernel for a
     :class:`~pallas_kernels.window_attention.WindowGeometry` over pages stored as ``kv_dtype``,
     default ``dtype``; the context-attention kernel for a
@@ -452,7 +479,8 @@ def estimate(geom: WindowGeometry | ContextGeometry | ConvGeometry | UpsampleGeo
     :class:`~pallas_kernels.causal_conv.ConvGeometry`, the upsampling-convolution kernel for an
     :class:`~pallas_kernels.upsample_conv.UpsampleGeometry`, the adaLN-MLP kernel for an
     :class:`~pallas_kernels.adaln_mlp.MLPGeometry`, the cross-query kernel for a
-    :class:`~pallas_kernels.cross_query.QueryGeometry`) for ``generation`` (libtpu's
+    :class:`~pallas_kernels.cross_query.QueryGeometry`, the q/k/v projection kernel for a
+    :class:`~pallas_kernels.qkv_projection.ProjectionGeometry`) for ``generation`` (libtpu's
     compile-only device, in a child process with its own bundle dump) and prices it; ``rope``,
     ``qk_norm``: window attention with rotary tables and RMS norms (the chunk prepared in the
     kernel where it can).

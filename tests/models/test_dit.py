@@ -99,10 +99,10 @@ class _TPUHistory(MaskedHistory):
 
 
 def test_the_fused_steps_run_as_kernels_on_a_tpu_backend():
-    """With a TPU backend every block's MLP is the adaLN-MLP kernel reading the stacked weights at
-    its layer (in both forwards), writing the next block's attention input, and its step from
-    self- to cross-attention the cross-query kernel; with XLA's, XLA. The values match the XLA
-    path's."""
+    """With a TPU backend every block's q/k/v projections, its step from self- to cross-attention
+    and its MLP are the q/k/v, cross-query and adaLN-MLP kernels reading the stacked weights at
+    its layer (in both forwards), the MLP's writing the next block's attention input; with XLA's,
+    XLA. The values match the XLA path's."""
     model = dit.init_random(CONFIG, seed=3)
     latents, timesteps, first_frame, history, text_k, text_v = _inputs()
     tpu_history = _TPUHistory(history.frame_mask, history.tokens_per_frame)
@@ -111,9 +111,11 @@ def test_the_fused_steps_run_as_kernels_on_a_tpu_backend():
     assert dit.kernel_backend(history) == "xla"
     for forward in (model, model.commit_kv):
         jaxpr = str(jax.make_jaxpr(forward)(*args))
-        assert "adaln_mlp_tpu_m96_d64_h128_f24_next" in jaxpr and "cross_query_tpu_m96_d64_f24" in jaxpr
+        kernels = ("qkv_projection_tpu_m96_d64_k32", "cross_query_tpu_m96_d64_f24",
+                   "adaln_mlp_tpu_m96_d64_h128_f24_next")
+        assert all(name in jaxpr for name in kernels)
         xla_jaxpr = str(jax.make_jaxpr(forward)(latents, timesteps, first_frame, history, text_k, text_v))
-        assert "adaln_mlp_tpu" not in xla_jaxpr and "cross_query_tpu" not in xla_jaxpr
+        assert not any(name.split("_tpu")[0] + "_tpu" in xla_jaxpr for name in kernels)
         want = forward(latents, timesteps, first_frame, history, text_k, text_v)
         jax.tree.map(lambda got, want: np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5),
                      forward(*args), want)
