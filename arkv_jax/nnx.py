@@ -347,9 +347,15 @@ class CachedCrossAttention(_HeadProjections):
     def attend(self, q: Array, k: Array, v: Array, history: History | None = None) -> Array:
         """:meth:`__call__` from the queries on: ``q`` ``[B, N, dim]`` projected and normed (as
         :func:`pallas_kernels.cross_query.cross_query` gives them) attending to ``k``/``v``, then
-        the output projection."""
+        the output projection; without it, :meth:`attend_heads`."""
+        return self.o(self.attend_heads(q, k, v, history))
+
+    def attend_heads(self, q: Array, k: Array, v: Array, history: History | None = None) -> Array:
+        """:meth:`attend` before the output projection: the heads' outputs ``[B, N, dim]``
+        concatenated (for a caller that projects them itself, as
+        :func:`pallas_kernels.adaln_mlp.adaln_mlp`'s ``residual_input`` does)."""
         batch, n, dim = q.shape
         q = q.reshape(batch, n, dim // self.head_dim, self.head_dim)
         k, v = k.astype(q.dtype), v.astype(q.dtype)
         out = dense_attention(q, k, v) if history is None else history.attend_context(q, k, v)
-        return self.o(out.reshape(batch, n, dim))
+        return out.reshape(batch, n, dim)

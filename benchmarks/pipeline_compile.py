@@ -11,8 +11,9 @@ encoding (umT5-XXL, 512 tokens) and its cross-attention K/V; one prompt switch's
 Time, a compiler estimate: XLA:TPU's ``estimated_cycles`` of every instruction outside the Mosaic
 kernels, loops times their trip counts (:mod:`pallas_kernels.tpu_cost`; the copies its cost model
 prices with a placeholder count their bytes' round trip through HBM, ``placeholder_copy_gb`` the
-bytes they write), plus each Mosaic call (attention, ``attention_s``; the DiT's MLP,
-``mlp_kernel_s``) priced by the kernel's own bundle estimate at the same rows
+bytes they write), plus each Mosaic call (attention, ``attention_s``; the DiT block's q/k/v
+projection, cross query and MLP, ``block_kernels_s``) priced by the kernel's own bundle estimate
+at the same rows
 (:mod:`pallas_kernels.window_attention.tpu_estimate`, as ``benchmarks/tpu_compile.py`` prices it), plus
 the commit at HBM bandwidth. It cannot see DMA stalls, host overhead or real clocks. Memory: the
 whole-chip plan (:func:`arkv_jax.pipeline.plan_chip`), checked against the compiled programs at the
@@ -73,7 +74,7 @@ def event_seconds(pipeline, generation: str, price) -> dict:
 
 def chip_report(generation: str, names, buckets) -> dict:
     from arkv_jax import pipeline as pl
-    from pallas_kernels import adaln_mlp, tpu_aot
+    from pallas_kernels import adaln_mlp, cross_query, qkv_projection, tpu_aot
 
     chip = tpu_aot.CHIPS[generation]
     rows, plans = [], {}
@@ -92,12 +93,13 @@ def chip_report(generation: str, names, buckets) -> dict:
             if b.chunk_seconds is not None:
                 kernels = b.chunk_seconds - b.chunk.xla_seconds - decode \
                     - pl.commit_seconds(pipeline, b.batch, generation)
-                mlp = sum(price(name, rows) * calls for (name, rows), calls in b.chunk.kernel_calls.items()
-                          if name.startswith(adaln_mlp.KERNEL_PREFIX))
+                block_prefixes = tuple(k.KERNEL_PREFIX for k in (qkv_projection, cross_query, adaln_mlp))
+                block = sum(price(name, rows) * calls for (name, rows), calls in b.chunk.kernel_calls.items()
+                            if name.startswith(block_prefixes))
                 dit = b.chunk.xla_seconds + kernels
                 per_stream, per_chip = b.video_fps(plan.frames_per_chunk)
-                row.update(chunk_s=b.chunk_seconds, attention_s=kernels - mlp, mlp_kernel_s=mlp, dit_s=dit,
-                           fps_per_stream=per_stream, fps_per_chip=per_chip,
+                row.update(chunk_s=b.chunk_seconds, attention_s=kernels - block, block_kernels_s=block,
+                           dit_s=dit, fps_per_stream=per_stream, fps_per_chip=per_chip,
                            dit_fraction_of_peak=pl.dit_flops(pipeline, b.batch) / dit / chip.bf16_flops)
             rows.append(row)
             print(f"{generation} {label:17s} batch {b.batch}: " + ", ".join(

@@ -127,9 +127,10 @@ def test_the_pricer_knows_the_chunk_programs_kernels():
 
 def test_the_pricer_prices_each_convolution_at_its_own_shape(monkeypatch):
     """A causal- or upsampling-convolution kernel is priced at the geometry its name spells, in the
-    VAE's dtype, and the DiT's adaLN MLP at its own in the DiT's; a program's time is XLA's
-    estimate plus its kernel calls, each priced once per shape."""
-    from pallas_kernels import adaln_mlp, causal_conv, upsample_conv
+    VAE's dtype, and the DiT block's kernels (q/k/v projection, cross query, adaLN MLP) at their
+    own in the DiT's; a program's time is XLA's estimate plus its kernel calls, each priced once
+    per shape."""
+    from pallas_kernels import adaln_mlp, causal_conv, cross_query, qkv_projection, upsample_conv
 
     asked = []
     monkeypatch.setattr(pl, "_kernel_seconds", lambda geom, dtype, gen: asked.append((geom, dtype, gen)) or 1e-3)
@@ -143,22 +144,25 @@ def test_the_pricer_prices_each_convolution_at_its_own_shape(monkeypatch):
         (upsample_conv.kernel_name(up), 4): 3})
     assert pl.program_seconds(decode, price) == pytest.approx(0.1 + 48e-3)
     assert asked == [(small, "bfloat16", "v6e"), (large, "bfloat16", "v6e"), (up, "bfloat16", "v6e")]
-    mlp = adaln_mlp.MLPGeometry(4680, 1536, 8960, 1560)
-    chunk = dataclasses.replace(_figures(0), kernel_calls={(adaln_mlp.kernel_name(mlp), 4680): 150})
-    assert pl.program_seconds(chunk, price) == pytest.approx(0.1 + 150e-3)
-    assert asked[3:] == [(mlp, "bfloat16", "v6e")]
+    block = [qkv_projection.ProjectionGeometry(4680, 1536, 1536), cross_query.QueryGeometry(4680, 1536, 1560),
+             adaln_mlp.MLPGeometry(4680, 1536, 8960, 1560)]
+    names = [module.kernel_name(geom) for module, geom in zip((qkv_projection, cross_query, adaln_mlp), block)]
+    chunk = dataclasses.replace(_figures(0), kernel_calls={(name, 4680): 150 for name in names})
+    assert pl.program_seconds(chunk, price) == pytest.approx(0.1 + 450e-3)
+    assert asked[3:] == [(geom, "bfloat16", "v6e") for geom in block]
 
 
 def test_the_pricer_prices_attention_over_the_pages_stored_dtype(monkeypatch):
-    """Window attention is priced over the pages' storage dtype (int8 pages here), with the QK
-    norms and rotary tables the DiT hands it; the text cross-attention in the compute dtype."""
+    """Window attention is priced over the pages' storage dtype (int8 pages here), with the rotary
+    tables the DiT hands it (its q and k come normalized from the q/k/v projection); the text
+    cross-attention in the compute dtype."""
     asked = []
     monkeypatch.setattr(pl, "_kernel_seconds", lambda geom, dtype, gen, kv_dtype=None, **prologue:
                         asked.append((type(geom).__name__, dtype, kv_dtype, prologue)) or 1e-3)
     price = pl.attention_pricer(pl.PIPELINES["self-forcing"].with_kv_dtype("int8"), "v5e")
     price("window_attention_tpu", 1)
     price("context_attention_tpu", 1)
-    assert asked == [("WindowGeometry", "bfloat16", "int8", dict(rope=True, qk_norm=True)),
+    assert asked == [("WindowGeometry", "bfloat16", "int8", dict(rope=True)),
                      ("ContextGeometry", "bfloat16", None, {})]
 
 

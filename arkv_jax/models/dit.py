@@ -207,12 +207,15 @@ class BlockStacks(NamedTuple):
         q_gain``), as :func:`pallas_kernels.cross_query.cross_query` takes them.
       qkv: self-attention's projections and QK-norm gains (``w_q, b_q, q_gain, w_k, b_k, k_gain,
         w_v, b_v``), as :func:`pallas_kernels.qkv_projection.qkv_projection` takes them.
+      cross_output: the cross-attention's output projection ``(w [L, dim, dim], b [L, dim])``, as
+        :func:`pallas_kernels.adaln_mlp.adaln_mlp`'s ``residual_input`` takes it.
     """
 
     mlp: tuple[Array, Array, Array, Array]
     modulation: Array
     cross_query: tuple[Array, Array, Array, Array, Array, Array, Array]
     qkv: tuple[Array, Array, Array, Array, Array, Array, Array, Array]
+    cross_output: tuple[Array, Array]
 
     def attention_modulation(self, time_mod: Array, layer: Array) -> tuple[Array, Array]:
         """``(shift, scale)``, each ``[B, F, dim]``, of block ``layer``'s self-attention input
@@ -275,10 +278,11 @@ class DiTBlock(nnx.Module):
         attention, kv = self.self_attn.attend_normed(q, k, v, rope, history, layer)
         x, query = cross_query(x, attention, gate_sa, *stacks.cross_query, layer, eps=self.eps, backend=backend,
                                validate=False)
-        x = x + self.cross_attn.attend(query, text_k, text_v, history)
+        context = self.cross_attn.attend_heads(query, text_k, text_v, history)
         x, next_input = adaln_mlp(x, shift_ff, scale_ff, gate_ff, *stacks.mlp, layer,
-                                  next_modulation=stacks.attention_modulation(time_mod, layer + 1), eps=self.eps,
-                                  backend=backend, validate=False)
+                                  next_modulation=stacks.attention_modulation(time_mod, layer + 1),
+                                  residual_input=(context, *stacks.cross_output), eps=self.eps, backend=backend,
+                                  validate=False)
         return x, next_input, kv
 
     def _modulation(self, time_mod: Array) -> list[Array]:
@@ -411,7 +415,7 @@ class CausalDiT(nnx.Module):
                self_attn.norm_k.scale, self_attn.v.kernel, self_attn.v.bias)
         return BlockStacks((blocks.ffn_in.kernel[...], blocks.ffn_in.bias[...], blocks.ffn_out.kernel[...],
                             blocks.ffn_out.bias[...]), blocks.modulation[...], tuple(p[...] for p in cross),
-                           tuple(p[...] for p in qkv))
+                           tuple(p[...] for p in qkv), (cross_attn.o.kernel[...], cross_attn.o.bias[...]))
 
     def attention_input(self, x: Array, time_mod: Array, stacks: BlockStacks, layer: int) -> Array:
         """Block ``layer``'s self-attention input of the residual stream ``x`` ``[B, N, dim]``: layer

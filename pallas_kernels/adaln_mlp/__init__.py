@@ -33,8 +33,8 @@ __all__ = ["IMPLEMENTATIONS", "KERNEL_PREFIX", "MLPGeometry", "adaln_mlp", "geom
            "static_validate_inputs"]
 
 
-def adaln_mlp(x, shift, scale, gate, w_in, b_in, w_out, b_out, layer, *, next_modulation=None, eps=1e-6,
-              backend="auto", validate=True):
+def adaln_mlp(x, shift, scale, gate, w_in, b_in, w_out, b_out, layer, *, next_modulation=None, residual_input=None,
+              eps=1e-6, backend="auto", validate=True):
     """One DiT block's MLP with its adaLN modulation and gated residual add.
 
     ===========================  ====================  ==========================
@@ -47,6 +47,9 @@ def adaln_mlp(x, shift, scale, gate, w_in, b_in, w_out, b_out, layer, *, next_mo
     ``b_out``                    ``[L, dim]``          ``w_in``'s dtype
     ``layer``                    scalar                integer, in ``[0, L)``
     ``next_modulation``          two ``[B, F, dim]``   ``x``'s dtype
+    ``residual_input``           ``[B, N, dim]``,      ``w_in``'s dtype
+                                 ``[L, dim, dim]``,
+                                 ``[L, dim]``
     output                       ``[B, N, dim]``       ``x``'s dtype
     next input                   ``[B, N, dim]``       ``w_in``'s dtype
     ===========================  ====================  ==========================
@@ -67,6 +70,9 @@ def adaln_mlp(x, shift, scale, gate, w_in, b_in, w_out, b_out, layer, *, next_mo
         then also returns the output normalized and modulated by them, cast to the weights' dtype
         (:func:`~pallas_kernels.adaln_mlp.xla.modulated_input`), as the next block's
         self-attention reads it; the TPU kernel writes it from the block it has in VMEM.
+      residual_input: optional ``(r, w, b)``: the MLP then runs on ``x + r @ w[layer] + b[layer]``
+        (the product in the weights' dtype, added in ``x``'s), which is also the residual its
+        gated output is added to: a block's cross-attention output ``r`` and its output projection.
       eps: the layer norm's epsilon (a positive real).
       backend: a name from :data:`pallas_kernels.backend.BACKEND_NAMES`. The TPU names run the
         Mosaic kernel where both weights and a block of a frame's tokens fit its VMEM
@@ -86,18 +92,19 @@ def adaln_mlp(x, shift, scale, gate, w_in, b_in, w_out, b_out, layer, *, next_mo
     resolved = resolve_backend(backend)
     check_validate(validate)
     eps = require_real("eps", eps, low=0.0, low_open=True)
-    geom = static_validate_inputs(x, shift, scale, gate, w_in, b_in, w_out, b_out, layer, next_modulation)
+    geom = static_validate_inputs(x, shift, scale, gate, w_in, b_in, w_out, b_out, layer, next_modulation,
+                                  residual_input)
     num_layers = w_in.shape[0]
     if not is_int(layer):  # A Python int was checked statically.
         check_entries(value_check_mode(validate, layer), "layer", layer, lambda v: (v < 0) | (v >= num_layers),
                       f"is out of range; allowed [0, {num_layers}) (w_in.shape[0])")
     layer = jnp.asarray(layer, jnp.int32)
     return IMPLEMENTATIONS[resolved.name](x, shift, scale, gate, w_in, b_in, w_out, b_out, layer, next_modulation,
-                                          eps=eps, geom=geom, backend=resolved)
+                                          residual_input, eps=eps, geom=geom, backend=resolved)
 
 
-def static_validate_inputs(x, shift, scale, gate, w_in, b_in, w_out, b_out, layer, next_modulation=None
-                           ) -> MLPGeometry:
+def static_validate_inputs(x, shift, scale, gate, w_in, b_in, w_out, b_out, layer, next_modulation=None,
+                           residual_input=None) -> MLPGeometry:
     """The call's :class:`MLPGeometry`, or the error :func:`adaln_mlp` raises."""
     check_rank("x", x, 3, "[B, N, dim]")
     per_frame = [("shift", shift), ("scale", scale), ("gate", gate)]
@@ -133,29 +140,46 @@ def static_validate_inputs(x, shift, scale, gate, w_in, b_in, w_out, b_out, laye
                 or tokens % frames:
             raise ValueError(f"{name}.shape must be ({batch}, F, {dim}), one F for every row table "
                              f"dividing N = {tokens}, got {tuple(array.shape)}")
-    return MLPGeometry(batch * tokens, dim, hidden, tokens // frames, next_modulation is not None)
+    if residual_input is not None:
+        _check_residual_input(residual_input, x.shape, w_in.dtype, num_layers)
+    return MLPGeometry(batch * tokens, dim, hidden, tokens // frames, next_modulation is not None,
+                       residual_input is not None)
+
+
+def _check_residual_input(residual_input, x_shape, dtype, num_layers) -> None:
+    """Raises the ``ValueError`` :func:`adaln_mlp` raises for a bad ``residual_input``."""
+    if not (isinstance(residual_input, (tuple, list)) and len(residual_input) == 3):
+        raise ValueError(f"residual_input must be a triple (r, w, b), got {type(residual_input).__name__}")
+    names = ("residual_input[0]", "residual_input[1]", "residual_input[2]")
+    dim = x_shape[2]
+    expected = (tuple(x_shape), (num_layers, dim, dim), (num_layers, dim))
+    for name, array, shape in zip(names, residual_input, expected):
+        check_rank(name, array, len(shape))
+        if tuple(array.shape) != shape:
+            raise ValueError(f"{name}.shape must be {shape} (x's, L of w_in), got {tuple(array.shape)}")
+    check_same_dtype("w_in", dtype, tuple(zip(names, residual_input)))
 
 
 # The implementations of the registry, one signature (:data:`IMPLEMENTATIONS`).
 
-def _xla(x, shift, scale, gate, w_in, b_in, w_out, b_out, layer, next_modulation, *, eps: float,
+def _xla(x, shift, scale, gate, w_in, b_in, w_out, b_out, layer, next_modulation, residual_input, *, eps: float,
          geom: MLPGeometry, backend: Backend):
     return xla.adaln_mlp(x, shift, scale, gate, w_in, b_in, w_out, b_out, layer, eps=eps,
-                         next_modulation=next_modulation)
+                         next_modulation=next_modulation, residual_input=residual_input)
 
 
-def _pallas_tpu(x, shift, scale, gate, w_in, b_in, w_out, b_out, layer, next_modulation, *, eps: float,
-                geom: MLPGeometry, backend: Backend):
+def _pallas_tpu(x, shift, scale, gate, w_in, b_in, w_out, b_out, layer, next_modulation, residual_input, *,
+                eps: float, geom: MLPGeometry, backend: Backend):
     rows = tpu.block_rows(geom, jnp.dtype(w_in.dtype).itemsize, jnp.dtype(x.dtype).itemsize)
     if rows is None:
-        return _xla(x, shift, scale, gate, w_in, b_in, w_out, b_out, layer, next_modulation, eps=eps, geom=geom,
-                    backend=backend)
-    return tpu.adaln_mlp(x, shift, scale, gate, w_in, b_in, w_out, b_out, layer, next_modulation, eps=eps,
-                         rows_per_block=rows, interpret=backend.interpret)
+        return _xla(x, shift, scale, gate, w_in, b_in, w_out, b_out, layer, next_modulation, residual_input, eps=eps,
+                    geom=geom, backend=backend)
+    return tpu.adaln_mlp(x, shift, scale, gate, w_in, b_in, w_out, b_out, layer, next_modulation, residual_input,
+                         eps=eps, rows_per_block=rows, interpret=backend.interpret)
 
 
 IMPLEMENTATIONS: Mapping[str, Callable[..., jax.Array]] = tpu_kernel_else_xla(_pallas_tpu, _xla)
 """This kernel's table of the backend registry (:data:`pallas_kernels.backend.BACKENDS`, the same
 names): backend name to implementation, called as ``impl(x, shift, scale, gate, w_in, b_in, w_out,
-b_out, layer, next_modulation, *, eps, geom, backend)`` on validated inputs. The TPU names run the Mosaic kernel
-where its blocks fit; every other name runs XLA."""
+b_out, layer, next_modulation, residual_input, *, eps, geom, backend)`` on validated inputs. The
+TPU names run the Mosaic kernel where its blocks fit; every other name runs XLA."""

@@ -21,7 +21,7 @@ from pallas_kernels.adaln_mlp import xla
 from pallas_kernels.adaln_mlp.geometry import MLPGeometry, kernel_name
 from pallas_kernels.common import matmul_precision
 
-VMEM_LIMIT = 110 << 20
+VMEM_LIMIT = 120 << 20
 """Scoped VMEM the kernel asks for (of 128 MiB physical on v5e and v6e): both weights, the
 hidden activations of a block and the double-buffered residual and output blocks."""
 
@@ -30,13 +30,17 @@ MAX_BLOCK_ROWS = 1024
 
 
 def vmem_bytes(geom: MLPGeometry, block_rows: int, itemsize: int, residual_itemsize: int) -> int:
-    """VMEM of the kernel's buffers at ``block_rows`` rows a step: the two weights (single
-    buffers, ``itemsize`` bytes an element), the block's hidden activations (the float32 product,
-    it and its GELU in the matmul dtype), two residual and two output blocks
-    (``residual_itemsize``) and two blocks of the next block's input (``itemsize``)."""
+    """VMEM of the kernel's buffers at ``block_rows`` rows a step: the weights (single buffers,
+    ``itemsize`` bytes an element), the block's hidden activations (the float32 product, it and
+    its GELU in the matmul dtype), two residual and two output blocks (``residual_itemsize``), two
+    blocks of the next block's input and of the residual input where there is one
+    (``itemsize``)."""
     weights = 2 * geom.dim * geom.hidden * itemsize + 2 * (geom.dim + geom.hidden) * itemsize
     hidden = block_rows * geom.hidden * (4 + 2 * itemsize)
     rows = 4 * block_rows * geom.dim * residual_itemsize + block_rows * geom.dim * (4 + 3 * itemsize)
+    if geom.residual_input:
+        weights += (geom.dim + 1) * geom.dim * itemsize
+        rows += 2 * block_rows * geom.dim * itemsize
     return weights + hidden + rows
 
 
@@ -51,22 +55,27 @@ def block_rows(geom: MLPGeometry, itemsize: int, residual_itemsize: int) -> int 
 
 
 def _kernel(layer_ref, x_ref, shift_ref, scale_ref, gate_ref, w_in_ref, b_in_ref, w_out_ref, b_out_ref, *refs,
-            eps: float):
+            eps: float, residual_input: bool):
     """Refs: ``layer_ref`` int32 ``[1]`` (SMEM, used by the index maps only); VMEM ``x_ref``
     ``[rows, dim]``, ``shift_ref``/``scale_ref``/``gate_ref`` ``[1, 1, dim]`` (the block's frame),
     ``w_in_ref`` ``[dim, hidden]``, ``b_in_ref`` ``[1, hidden]``, ``w_out_ref`` ``[hidden, dim]``,
-    ``b_out_ref`` ``[1, dim]`` (the layer's); then ``out_ref`` ``[rows, dim]``, or the next
-    block's ``next_shift_ref``/``next_scale_ref`` ``[1, 1, dim]``, ``out_ref`` and its input
-    ``next_ref`` ``[rows, dim]`` (the weights' dtype)."""
+    ``b_out_ref`` ``[1, dim]`` (the layer's); with ``residual_input`` its ``r_ref`` ``[rows, dim]``,
+    ``w_r_ref`` ``[dim, dim]`` and ``b_r_ref`` ``[1, dim]``; then ``out_ref`` ``[rows, dim]``, or
+    the next block's ``next_shift_ref``/``next_scale_ref`` ``[1, 1, dim]``, ``out_ref`` and its
+    input ``next_ref`` ``[rows, dim]`` (the weights' dtype)."""
     del layer_ref
-    x = x_ref[...]
     dtype = w_in_ref.dtype
-    hidden_input = xla.modulated_input(x, shift_ref[0], scale_ref[0], eps, dtype)
-    product = jnp.dot(hidden_input, w_in_ref[...], precision=matmul_precision(dtype),
-                      preferred_element_type=jnp.float32)
-    hidden = xla.gelu(product.astype(dtype) + b_in_ref[...])
-    y = jnp.dot(hidden, w_out_ref[...], precision=matmul_precision(dtype), preferred_element_type=jnp.float32)
-    out = x + (y.astype(dtype) + b_out_ref[...]).astype(x.dtype) * gate_ref[0]
+
+    def linear(a, w_ref, b_ref):  # the product in float32, rounded once, then the bias
+        product = jnp.dot(a, w_ref[...], precision=matmul_precision(dtype), preferred_element_type=jnp.float32)
+        return product.astype(dtype) + b_ref[...]
+
+    x = x_ref[...]
+    if residual_input:
+        r_ref, w_r_ref, b_r_ref, *refs = refs
+        x = x + linear(r_ref[...], w_r_ref, b_r_ref).astype(x.dtype)
+    hidden = xla.gelu(linear(xla.modulated_input(x, shift_ref[0], scale_ref[0], eps, dtype), w_in_ref, b_in_ref))
+    out = x + linear(hidden, w_out_ref, b_out_ref).astype(x.dtype) * gate_ref[0]
     if len(refs) == 1:
         refs[0][...] = out
         return
@@ -76,14 +85,16 @@ def _kernel(layer_ref, x_ref, shift_ref, scale_ref, gate_ref, w_in_ref, b_in_ref
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "rows_per_block", "interpret"))
-def adaln_mlp(x, shift, scale, gate, w_in, b_in, w_out, b_out, layer, next_modulation=None, *, eps: float,
-              rows_per_block: int, interpret: Any):
+def adaln_mlp(x, shift, scale, gate, w_in, b_in, w_out, b_out, layer, next_modulation=None, residual_input=None, *,
+              eps: float, rows_per_block: int, interpret: Any):
     """The kernel on validated inputs (``x`` ``[B, N, dim]``, ``shift``/``scale``/``gate`` and
-    ``next_modulation``'s pair ``[B, F, dim]``, stacked weights, ``layer`` an int32 scalar,
-    ``rows_per_block`` dividing a frame's ``N // F`` tokens)."""
+    ``next_modulation``'s pair ``[B, F, dim]``, stacked weights, ``residual_input``'s ``(r [B, N,
+    dim], w [L, dim, dim], b [L, dim])``, ``layer`` an int32 scalar, ``rows_per_block`` dividing a
+    frame's ``N // F`` tokens)."""
     batch, tokens, dim = x.shape
     frames, hidden = shift.shape[1], w_in.shape[2]
-    geom = MLPGeometry(batch * tokens, dim, hidden, tokens // frames, next_modulation is not None)
+    geom = MLPGeometry(batch * tokens, dim, hidden, tokens // frames, next_modulation is not None,
+                       residual_input is not None)
     blocks_per_row = tokens // rows_per_block
     blocks_per_frame = geom.tokens_per_frame // rows_per_block
 
@@ -100,20 +111,26 @@ def adaln_mlp(x, shift, scale, gate, w_in, b_in, w_out, b_out, layer, next_modul
     out_shape = jax.ShapeDtypeStruct((geom.rows, dim), x.dtype)
     if next_modulation is not None:
         out_shape = (out_shape, jax.ShapeDtypeStruct((geom.rows, dim), w_in.dtype))
+    residual_specs, residual_args = [], []
+    if residual_input is not None:
+        r, w_r, b_r = residual_input
+        residual_specs = [rows, of_layer(dim, dim), of_layer(1, dim)]
+        residual_args = [r.reshape(geom.rows, dim), w_r, b_r[:, None]]
     outs = pl.pallas_call(
-        functools.partial(_kernel, eps=eps),
+        functools.partial(_kernel, eps=eps, residual_input=residual_input is not None),
         out_shape=out_shape,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1, grid=(geom.rows // rows_per_block,),
             in_specs=[rows, per_frame, per_frame, per_frame, of_layer(dim, hidden), of_layer(1, hidden),
-                      of_layer(hidden, dim), of_layer(1, dim), *[per_frame] * (len(modulation) - 3)],
+                      of_layer(hidden, dim), of_layer(1, dim), *residual_specs, *[per_frame] * (len(modulation) - 3)],
             out_specs=rows if next_modulation is None else (rows, rows)),
         input_output_aliases={1: 0},
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",), vmem_limit_bytes=VMEM_LIMIT),
         interpret=interpret,
         name=kernel_name(geom),
     )(jnp.reshape(layer, (1,)), x.reshape(geom.rows, dim), *(m.reshape(batch * frames, 1, dim) for m in modulation[:3]),
-      w_in, b_in[:, None], w_out, b_out[:, None], *(m.reshape(batch * frames, 1, dim) for m in modulation[3:]))
+      w_in, b_in[:, None], w_out, b_out[:, None], *residual_args,
+      *(m.reshape(batch * frames, 1, dim) for m in modulation[3:]))
     if next_modulation is None:
         return outs.reshape(batch, tokens, dim)
     return tuple(o.reshape(batch, tokens, dim) for o in outs)

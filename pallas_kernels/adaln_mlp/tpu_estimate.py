@@ -24,7 +24,8 @@ def estimate_from_dump(geom: MLPGeometry, rows_per_block: int, generation: str, 
     Raises:
       ValueError: the bundles are not one grid loop without loops inside.
     """
-    products = ((rows_per_block, geom.dim, geom.hidden), (rows_per_block, geom.hidden, geom.dim))
+    products = [(rows_per_block, geom.dim, geom.hidden), (rows_per_block, geom.hidden, geom.dim)]
+    products += [(rows_per_block, geom.dim, geom.dim)] * geom.residual_input
     return matmul_grid_estimate(kernel_name(geom), geom.rows // rows_per_block, products, generation, dump_dir)
 
 

@@ -64,12 +64,17 @@ def materializes_ffn_input() -> bool:
     return default_generation() == "v6e"
 
 
-def adaln_mlp(x, shift, scale, gate, w_in, b_in, w_out, b_out, layer, *, eps, next_modulation=None):
+def adaln_mlp(x, shift, scale, gate, w_in, b_in, w_out, b_out, layer, *, eps, next_modulation=None,
+              residual_input=None):
     """``x + gate * mlp(modulated_input(x))`` with layer ``layer`` of the stacked weights, the
     per-frame rows broadcast to their tokens (:func:`per_token`), each linear layer in the
     weights' dtype (``jnp.dot`` then the bias, as ``flax.nnx.Linear`` computes it); with
+    ``residual_input`` ``(r, w, b)`` on ``x + r @ w[layer] + b[layer]`` instead of ``x``; with
     ``next_modulation`` also the output's own :func:`modulated_input` under it."""
     n = x.shape[1]
+    if residual_input is not None:
+        r, w, b = residual_input
+        x = x + (jnp.dot(r, w[layer]) + b[layer]).astype(x.dtype)
     w_in, b_in, w_out, b_out = (stack[layer] for stack in (w_in, b_in, w_out, b_out))
     hidden_input = modulated_input(x, per_token(shift, n), per_token(scale, n), eps, w_in.dtype)
     if materializes_ffn_input():

@@ -340,8 +340,8 @@ def _compile_and_price_upsample(geom: UpsampleGeometry, dtype: str, generation: 
 def _compile_and_price_mlp(geom: MLPGeometry, dtype: str, generation: str, dump_dir: str) -> Estimate:
     """In the worker process: compiles one adaLN MLP of ``geom`` (one row of ``geom.rows`` tokens in
     frames of ``geom.tokens_per_frame``, a float32 residual stream donated and ``dtype`` weights
-    stacked over two layers, as a DiT block passes them; the next block's input written where
-    ``geom.next_input``) and prices it
+    stacked over two layers, as a DiT block passes them; a residual input added where
+    ``geom.residual_input``, the next block's input written where ``geom.next_input``) and prices it
     (:func:`pallas_kernels.adaln_mlp.tpu_estimate.estimate_from_dump`)."""
     import jax.numpy as jnp
 
@@ -357,10 +357,14 @@ def _compile_and_price_mlp(geom: MLPGeometry, dtype: str, generation: str, dump_
     frames = g.rows // g.tokens_per_frame
     per_frame = ((1, frames, g.dim), f32)
     specs = [((1, g.rows, g.dim), f32), *[per_frame] * 3, ((2, g.dim, g.hidden), dt), ((2, g.hidden), dt),
-             ((2, g.hidden, g.dim), dt), ((2, g.dim), dt), ((), jnp.int32), *[per_frame] * (2 * g.next_input)]
+             ((2, g.hidden, g.dim), dt), ((2, g.dim), dt), ((), jnp.int32)]
+    residual = [((1, g.rows, g.dim), dt), ((2, g.dim, g.dim), dt), ((2, g.dim), dt)] * g.residual_input
+    specs += residual + [per_frame] * (2 * g.next_input)
 
     def call(*args):
-        return adaln_mlp(*args[:9], next_modulation=tuple(args[9:]) or None, backend="pallas_tpu")
+        rest = args[9 + len(residual):]
+        return adaln_mlp(*args[:9], residual_input=tuple(args[9:9 + len(residual)]) or None,
+                         next_modulation=tuple(rest) or None, backend="pallas_tpu")
 
     tpu_aot.compile_for_tpu(call, specs, generation, donate_argnums=(0,))
     return mlp_estimate.estimate_from_dump(g, rows, generation, dump_dir)

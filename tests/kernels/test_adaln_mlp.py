@@ -97,6 +97,30 @@ def test_the_next_blocks_input_matches_xla_interpreted(dtype):
                                rtol=2 * tolerance, atol=2 * tolerance)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
+def test_a_residual_input_is_added_first(dtype):
+    """With ``residual_input`` ``(r, w, b)`` both paths run the MLP on ``x + r @ w[layer] +
+    b[layer]`` and add its gated output to that: against float64 to the bf16 roundings of the
+    product (bf16) and to rounding (float32), and the kernel against XLA."""
+    args = _inputs(2, 3, 16, 128, 256, dtype)
+    rng = np.random.default_rng(7)
+    r = jnp.asarray(rng.standard_normal(args[0].shape), dtype)
+    w = jnp.asarray(rng.standard_normal((3, 128, 128)) / np.sqrt(128), dtype)
+    b = jnp.asarray(rng.standard_normal((3, 128)) * 0.1, dtype)
+    xla = adaln_mlp(*args, 1, residual_input=(r, w, b), eps=EPS, backend="xla")
+    tpu = adaln_mlp(*args, jnp.int32(1), residual_input=(r, w, b), eps=EPS, backend="pallas_tpu_interpret")
+    shifted = np.asarray(args[0], np.float64) + np.asarray(r, np.float64) @ np.asarray(w[1], np.float64) \
+        + np.asarray(b[1], np.float64)
+    exact = _exact(shifted, *args[1:], 1)
+    tolerance = 1e-4 if dtype == jnp.float32 else 6e-2
+    np.testing.assert_allclose(tpu, exact, rtol=tolerance, atol=tolerance)
+    np.testing.assert_allclose(tpu, xla, rtol=tolerance, atol=tolerance)
+    with pytest.raises(ValueError, match=r"residual_input\[1\].shape must be \(3, 128, 128\)"):
+        adaln_mlp(*args, 1, residual_input=(r, w[:, :64], b), backend="xla")
+    with pytest.raises(ValueError, match="residual_input must be a triple"):
+        adaln_mlp(*args, 1, residual_input=(r, w), backend="xla")
+
+
 def test_a_bf16_residual_stream_stays_bf16():
     """Under a uniform bf16 policy (``x`` and the modulation in bf16) the output is bf16 and the
     kernel agrees with XLA to bf16 rounding of the sum."""
@@ -148,6 +172,10 @@ def test_the_kernel_name_spells_its_geometry():
     handing_on = dataclasses.replace(WAN_MLP, next_input=True)
     assert kernel_name(handing_on) == "adaln_mlp_tpu_m4680_d1536_h8960_f1560_next"
     assert geometry_of_kernel(kernel_name(handing_on)) == handing_on
+    in_block = dataclasses.replace(handing_on, residual_input=True)
+    assert kernel_name(in_block) == "adaln_mlp_tpu_m4680_d1536_h8960_f1560_res_next"
+    assert geometry_of_kernel(kernel_name(in_block)) == in_block
+    assert in_block.flops == WAN_MLP.flops + 2 * 4680 * 1536 ** 2
     with pytest.raises(ValueError, match="is not an adaLN-MLP kernel name"):
         geometry_of_kernel("causal_conv3d_tpu_t4_h480_w832_i96_o96")
 
@@ -214,21 +242,26 @@ def test_an_unknown_backend_is_refused():
 
 @needs_libtpu
 @pytest.mark.slow
-@pytest.mark.parametrize("next_input", [False, True], ids=["plain", "next"])
+@pytest.mark.parametrize("in_block", [False, True], ids=["plain", "in-block"])
 @pytest.mark.parametrize("gen", ["v5e", "v6e"])
-def test_compiles_with_the_residual_in_place(gen, next_input):
-    """At Wan-1.3B's MLP, weights stacked over 30 layers at a traced index (and the next block's
-    input written, as the DiT calls it): the donated residual is the output's buffer, no weight
-    slice or activation is copied, no temporaries, the kernel named by its geometry; on the bundle
-    estimate it is at or above its MXU floor and, on a v6e, above 90 % of the chip's peak."""
-    g, bf16, f32 = dataclasses.replace(WAN_MLP, next_input=next_input), jnp.bfloat16, jnp.float32
+def test_compiles_with_the_residual_in_place(gen, in_block):
+    """At Wan-1.3B's MLP, weights stacked over 30 layers at a traced index (and, as the DiT calls
+    it, the cross-attention's output projected in and the next block's input written): the
+    donated residual is the output's buffer, no weight slice or activation is copied, no
+    temporaries, the kernel named by its geometry, 520-row blocks; on the bundle estimate it is at
+    or above its MXU floor and, on a v6e, above 90 % of the chip's peak."""
+    g = dataclasses.replace(WAN_MLP, next_input=in_block, residual_input=in_block)
+    bf16, f32 = jnp.bfloat16, jnp.float32
     per_frame = ((1, 3, g.dim), f32)
     specs = [((1, g.rows, g.dim), f32), *[per_frame] * 3, ((30, g.dim, g.hidden), bf16),
              ((30, g.hidden), bf16), ((30, g.hidden, g.dim), bf16), ((30, g.dim), bf16), ((), jnp.int32),
-             *[per_frame] * (2 * next_input)]
+             *[((1, g.rows, g.dim), bf16), ((30, g.dim, g.dim), bf16), ((30, g.dim), bf16)] * in_block,
+             *[per_frame] * (2 * in_block)]
 
     def call(*args):
-        return adaln_mlp(*args[:9], next_modulation=tuple(args[9:]) or None, backend="pallas_tpu")
+        residual = tuple(args[9:12]) if in_block else None
+        return adaln_mlp(*args[:9], residual_input=residual, next_modulation=tuple(args[12:]) or None,
+                         backend="pallas_tpu")
 
     compiled = tpu_aot.compile_for_tpu(call, specs, gen, donate_argnums=(0,))
     residual_bytes = 4 * g.rows * g.dim

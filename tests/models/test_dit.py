@@ -112,7 +112,7 @@ def test_the_fused_steps_run_as_kernels_on_a_tpu_backend():
     for forward in (model, model.commit_kv):
         jaxpr = str(jax.make_jaxpr(forward)(*args))
         kernels = ("qkv_projection_tpu_m96_d64_k32", "cross_query_tpu_m96_d64_f24",
-                   "adaln_mlp_tpu_m96_d64_h128_f24_next")
+                   "adaln_mlp_tpu_m96_d64_h128_f24_res_next")
         assert all(name in jaxpr for name in kernels)
         xla_jaxpr = str(jax.make_jaxpr(forward)(latents, timesteps, first_frame, history, text_k, text_v))
         assert not any(name.split("_tpu")[0] + "_tpu" in xla_jaxpr for name in kernels)
