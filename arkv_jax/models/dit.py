@@ -264,8 +264,8 @@ class DiTBlock(nnx.Module):
           history: where self-attention's keys come from (and which kernels cross-attention runs on).
           text_k, text_v: ``[B, T, Hkv, D]`` this layer's text K/V.
           layer: int32 scalar, this block's pool layer and its index in the stacks.
-          stacks: every block's FFN weights and modulation offsets (the MLP reads layer
-            ``layer``'s weights, :func:`pallas_kernels.adaln_mlp.adaln_mlp`).
+          stacks: what the block's kernels read of every block (:class:`BlockStacks`; the q/k/v
+            projection, the cross query and the MLP read layer ``layer``'s slices).
 
         Returns:
           ``(x, next_attention_input, (k, v))``: the new tokens, their self-attention input for
