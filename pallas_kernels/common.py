@@ -222,6 +222,17 @@ def value_check_mode(validate, x) -> str | None:
     return "checkify" if isinstance(validate, str) and validate == "checkify" else None
 
 
+def stacked_layer(layer, num_layers: int, source: str, validate) -> jax.Array:
+    """The layer index of a kernel that reads ``[L, ...]`` weight stacks, as an int32 scalar:
+    ``layer`` was checked statically (:func:`pallas_kernels.checks.require_index`); an array's
+    value is checked against ``[0, num_layers)`` as ``validate`` says (:func:`value_check_mode`),
+    ``source`` naming where ``num_layers`` comes from in the message (``"w_in.shape[0]"``)."""
+    if not is_int(layer):  # A Python int was checked statically.
+        check_entries(value_check_mode(validate, layer), "layer", layer, lambda v: (v < 0) | (v >= num_layers),
+                      f"is out of range; allowed [0, {num_layers}) ({source})")
+    return jnp.asarray(layer, jnp.int32)
+
+
 def index_text(index) -> str:
     """``[1, 2]`` for the index ``(1, 2)``; ``""`` for a scalar's ``()``."""
     return f"[{', '.join(str(int(i)) for i in index)}]" if len(index) else ""

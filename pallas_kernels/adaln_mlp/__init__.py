@@ -19,14 +19,13 @@ import jax.numpy as jnp
 from pallas_kernels.adaln_mlp import tpu, xla
 from pallas_kernels.adaln_mlp.geometry import KERNEL_PREFIX, MLPGeometry, geometry_of_kernel, kernel_name
 from pallas_kernels.backend import Backend, resolve_backend, tpu_kernel_else_xla
-from pallas_kernels.checks import is_int, require_index, require_real
+from pallas_kernels.checks import require_index, require_real
 from pallas_kernels.common import (
-    check_entries,
     check_rank,
     check_same_dtype,
     check_supported_dtype,
     check_validate,
-    value_check_mode,
+    stacked_layer,
 )
 
 __all__ = ["IMPLEMENTATIONS", "KERNEL_PREFIX", "MLPGeometry", "adaln_mlp", "geometry_of_kernel", "kernel_name",
@@ -94,11 +93,7 @@ def adaln_mlp(x, shift, scale, gate, w_in, b_in, w_out, b_out, layer, *, next_mo
     eps = require_real("eps", eps, low=0.0, low_open=True)
     geom = static_validate_inputs(x, shift, scale, gate, w_in, b_in, w_out, b_out, layer, next_modulation,
                                   residual_input)
-    num_layers = w_in.shape[0]
-    if not is_int(layer):  # A Python int was checked statically.
-        check_entries(value_check_mode(validate, layer), "layer", layer, lambda v: (v < 0) | (v >= num_layers),
-                      f"is out of range; allowed [0, {num_layers}) (w_in.shape[0])")
-    layer = jnp.asarray(layer, jnp.int32)
+    layer = stacked_layer(layer, w_in.shape[0], "w_in.shape[0]", validate)
     return IMPLEMENTATIONS[resolved.name](x, shift, scale, gate, w_in, b_in, w_out, b_out, layer, next_modulation,
                                           residual_input, eps=eps, geom=geom, backend=resolved)
 

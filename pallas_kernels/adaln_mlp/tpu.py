@@ -54,6 +54,12 @@ def block_rows(geom: MLPGeometry, itemsize: int, residual_itemsize: int) -> int 
     return None
 
 
+def layer_spec(*block: int) -> pl.BlockSpec:
+    """The BlockSpec of one layer's slice ``block`` of an ``[L, *block]`` weight stack, the layer
+    read from the grid's scalar-prefetched ``layer_ref``; fetched once, single-buffered."""
+    return pl.BlockSpec((None, *block), lambda i, layer_ref: (layer_ref[0], 0, 0), pipeline_mode=pl.Buffered(1))
+
+
 def _kernel(layer_ref, x_ref, shift_ref, scale_ref, gate_ref, w_in_ref, b_in_ref, w_out_ref, b_out_ref, *refs,
             eps: float, residual_input: bool):
     """Refs: ``layer_ref`` int32 ``[1]`` (SMEM, used by the index maps only); VMEM ``x_ref``
@@ -101,10 +107,6 @@ def adaln_mlp(x, shift, scale, gate, w_in, b_in, w_out, b_out, layer, next_modul
     def frame_row(i, layer_ref):  # the modulation row of block i: its row's frame
         return (i // blocks_per_row) * frames + (i % blocks_per_row) // blocks_per_frame, 0, 0
 
-    def of_layer(*block):
-        return pl.BlockSpec((None, *block), lambda i, layer_ref: (layer_ref[0], 0, 0),
-                            pipeline_mode=pl.Buffered(1))
-
     rows = pl.BlockSpec((rows_per_block, dim), lambda i, layer_ref: (i, 0))
     per_frame = pl.BlockSpec((1, 1, dim), frame_row)
     modulation = (shift, scale, gate) + (() if next_modulation is None else tuple(next_modulation))
@@ -114,15 +116,16 @@ def adaln_mlp(x, shift, scale, gate, w_in, b_in, w_out, b_out, layer, next_modul
     residual_specs, residual_args = [], []
     if residual_input is not None:
         r, w_r, b_r = residual_input
-        residual_specs = [rows, of_layer(dim, dim), of_layer(1, dim)]
+        residual_specs = [rows, layer_spec(dim, dim), layer_spec(1, dim)]
         residual_args = [r.reshape(geom.rows, dim), w_r, b_r[:, None]]
     outs = pl.pallas_call(
         functools.partial(_kernel, eps=eps, residual_input=residual_input is not None),
         out_shape=out_shape,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1, grid=(geom.rows // rows_per_block,),
-            in_specs=[rows, per_frame, per_frame, per_frame, of_layer(dim, hidden), of_layer(1, hidden),
-                      of_layer(hidden, dim), of_layer(1, dim), *residual_specs, *[per_frame] * (len(modulation) - 3)],
+            in_specs=[rows, per_frame, per_frame, per_frame, layer_spec(dim, hidden), layer_spec(1, hidden),
+                      layer_spec(hidden, dim), layer_spec(1, dim), *residual_specs,
+                      *[per_frame] * (len(modulation) - 3)],
             out_specs=rows if next_modulation is None else (rows, rows)),
         input_output_aliases={1: 0},
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",), vmem_limit_bytes=VMEM_LIMIT),

@@ -19,14 +19,13 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.backend import Backend, resolve_backend, tpu_kernel_else_xla
-from pallas_kernels.checks import is_int, require_index, require_real
+from pallas_kernels.checks import require_index, require_real
 from pallas_kernels.common import (
-    check_entries,
     check_rank,
     check_same_dtype,
     check_supported_dtype,
     check_validate,
-    value_check_mode,
+    stacked_layer,
 )
 from pallas_kernels.cross_query import tpu, xla
 from pallas_kernels.cross_query.geometry import KERNEL_PREFIX, QueryGeometry, geometry_of_kernel, kernel_name
@@ -93,11 +92,7 @@ def cross_query(x, attention, gate, w_o, b_o, norm_scale, norm_bias, w_q, b_q, q
     eps = require_real("eps", eps, low=0.0, low_open=True)
     weights = (w_o, b_o, norm_scale, norm_bias, w_q, b_q, q_gain)
     geom = static_validate_inputs(x, attention, gate, *weights, layer)
-    num_layers = w_o.shape[0]
-    if not is_int(layer):  # A Python int was checked statically.
-        check_entries(value_check_mode(validate, layer), "layer", layer, lambda v: (v < 0) | (v >= num_layers),
-                      f"is out of range; allowed [0, {num_layers}) (w_o.shape[0])")
-    layer = jnp.asarray(layer, jnp.int32)
+    layer = stacked_layer(layer, w_o.shape[0], "w_o.shape[0]", validate)
     return IMPLEMENTATIONS[resolved.name](x, attention, gate, *weights, layer, eps=eps, geom=geom, backend=resolved)
 
 

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels.adaln_mlp.tpu import layer_spec
 from pallas_kernels.adaln_mlp.xla import layer_norm
 from pallas_kernels.common import matmul_precision
 from pallas_kernels.cross_query.geometry import QueryGeometry, kernel_name
@@ -83,19 +84,15 @@ def cross_query(x, attention, gate, w_o, b_o, norm_scale, norm_bias, w_q, b_q, q
     def frame_row(i, layer_ref):  # the gate row of block i: its row's frame
         return (i // blocks_per_row) * frames + (i % blocks_per_row) // blocks_per_frame, 0, 0
 
-    def of_layer(*block):
-        return pl.BlockSpec((None, *block), lambda i, layer_ref: (layer_ref[0], 0, 0),
-                            pipeline_mode=pl.Buffered(1))
-
     rows = pl.BlockSpec((rows_per_block, dim), lambda i, layer_ref: (i, 0))
-    vector = of_layer(1, dim)
+    vector = layer_spec(1, dim)
     out, query = pl.pallas_call(
         functools.partial(_kernel, eps=eps),
         out_shape=(jax.ShapeDtypeStruct((geom.rows, dim), x.dtype), jax.ShapeDtypeStruct((geom.rows, dim), w_q.dtype)),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1, grid=(geom.rows // rows_per_block,),
-            in_specs=[rows, rows, pl.BlockSpec((1, 1, dim), frame_row), of_layer(dim, dim), vector, vector, vector,
-                      of_layer(dim, dim), vector, vector],
+            in_specs=[rows, rows, pl.BlockSpec((1, 1, dim), frame_row), layer_spec(dim, dim), vector, vector, vector,
+                      layer_spec(dim, dim), vector, vector],
             out_specs=(rows, rows)),
         input_output_aliases={1: 0},
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",), vmem_limit_bytes=VMEM_LIMIT),

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels.adaln_mlp.tpu import layer_spec
 from pallas_kernels.common import matmul_precision
 from pallas_kernels.cross_query.xla import rms_norm
 from pallas_kernels.qkv_projection.geometry import ProjectionGeometry, kernel_name
@@ -73,10 +74,6 @@ def qkv_projection(x, w_q, b_q, q_gain, w_k, b_k, k_gain, w_v, b_v, layer, *, ep
     kv_dim = w_k.shape[2]
     geom = ProjectionGeometry(batch * tokens, dim, kv_dim)
 
-    def of_layer(*block):
-        return pl.BlockSpec((None, *block), lambda i, layer_ref: (layer_ref[0], 0, 0),
-                            pipeline_mode=pl.Buffered(1))
-
     def rows(width):
         return pl.BlockSpec((rows_per_block, width), lambda i, layer_ref: (i, 0))
 
@@ -85,8 +82,8 @@ def qkv_projection(x, w_q, b_q, q_gain, w_k, b_k, k_gain, w_v, b_v, layer, *, ep
         out_shape=tuple(jax.ShapeDtypeStruct((geom.rows, n), w_q.dtype) for n in (dim, kv_dim, kv_dim)),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1, grid=(geom.rows // rows_per_block,),
-            in_specs=[rows(dim), of_layer(dim, dim), of_layer(1, dim), of_layer(1, dim), of_layer(dim, kv_dim),
-                      of_layer(1, kv_dim), of_layer(1, kv_dim), of_layer(dim, kv_dim), of_layer(1, kv_dim)],
+            in_specs=[rows(dim), layer_spec(dim, dim), layer_spec(1, dim), layer_spec(1, dim), layer_spec(dim, kv_dim),
+                      layer_spec(1, kv_dim), layer_spec(1, kv_dim), layer_spec(dim, kv_dim), layer_spec(1, kv_dim)],
             out_specs=(rows(dim), rows(kv_dim), rows(kv_dim))),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",), vmem_limit_bytes=VMEM_LIMIT),
         interpret=interpret,
