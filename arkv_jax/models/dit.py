@@ -174,13 +174,6 @@ def unpatchify(tokens: Array, num_frames: int, grid: tuple[int, int], patch: int
     return x.transpose(0, 1, 2, 4, 3, 5, 6).reshape(b, num_frames, rows * patch, cols * patch, -1)
 
 
-def _modulate(x: Array, shift: Array, scale: Array) -> Array:
-    """``x * (1 + scale) + shift`` with per-frame ``shift``/``scale`` ``[B, F, dim]`` over the
-    tokens ``x`` ``[B, F * tpf, dim]``."""
-    n = x.shape[1]
-    return x * (1 + per_token(scale, n)) + per_token(shift, n)
-
-
 def kernel_backend(history: layers.History) -> str:
     """The backend of a block's fused steps (:func:`pallas_kernels.qkv_projection.qkv_projection`,
     :func:`pallas_kernels.cross_query.cross_query` and :func:`pallas_kernels.adaln_mlp.adaln_mlp`):
@@ -217,11 +210,12 @@ class BlockStacks(NamedTuple):
     qkv: tuple[Array, Array, Array, Array, Array, Array, Array, Array]
     cross_output: tuple[Array, Array]
 
-    def attention_modulation(self, time_mod: Array, layer: Array) -> tuple[Array, Array]:
-        """``(shift, scale)``, each ``[B, F, dim]``, of block ``layer``'s self-attention input
-        (``time_mod`` ``[B, F, 6, dim]``); past the last block, the last block's."""
+    def modulation_of(self, time_mod: Array, layer: Array) -> list[Array]:
+        """``shift, scale, gate`` of block ``layer``'s self-attention, then of its MLP, each ``[B, F,
+        dim]``: the timestep projection ``time_mod`` ``[B, F, 6, dim]`` plus the block's learned
+        offsets; past the last block, the last block's."""
         offsets = self.modulation[jnp.minimum(layer, self.modulation.shape[0] - 1)]
-        return time_mod[:, :, 0] + offsets[0], time_mod[:, :, 1] + offsets[1]
+        return jnp.unstack(time_mod + offsets, axis=2)
 
 
 class DiTBlock(nnx.Module):
@@ -272,7 +266,7 @@ class DiTBlock(nnx.Module):
           block ``layer + 1`` (for the last block, under its own modulation; unused) and this
           layer's post-RoPE K/V ``[B, N, Hkv, D]``.
         """
-        _, _, gate_sa, shift_ff, scale_ff, gate_ff = self._modulation(time_mod)
+        _, _, gate_sa, shift_ff, scale_ff, gate_ff = stacks.modulation_of(time_mod, layer)
         backend = kernel_backend(history)
         q, k, v = qkv_projection(attention_input, *stacks.qkv, layer, eps=self.eps, backend=backend, validate=False)
         attention, kv = self.self_attn.attend_normed(q, k, v, rope, history, layer)
@@ -280,14 +274,10 @@ class DiTBlock(nnx.Module):
                                validate=False)
         context = self.cross_attn.attend_heads(query, text_k, text_v, history)
         x, next_input = adaln_mlp(x, shift_ff, scale_ff, gate_ff, *stacks.mlp, layer,
-                                  next_modulation=stacks.attention_modulation(time_mod, layer + 1),
+                                  next_modulation=stacks.modulation_of(time_mod, layer + 1)[:2],
                                   residual_input=(context, *stacks.cross_output), eps=self.eps, backend=backend,
                                   validate=False)
         return x, next_input, kv
-
-    def _modulation(self, time_mod: Array) -> list[Array]:
-        """``shift, scale, gate`` of self-attention then of the MLP, each ``[B, F, dim]``."""
-        return jnp.unstack(time_mod + self.modulation[...], axis=2)
 
 
 class CausalDiT(nnx.Module):
@@ -331,7 +321,6 @@ class CausalDiT(nnx.Module):
             return DiTBlock(config, rngs=rngs)
 
         self.blocks = make_blocks(rngs)
-        self.head_norm = nnx.LayerNorm(dim, epsilon=config.eps, use_bias=False, use_scale=False, rngs=rngs, **fp32)
         self.head = nnx.Linear(dim, p * p * config.in_channels, rngs=rngs, **kw)
         self.head_modulation = nnx.Param(
             (jax.random.normal(rngs.params(), (2, dim)) / math.sqrt(dim)).astype(island))
@@ -369,9 +358,10 @@ class CausalDiT(nnx.Module):
         carry = (x, self.attention_input(x, time_mod, stacks, 0))
         (x, _), _ = jax.lax.scan(run_block, carry, (stacked, text_k, text_v, layer_ids))
         shift, scale = jnp.unstack(self.head_modulation[...] + t_emb[:, :, None], axis=2)
-        frames = latents.shape[1]
-        out = self.head(_modulate(self.head_norm(x), shift, scale))
-        return unpatchify(out, frames, config.grid, config.patch_size)
+        n = x.shape[1]  # The head's norm and modulation in float32, as the reference computes them.
+        out = self.head(modulated_input(x.astype(jnp.float32), per_token(shift, n), per_token(scale, n), config.eps,
+                                        config.dtype))
+        return unpatchify(out, latents.shape[1], config.grid, config.patch_size)
 
     def commit_kv(self, latents: Array, timesteps: Array, first_frame: Array, history: layers.History,
                   text_k: Array, text_v: Array) -> tuple[Array, Array]:
@@ -422,7 +412,7 @@ class CausalDiT(nnx.Module):
         norm, then its modulation, in the matmul dtype
         (:func:`pallas_kernels.adaln_mlp.xla.modulated_input`, as the blocks hand it on)."""
         n = x.shape[1]
-        shift, scale = stacks.attention_modulation(time_mod, layer)
+        shift, scale = stacks.modulation_of(time_mod, layer)[:2]
         return modulated_input(x, per_token(shift, n), per_token(scale, n), self.config.eps, self.config.dtype)
 
     def _embed(self, latents: Array, timesteps: Array, first_frame: Array
