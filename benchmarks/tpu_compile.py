@@ -29,7 +29,7 @@ HLO, and a compiler-derived time per call, formed the same way for the kernel an
   its trip count at the chip clock, plus 0.35 us per grid step (one bundle per cycle; stalls such
   as MXU result latency beyond the schedule or VMEM bank conflicts, and DMA waits, are omitted);
 * exposed DMA (paged kernel): per grid step, the first history block's K and V bytes over the HBM
-  bandwidth, less the cycles of the tail-chunk loops that run while it is in flight (at least 0);
+  bandwidth, less the cycles of the tail's chunks, which run while it is in flight (at least 0);
   later blocks are prefetched behind the previous block's compute and not counted;
 * XLA ops: ``estimated_cycles`` of XLA:TPU's cost model (each instruction's ``backend_config``)
   summed over every instruction outside the Mosaic custom call, at the chip clock (a copy the model

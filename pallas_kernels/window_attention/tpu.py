@@ -75,6 +75,11 @@ TUNED_BLOCKS = {
                   mxu_row_sums=True),
 }
 """Default block sizes per generation (chosen from compiler bundle counts, ``benchmarks/tpu_compile.py``)."""
+MAX_UNROLLED_TAIL_CHUNKS = 16
+"""The tail's whole compute chunks are unrolled into one region up to this many (the scheduler
+overlaps each chunk's last products with the next chunk's first); a longer tail (a recache's)
+loops."""
+
 VMEM_BUDGET = {"v5e": 100 << 20, "v6e": 100 << 20}
 """Most scoped VMEM a call may ask for, bytes (of 128 MiB physical)."""
 
@@ -625,9 +630,13 @@ def _kernel(table_ref, nvis_ref, len_ref, layer_ref, q_in, kt_ref, vt_ref, k_hbm
         n = jnp.minimum(geom.tokens_per_frame - first, length - frame * geom.tokens_per_frame - first)
         return jnp.clip(n, 0, size)
 
-    def chunk(k, v, limits, sizes):
+    def chunk(k, v, limits, sizes, known_full: bool):
         """Computes one chunk of segments of ``sizes`` keys, ``limits`` of each valid: unmasked if
-        every slot is valid, masked if some, skipped if none."""
+        every slot is valid, masked if some, skipped if none; where the caller knows every slot
+        valid (``known_full``), unmasked in the caller's region, without the tests."""
+        if known_full:
+            update(k(), v())
+            return
         full = functools.reduce(jnp.logical_and, [lim == n for lim, n in zip(limits, sizes)])
         some = functools.reduce(jnp.logical_or, [lim > 0 for lim in limits])
         pl.when(full)(lambda: update(k(), v()))
@@ -663,28 +672,42 @@ def _kernel(table_ref, nvis_ref, len_ref, layer_ref, q_in, kt_ref, vt_ref, k_hbm
                     return buf[slot, pl.ds(pl.multiple_of(c * g, g), g)].reshape(n, buf.shape[-1])
                 return jnp.concatenate([load(buf, kind, c * g + i, pl.ds(0, size)) for i in range(g)])
 
-            def page_chunk(c, carry):
+            def page_chunk(c, full: bool):
                 limits = [valid_slots(first + c * g + i) for i in range(g)]
-                chunk(lambda: pages(kbuf, 0, c), lambda: pages(vbuf, 1, c), limits, [size] * g)
-                return carry
+                chunk(lambda: pages(kbuf, 0, c), lambda: pages(vbuf, 1, c), limits, [size] * g, full)
 
-            lax.fori_loop(0, ppb // g, page_chunk, 0)
+            units = ppb // g
         else:
-            def page(i, carry):
+            def page(i, full: bool):
                 limit = valid_slots(first + i)
                 for start in range(0, body, bkc):
                     n = min(bkc, body - start)
                     keys = pl.ds(start, n)
                     chunk(lambda keys=keys: load(kbuf, 0, i, keys), lambda keys=keys: load(vbuf, 1, i, keys),
-                          [jnp.clip(limit - start, 0, n)], [n])
+                          [jnp.clip(limit - start, 0, n)], [n], full)
                 if rest_rows:  # This page's remainder joins the pooled chunk.
                     at = pooled_tail + (first + i) * rest_rows
                     pooled = pl.ds(pl.multiple_of(at, geom.sublanes), rest)
                     k_rest[pooled] = load(kbuf, 0, i, pl.ds(body, rest))
                     v_rest[pooled] = load(vbuf, 1, i, pl.ds(body, rest))
-                return carry
 
-            lax.fori_loop(0, ppb, page, 0)
+            units, page_chunk = ppb, page
+
+        # A block of full pages (the steady state of a window) runs its chunks unmasked, unrolled
+        # into one region, where the scheduler overlaps each chunk's last products with the next
+        # chunk's first; a block with a partial or missing page takes them one by one, masked where
+        # needed.
+        full = functools.reduce(jnp.logical_and, [valid_slots(first + i) == size for i in range(ppb)])
+
+        @pl.when(full)
+        def _():
+            for unit in range(units):
+                page_chunk(unit, True)
+
+        @pl.when(jnp.logical_not(full))
+        def _():
+            lax.fori_loop(0, units, lambda unit, carry: (page_chunk(unit, False), carry)[1], 0)
+
         return carry
 
     def pooled_chunks():
@@ -720,7 +743,7 @@ def _kernel(table_ref, nvis_ref, len_ref, layer_ref, q_in, kt_ref, vt_ref, k_hbm
 
     if full_tail:  # The first sets the statistics and the accumulator.
         update(k_tail[pl.ds(0, bkc)], v_tail[pl.ds(0, bkc)], first=True)
-        lax.fori_loop(1, full_tail, tail_chunk, 0)
+        lax.fori_loop(1, full_tail, tail_chunk, 0, unroll=full_tail <= MAX_UNROLLED_TAIL_CHUNKS)
     else:
         m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
         l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)

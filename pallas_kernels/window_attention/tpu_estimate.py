@@ -102,48 +102,65 @@ def _with_mxu(node) -> bool:
 
 def attention_cycles(tree, trips: dict, bundles) -> tuple[float, float, str]:
     """``(cycles, tail cycles, note)`` of one grid step of the paged kernel, every page full; the
-    tail cycles are those of the tail-chunk loops, which run while the first history block's DMAs
+    tail cycles are those of the tail's chunks, which run while the first history block's DMAs
     are in flight.
 
     Tree: the grid loop; inside it the DMA-issue loops (no MXU op; ``pages_per_block`` trips,
-    absent where unrolled), the tail-chunk loop(s), the tail remainder, the history-block loop,
-    whose children are DMA loops and the page loop (``trips["pages"]`` trips), and last the pooled
-    chunk's pieces (which take the tail remainder's place where pages have remainders). A page's
-    compute chunk is an unmasked then a masked update, and full pages take the unmasked one; the
-    grid loop's updates (the tail remainder, the pooled pieces) are one region each, all taken.
-    With one softmax sub-block (``trips["sub_blocks"] == 1``) an update is a predicated region of
-    its loop's own bundles, cut at the region fallthroughs (``PF``, :func:`_fast_own`); with
-    several it is a sub-block loop (``sub_blocks`` trips), a child without MXU loops of its own:
-    the tail-chunk loop has one, each piece of the page loop a pair, the grid loop one per update.
-    Work a (row, head) does at its first query block only, the tail's rotation where the kernel
-    rotates (the grid loop's segment without MXU ops and with lane rotations, :func:`_fast_own`),
-    counts once per ``trips["q_blocks"]`` steps.
+    absent where unrolled), the tail's first chunk, its other whole chunks (unrolled into the same
+    region, or a loop of ``trips["full_tail"]`` trips), the tail remainder, the history-block loop
+    and last the pooled chunk's pieces (which take the tail remainder's place where pages have
+    remainders). A history block of full pages computes its chunks unmasked in one region of the
+    block loop's own bundles; its other child loops are DMA loops and, last, the page loop of
+    blocks with a partial page (not counted: every page is full here). The grid loop's updates (the
+    tail's, the pooled pieces) are all taken. With one softmax sub-block (``trips["sub_blocks"] ==
+    1``) an update is a predicated region of its loop's own bundles, cut at the region fallthroughs
+    (``PF``, :func:`_fast_own`); with several it is a sub-block loop (``sub_blocks`` trips), a child
+    without MXU loops of its own. Work a (row, head) does at its first query block only, the tail's
+    rotation where the kernel rotates (the grid loop's segment without MXU ops and with lane
+    rotations, :func:`_fast_own`), counts once per ``trips["q_blocks"]`` steps.
     """
     grid, sub, dma = tree[0], trips["sub_blocks"], trips["pages_per_block"]
 
     def cost(node, loop_trips: int, kind: str) -> float:
         kids = node["children"]
-        per = _fast_own(bundles, node, kind != "grid", trips["q_blocks"] if kind == "grid" else 1)
+        per = _fast_own(bundles, node, trips["q_blocks"] if kind == "grid" else 1)
         per += sum(cost(c, dma, "dma") for c in kids if not _with_mxu(c))
-        leaves = [c for c in kids if _with_mxu(c) and not _mxu_children(c)]
-        nested = [c for c in kids if _with_mxu(c) and _mxu_children(c)]
-        if sub == 1:  # The only MXU loop below the history-block loop is the page loop.
-            return loop_trips * (per + sum(cost(c, trips["pages"], "page") for c in leaves + nested))
-        if kind == "page":
-            leaves = leaves[0::2]
-        per += sum(cost(c, sub, "sub") for c in leaves)
-        return loop_trips * (per + sum(cost(c, trips["pages"], "page") for c in nested))
+        updates = [c for c in kids if _with_mxu(c)]  # Sub-block loops.
+        if kind == "history":  # The last is the page loop of blocks with a partial page.
+            updates = updates[:-1]
+        return loop_trips * (per + sum(cost(c, sub, "sub") for c in updates))
 
     loops = [c for c in grid["children"] if _with_mxu(c) and (_mxu_children(c) or sub == 1)]
     history, tails = loops[-1], loops[:-1]
-    tail_cycles = sum(cost(t, trips["full_tail"], "tail") for t in tails)
-    hist = cost(history, trips["blocks"], "history")
+    tail_loops = sum(cost(t, trips["full_tail"], "tail") for t in tails)
     rest = cost(dict(grid, children=[c for c in grid["children"] if c not in loops]), 1, "grid")
-    note = (f"grid loop {rest:.0f} bundles/step (DMA issue and tail remainder included); tail chunk loop "
-            f"x{trips['full_tail']} of {[round(cost(t, 1, 'tail')) for t in tails]}; {trips['blocks']} history "
-            f"blocks of {hist / max(trips['blocks'], 1):.0f} bundles ({trips['pages']} pages each; "
-            f"{sub} sub-block(s); unmasked path)")
-    return rest + tail_cycles + hist, tail_cycles, note
+    # The tail's chunks are the grid loop's updates before the history-block loop.
+    tail_cycles = tail_loops + sum(cost(c, sub, "sub") for c in grid["children"]
+                                   if c not in loops and _with_mxu(c) and c["start"] < history["start"])
+    tail_cycles += sum(len(seg) for seg in _segments(bundles, grid) if seg[0] < history["start"]
+                       and any("vmatmul" in bundles[i][2] for i in seg))
+    hist = cost(history, trips["blocks"], "history")
+    note = (f"grid loop {rest:.0f} bundles/step (the tail's unrolled chunks, DMA issue and the pooled chunk "
+            f"included); tail chunk loop x{trips['full_tail']} of {[round(cost(t, 1, 'tail')) for t in tails]}; "
+            f"{trips['blocks']} history blocks of {hist / max(trips['blocks'], 1):.0f} bundles "
+            f"({trips['pages_per_block']} full pages each; {sub} sub-block(s)); the tail's chunks {tail_cycles:.0f}")
+    return rest + tail_loops + hist, tail_cycles, note
+
+
+def _segments(bundles, node) -> list[list[int]]:
+    """The bundle indices of ``node``'s body outside its child loops, cut at ``PF`` markers."""
+    start, end = node["start"], node["start"] + span(node)
+    inside = set()
+    for child in node["children"]:
+        inside.update(range(child["start"], child["start"] + span(child)))
+    segments, current = [], []
+    for i in (i for i in range(start, end) if i not in inside):
+        if bundles[i][0] == "PF" and current:
+            segments.append(current)
+            current = []
+        current.append(i)
+    segments.append(current)
+    return segments
 
 
 def _mxu_children(node) -> bool:
@@ -155,30 +172,15 @@ def span(node) -> int:
     return node["own"] + sum(span(c) for c in node["children"])
 
 
-def _fast_own(bundles, node, paired: bool, q_blocks: int = 1) -> float:
-    """Bundles of ``node``'s body outside its child loops on the fast path (see
-    :func:`attention_cycles`): segments cut at ``PF`` markers; where ``paired``, segments with MXU
-    ops pair up as (unmasked, masked) chunk regions and the unmasked one counts; a segment with
-    lane rotations and no MXU op (the tail's rotation at a (row, head)'s first query block) counts
-    ``1 / q_blocks``; every other segment counts whole."""
-    start, end = node["start"], node["start"] + span(node)
-    inside = set()
-    for child in node["children"]:
-        inside.update(range(child["start"], child["start"] + span(child)))
-    own = [i for i in range(start, end) if i not in inside]
-    segments, current = [], []
-    for i in own:
-        if bundles[i][0] == "PF" and current:
-            segments.append(current)
-            current = []
-        current.append(i)
-    segments.append(current)
-    chunks = [k for k, seg in enumerate(segments) if any("vmatmul" in bundles[i][2] for i in seg)]
-    skipped = set(chunks[1::2]) if paired else set()
-    first_block = {k for k, seg in enumerate(segments) if k not in chunks
-                   and any("vrot" in bundles[i][2] for i in seg)}
-    return sum(len(seg) / (q_blocks if k in first_block else 1)
-               for k, seg in enumerate(segments) if k not in skipped)
+def _fast_own(bundles, node, q_blocks: int = 1) -> float:
+    """Bundles of ``node``'s body outside its child loops (see :func:`attention_cycles`), its
+    segments cut at ``PF`` markers (:func:`_segments`): a segment with lane rotations and no MXU op
+    (the tail's rotation at a (row, head)'s first query block) counts ``1 / q_blocks``, every other
+    segment whole."""
+    segments = _segments(bundles, node)
+    return sum(len(seg) / (q_blocks if not any("vmatmul" in bundles[i][2] for i in seg)
+                           and any("vrot" in bundles[i][2] for i in seg) else 1)
+               for seg in segments)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,12 +207,11 @@ class Estimate:
 def loop_trips(geom, plan) -> dict:
     """The trip counts :func:`attention_cycles` needs for the kernel of ``geom``
     (:class:`~pallas_kernels.window_attention.tpu.Geometry`) tiled by ``plan``."""
-    pages = plan.pages_per_block // plan.pages_per_chunk if plan.pages_per_chunk else plan.pages_per_block
-    # The tail-chunk loop computes the tail's whole chunks after the first (the grid loop's own).
+    # A tail-chunk loop (a tail too long to unroll) computes the tail's whole chunks after the first.
     return dict(full_tail=max(geom.tail_len // plan.block_kv_compute - 1, 0), pages_per_block=plan.pages_per_block,
                 q_blocks=plan.num_q_blocks,
                 sub_blocks=geom.group * plan.block_q // plan.block_q_compute,
-                blocks=-(-geom.max_pages // plan.pages_per_block), pages=pages)
+                blocks=-(-geom.max_pages // plan.pages_per_block))
 
 
 def estimate_from_dump(geom: WindowGeometry, dtype: str, generation: str, dump_dir: str,

@@ -145,17 +145,35 @@ def test_a_compiled_scan_costs_its_trips():
 
 def test_the_first_query_blocks_rotation_counts_once_per_row_and_head():
     """In the paged kernel's grid loop a segment with lane rotations and no MXU op (the tail's
-    rotation, done at a (row, head)'s first query block) counts once per query blocks; of a
-    (unmasked, masked) pair of chunk regions the unmasked one counts where regions pair up (a page
-    loop's), both where they do not (the grid loop's remainders); other segments whole."""
+    rotation, done at a (row, head)'s first query block) counts once per query blocks; other
+    segments whole."""
     from pallas_kernels.window_attention import tpu_estimate
 
     segments = [["vadd"] * 3, ["vrot.lane"] * 4, ["vmatmul"] * 5, ["vmatmul vsel"] * 6, ["vst"] * 2]
     bundles = [("PF" if i == 0 else "", 1, text) for seg in segments for i, text in enumerate(seg)]
     node = dict(start=0, depth=1, own=len(bundles), children=[], mxu=11)
-    assert tpu_estimate._fast_own(bundles, node, paired=True) == 3 + 4 + 5 + 2
-    assert tpu_estimate._fast_own(bundles, node, paired=True, q_blocks=2) == 3 + 2 + 5 + 2
-    assert tpu_estimate._fast_own(bundles, node, paired=False, q_blocks=2) == 3 + 2 + 5 + 6 + 2
+    assert tpu_estimate._fast_own(bundles, node) == 3 + 4 + 5 + 6 + 2
+    assert tpu_estimate._fast_own(bundles, node, q_blocks=2) == 3 + 2 + 5 + 6 + 2
+
+
+def test_a_history_block_of_full_pages_counts_its_own_region():
+    """The history-block loop counts its own region (a block of full pages, unrolled) times the
+    blocks and not its page loop (blocks with a partial page); the tail's chunks are the grid
+    loop's updates before the history loop, which hide the first block's DMAs."""
+    from pallas_kernels.window_attention import tpu_estimate
+
+    def region(n, text, depth, mark="PF"):
+        return [(mark if i == 0 else "", depth, text) for i in range(n)]
+
+    bundles = (region(2, "sadd", 1, "LB") + region(10, "vmatmul", 1)  # grid loop: the tail's chunks
+               + region(3, "sld", 2, "LB") + region(20, "vmatmul", 2)  # history loop: a full block
+               + region(7, "vmatmul", 3, "LB") + region(9, "vmatmul vsel", 3)  # page loop
+               + region(4, "vmatmul vsel", 1) + region(1, "vst", 1))  # pooled chunk, output
+    tree = tpu_estimate.loop_tree(bundles)
+    trips = dict(sub_blocks=1, pages_per_block=3, q_blocks=2, full_tail=0, blocks=3)
+    cycles, tail, _ = tpu_estimate.attention_cycles(tree, trips, bundles)
+    assert tail == 10
+    assert cycles == (2 + 10 + 4 + 1) + 3 * (3 + 20)
 
 
 @pytest.mark.slow

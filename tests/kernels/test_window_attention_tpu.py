@@ -309,6 +309,25 @@ def test_pooled_chunk_in_several_pieces():
           keys_per_block=3 * 144)
 
 
+@pytest.mark.parametrize("block,tpf,tiles", [
+    (144, 144, dict(block_q=32, block_q_compute=32, block_kv_compute=128, keys_per_block=3 * 144)),
+    (32, 32, dict(block_q=16, block_q_compute=16, block_kv_compute=128, keys_per_block=128)),
+], ids=["pages_in_pieces", "pages_per_chunk"])
+def test_full_blocks_beside_partial_ones(block, tpf, tiles):
+    """A DMA block whose pages are all full runs its chunks unmasked in one region, any other block
+    chunk by chunk, masked where needed: rows whose first block is full and whose second is partial
+    (a ragged last page, then an empty entry), rows with two full blocks and rows with none, in
+    one call, poisoned."""
+    window = Window(sink=2, recent=6, tokens_per_frame=tpf, block=block)
+    case, owned = make_case(committed=(5, 8, 2, 12), window=window, extra=3, num_q_heads=KV_HEADS,
+                            lengths=[4 * tpf + tpf // 2, 8 * tpf, 2 * tpf, 8 * tpf])
+    geom = tpu.Geometry.of(WindowGeometry(4, tpf, KV_HEADS, KV_HEADS, HEAD_DIM, tpf, 3, LAYERS, NUM_PAGES,
+                                          block, 8, tpf), jnp.float32)
+    plan = tpu.plan_call(geom, "v5e", **tiles)[0]
+    assert (plan.pages_per_block, plan.pages_per_chunk) == ((3, 0) if block == 144 else (4, 4))
+    check(poisoned(case, owned), expected=case, **tiles)
+
+
 def test_wan_pools_its_remainders_into_one_chunk():
     """At Wan-1.3B's shape (1,560-slot pages in 1,536-key pieces, a 4,680-key chunk) the tail's
     72-key remainder and the 9 pages' 24-slot ones form one 368-row chunk on both chips."""
