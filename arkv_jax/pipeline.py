@@ -578,6 +578,14 @@ def chunk_seconds(pipeline: Pipeline, sessions: int, generation: str, chunk: Pro
 
 
 @functools.lru_cache(maxsize=None)
+def chunk_figures(pipeline: Pipeline, sessions: int, num_pages: int, generation: str) -> ProgramFigures:
+    """:class:`ProgramFigures` of :func:`chunk_program` compiled for ``generation`` (once per
+    pipeline, batch, pool size and chip)."""
+    fn, args = chunk_program(pipeline, sessions, num_pages)
+    return measure(compile_for(fn, args, generation), generation)
+
+
+@functools.lru_cache(maxsize=None)
 def decode_figures(pipeline: Pipeline, sessions: int, generation: str) -> ProgramFigures:
     """:class:`ProgramFigures` of :func:`decode_program` compiled for ``generation`` (once per
     decoder shape, batch and chip: the decode does not depend on the sampler)."""
@@ -611,9 +619,8 @@ def plan_bucket(pipeline: Pipeline, batch: int, generation: str, budget: int,
     errors propagate."""
     from pallas_kernels import tpu_aot
 
-    fn, args = chunk_program(pipeline, batch, _pages_for(pipeline, batch))
     try:
-        chunk = measure(compile_for(fn, args, generation), generation)
+        chunk = chunk_figures(pipeline, batch, _pages_for(pipeline, batch), generation)
         decode = decode_figures(pipeline.with_(sampler=Sampler()), batch, generation)
     except Exception as error:  # the compiler's error class differs across jax releases
         refusal = tpu_aot.hbm_refusal(error)
@@ -686,8 +693,8 @@ def compiled_total(pipeline: Pipeline, bucket: BucketPlan, generation: str) -> i
     transient bytes, plus what stays resident outside it (the other model's weights and state).
     The planner's total over this is ``plan_vs_compiled_bytes``."""
     plan = bucket.plan
-    fn, args = chunk_program(pipeline, bucket.batch, plan.num_blocks_total)
-    chunk = measure(compile_for(fn, args, generation), generation)
+    chunk = chunk_figures(pipeline, bucket.batch, plan.num_blocks_total, generation)
+    _, args = chunk_program(pipeline, bucket.batch, plan.num_blocks_total)
     weights, state = weight_bytes(pipeline), session_state_bytes(pipeline)
     text_encoder = weights.get("text_encoder", 0)
     outside_chunk = weights["vae"] + text_encoder + bucket.batch * sum(state.values())

@@ -568,6 +568,7 @@ def _summary(att: dict, base: dict, writes: dict) -> dict:
         baseline_xla_ms=_figure(base, "xla_ms"),
         baseline_scoped_vmem_mib=_figure(base, "scoped_vmem", lambda v: v / 2**20),
         baseline_blocks=base.get("blocks") if base.get("compiles") else None,
+        baseline_pool_copies=_figure(base, "pool_copies", int),
         attention_vs_baseline=float(base["est_ms"] / att["est_ms"]) if ok else None,
         attention_fraction_of_peak=_figure(att, "fraction_of_peak"),
         baseline_fraction_of_peak=_figure(base, "fraction_of_peak"),

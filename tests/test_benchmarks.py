@@ -176,6 +176,7 @@ def test_tpu_compile_quick_compiles_every_kernel():
     figures = last_json_line(proc)
     assert set(figures) == {"shape", "v5e", "v6e"}, figures
     from benchmarks.tpu_compile import ATTENTION_PRESET, QUANTIZED_RATIO_KEYS, preset_shape
+    from pallas_kernels.window_attention import tpu_gather
     assert figures["shape"] == preset_shape(ATTENTION_PRESET)  # the preset's, not a hand-made shape
     for gen in ("v5e", "v6e"):
         summary = figures[gen]
@@ -184,8 +185,11 @@ def test_tpu_compile_quick_compiles_every_kernel():
                     "attention_vs_baseline", "write_pool_copies", "write_alias_fraction", "context_est_ms",
                     "context_xla_path_ms", "context_vs_xla"):
             assert summary[key] is not None, (gen, key, summary)
-        # The baseline compiles under the paged kernel's scoped VMEM limit (the fair yardstick).
+        # The baseline compiles under the paged kernel's scoped VMEM limit (the fair yardstick),
+        # takes its raised-VMEM tiles there and copies no pool.
         assert summary["baseline_scoped_vmem_mib"] == pytest.approx(summary["attention_vmem_limit_mib"], abs=1 / 1024)
+        assert summary["baseline_blocks"] == tpu_gather.RAISED_VMEM_BLOCKS[gen][1], (gen, summary)
+        assert summary["baseline_pool_copies"] == 0, (gen, summary)
         assert all(f is not None and f < 0.01 for f in summary["write_temp_chunk_fraction"].values()), summary
         # Quantized pages: 8-bit DMAs, no pool copied, within 5 % of the bf16 pages' estimate.
         for kind, key in QUANTIZED_RATIO_KEYS.items():

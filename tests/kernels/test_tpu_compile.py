@@ -9,8 +9,8 @@ heads), and attention's temporaries stay within ``temp_bound_bytes``. The ``xla`
 fallback) is compiled too, at wan-1.3b: its temporaries stay within a small multiple of one layer's
 K/V. Attention over quantized pages (int8, fp8) compiles with the 8-bit pools as the Mosaic call's
 operands, and the gather + splash path over int8 pages, neither copying a pool. The gather + splash
-baseline compiles with its default tiles in this process and with its raised-VMEM tiles under the
-limit the paged kernel sets (in a subprocess, which sets the limit).
+baseline compiles with its default tiles in this process (with its raised-VMEM tiles under the
+limit the paged kernel sets: ``tests/test_benchmarks.py``, the quick ``tpu_compile`` run).
 Pools use few layers where the properties do not depend on the layer count. The compiles are
 skipped without libtpu; the token view of the write is also checked interpreted, bit for bit.
 """
@@ -252,13 +252,19 @@ def attention_fn(attend, geom, **kwargs):
 @pytest.mark.parametrize("gen", GENERATIONS)
 @pytest.mark.parametrize("preset,rows", ATTENTION_CASES)
 def test_attention_compiles_without_pool_copies(gen, preset, rows):
+    """``window_attention(backend="pallas_tpu")``, the call the cache makes (no tiles or generation
+    given), compiled for ``gen`` at the preset's shape (the history its ``WindowPolicy`` lets a
+    chunk see): it compiles, copies no pool, and ``gen``'s tiling (which the call takes:
+    :func:`test_a_program_compiled_for_a_chip_takes_that_chips_tiles`) fits ``gen``'s VMEM budget
+    and bounds the temporaries."""
     geom, shape, specs = attention_call(preset, rows)
-    fn = attention_fn(twa.window_attention, geom, generation=gen)
-    rep = tpu_aot.report(tpu_aot.compile_for_tpu(fn, specs, gen), [shape])
+    rep = tpu_aot.report(tpu_aot.compile_for_tpu(attention_fn(window_attention, geom, backend="pallas_tpu"),
+                                                 specs, gen), [shape])
     tpu_geom = twa.Geometry.of(geom, BF16)
+    plan = twa.make_plan(tpu_geom, twa.TUNED_BLOCKS[gen])
+    assert twa.vmem_estimate_bytes(tpu_geom, plan) <= twa.VMEM_BUDGET[gen]
     assert rep.pool_copies == 0
-    assert rep.temp_bytes <= twa.temp_bound_bytes(tpu_geom,
-                                                  twa.make_plan(tpu_geom, twa.TUNED_BLOCKS[gen]))
+    assert rep.temp_bytes <= twa.temp_bound_bytes(tpu_geom, plan)
 
 
 @needs_libtpu
@@ -298,25 +304,6 @@ def test_the_plain_kernel_reads_the_chunk_as_projected(gen):
     rep = tpu_aot.report(tpu_aot.compile_for_tpu(fn, projected, gen), [shape])
     assert rep.pool_copies == 0
     assert tpu_aot.copies_of(rep.hlo, [(geom.rows, geom.q_len, geom.num_q_heads * geom.head_dim)]) == 0
-
-
-@needs_libtpu
-@pytest.mark.slow
-@pytest.mark.parametrize("gen", GENERATIONS)
-@pytest.mark.parametrize("preset", MODEL_PRESETS)
-def test_the_public_entry_compiles_at_each_model_preset(gen, preset):
-    """``window_attention(backend="pallas_tpu")``, the call the cache makes (no tiles or generation
-    given), compiled for ``gen`` at the preset's shape (the history its ``WindowPolicy`` lets a
-    chunk see): it compiles, copies no pool, and ``gen``'s tiling (which the call takes: the test
-    below) fits ``gen``'s VMEM budget and bounds the temporaries."""
-    geom, shape, specs = attention_call(preset, 1)
-    rep = tpu_aot.report(tpu_aot.compile_for_tpu(attention_fn(window_attention, geom, backend="pallas_tpu"),
-                                                 specs, gen), [shape])
-    tpu_geom = twa.Geometry.of(geom, BF16)
-    plan = twa.make_plan(tpu_geom, twa.TUNED_BLOCKS[gen])
-    assert twa.vmem_estimate_bytes(tpu_geom, plan) <= twa.VMEM_BUDGET[gen]
-    assert rep.pool_copies == 0
-    assert rep.temp_bytes <= twa.temp_bound_bytes(tpu_geom, plan)
 
 
 HLO_TYPES = {"int8": "s8", "float8_e4m3fn": "f8e4m3fn", "float8_e5m2": "f8e5m2"}
@@ -374,22 +361,6 @@ def test_gather_baseline_compiles_with_tuned_blocks(gen):
     with jax.default_matmul_precision("default"):
         rep = tpu_aot.report(tpu_aot.compile_for_tpu(fn, specs, gen), [shape])
     assert rep.pool_copies == 0
-
-
-@needs_libtpu
-@pytest.mark.slow
-@pytest.mark.parametrize("gen", GENERATIONS)
-def test_gather_baseline_compiles_under_the_paged_kernels_vmem_limit(gen):
-    """The fair yardstick: compiled in its own process under the scoped VMEM limit the paged
-    kernel sets at wan-1.3b (the benchmark's baseline job), the baseline takes its raised-VMEM
-    tiles, compiles and copies no pool."""
-    limit = tpu_compile.paged_vmem_limit(gen, 1)
-    assert limit >= tpu_gather.RAISED_VMEM_BLOCKS[gen][0]
-    r = tpu_compile.run_job(gen, "baseline", 1, scoped_vmem=limit)
-    assert r["compiles"], r
-    assert r["blocks"] == tpu_gather.RAISED_VMEM_BLOCKS[gen][1]
-    assert r["scoped_vmem"] == limit // 1024 * 1024
-    assert r["pool_copies"] == 0
 
 
 def test_baseline_tiles_follow_the_scoped_vmem_limit(monkeypatch):
