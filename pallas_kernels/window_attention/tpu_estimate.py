@@ -138,7 +138,7 @@ def attention_cycles(tree, trips: dict, bundles) -> tuple[float, float, str]:
     tail_cycles = tail_loops + sum(cost(c, sub, "sub") for c in grid["children"]
                                    if c not in loops and _with_mxu(c) and c["start"] < history["start"])
     tail_cycles += sum(len(seg) for seg in _segments(bundles, grid) if seg[0] < history["start"]
-                       and any("vmatmul" in bundles[i][2] for i in seg))
+                       and _has(bundles, seg, "vmatmul"))
     hist = cost(history, trips["blocks"], "history")
     note = (f"grid loop {rest:.0f} bundles/step (the tail's unrolled chunks, DMA issue and the pooled chunk "
             f"included); tail chunk loop x{trips['full_tail']} of {[round(cost(t, 1, 'tail')) for t in tails]}; "
@@ -163,6 +163,11 @@ def _segments(bundles, node) -> list[list[int]]:
     return segments
 
 
+def _has(bundles, segment: list[int], op: str) -> bool:
+    """Whether a bundle of ``segment`` (indices into ``bundles``) issues ``op``."""
+    return any(op in bundles[i][2] for i in segment)
+
+
 def _mxu_children(node) -> bool:
     return any(_with_mxu(c) for c in node["children"])
 
@@ -178,8 +183,7 @@ def _fast_own(bundles, node, q_blocks: int = 1) -> float:
     (the tail's rotation at a (row, head)'s first query block) counts ``1 / q_blocks``, every other
     segment whole."""
     segments = _segments(bundles, node)
-    return sum(len(seg) / (q_blocks if not any("vmatmul" in bundles[i][2] for i in seg)
-                           and any("vrot" in bundles[i][2] for i in seg) else 1)
+    return sum(len(seg) / (q_blocks if not _has(bundles, seg, "vmatmul") and _has(bundles, seg, "vrot") else 1)
                for seg in segments)
 
 
