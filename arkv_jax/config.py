@@ -156,8 +156,7 @@ class CacheGeometry:
         dtype unless a different one was chosen). :attr:`page_dtype` is the dtype the pages are
         stored in either way. A quantized one (``"int8"``, ``"float8_e4m3fn"``,
         ``"float8_e5m2"``) stores each page with one float32 scale per (layer, KV head, page)
-        (``docs/kernels.md``, Quantized pages); the kernel backends that read and write such pools
-        are :data:`pallas_kernels.backend.QUANTIZED_POOL_BACKENDS`.
+        (``docs/kernels.md``, Quantized pages); every kernel backend reads and writes such pools.
     """
 
     num_layers: int

@@ -17,16 +17,16 @@ sink 3 + window 9 frames of history, rows 1):
 * **The scatter paged write** (:mod:`pallas_kernels.paged_write.xla_gpu`, the write under
   ``"auto"`` on GPU): lowered for ``cuda``; the StableHLO XLA:GPU receives is summarised (scatters,
   loops, conditionals, aliased pools).
-* **The Mosaic GPU kernel** (:mod:`pallas_kernels.window_attention.mosaic_gpu`): lowered for
-  ``cuda`` as far as jax goes without a device (see that module's docstring for what is and is not
-  checked).
+* **The Mosaic GPU kernel** (:mod:`pallas_kernels.window_attention.mosaic_gpu`), on bf16 and
+  quantized pools: lowered for ``cuda`` as far as jax goes without a device (see that module's
+  docstring for what is and is not checked).
 
 Nothing runs on a GPU; no figure here is a measured time. Without the ``triton`` wheel the sm_90
 compile of the Triton kernels is skipped (said once; the JSON's ``triton_wheel`` is ``null`` and
 ``triton_skipped`` says why) and everything else still runs: the Triton kernels are still lowered
 (their launch parameters are reported), and so are the scatter write and the Mosaic GPU kernel.
 ``--quick`` compiles the Triton attention on one page size, leaves out the tiling sweep and lowers
-one Mosaic GPU tiling. The last line of output is JSON.
+one Mosaic GPU tiling per pool storage. The last line of output is JSON.
 
 Usage: ``python -m benchmarks.gpu_compile [--quick] [--out DIR]`` (DIR keeps the TTIR/TTGIR/PTX/cubin
 files).
@@ -315,26 +315,33 @@ MOSAIC_TILINGS = ((128, 2), (128, 3), (64, 4))
 
 def mosaic_report(out_dir: str | None, quick: bool = False) -> dict:
     """Lowering report of the Mosaic GPU kernel at the Wan shape on 1,664-token pages (13 x 128),
-    rows 1, for each tiling: whether jax lowered it (Pallas' Mosaic GPU lowering, layout inference,
-    MLIR verification of the module) and the shared memory the tiling takes. Past that point the
-    Mosaic GPU pipeline to PTX runs inside XLA's CUDA plugin, absent here (jaxlib for the CPU
-    registers none of the GPU-to-NVVM passes), so no PTX, registers or spills are reported.
-    ``quick``: the first tiling only."""
+    rows 1, for each tiling and pool storage (:data:`POOL_DTYPES`; a quantized pool's 8-bit slots
+    take more shared memory, and a tiling they do not fit is reported, not lowered): whether jax
+    lowered it (Pallas' Mosaic GPU lowering, layout inference, MLIR verification of the module) and
+    the shared memory the tiling takes. Past that point the Mosaic GPU pipeline to PTX runs inside
+    XLA's CUDA plugin, absent here (jaxlib for the CPU registers none of the GPU-to-NVVM passes), so
+    no PTX, registers or spills are reported. ``quick``: the first tiling only."""
     from pallas_kernels.window_attention import mosaic_gpu
 
     reports = {}
-    for block_kv, stages in MOSAIC_TILINGS[:1] if quick else MOSAIC_TILINGS:
-        key = f"mosaic_attention_pages1664_kv{block_kv}_stages{stages}"
-        fn = attention_at_tiling(mosaic_gpu, "pallas_mgpu", block_kv=block_kv, stages=stages)
-        text = lower_for_cuda(fn, *wan_attention_specs(1, 1664)).as_text()
-        if out_dir:
-            os.makedirs(out_dir, exist_ok=True)
-            with open(os.path.join(out_dir, f"{key}.stablehlo.mlir"), "w") as f:
-                f.write(text)
-        reports[key] = dict(lowered_and_verified="mosaic_gpu_v2" in text,
-                            smem_bytes=mosaic_gpu.smem_bytes(WAN["head_dim"], 2, mosaic_gpu.BLOCK_Q,
-                                                       block_kv, stages),
-                            ptx="not produced (needs XLA's CUDA plugin)")
+    for kv_dtype in POOL_DTYPES:
+        stored = 0 if kv_dtype is None else 1
+        for block_kv, stages in MOSAIC_TILINGS[:1] if quick else MOSAIC_TILINGS:
+            key = f"mosaic_attention_pages1664_kv{block_kv}_stages{stages}{_pool_suffix(kv_dtype)}"
+            smem = mosaic_gpu.smem_bytes(WAN["head_dim"], 2, mosaic_gpu.BLOCK_Q, block_kv, stages,
+                                         stored)
+            if smem > mosaic_gpu.SMEM_BYTES:
+                reports[key] = dict(lowered_and_verified=None, smem_bytes=smem,
+                                    ptx=f"not lowered: over {mosaic_gpu.SMEM_BYTES} bytes of shared memory")
+                continue
+            fn = attention_at_tiling(mosaic_gpu, "pallas_mgpu", block_kv=block_kv, stages=stages)
+            text = lower_for_cuda(fn, *wan_attention_specs(1, 1664, kv_dtype=kv_dtype)).as_text()
+            if out_dir:
+                os.makedirs(out_dir, exist_ok=True)
+                with open(os.path.join(out_dir, f"{key}.stablehlo.mlir"), "w") as f:
+                    f.write(text)
+            reports[key] = dict(lowered_and_verified="mosaic_gpu_v2" in text, smem_bytes=smem,
+                                ptx="not produced (needs XLA's CUDA plugin)")
     return reports
 
 

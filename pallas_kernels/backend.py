@@ -26,22 +26,6 @@ them."""
 CUDNN_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 """Dtypes cuDNN attention takes."""
 
-QUANTIZED_POOL_KERNELS: Mapping[str, tuple[str, ...]] = MappingProxyType({
-    "write_chunk": ("xla", "pallas_tpu", "pallas_tpu_interpret", "pallas_tpu_simulate", "pallas_tpu_gather",
-                    "pallas_tpu_gather_interpret", "pallas_gpu", "pallas_gpu_interpret", "cudnn_gather",
-                    "cudnn_gather_xla", "pallas_mgpu"),
-    "window_attention": ("xla", "pallas_tpu", "pallas_tpu_interpret", "pallas_tpu_simulate", "pallas_tpu_gather",
-                         "pallas_tpu_gather_interpret", "pallas_gpu", "pallas_gpu_interpret", "cudnn_gather",
-                         "cudnn_gather_xla"),
-})
-"""For each kernel, the backends whose implementation of it reads or writes quantized pools
-(:class:`pallas_kernels.layout.QuantizedPool`); every other one refuses them
-(:func:`check_quantized_pools`)."""
-
-QUANTIZED_POOL_BACKENDS = tuple(name for name in QUANTIZED_POOL_KERNELS["write_chunk"]
-                                if all(name in names for names in QUANTIZED_POOL_KERNELS.values()))
-"""The backends that run a whole cache on quantized pools: both kernels take them."""
-
 MODES = ("compiled", "interpret", "simulate")
 """How a backend's Pallas kernels run (:attr:`Backend.mode`)."""
 
@@ -186,29 +170,3 @@ def resolve_backend(name: str = "auto", platform: str | None = None, *, dtype=No
         else:
             name = "xla"
     return BACKENDS[name]
-
-
-def check_quantized_pools(kernel: str, requested: str, resolved: Backend) -> None:
-    """Refuses a quantized pool on a backend that does not take it for ``kernel``.
-
-    ``"auto"`` is not downgraded to ``"xla"`` on a TPU or GPU (that would silently trade the
-    platform's kernel for the plain XLA path): it refuses there too, and a caller that wants the XLA
-    path with quantized pools on such a device passes ``backend="xla"``. On a CPU ``"auto"`` is
-    ``"xla"`` already.
-
-    Args:
-      kernel: a key of :data:`QUANTIZED_POOL_KERNELS` (the backends of that kernel), or the name of
-        a whole run (``"PagedKVCache"``, ``"the demo"``): then :data:`QUANTIZED_POOL_BACKENDS`.
-      requested: the ``backend=`` argument as given.
-      resolved: what it resolved to.
-
-    Raises:
-      ValueError: ``resolved`` does not read or write quantized pools for ``kernel``.
-    """
-    allowed = QUANTIZED_POOL_KERNELS.get(kernel, QUANTIZED_POOL_BACKENDS)
-    if resolved.name in allowed:
-        return
-    via = " (what backend='auto' resolves to here)" if requested == "auto" else ""
-    raise ValueError(f"{kernel}: backend {resolved.name!r}{via} does not read or write quantized pools (int8/fp8 "
-                     f"pages); only {', '.join(map(repr, allowed))} read/write quantized pools so far: pass "
-                     "backend='xla'")

@@ -323,8 +323,8 @@ def _add_demo_parser(sub) -> None:
                    help="kernel backend (default auto); the compiled pallas_gpu and pallas_tpu need their device "
                         "(checked before the run)")
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default=None,
-                   help="storage dtype of the K/V pages (default: the model's); int8 and fp8 are quantized pages, "
-                        "not read by pallas_mgpu's attention (checked before the run)")
+                   help="storage dtype of the K/V pages (default: the model's); int8 and fp8 are quantized pages "
+                        "(one scale per page)")
     p.add_argument("--out", default="arkv_demo_out",
                    help="folder for the figures, created if needed (default arkv_demo_out; checked before the run)")
     p.add_argument("--check", action="store_true",
@@ -447,7 +447,7 @@ def _add_generate_parser(sub) -> None:
     p.add_argument("--fps", type=_positive_int, default=16, help="frames per second of the mp4 (default 16)")
     p.add_argument("--backend", default="auto", choices=BACKEND_NAMES, help="kernel backend (default auto)")
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default=None,
-                   help="store the K/V pages as int8 or fp8 (one scale per page; not pallas_mgpu) or another "
+                   help="store the K/V pages as int8 or fp8 (one scale per page) or another "
                         "float dtype (default: the model's dtype)")
     p.add_argument("--allow-pickle", action="store_true",
                    help="let torch unpickle arbitrary objects from a --generator file (trusted files only)")

@@ -45,7 +45,7 @@ from arkv_jax.processes import ProcessGroup, spans_processes
 from arkv_jax.reference import FullRecompute
 from arkv_jax.rollout import Rollout, Sampler
 from arkv_jax.sharding import check_mesh, make_mesh
-from pallas_kernels.backend import check_quantized_pools, resolve_backend
+from pallas_kernels.backend import resolve_backend
 from pallas_kernels.window_attention.geometry import WindowGeometry
 from pallas_kernels.window_attention.xla import key_block
 
@@ -473,13 +473,11 @@ def run_demo(*, sessions: int = 4, chunks: int = 12, preset: str = "tiny", backe
     ``"model"``. ``progress``: whether to show the progress bar on ``stderr`` (default
     ``sys.stderr``); ``None`` shows it when both streams are terminals. ``kv_dtype``: the K/V pages'
     storage dtype (``None``: the model's; ``"int8"``, ``"float8_e4m3fn"``, ``"float8_e5m2"`` are
-    quantized pages, which only the backends of :data:`pallas_kernels.backend.QUANTIZED_POOL_BACKENDS`
-    read: another backend, what ``"auto"`` resolves to included, is refused before the run).
+    quantized pages, which every backend reads and writes).
 
     Raises:
       ValueError, before anything runs: unknown preset or ``kv_dtype``, ``sessions``/``chunks`` below 1,
-        quantized pages on a backend that does not read them, an ``out``
-        that cannot be created or written, a compiled backend for another platform, a run the
+        an ``out`` that cannot be created or written, a compiled backend for another platform, a run the
         device cannot hold (:func:`check_fits`), heads not divisible by the mesh's ``"model"``
         size, or ``check`` with a mesh that spans processes. On several processes (a ``mesh`` over
         every process's devices, ``docs/sharding.md``) every process runs the demo; process 0
@@ -496,9 +494,7 @@ def run_demo(*, sessions: int = 4, chunks: int = 12, preset: str = "tiny", backe
     first_device = jax.local_devices()[0] if mesh is None else next(
         d for d in mesh.devices.flat if d.process_index == jax.process_index())
     check_backend(backend, first_device.platform)
-    geometry = demo_geometry(preset, kv_dtype)  # checks kv_dtype
-    if geometry.quantized:
-        check_quantized_pools("the demo", backend, resolve_backend(backend, first_device.platform))
+    demo_geometry(preset, kv_dtype)  # checks kv_dtype
     check_fits(preset, ceil_div(sessions, 1 if mesh is None else check_mesh(mesh)[0]), backend, first_device,
                kv_dtype)
     model = init_random(MODEL_CONFIGS[preset], seed)

@@ -39,8 +39,6 @@ from arkv_jax.models.dit import init_random as init_random_dit
 from arkv_jax.planner import format_bytes, rollout_plan
 from arkv_jax.presets import get_preset
 from arkv_jax.rollout import Rollout, Sampler
-from pallas_kernels.backend import check_quantized_pools, resolve_backend
-from pallas_kernels.quantization import is_quantized
 
 #: Frames per second of the written videos (Wan 2.1's 16 fps).
 DEFAULT_FPS = 16
@@ -464,7 +462,7 @@ def validate_request(*, prompts: Sequence[str], checkpoint, generator, random_ti
     Raises:
       GenerateError: bad counts, a guidance scale that is not positive and finite, frames not a
         multiple of the chunk, a switch outside the run, a compiled backend for another platform,
-        an unknown ``kv_dtype`` or a quantized one on a backend that does not read quantized pages,
+        an unknown ``kv_dtype``,
         an incomplete checkpoint, an output that cannot be written, no ffmpeg.
     """
     if random_tiny == (checkpoint is not None):
@@ -480,8 +478,8 @@ def validate_request(*, prompts: Sequence[str], checkpoint, generator, random_ti
     platform = jax.devices()[0].platform
     try:
         check_backend(backend, platform)
-        if kv_dtype is not None and is_quantized(canonical_kv_dtype(kv_dtype)):
-            check_quantized_pools("generate", backend, resolve_backend(backend, platform))
+        if kv_dtype is not None:
+            canonical_kv_dtype(kv_dtype)
     except ValueError as error:
         raise GenerateError(str(error)) from None
     kind = "tiny" if random_tiny else "checkpoint"

@@ -28,7 +28,6 @@ from arkv_jax.cache.sessions import SessionTable
 from arkv_jax.config import ArgumentTypeError, CacheGeometry, CrossAttentionSpec, WindowPolicy
 from arkv_jax.planner import DevicePlan, MemoryPlan
 from arkv_jax.step import ChunkInputs
-from pallas_kernels.backend import check_quantized_pools, resolve_backend
 
 Array = jax.Array
 
@@ -64,8 +63,6 @@ class CacheCore:
                  cross_attention: tuple[CrossAttentionSpec, ...], backend: str) -> None:
         if processes.spans_processes(mesh):
             processes.check_process_mesh(mesh)
-        if geometry.quantized:  # Refused before any pool is allocated, not at the first write.
-            check_quantized_pools("PagedKVCache", backend, resolve_backend(backend, mesh.devices.flat[0].platform))
         self.geometry, self.window, self.mesh, self.backend = geometry, window, mesh, backend
         branches = [b.name for b in plan.kv_branches]
         self.sessions = SessionTable(mesh.shape[sharding.DATA], plan.session_capacity, branches)

@@ -101,9 +101,8 @@ class PagedKVCache:
 
     Raises:
       TypeError: a wrong type. ValueError: an unknown ``backend``, a plan for other settings or
-        another mesh, ``device`` and ``mesh`` together, K/V heads not divisible by ``"model"``, a
-        quantized ``geometry.kv_dtype`` on a backend not in ``QUANTIZED_POOL_BACKENDS``
-        (:mod:`pallas_kernels.backend`; ``"auto"`` too), or what the planner rejects.
+        another mesh, ``device`` and ``mesh`` together, K/V heads not divisible by ``"model"``, or
+        what the planner rejects.
     """
 
     def __init__(self, geometry: CacheGeometry, window: WindowPolicy,

@@ -58,9 +58,8 @@ def write_chunk(
     ================  ==========================  ======================================================
     ``k_pool``        ``[L, H, P, S, D]``         :func:`pallas_kernels.layout.pool_shape`; fp32, bf16 or
                                                   fp16, or a :class:`~pallas_kernels.layout.QuantizedPool`
-                                                  (int8/fp8 values, f32 scales ``[L, H, P]``; backends
-                                                  of ``QUANTIZED_POOL_KERNELS["write_chunk"]``,
-                                                  :mod:`pallas_kernels.backend`); page 0 is the null page
+                                                  (int8/fp8 values, f32 scales ``[L, H, P]``; every
+                                                  backend); page 0 is the null page
     ``v_pool``        ``[L, H, P, S, D]``         ``k_pool``'s shape and dtype (and kind)
     ``k_new``         ``[L, R, F * T, H, D]``     the chunk's K, token-major, frame after frame; the
                                                   pools' dtype (no implicit cast: a mismatch raises), or

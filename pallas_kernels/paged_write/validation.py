@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import checkify
 
-from pallas_kernels.backend import check_quantized_pools, resolve_backend
+from pallas_kernels.backend import resolve_backend
 from pallas_kernels.checks import require_int
 from pallas_kernels.common import (
     check_entries,
@@ -43,15 +43,12 @@ def static_validate_inputs(k_pool, v_pool, k_new, v_new, page_ids, *, tokens_per
     Raises:
       ValueError: an unknown backend; bad ranks, shapes or dtypes; a ``tokens_per_frame`` that is
         not a positive int or does not divide the chunk; ``page_ids`` not ``[rows, num_frames *
-        pages_per_frame]`` integers; quantized pools that are malformed, mixed with a plain one or
-        on a backend that does not write them (:func:`pallas_kernels.backend.check_quantized_pools`).
+        pages_per_frame]`` integers; quantized pools that are malformed or mixed with a plain one.
       TypeError: an input that is not an array (``write_chunk`` itself takes ``page_ids`` as a list
         of ints).
     """
     resolved = resolve_backend(backend)
     quantized = check_pool_pair(k_pool, v_pool)
-    if quantized:
-        check_quantized_pools("write_chunk", backend, resolved)
     for name, x in (("k_pool", k_pool), ("v_pool", v_pool), ("k_new", k_new), ("v_new", v_new)):
         check_rank(name, x, 5)
     if k_pool.shape != v_pool.shape or k_pool.dtype != v_pool.dtype:

@@ -75,8 +75,7 @@ def window_attention(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, layer=0
     ``ceil(tokens_per_frame / block_size)`` consecutive page-list entries and ends in padding slots.
     The pools may instead be :class:`~pallas_kernels.layout.QuantizedPool` s (int8/fp8 values,
     float32 scales ``[num_layers, kv_heads, num_pages]``), dequantized to ``q``'s dtype as they are
-    read, on the backends of ``QUANTIZED_POOL_KERNELS["window_attention"]``
-    (:mod:`pallas_kernels.backend`).
+    read (every backend).
 
     Args:
       q, k_cur, v_cur: the chunk's queries, keys and values.

@@ -19,7 +19,6 @@ import jax.numpy as jnp
 
 from pallas_kernels.backend import (
     CUDNN_DTYPES,
-    check_quantized_pools,
     cudnn_supports,
     resolve_backend,
 )
@@ -72,15 +71,12 @@ def static_validate_inputs(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, l
     Returns:
       the call's :class:`WindowGeometry`.
 
-    Quantized pools (:class:`pallas_kernels.layout.QuantizedPool`) are read by the backends
-    ``QUANTIZED_POOL_KERNELS["window_attention"]`` lists and refused by the others
-    (:func:`pallas_kernels.backend.check_quantized_pools`; ``"auto"`` is never downgraded to
-    ``"xla"`` for them).
+    Quantized pools (:class:`pallas_kernels.layout.QuantizedPool`) are read by every backend.
 
     Raises:
       ValueError: a bad rank, shape, dtype, head count, frame size, layer rank, a Python-int
         ``layer`` out of ``[0, num_layers)``, scale, backend name, tile size, ``rope`` table or
-        ``qk_norm`` array; quantized pools on a backend that does not read them.
+        ``qk_norm`` array.
       TypeError: a non-array input, a ``layer`` that is not an integer, a ``rope`` that is not a
         pair or a ``qk_norm`` that is not a 4-tuple.
     """
@@ -88,8 +84,6 @@ def static_validate_inputs(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, l
                         extra_k=extra_k, extra_v=extra_v, tokens_per_frame=tokens_per_frame,
                         rope=rope, qk_norm=qk_norm)
     resolved = resolve_backend(backend, dtype=q.dtype, head_dim=geom.head_dim)
-    if is_quantized_pool(k_pool):
-        check_quantized_pools("window_attention", backend, resolved)
     if scale is not None:
         check_scale(scale)
     for name, tile in (("block_q", block_q), ("block_k", block_k)):
@@ -107,16 +101,19 @@ def static_validate_inputs(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, l
     elif resolved.name == "cudnn_gather":
         _check_cudnn(q.dtype, geom.head_dim)
     elif resolved.kind == "pallas_mgpu":
-        check_mosaic_tiling(geom, q.dtype, block_q, block_k, mosaic_gpu.STAGES)
+        stored = jnp.dtype(k_pool.dtype).itemsize if is_quantized_pool(k_pool) else 0
+        check_mosaic_tiling(geom, q.dtype, block_q, block_k, mosaic_gpu.STAGES, stored)
     return geom
 
 
-def check_mosaic_tiling(geom: WindowGeometry, dtype, block_q, block_kv, stages: int) -> None:
+def check_mosaic_tiling(geom: WindowGeometry, dtype, block_q, block_kv, stages: int,
+                        stored_itemsize: int = 0) -> None:
     """Raises ``ValueError`` unless the Mosaic GPU kernel takes ``dtype``, the head dim and the
     tiling (``block_q`` ``None`` or 64; ``block_kv`` ``None`` for
     :func:`~pallas_kernels.window_attention.mosaic_gpu.default_block_kv`, else a multiple of 64
     dividing ``block_size``; ``stages`` in ``[2, 4]``; shared memory within
-    :data:`~pallas_kernels.window_attention.mosaic_gpu.SMEM_BYTES`)."""
+    :data:`~pallas_kernels.window_attention.mosaic_gpu.SMEM_BYTES`, counting the 8-bit slots of
+    quantized pools: ``stored_itemsize`` 1, else 0)."""
     dtype = jnp.dtype(dtype)
     if dtype not in mosaic_gpu.DTYPES:
         raise ValueError(f"q.dtype={dtype.name} is not supported by the Mosaic GPU kernel; allowed: "
@@ -136,10 +133,11 @@ def check_mosaic_tiling(geom: WindowGeometry, dtype, block_q, block_kv, stages: 
         raise argument_error("block_k", block_kv, must)
     stages = require_int("stages", stages, minimum=2, maximum=4)
     need = mosaic_gpu.smem_bytes(geom.head_dim, dtype.itemsize, mosaic_gpu.BLOCK_Q, int(block_kv),
-                                 stages)
+                                 stages, stored_itemsize)
     if need > mosaic_gpu.SMEM_BYTES:
+        pools = " with quantized pools" if stored_itemsize else ""
         raise ValueError(f"block_k={block_kv}, stages={stages} need {need} bytes of shared memory "
-                         f"at head_dim={geom.head_dim}; allowed at most {mosaic_gpu.SMEM_BYTES}")
+                         f"at head_dim={geom.head_dim}{pools}; allowed at most {mosaic_gpu.SMEM_BYTES}")
 
 
 def dynamic_validate_inputs(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, layer=0,

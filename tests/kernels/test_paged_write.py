@@ -17,7 +17,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.backend import QUANTIZED_POOL_KERNELS
 from pallas_kernels.layout import (
     QuantizedPool,
     from_token_major,
@@ -424,10 +423,8 @@ def test_new_page_id_values_do_not_retrace(backend, fresh_trace_counter):
 @pytest.mark.parametrize("kv_dtype", [None, "float8_e5m2"])
 def test_lowers_for_device(platform, backend, call, tokens_per_frame, kv_dtype, lower_for_device):
     """The kernels lower to a Mosaic TPU / Triton custom call (Pallas' own lowering rules), for
-    full and padded frames, into bf16 or (where the backend writes them) quantized pools; the device
-    compiler itself is not run here."""
-    if kv_dtype is not None and backend not in QUANTIZED_POOL_KERNELS["write_chunk"]:
-        pytest.skip(f"{backend} does not write quantized pools")
+    full and padded frames, into bf16 or quantized pools; the device compiler itself is not run
+    here."""
     ppf = pages_per_frame(tokens_per_frame, BLOCK)
     shape = pool_shape(2, 64, BLOCK, HEADS, HEAD_DIM)
     pool = (jax.ShapeDtypeStruct(shape, jnp.bfloat16) if kv_dtype is None else

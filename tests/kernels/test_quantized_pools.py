@@ -1,15 +1,14 @@
 """Quantized pools (:class:`pallas_kernels.layout.QuantizedPool`, int8 and fp8 pages with float32
-scales per (layer, KV head, page)) through every backend that takes them
-(:data:`pallas_kernels.backend.QUANTIZED_POOL_KERNELS`: here the XLA path, the Triton kernels
-interpreted and the cuDNN gather path through XLA's attention and the scatter write; compiled on
-their device): the paged write against its reference, attention against the reference on the
-dequantized values, isolation of pages a row must not read, no retracing, and the other backends'
-refusal."""
+scales per (layer, KV head, page)) through every backend (here the XLA path, the TPU and Triton
+kernels interpreted and the cuDNN gather path through XLA's attention and the scatter write;
+compiled on their device; the Mosaic GPU kernel, which needs kernel-sized tiles, in
+``tests/kernels/test_window_attention_gpu.py``): the paged write against its reference, attention
+against the reference on the dequantized values, isolation of pages a row must not read, no
+retracing, and ``"auto"`` keeping the platform's kernel."""
 
 from __future__ import annotations
 
 import functools
-import re
 
 import chex
 import jax
@@ -17,13 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.backend import (
-    BACKENDS,
-    QUANTIZED_POOL_BACKENDS,
-    QUANTIZED_POOL_KERNELS,
-    cudnn_supports,
-    resolve_backend,
-)
+from pallas_kernels.backend import BACKENDS, cudnn_supports, resolve_backend
 from pallas_kernels.layout import (
     QuantizedPool,
     dequantize_pool,
@@ -56,10 +49,17 @@ BLOCK = 16
 TPF = 24  # two pages per frame, the second one half padding
 
 
+SMALL_CASE_BACKENDS = tuple(name for name in BACKENDS if name != "pallas_mgpu")
+"""The backends that take this module's small cases (16-token pages, small heads): all but the
+Mosaic GPU kernel, whose tiles need pages and heads that are multiples of 64."""
+
+
 def quantized_backends(kernel: str) -> list:
-    """The backends whose ``kernel`` takes quantized pools, as test parameters: the compiled ones
+    """The backends that run ``kernel`` (``"write_chunk"``: every one; ``"window_attention"``:
+    :data:`SMALL_CASE_BACKENDS`) on this module's cases, as test parameters: the compiled ones
     skipped off their device (:func:`tests.kernels.device_backends.compiled`)."""
-    return [compiled(name) if BACKENDS[name].platform else name for name in QUANTIZED_POOL_KERNELS[kernel]]
+    names = BACKENDS if kernel == "write_chunk" else SMALL_CASE_BACKENDS
+    return [compiled(name) if BACKENDS[name].platform else name for name in names]
 
 
 def attention_dtype(backend: str, dtype=jnp.float32):
@@ -208,7 +208,7 @@ def quantize_poisoned(clean: dict, nan_case: dict, kv_dtype) -> dict:
 
 @pytest.mark.parametrize("backend,kv_dtype", slow_except(
     [compiled(name, kv_dtype) if BACKENDS[name].platform else (name, kv_dtype)
-     for name in QUANTIZED_POOL_KERNELS["window_attention"] for kv_dtype in QUANTIZED_DTYPES],
+     for name in SMALL_CASE_BACKENDS for kv_dtype in QUANTIZED_DTYPES],
     fast=[("xla", kv_dtype) for kv_dtype in QUANTIZED_DTYPES]
     + [("pallas_tpu_interpret", "float8_e4m3fn"), ("pallas_gpu_interpret", "int8")]))
 def test_pages_a_row_must_not_read_never_reach_the_output(backend, kv_dtype):
@@ -233,7 +233,7 @@ def test_pages_a_row_must_not_read_never_reach_the_output(backend, kv_dtype):
 
 
 @pytest.mark.parametrize("backend", slow_except(
-    [compiled(name) if BACKENDS[name].platform else name for name in QUANTIZED_POOL_BACKENDS],
+    [compiled(name) if BACKENDS[name].platform else name for name in SMALL_CASE_BACKENDS],
     fast=("xla", "pallas_tpu_interpret", "pallas_gpu_interpret")))
 def test_one_trace_while_window_fills_and_pages_are_rewritten(backend, fresh_trace_counter):
     """Write, then attend, over a quantized pool, on every backend that runs a whole quantized
@@ -286,43 +286,19 @@ def test_the_tpu_kernels_tile_dequantization_is_the_rule(kv_dtype):
 
 
 # ------------------------------------------------------------------------------------------------
-# Refusals and validation
+# "auto" and validation
 # ------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("backend", [name for name in BACKENDS
-                                     if name not in QUANTIZED_POOL_KERNELS["window_attention"]])
-def test_other_backends_refuse_quantized_pools_in_attention(backend):
-    case, _ = quantized_case("int8")
-    listed = ", ".join(map(repr, QUANTIZED_POOL_KERNELS["window_attention"]))
-    with pytest.raises(ValueError, match=f"window_attention: backend '{backend}' does not read or write quantized "
-                                         f"pools.*only {re.escape(listed)} read/write quantized pools so far"):
-        window_attention(**case, backend=backend)
-
-
-@pytest.mark.parametrize("backend", [name for name in BACKENDS if name not in QUANTIZED_POOL_KERNELS["write_chunk"]])
-def test_other_backends_refuse_quantized_pools_in_the_write(backend):
-    pools = [empty_pool(LAYERS, NUM_PAGES, BLOCK, KV_HEADS, HEAD_DIM, "int8") for _ in range(2)]
-    k_new, v_new = chunk()
-    with pytest.raises(ValueError, match=f"write_chunk: backend '{backend}' does not read or write quantized pools"):
-        write_chunk(*pools, k_new, v_new, jnp.ones((2, 4), jnp.int32), tokens_per_frame=TPF, backend=backend)
-
-
 @pytest.mark.parametrize("platform", ["tpu", "gpu", "cpu"])
-def test_auto_is_never_downgraded_for_quantized_pools(platform, monkeypatch):
-    """"auto" is not silently downgraded to the XLA path on a TPU or GPU: it resolves to the
-    platform's kernel, which takes quantized pools (the TPU kernel; on a GPU the Triton kernel for
-    this f32 case, and cuDNN gather for bf16) or would refuse them, naming what it resolved to; on
-    the CPU it is "xla"."""
+def test_auto_keeps_the_platform_kernel_for_quantized_pools(platform, monkeypatch):
+    """Quantized pools do not change what "auto" resolves to: the platform's kernel (the TPU kernel;
+    on a GPU the Triton kernel for this f32 case, and cuDNN gather for bf16; on the CPU "xla"),
+    which takes them."""
     case, _ = quantized_case("float8_e4m3fn")
     monkeypatch.setattr(jax, "default_backend", lambda: platform)
     resolved = resolve_backend("auto", dtype=case["q"].dtype, head_dim=HEAD_DIM).name
     assert resolved == {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cpu": "xla"}[platform]
-    if resolved in QUANTIZED_POOL_KERNELS["window_attention"]:
-        assert static_validate_inputs(**case).num_pages == NUM_PAGES
-    else:
-        with pytest.raises(ValueError, match=rf"window_attention: backend '{resolved}' \(what backend='auto' "
-                                             r"resolves to here\)"):
-            static_validate_inputs(**case)
+    assert static_validate_inputs(**case).num_pages == NUM_PAGES
     if platform == "gpu":
         bf16, _ = quantized_case("int8", dtype=jnp.bfloat16)
         assert resolve_backend("auto", dtype=jnp.bfloat16, head_dim=HEAD_DIM).name == "cudnn_gather"

@@ -4,8 +4,10 @@
 * The cuDNN gather path's history gather (contiguous, frame padding skipped, zeros past a length),
   and kernel-sized cases (pages of 64+ tokens, head dim 64, NaN wherever a row must not look)
   through ``cudnn_gather_xla`` here and ``cudnn_gather`` / ``pallas_mgpu`` compiled on a GPU.
-* The Mosaic GPU kernel lowered for ``cuda`` under an abstract H200 (Pallas' Mosaic GPU lowering and
-  MLIR verification; it has no CPU interpreter) and its tiling rules.
+* The Mosaic GPU kernel run under jax's GPU interpret mode (jax >= 0.12; shared memory, barriers,
+  TMA and warpgroups simulated, races detected) on bf16/f16 and quantized pools, lowered for
+  ``cuda`` under an abstract H200 (Pallas' Mosaic GPU lowering and MLIR verification), and its
+  tiling rules.
 * Quantized pools (int8, fp8 e4m3fn and e5m2 pages with per-page scales) on kernel-sized cases
   with poison wherever a row must not look, through the GPU backends that read them.
 * The scatter paged write lowered for ``cuda``: one aliased scatter per pool (per values and
@@ -44,6 +46,7 @@ from pallas_kernels.window_attention import (
 )
 from pallas_kernels.window_attention.validation import check_mosaic_tiling
 from pallas_kernels.window_attention.xla import gather_history
+from tests.kernels import mgpu_interpret
 from tests.kernels.device_backends import (
     COMPILED_BACKENDS,
     CUDNN_GATHER,
@@ -219,7 +222,7 @@ def test_wide_cases(name, backend):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["cudnn_gather_xla", "pallas_gpu_interpret", CUDNN_GATHER,
-                                     compiled("pallas_gpu")])
+                                     compiled("pallas_gpu"), MOSAIC_GPU])
 @pytest.mark.parametrize("kv_dtype", QUANTIZED_DTYPES)
 @pytest.mark.parametrize("name", ["ragged_lengths", "full_after_eviction_gqa_extras3"])
 def test_quantized_wide_cases(name, kv_dtype, backend):
@@ -233,17 +236,71 @@ def test_quantized_wide_cases(name, kv_dtype, backend):
     assert_matches_reference(window_attention(**inputs, backend=backend), expected)
 
 
-@skip_unless_here("pallas_mgpu")  # plgpu.kernel has no CPU interpreter.
-@pytest.mark.parametrize("block_kv,stages", [(64, 2), (64, 4), (128, 3)])
+def run_mosaic(inputs, block_kv, stages):
+    """``mosaic_gpu.window_attention`` on a validated case at tiling ``(block_kv, stages)``."""
+    geom = static_validate_inputs(**inputs, backend="pallas_mgpu", block_k=block_kv)
+    return mosaic_gpu.window_attention(*(inputs[k] for k in ARGS[:3]), inputs["extra_k"],
+                                       inputs["extra_v"], *(inputs[k] for k in ARGS[3:]),
+                                       jnp.int32(inputs["layer"]), geom=geom,
+                                       scale=geom.head_dim ** -0.5, block_kv=block_kv,
+                                       stages=stages)
+
+
+MOSAIC_TILINGS = [(64, 2), (64, 4), (128, 3)]
+"""Key tiles and stages the Mosaic GPU kernel is run at (pages of 128 and 1,664 tokens)."""
+
+
+@skip_unless_here("pallas_mgpu")
+@pytest.mark.parametrize("block_kv,stages", MOSAIC_TILINGS)
 @pytest.mark.parametrize("name", WIDE_SPECS)
 def test_mosaic_tilings_on_gpu(name, block_kv, stages):
     inputs, expected = make_wide_case(**WIDE_SPECS[name])
-    geom = static_validate_inputs(**inputs, backend="pallas_mgpu", block_k=block_kv)
-    out = mosaic_gpu.window_attention(*(inputs[k] for k in ARGS[:3]), inputs["extra_k"],
-                                      inputs["extra_v"], *(inputs[k] for k in ARGS[3:]),
-                                      jnp.int32(inputs["layer"]), geom=geom,
-                                      scale=geom.head_dim ** -0.5, block_kv=block_kv,
-                                      stages=stages)
+    assert_matches_reference(run_mosaic(inputs, block_kv, stages), expected)
+
+
+needs_mgpu_interpreter = pytest.mark.skipif(not mgpu_interpret.AVAILABLE,
+                                            reason=mgpu_interpret.REASON)
+
+
+def interpreted_cases(fast: list[tuple], every: list[tuple]) -> list:
+    """``every`` case as test parameters, those not in ``fast`` in the slow tier (run them with
+    ``-m slow`` on the Python 3.12 stack: the 1,664-token pages take a minute or more each)."""
+    return [case if case in fast else pytest.param(*case, marks=pytest.mark.slow) for case in every]
+
+
+@needs_mgpu_interpreter
+@pytest.mark.parametrize("name,block_kv,stages", interpreted_cases(
+    fast=[(name, 64, 2) for name in WIDE_SPECS if name != "one_page_per_frame_1664"]
+    + [("one_page_per_frame_1664", 128, 3)],
+    every=[(name, *tiling) for name in WIDE_SPECS for tiling in MOSAIC_TILINGS]))
+def test_mosaic_interpreted(name, block_kv, stages):
+    """The kernel's own program (barrier protocol, TMA boxes, tile table, masking) on CPU, with
+    race detection: NaN wherever a row must not look."""
+    inputs, expected = make_wide_case(**WIDE_SPECS[name])
+    with mgpu_interpret.gpu_interpret_mode(detect_races=True):
+        out = run_mosaic(inputs, block_kv, stages)
+    assert_matches_reference(out, expected)
+
+
+QUANTIZED_CASES = [("full_after_eviction_gqa_extras3", 64, 2), ("ragged_lengths", 64, 3),
+                   ("mha_f16_layer0", 128, 2), ("one_page_per_frame_1664", 128, 2)]
+"""Kernel-sized cases and tilings of the quantized Mosaic GPU runs."""
+
+
+@needs_mgpu_interpreter
+@pytest.mark.parametrize("name,block_kv,stages,kv_dtype", interpreted_cases(
+    fast=[(*case, kv_dtype) for case, kv_dtype in zip(QUANTIZED_CASES, (*QUANTIZED_DTYPES, "int8"))],
+    every=[(*case, kv_dtype) for case in QUANTIZED_CASES for kv_dtype in QUANTIZED_DTYPES]))
+def test_mosaic_quantized_interpreted(name, block_kv, stages, kv_dtype):
+    """Quantized pools: NaN scales on pages no row reads, the dtype's NaN or largest value in every
+    unreadable slot of a readable page; 8-bit tiles converted by one consumer each (K, V), with
+    race detection."""
+    bad, clean = make_wide_case(**WIDE_SPECS[name])
+    inputs = quantize_poisoned(clean, bad, kv_dtype)
+    expected = dict(clean, k_pool=quantize_pages(clean["k_pool"], kv_dtype),
+                    v_pool=quantize_pages(clean["v_pool"], kv_dtype))
+    with mgpu_interpret.gpu_interpret_mode(detect_races=True):
+        out = run_mosaic(inputs, block_kv, stages)
     assert_matches_reference(out, expected)
 
 
@@ -273,11 +330,15 @@ def test_mosaic_lowers_for_cuda(name):
     assert "mosaic_gpu_v2" in lower_for_cuda(jax.jit(fn), *_specs(inputs)).as_text()
 
 
-@pytest.mark.parametrize("block_kv,stages", [(128, 2), (128, 3), (64, 4)])
-def test_mosaic_lowers_for_cuda_at_wan_shape(block_kv, stages):
-    """Wan-1.3B, 1,664-token pages (13 x 128: one page per 1,560-token frame), rows 4."""
+@pytest.mark.parametrize("kv_dtype,block_kv,stages", [
+    (None, 128, 2), (None, 128, 3), (None, 64, 4),
+    *[(kv_dtype, 128, 2) for kv_dtype in QUANTIZED_DTYPES], ("int8", 64, 3)])
+def test_mosaic_lowers_for_cuda_at_wan_shape(kv_dtype, block_kv, stages):
+    """Wan-1.3B, 1,664-token pages (13 x 128: one page per 1,560-token frame), rows 4, bf16 and
+    quantized pools (fp8 converts through f16, the only fp8 conversion Hopper has)."""
     fn = attention_at_tiling(mosaic_gpu, "pallas_mgpu", block_kv=block_kv, stages=stages)
-    assert "mosaic_gpu_v2" in lower_for_cuda(fn, *wan_attention_specs(4, 1664)).as_text()
+    specs = wan_attention_specs(4, 1664, kv_dtype=kv_dtype)
+    assert "mosaic_gpu_v2" in lower_for_cuda(fn, *specs).as_text()
 
 
 @pytest.mark.parametrize("change,message", [
