@@ -64,7 +64,7 @@ def run_poisoned(mesh, kv_dtype="int8"):
     geometry = dataclasses.replace(GEOMETRY, kv_dtype=kv_dtype)
     model = 1 if mesh is None else mesh.shape["model"]
     plan = rollout_plan(geometry, WINDOW, CFG, TEXT, 2 if mesh is not None else 8, model=model)
-    cache = PagedKVCache(geometry, WINDOW, CFG, TEXT, plan=plan, mesh=mesh, backend="auto")
+    cache = PagedKVCache(geometry, WINDOW, CFG, TEXT, plan=plan, mesh=mesh, backend="xla")
     chunks = {}
     for sid in "abcd":
         cache.open(sid)

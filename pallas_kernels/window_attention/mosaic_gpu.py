@@ -60,6 +60,16 @@ def _pool_geometry(geom: WindowGeometry) -> PoolGeometry:
                         geom.head_dim)
 
 
+def _tile_pages(pages, lengths, geom: WindowGeometry, block_kv: int):
+    """Per history key tile (``max_pages * block_size // block_kv`` of them, in page-list order):
+    int32 ``[rows, tiles]``, the page (of layer 0's numbering; past the visible pages the null
+    page) the tile lies in, and int32 ``[tiles]``, its first slot in that page."""
+    table = layer_page_table(pages, lengths, 0, geom)
+    per_page = geom.block_size // block_kv
+    tile = jnp.arange(geom.max_pages * per_page, dtype=jnp.int32)
+    return table[:, tile // per_page], (tile % per_page) * block_kv
+
+
 def history_tiles(pages, lengths, layer, geom: WindowGeometry, block_kv: int):
     """Per row: the pool row where each history key tile starts, and how many tiles to visit.
 
@@ -70,11 +80,7 @@ def history_tiles(pages, lengths, layer, geom: WindowGeometry, block_kv: int):
     tiles up to and including
     the one holding the row's last valid history key (0 without history).
     """
-    table = layer_page_table(pages, lengths, 0, geom)
-    per_page = geom.block_size // block_kv
-    tile = jnp.arange(geom.max_pages * per_page, dtype=jnp.int32)
-    starts = token_row(_pool_geometry(geom), layer, 0, table[:, tile // per_page],
-                       (tile % per_page) * block_kv)
+    starts = token_row(_pool_geometry(geom), layer, 0, *_tile_pages(pages, lengths, geom, block_kv))
     lengths = lengths.astype(jnp.int32)
     last = jnp.maximum(lengths - 1, 0)
     last_slot = (last // geom.tokens_per_frame) * geom.frame_slots + last % geom.tokens_per_frame
@@ -86,11 +92,8 @@ def history_tile_scales(scales, pages, lengths, layer, geom: WindowGeometry, blo
     """float32 ``[rows, kv_heads, max_pages * block_size // block_kv]``: the page scale of each
     history key tile of :func:`history_tiles` (``scales`` a quantized pool's ``[layers, kv_heads,
     pages]``; entries past the visible pages read the layer's null page)."""
-    table = layer_page_table(pages, lengths, layer, geom)
-    per_page = geom.block_size // block_kv
-    tile = jnp.arange(geom.max_pages * per_page, dtype=jnp.int32)
-    by_head = scales.transpose(1, 0, 2).reshape(geom.kv_heads, -1)
-    return by_head[:, table[:, tile // per_page]].transpose(1, 0, 2)
+    tile_pages, _ = _tile_pages(pages, lengths, geom, block_kv)
+    return jnp.take(scales[layer], tile_pages, axis=1).transpose(1, 0, 2)
 
 
 def _to_compute_dtype(tile, dtype):
@@ -176,12 +179,13 @@ def _kernel(q_ref, kp_ref, vp_ref, kt_ref, vt_ref, starts_ref, counts_ref, len_r
         acc = plgpu.layout_cast(jnp.full((block_q, geom.head_dim), 0.0, jnp.float32),
                                 plgpu.Layout.WGMMA)
 
-        def step(carry, *, j, masked: bool, stored_tile: bool):
-            """Key step ``j``; ``stored_tile``: its K/V sit 8-bit in ``stored`` (a quantized
-            pool's history tile) and are converted before use."""
+        def step(carry, *, j, n_valid, masked: bool, stored_tile: bool):
+            """Key step ``j``, whose first ``n_valid`` keys are valid (all of them unless
+            ``masked``); ``stored_tile``: its K/V sit 8-bit in ``stored`` (a quantized pool's
+            history tile) and are converted before use."""
             acc, m, l = carry
             slot = lax.rem(j, stages)
-            n_valid = _valid_keys_in_tile(j, n_hist, length, geom, block_kv) if masked else None
+            n_valid = n_valid if masked else None
             plgpu.barrier_wait(k_ready.at[slot])
             c_tile = c
             if stored_tile:
@@ -222,8 +226,10 @@ def _kernel(q_ref, kp_ref, vp_ref, kt_ref, vt_ref, starts_ref, counts_ref, len_r
             return acc, m_new, l
 
         def body(j, carry):
-            masked = _valid_keys_in_tile(j, n_hist, length, geom, block_kv) < block_kv
-            branches = [functools.partial(step, j=j, masked=bool(b & 1), stored_tile=b >= 2)
+            n_valid = _valid_keys_in_tile(j, n_hist, length, geom, block_kv)
+            masked = n_valid < block_kv
+            branches = [functools.partial(step, j=j, n_valid=n_valid, masked=bool(b & 1),
+                                          stored_tile=b >= 2)
                         for b in range(4 if quantized else 2)]
             index = masked.astype(jnp.int32)
             if quantized:
