@@ -366,6 +366,13 @@ def test_mosaic_dtype_head_dim_and_smem_validation():
     geom = static_validate_inputs(**inputs, backend="pallas_mgpu", block_k=64)
     with pytest.raises(ValueError, match=r"stages must be an int in \[2, 4\], got 5"):
         check_mosaic_tiling(geom, jnp.bfloat16, None, 64, 5)
+    # The 8-bit slots of quantized pools count too: the tiling that fits bf16 pools does not.
+    clean = make_wide_case(committed=(1,), head_dim=256, block_size=256)[1]
+    quantized = dict(inputs, k_pool=quantize_pages(clean["k_pool"], "int8"),
+                     v_pool=quantize_pages(clean["v_pool"], "int8"))
+    with pytest.raises(ValueError, match=r"block_k=64, stages=2 need 262144 bytes of shared memory "
+                       r"at head_dim=256 with quantized pools; allowed at most 232448"):
+        window_attention(**quantized, backend="pallas_mgpu", block_k=64)
 
 
 # ------------------------------------------------------------------------------------------------
