@@ -475,7 +475,10 @@ def _baseline_figures(p: dict, rows: int, blocks: dict, dump: str, chip) -> dict
     steps = rows * p["kv_heads"] * q_blocks * kv_blocks
     kernel_s = (steps * steady + rows * p["kv_heads"] * q_blocks * once) / chip.clock_hz \
         + steps * tpu_aot.GRID_STEP_SECONDS
-    return dict(grid_steps=steps, kernel_ms=kernel_s * 1e3, note=note)
+    # Never less than its matmuls (Q K^T and P V over the padded blocks) at the MXUs' peak, as the
+    # paged kernel's estimate (tpu_estimate.mxu_cycles).
+    mxu_s = 4 * steps * blocks["block_q"] * blocks["block_kv"] * p["head_dim"] / chip.bf16_flops
+    return dict(grid_steps=steps, kernel_ms=max(kernel_s, mxu_s) * 1e3, note=note)
 
 
 # ------------------------------------------------------------------------------------------------

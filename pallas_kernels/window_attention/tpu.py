@@ -52,6 +52,11 @@ class Blocks:
         lanes of ones, so ``P @ [V | 1]`` also gives every lane the row sum) instead of 128-lane
         partial sums on the VPU; taken only where ``head_dim`` is a multiple of 128. It pays where
         the MXU is wider than ``head_dim`` (v6e's 256) and the VPU binds the softmax.
+      fixed_row_max: whether a grid step takes every exponential against each row's maximum over
+        its first key chunk (the chunk's own first keys), held fixed: no running maximum and no
+        rescale. A step whose sums or outputs are not finite (a later key's logit beyond that
+        maximum by about 128 in base 2) is computed again with the online softmax. Taken only where
+        the tail has a whole compute chunk.
     """
 
     block_q: int
@@ -59,6 +64,7 @@ class Blocks:
     block_kv_compute: int
     keys_per_block: int
     mxu_row_sums: bool = False
+    fixed_row_max: bool = False
 
 
 TUNED_BLOCKS = {
@@ -70,9 +76,10 @@ TUNED_BLOCKS = {
     # and 2352-row query blocks (1.42; block_kv_compute 512 or 768: 1.56, 1.66); then the
     # remainders and the tail's pooled into one chunk per grid step (v5e 2.91 -> 2.89, v6e 1.42
     # -> 1.38; a single 4688-row query block with 768-key chunks: v6e 1.52).
-    "v5e": Blocks(block_q=1568, block_q_compute=1568, block_kv_compute=512, keys_per_block=4680),
+    "v5e": Blocks(block_q=1568, block_q_compute=1568, block_kv_compute=512, keys_per_block=4680,
+                  fixed_row_max=True),
     "v6e": Blocks(block_q=2352, block_q_compute=2352, block_kv_compute=1536, keys_per_block=4680,
-                  mxu_row_sums=True),
+                  mxu_row_sums=True, fixed_row_max=True),
 }
 """Default block sizes per generation (chosen from compiler bundle counts, ``benchmarks/tpu_compile.py``)."""
 MAX_UNROLLED_TAIL_CHUNKS = 16
@@ -160,6 +167,7 @@ class Plan:
     pages_per_chunk: int  # > 0: chunks of whole pages; 0: pieces of one page.
     tail_pad: int
     mxu_row_sums: bool = False
+    fixed_row_max: bool = False
 
     @property
     def q_pad(self) -> int:
@@ -196,7 +204,8 @@ def make_plan(geom: Geometry, blocks: Blocks) -> Plan:
     full, rest = divmod(geom.tail_len, bkc)
     tail_pad = full * bkc + _round_up(rest, sub)
     mxu_row_sums = blocks.mxu_row_sums and geom.head_dim % LANES == 0
-    return Plan(block_q, num_q_blocks, bqc, bkc, per_block, per_chunk, tail_pad, mxu_row_sums)
+    return Plan(block_q, num_q_blocks, bqc, bkc, per_block, per_chunk, tail_pad, mxu_row_sums,
+                blocks.fixed_row_max and full > 0)
 
 
 def vmem_estimate_bytes(geom: Geometry, plan: Plan) -> int:
@@ -295,7 +304,7 @@ def window_attention(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, layer=0
                      extra_v=None, scale=None, tokens_per_frame=None, rope=None, qk_norm=None,
                      generation=None,
                      block_q=None, block_q_compute=None, block_kv_compute=None,
-                     keys_per_block=None, mxu_row_sums=None, interpret: Any = False):
+                     keys_per_block=None, mxu_row_sums=None, fixed_row_max=None, interpret: Any = False):
     """The TPU kernel with every tiling knob (the dispatcher exposes ``block_q``/``block_k``).
 
     Args:
@@ -304,8 +313,8 @@ def window_attention(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, layer=0
         :func:`pallas_kernels.layout.pool_shape`, plain or :class:`QuantizedPool` s).
       generation: ``"v5e"`` or ``"v6e"``: which :data:`TUNED_BLOCKS` row and VMEM budget; default
         the default device's generation, ``"v5e"`` off TPU.
-      block_q, block_q_compute, block_kv_compute, keys_per_block, mxu_row_sums: override the
-        tuned :class:`Blocks` fields.
+      block_q, block_q_compute, block_kv_compute, keys_per_block, mxu_row_sums, fixed_row_max:
+        override the tuned :class:`Blocks` fields.
       interpret: ``pl.pallas_call``'s ``interpret`` (False compiles for TPU; True or a
         ``pltpu.InterpretParams`` runs on the CPU).
 
@@ -329,7 +338,7 @@ def window_attention(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, *, layer=0
                                                 block_q_compute=block_q_compute,
                                                 block_kv_compute=block_kv_compute,
                                                 keys_per_block=keys_per_block,
-                                                mxu_row_sums=mxu_row_sums)
+                                                mxu_row_sums=mxu_row_sums, fixed_row_max=fixed_row_max)
     return _window_attention(q, k_cur, v_cur, extra_k, extra_v, k_pool, v_pool, pages, lengths,
                              jnp.asarray(layer, jnp.int32), _tuple(rope), _tuple(qk_norm), geom=geom,
                              plan=plan, scale=scale, vmem_limit=vmem_limit, interpret=interpret)
@@ -412,7 +421,7 @@ def resolve_blocks(generation: str, **overrides) -> Blocks:
     multiples = dict(block_q=8, block_q_compute=8, keys_per_block=8, block_kv_compute=LANES)
     return Blocks(**{name: require_int(name, getattr(blocks, name), minimum=m, multiple_of=m,
                                        must=f"a positive multiple of {m}") for name, m in multiples.items()},
-                  mxu_row_sums=bool(blocks.mxu_row_sums))
+                  mxu_row_sums=bool(blocks.mxu_row_sums), fixed_row_max=bool(blocks.fixed_row_max))
 
 
 def _vmem_limit(estimate: int, generation: str) -> int:
@@ -565,9 +574,10 @@ def _kernel(table_ref, nvis_ref, len_ref, layer_ref, q_in, kt_ref, vt_ref, k_hbm
     if plan.mxu_row_sums or geom.rotates or pooled_tail:
         pl.when(pl.program_id(2) == 0)(first_query_block)
 
-    def update(k, v, masks=None, first=False):
-        """Online-softmax update of every query sub-block with one chunk of keys ``k``/``v``; the
-        ``first`` of a grid step sets the statistics and the accumulator instead."""
+    def update(k, v, masks=None, first=False, fixed=False):
+        """Softmax update of every query sub-block with one chunk of keys ``k``/``v``: online, or
+        against the rows' maxima held ``fixed`` (:attr:`Blocks.fixed_row_max`); the ``first`` of
+        a pass sets the statistics and the accumulator instead."""
         n = k.shape[0]
         if masks is not None:
             v = jnp.where(masks[1], v, jnp.zeros_like(v))
@@ -578,14 +588,16 @@ def _kernel(table_ref, nvis_ref, len_ref, layer_ref, q_in, kt_ref, vt_ref, k_hbm
                                 preferred_element_type=jnp.float32)
             if masks is not None:
                 s = jnp.where(masks[0], s, MASK_VALUE)
-            row_max = jnp.max(s, axis=1, keepdims=True)
             if first:
-                m_next = jnp.broadcast_to(row_max, (bqc, LANES))
+                m_next = jnp.broadcast_to(jnp.max(s, axis=1, keepdims=True), (bqc, LANES))
+            elif fixed:
+                m_next = m_ref[rows_]
             else:
                 m_prev = m_ref[rows_]
-                m_next = jnp.maximum(m_prev, row_max)
+                m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
             p = jnp.exp2(s - _lanes(m_next, n))
-            m_ref[rows_] = m_next
+            if first or not fixed:
+                m_ref[rows_] = m_next
             pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
                                  precision=precision, preferred_element_type=jnp.float32)
             if plan.mxu_row_sums:  # Lanes d: of P @ [V | 1] hold the row sum on every lane.
@@ -594,6 +606,9 @@ def _kernel(table_ref, nvis_ref, len_ref, layer_ref, q_in, kt_ref, vt_ref, k_hbm
                 sums = _lane_partial_sums(p)
             if first:
                 l_ref[rows_], acc_ref[rows_] = sums, pv
+            elif fixed:
+                l_ref[rows_] += sums
+                acc_ref[rows_] += pv
             else:
                 alpha = jnp.exp2(m_prev - m_next)
                 l_ref[rows_] = alpha * l_ref[rows_] + sums
@@ -630,20 +645,22 @@ def _kernel(table_ref, nvis_ref, len_ref, layer_ref, q_in, kt_ref, vt_ref, k_hbm
         n = jnp.minimum(geom.tokens_per_frame - first, length - frame * geom.tokens_per_frame - first)
         return jnp.clip(n, 0, size)
 
-    def chunk(k, v, limits, sizes, known_full: bool):
+    def chunk(k, v, limits, sizes, known_full: bool, fixed: bool):
         """Computes one chunk of segments of ``sizes`` keys, ``limits`` of each valid: unmasked if
         every slot is valid, masked if some, skipped if none; where the caller knows every slot
         valid (``known_full``), unmasked in the caller's region, without the tests."""
         if known_full:
-            update(k(), v())
+            update(k(), v(), fixed=fixed)
             return
         full = functools.reduce(jnp.logical_and, [lim == n for lim, n in zip(limits, sizes)])
         some = functools.reduce(jnp.logical_or, [lim > 0 for lim in limits])
-        pl.when(full)(lambda: update(k(), v()))
+        pl.when(full)(lambda: update(k(), v(), fixed=fixed))
         pl.when(some & jnp.logical_not(full))(
-            lambda: update(k(), v(), _prefix_masks(sizes, limits)))
+            lambda: update(k(), v(), _prefix_masks(sizes, limits), fixed=fixed))
 
-    def history_block(block, carry):
+    def history_block(block, carry, fixed: bool, unroll: bool):
+        """One DMA block of the history; ``unroll``: a block of full pages computes its chunks in
+        one region."""
         slot = lax.rem(block, 2)
         pl.when(block + 1 < num_blocks)(lambda: for_block(block + 1, 1 - slot, "start"))
         for_block(block, slot, "wait")
@@ -674,7 +691,7 @@ def _kernel(table_ref, nvis_ref, len_ref, layer_ref, q_in, kt_ref, vt_ref, k_hbm
 
             def page_chunk(c, full: bool):
                 limits = [valid_slots(first + c * g + i) for i in range(g)]
-                chunk(lambda: pages(kbuf, 0, c), lambda: pages(vbuf, 1, c), limits, [size] * g, full)
+                chunk(lambda: pages(kbuf, 0, c), lambda: pages(vbuf, 1, c), limits, [size] * g, full, fixed)
 
             units = ppb // g
         else:
@@ -684,7 +701,7 @@ def _kernel(table_ref, nvis_ref, len_ref, layer_ref, q_in, kt_ref, vt_ref, k_hbm
                     n = min(bkc, body - start)
                     keys = pl.ds(start, n)
                     chunk(lambda keys=keys: load(kbuf, 0, i, keys), lambda keys=keys: load(vbuf, 1, i, keys),
-                          [jnp.clip(limit - start, 0, n)], [n], full)
+                          [jnp.clip(limit - start, 0, n)], [n], full, fixed)
                 if rest_rows:  # This page's remainder joins the pooled chunk.
                     at = pooled_tail + (first + i) * rest_rows
                     pooled = pl.ds(pl.multiple_of(at, geom.sublanes), rest)
@@ -697,6 +714,12 @@ def _kernel(table_ref, nvis_ref, len_ref, layer_ref, q_in, kt_ref, vt_ref, k_hbm
         # into one region, where the scheduler overlaps each chunk's last products with the next
         # chunk's first; a block with a partial or missing page takes them one by one, masked where
         # needed.
+        def one_by_one():
+            lax.fori_loop(0, units, lambda unit, carry: (page_chunk(unit, False), carry)[1], 0)
+
+        if not unroll:
+            one_by_one()
+            return carry
         full = functools.reduce(jnp.logical_and, [valid_slots(first + i) == size for i in range(ppb)])
 
         @pl.when(full)
@@ -704,13 +727,10 @@ def _kernel(table_ref, nvis_ref, len_ref, layer_ref, q_in, kt_ref, vt_ref, k_hbm
             for unit in range(units):
                 page_chunk(unit, True)
 
-        @pl.when(jnp.logical_not(full))
-        def _():
-            lax.fori_loop(0, units, lambda unit, carry: (page_chunk(unit, False), carry)[1], 0)
-
+        pl.when(jnp.logical_not(full))(one_by_one)
         return carry
 
-    def pooled_chunks():
+    def pooled_chunks(fixed: bool):
         """The pooled chunk's pieces (:func:`pooled_pieces`), each masked: the tail's segment
         valid in its first ``tail_len % block_kv_compute`` rows, each entry's in its remainder's
         valid slots (none past the visible pages)."""
@@ -722,43 +742,69 @@ def _kernel(table_ref, nvis_ref, len_ref, layer_ref, q_in, kt_ref, vt_ref, k_hbm
             keys = pl.ds(start, sum(sizes))
             some = functools.reduce(jnp.logical_or, [jnp.asarray(lim) > 0 for lim in limits])
             pl.when(some)(lambda keys=keys, limits=limits, sizes=sizes: update(
-                k_rest[keys], v_rest[keys], _prefix_masks(sizes, limits)))
+                k_rest[keys], v_rest[keys], _prefix_masks(sizes, limits), fixed=fixed))
             start += sum(sizes)
 
+    def start_history():
+        pl.when(num_blocks > 0)(lambda: for_block(0, 0, "start"))
+
+    def tail_chunk(c, carry, fixed: bool):
+        keys = pl.ds(pl.multiple_of(c * bkc, bkc), bkc)
+        update(k_tail[keys], v_tail[keys], fixed=fixed)
+        return carry
+
+    def attend(fixed: bool, unroll: bool):
+        """One pass over every key: the tail's whole chunks first (they hide the first history
+        block's DMAs, started by the caller), then the history, then the pooled chunk. A computed
+        chunk has a valid key for every row, so every row's maximum is real from its first update
+        on. ``unroll``: the tail's whole chunks and a block of full pages in one region each."""
+        if full_tail:  # The first sets the statistics and the accumulator.
+            update(k_tail[pl.ds(0, bkc)], v_tail[pl.ds(0, bkc)], first=True)
+            lax.fori_loop(1, full_tail, functools.partial(tail_chunk, fixed=fixed), 0,
+                          unroll=unroll and full_tail <= MAX_UNROLLED_TAIL_CHUNKS)
+        else:
+            m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
+            l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+            acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+        if plan.tail_pad > full_tail * bkc and not pooled_tail:
+            n = plan.tail_pad - full_tail * bkc
+            keys = pl.ds(full_tail * bkc, n)
+            update(k_tail[keys], v_tail[keys], None if tail_valid == n else _prefix_masks([n], [tail_valid]),
+                   fixed=fixed)
+        lax.fori_loop(0, num_blocks, functools.partial(history_block, fixed=fixed, unroll=unroll), 0)
+        if rest_rows:
+            pooled_chunks(fixed)
+
+    def normalize():
+        """Writes the output; returns the float32 output and the row sums."""
+        # Every lane holds the row sum (mxu_row_sums), or a partial sum.
+        l_row = l_ref[...] if plan.mxu_row_sums else jnp.sum(l_ref[...], axis=1, keepdims=True)
+        out = acc_ref[...] / _lanes(l_row, d)
+        o_ref[...] = out.astype(o_ref.dtype).reshape(o_ref.shape)
+        return out, l_row
+
     # The first history block's DMAs run while the queries are scaled and the tail is computed.
-    pl.when(num_blocks > 0)(lambda: for_block(0, 0, "start"))
+    start_history()
     q = q_in[...].reshape(q_ref.shape)
     if geom.rotates:
         own = pl.ds(pl.multiple_of(pl.program_id(2) * plan.block_q, plan.block_q), plan.block_q)
         q = rotate_rows(q, q_tables[0][own], q_tables[1][own], gains[0][...] if geom.normalizes else None)
     q_ref[...] = (q.astype(jnp.float32) * q_scale).astype(q_ref.dtype)
-    # The tail's whole chunks first (they hide the first history block's DMAs), then the history,
-    # then the pooled chunk. A computed chunk has a valid key for every row, so every row's
-    # running max is real from its first update on.
+    attend(plan.fixed_row_max, unroll=True)
+    out, l_row = normalize()
+    if plan.fixed_row_max:
+        # Against a fixed maximum a later logit beyond it by about 128 (base 2) overflows; the
+        # sums or outputs then are not finite (x * 0 is 0 exactly for finite x), and the step is
+        # computed again with the online softmax.
+        overflow = jnp.sum(out * 0.0) + jnp.sum(l_row * 0.0) != 0.0
 
-    def tail_chunk(c, carry):
-        keys = pl.ds(pl.multiple_of(c * bkc, bkc), bkc)
-        update(k_tail[keys], v_tail[keys])
-        return carry
+        def again(i, carry):
+            start_history()
+            attend(False, unroll=False)
+            normalize()
+            return carry
 
-    if full_tail:  # The first sets the statistics and the accumulator.
-        update(k_tail[pl.ds(0, bkc)], v_tail[pl.ds(0, bkc)], first=True)
-        lax.fori_loop(1, full_tail, tail_chunk, 0, unroll=full_tail <= MAX_UNROLLED_TAIL_CHUNKS)
-    else:
-        m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
-        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
-        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
-    if plan.tail_pad > full_tail * bkc and not pooled_tail:
-        n = plan.tail_pad - full_tail * bkc
-        keys = pl.ds(full_tail * bkc, n)
-        update(k_tail[keys], v_tail[keys], None if tail_valid == n else _prefix_masks([n], [tail_valid]))
-
-    lax.fori_loop(0, num_blocks, history_block, 0)
-    if rest_rows:
-        pooled_chunks()
-    # Every lane holds the row sum (mxu_row_sums), or a partial sum.
-    l_row = l_ref[...] if plan.mxu_row_sums else jnp.sum(l_ref[...], axis=1, keepdims=True)
-    o_ref[...] = (acc_ref[...] / _lanes(l_row, d)).astype(o_ref.dtype).reshape(o_ref.shape)
+        lax.fori_loop(0, overflow.astype(jnp.int32), again, 0)
 
 
 def _prologue_refs(refs, geom: Geometry):

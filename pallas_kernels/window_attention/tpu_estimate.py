@@ -3,7 +3,8 @@
 libtpu writes each Mosaic kernel's final bundles with ``--xla_jf_dump_llo_text``; counting the
 bundles of each loop body times its trip count, at the chip clock, plus
 :data:`~pallas_kernels.tpu_aot.GRID_STEP_SECONDS` per grid step, gives a time that assumes one
-bundle per cycle (no MXU latency stalls, no VMEM bank conflicts). The first history block's DMA of
+bundle per cycle (no MXU latency stalls, no VMEM bank conflicts), never less than the paged
+kernel's matmuls take at the MXUs' peak (:func:`mxu_cycles`). The first history block's DMA of
 each grid step is added where the current chunk's loops do not hide it; later blocks are prefetched
 behind compute. :func:`estimate` compiles one call in its own process (the dump flag must be set
 before libtpu starts) and prices it; the bundle parsing is shared with ``benchmarks/tpu_compile.py``.
@@ -120,6 +121,8 @@ def attention_cycles(tree, trips: dict, bundles) -> tuple[float, float, str]:
     rotations, :func:`_fast_own`), counts once per ``trips["q_blocks"]`` steps.
     """
     grid, sub, dma = tree[0], trips["sub_blocks"], trips["pages_per_block"]
+    if trips["retry"]:  # The online pass of an overflowing step, the grid loop's last loop, runs 0 times.
+        grid = dict(grid, children=[c for c in grid["children"] if c is not _last_mxu_loop(grid)])
 
     def cost(node, loop_trips: int, kind: str) -> float:
         kids = node["children"]
@@ -145,6 +148,10 @@ def attention_cycles(tree, trips: dict, bundles) -> tuple[float, float, str]:
             f"{trips['blocks']} history blocks of {hist / max(trips['blocks'], 1):.0f} bundles "
             f"({trips['pages_per_block']} full pages each; {sub} sub-block(s)); the tail's chunks {tail_cycles:.0f}")
     return rest + tail_loops + hist, tail_cycles, note
+
+
+def _last_mxu_loop(node) -> dict:
+    return [c for c in node["children"] if _with_mxu(c)][-1]
 
 
 def _segments(bundles, node) -> list[list[int]]:
@@ -213,9 +220,22 @@ def loop_trips(geom, plan) -> dict:
     (:class:`~pallas_kernels.window_attention.tpu.Geometry`) tiled by ``plan``."""
     # A tail-chunk loop (a tail too long to unroll) computes the tail's whole chunks after the first.
     return dict(full_tail=max(geom.tail_len // plan.block_kv_compute - 1, 0), pages_per_block=plan.pages_per_block,
+                retry=plan.fixed_row_max,
                 q_blocks=plan.num_q_blocks,
                 sub_blocks=geom.group * plan.block_q // plan.block_q_compute,
                 blocks=-(-geom.max_pages // plan.pages_per_block))
+
+
+def mxu_cycles(geom, plan, chip) -> float:
+    """Cycles of one grid step's matmuls at the MXUs' peak rate (``chip.bf16_flops``), every page
+    full: ``Q K^T`` and ``P V`` (V widened by its ones under ``mxu_row_sums``) over the step's
+    padded query rows and every key slot. One bundle a cycle undercounts where matmul pushes
+    queue behind a busy MXU, so this floors the bundle count."""
+    from pallas_kernels.window_attention import tpu as twa
+
+    keys = plan.tail_pad + geom.max_pages * geom.block_size
+    flops = 2 * geom.group * plan.block_q * keys * (geom.head_dim + twa.plan_v_lanes(geom, plan))
+    return flops / (chip.bf16_flops / chip.clock_hz)
 
 
 def estimate_from_dump(geom: WindowGeometry, dtype: str, generation: str, dump_dir: str,
@@ -235,6 +255,10 @@ def estimate_from_dump(geom: WindowGeometry, dtype: str, generation: str, dump_d
     geom, plan, _ = twa.plan_rotating_call(twa.Geometry.of(geom, dtype, kv_dtype, rope, qk_norm), generation)
     bundles = parse_bundles(kernel_dump(dump_dir, "window_attention_tpu"))
     per_step, tail, note = attention_cycles(loop_tree(bundles), loop_trips(geom, plan), bundles)
+    floor = mxu_cycles(geom, plan, chip)
+    if floor > per_step:
+        note += f"; MXU-bound: {floor:.0f} cycles/step of matmuls over {per_step:.0f} bundles"
+        per_step = floor
     steps = geom.rows * geom.kv_heads * plan.num_q_blocks
     first = 2 * min(plan.pages_per_block, geom.max_pages) * geom.block_size * geom.head_dim * geom.kv_itemsize
     exposed = max(0.0, first / chip.hbm_bytes_per_s - tail / chip.clock_hz)

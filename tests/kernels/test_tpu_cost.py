@@ -170,10 +170,18 @@ def test_a_history_block_of_full_pages_counts_its_own_region():
                + region(7, "vmatmul", 3, "LB") + region(9, "vmatmul vsel", 3)  # page loop
                + region(4, "vmatmul vsel", 1) + region(1, "vst", 1))  # pooled chunk, output
     tree = tpu_estimate.loop_tree(bundles)
-    trips = dict(sub_blocks=1, pages_per_block=3, q_blocks=2, full_tail=0, blocks=3)
+    trips = dict(sub_blocks=1, pages_per_block=3, q_blocks=2, full_tail=0, blocks=3, retry=False)
     cycles, tail, _ = tpu_estimate.attention_cycles(tree, trips, bundles)
     assert tail == 10
     assert cycles == (2 + 10 + 4 + 1) + 3 * (3 + 20)
+
+    # With fixed row maxima the grid loop ends with the overflow check and the online pass, a loop
+    # of 0 trips unless a step overflows: the check counts, the pass does not.
+    retry = (region(6, "vadd", 1) + region(2, "sadd", 2, "LB") + region(30, "vmatmul", 2)
+             + region(5, "sld", 3, "LB") + region(40, "vmatmul", 3))
+    tree = tpu_estimate.loop_tree(bundles + retry)
+    cycles, tail, _ = tpu_estimate.attention_cycles(tree, dict(trips, retry=True), bundles + retry)
+    assert (cycles, tail) == ((2 + 10 + 4 + 1 + 6) + 3 * (3 + 20), 10)
 
 
 @pytest.mark.slow

@@ -338,6 +338,68 @@ def test_wan_pools_its_remainders_into_one_chunk():
         assert len(tpu.pooled_pieces(geom, plan)) == 1
 
 
+def overflowing_case():
+    """Three rows of 144-token frames (the tail a whole 128-key chunk and more) whose second row's
+    sink page holds keys 60 times larger: that row's history logits exceed the maximum of its
+    first key chunk by far more than 128 (base 2), which a fixed maximum cannot take."""
+    window = Window(sink=1, recent=2, tokens_per_frame=144, block=144)
+    case, owned = make_case(committed=(3, 5, 0), window=window, extra=3, num_q_heads=KV_HEADS)
+    page = int(case["pages"][1, 0])
+    case["k_pool"] = jnp.where(page_mask(jnp.arange(NUM_PAGES) == page), 60 * case["k_pool"], case["k_pool"])
+    q = np.asarray(case["q"][1], np.float64) * HEAD_DIM ** -0.5 / np.log(2)  # Logits in base 2.
+    first = np.einsum("thd,shd->hts", q, np.asarray(case["k_cur"][1, :128], np.float64)).max(-1)
+    sink = np.einsum("thd,hsd->hts", q, np.asarray(case["k_pool"][case["layer"], :, page], np.float64)).max(-1)
+    assert (sink - first).max() > 200
+    return case, owned
+
+
+def check_overflowing(out, case):
+    """``out`` against the reference: the overflowing row's logits of about 400 carry float32
+    rounding of about 400 * 2**-24 each, hence its looser tolerance."""
+    want, out = np.asarray(window_attention_reference(**case)), np.asarray(out)
+    np.testing.assert_allclose(out[1], want[1], atol=2e-4, rtol=2e-4)
+    np.testing.assert_allclose(out[::2], want[::2], atol=TOLERANCE[jnp.float32], rtol=TOLERANCE[jnp.float32])
+
+
+FIXED_TILES = dict(block_q=32, block_q_compute=32, block_kv_compute=128, keys_per_block=2 * 144)
+
+
+@pytest.mark.parametrize("generation", ["v5e", "v6e"])
+def test_a_step_that_overflows_its_fixed_maxima_is_computed_again_online(generation):
+    """With fixed row maxima (both chips' tuning; v6e's takes the row sums from the MXU) a step
+    whose exponentials overflow is computed again with the online softmax: the overflowing row's
+    output is the online softmax's, bit for bit, and every row matches the reference, with NaN
+    wherever no row may look; the other rows' steps keep their fixed maxima."""
+    case, owned = overflowing_case()
+    geom = tpu.Geometry.of(check_arrays(**case), jnp.float32)
+    plan = tpu.plan_call(geom, generation, **FIXED_TILES)[0]
+    assert plan.fixed_row_max and plan.mxu_row_sums == (generation == "v6e")
+    out, online = (np.asarray(window_attention(**poisoned(case, owned), interpret=True, generation=generation,
+                                               fixed_row_max=fixed, **FIXED_TILES)) for fixed in (True, False))
+    np.testing.assert_array_equal(out[1], online[1])
+    check_overflowing(out, case)
+
+
+def test_fixed_row_maxima_need_a_whole_first_chunk():
+    """The fixed maxima are each row's over the tail's first compute chunk: a tail shorter than a
+    chunk keeps the online softmax."""
+    case, _ = make_case(window=Window(tokens_per_frame=120, block=120), num_q_heads=KV_HEADS)
+    geom = tpu.Geometry.of(check_arrays(**case), jnp.float32)
+    assert not tpu.plan_call(geom, "v5e", block_kv_compute=128)[0].fixed_row_max
+    case, _ = make_case(window=Window(tokens_per_frame=128, block=128), num_q_heads=KV_HEADS)
+    geom = tpu.Geometry.of(check_arrays(**case), jnp.float32)
+    assert tpu.plan_call(geom, "v5e", block_kv_compute=128)[0].fixed_row_max
+
+
+@pytest.mark.slow
+def test_the_online_pass_again_under_the_simulator():
+    """The overflowing step's second pass under the TPU simulator: its page DMAs are issued again
+    into buffers the first pass used, without a race; no read out of bounds."""
+    case, owned = overflowing_case()
+    check_overflowing(window_attention(**poisoned(case, owned), interpret=tpu_simulator_params(), **FIXED_TILES),
+                      case)
+
+
 @pytest.mark.slow
 def test_simulator_races_and_oob():
     """The TPU simulator: DMAs emulated, races detected, OOB reads raise, uninitialised VMEM NaN;
