@@ -75,7 +75,8 @@ TUNED_BLOCKS = {
     # 3.07 -> 2.89); on v6e the row sums on the MXU (1.66 -> 1.58), then pooled remainders (1.44)
     # and 2352-row query blocks (1.42; block_kv_compute 512 or 768: 1.56, 1.66); then the
     # remainders and the tail's pooled into one chunk per grid step (v5e 2.91 -> 2.89, v6e 1.42
-    # -> 1.38; a single 4688-row query block with 768-key chunks: v6e 1.52).
+    # -> 1.38; a single 4688-row query block with 768-key chunks: v6e 1.52); then fixed row
+    # maxima (v6e 1.32 -> 1.25; v5e 2.82 -> 2.76, its matmuls at peak).
     "v5e": Blocks(block_q=1568, block_q_compute=1568, block_kv_compute=512, keys_per_block=4680,
                   fixed_row_max=True),
     "v6e": Blocks(block_q=2352, block_q_compute=2352, block_kv_compute=1536, keys_per_block=4680,
