@@ -791,6 +791,16 @@ def _kernel(table_ref, nvis_ref, len_ref, layer_ref, q_in, kt_ref, vt_ref, k_hbm
         own = pl.ds(pl.multiple_of(pl.program_id(2) * plan.block_q, plan.block_q), plan.block_q)
         q = rotate_rows(q, q_tables[0][own], q_tables[1][own], gains[0][...] if geom.normalizes else None)
     q_ref[...] = (q.astype(jnp.float32) * q_scale).astype(q_ref.dtype)
+    real = geom.q_len - (plan.num_q_blocks - 1) * plan.block_q
+    if plan.fixed_row_max and real < plan.block_q:
+        # The last query block's rows past q_len hold unspecified queries (their outputs are
+        # dropped); zeros keep their sums and outputs finite for the overflow check.
+        @pl.when(pl.program_id(2) == plan.num_q_blocks - 1)
+        def _():
+            for g in range(geom.group):
+                q_ref[pl.ds(g * plan.block_q + real, plan.block_q - real)] = jnp.zeros(
+                    (plan.block_q - real, d), q_ref.dtype)
+
     attend(plan.fixed_row_max, unroll=True)
     out, l_row = normalize()
     if plan.fixed_row_max:

@@ -380,6 +380,19 @@ def test_a_step_that_overflows_its_fixed_maxima_is_computed_again_online(generat
     check_overflowing(out, case)
 
 
+def test_steps_that_do_not_overflow_keep_their_fixed_maxima():
+    """No step of a call without overflows is computed again, the last query block's too, whose
+    rows past ``q_len`` (147 queries in blocks of 32) hold unspecified queries (NaN in interpret
+    mode): every query block's output differs in its last bits from the online softmax's, which
+    rescales where a row's running maximum grows (a step computed again would equal it)."""
+    case, owned = make_case(committed=(3, 5, 0), window=Window(sink=1, recent=2, tokens_per_frame=144, block=144),
+                            extra=3, num_q_heads=KV_HEADS)
+    out, online = (np.asarray(window_attention(**poisoned(case, owned), interpret=True, fixed_row_max=fixed,
+                                               **FIXED_TILES)) for fixed in (True, False))
+    assert all((out[:, start:start + 32] != online[:, start:start + 32]).any() for start in range(0, 147, 32))
+    np.testing.assert_allclose(out, np.asarray(window_attention_reference(**case)), atol=2e-5, rtol=2e-5)
+
+
 def test_fixed_row_maxima_need_a_whole_first_chunk():
     """The fixed maxima are each row's over the tail's first compute chunk: a tail shorter than a
     chunk keeps the online softmax."""
