@@ -118,7 +118,9 @@ def attention_cycles(tree, trips: dict, bundles) -> tuple[float, float, str]:
     (``PF``, :func:`_fast_own`); with several it is a sub-block loop (``sub_blocks`` trips), a child
     without MXU loops of its own. Work a (row, head) does at its first query block only, the tail's
     rotation where the kernel rotates (the grid loop's segment without MXU ops and with lane
-    rotations, :func:`_fast_own`), counts once per ``trips["q_blocks"]`` steps.
+    rotations, :func:`_fast_own`), counts once per ``trips["q_blocks"]`` steps. Under fixed row
+    maxima (``trips["retry"]``) the grid loop's last loop with MXU ops is the online pass of a step
+    that overflowed, 0 trips otherwise, and is not counted; the overflow check before it is.
     """
     grid, sub, dma = tree[0], trips["sub_blocks"], trips["pages_per_block"]
     if trips["retry"]:  # The online pass of an overflowing step, the grid loop's last loop, runs 0 times.
