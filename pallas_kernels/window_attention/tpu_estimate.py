@@ -124,7 +124,8 @@ def attention_cycles(tree, trips: dict, bundles) -> tuple[float, float, str]:
     """
     grid, sub, dma = tree[0], trips["sub_blocks"], trips["pages_per_block"]
     if trips["retry"]:  # The online pass of an overflowing step, the grid loop's last loop, runs 0 times.
-        grid = dict(grid, children=[c for c in grid["children"] if c is not _last_mxu_loop(grid)])
+        online = [c for c in grid["children"] if _with_mxu(c)][-1]
+        grid = dict(grid, children=[c for c in grid["children"] if c is not online])
 
     def cost(node, loop_trips: int, kind: str) -> float:
         kids = node["children"]
@@ -150,10 +151,6 @@ def attention_cycles(tree, trips: dict, bundles) -> tuple[float, float, str]:
             f"{trips['blocks']} history blocks of {hist / max(trips['blocks'], 1):.0f} bundles "
             f"({trips['pages_per_block']} full pages each; {sub} sub-block(s)); the tail's chunks {tail_cycles:.0f}")
     return rest + tail_loops + hist, tail_cycles, note
-
-
-def _last_mxu_loop(node) -> dict:
-    return [c for c in node["children"] if _with_mxu(c)][-1]
 
 
 def _segments(bundles, node) -> list[list[int]]:

@@ -338,12 +338,21 @@ def test_wan_pools_its_remainders_into_one_chunk():
         assert len(tpu.pooled_pieces(geom, plan)) == 1
 
 
+FIXED_TILES = dict(block_q=32, block_q_compute=32, block_kv_compute=128, keys_per_block=2 * 144)
+
+
+def fixed_case():
+    """Three rows of 144-token frames: the tail (the chunk and 3 extras) a whole 128-key chunk and
+    more, so the kernel takes fixed row maxima under :data:`FIXED_TILES`."""
+    return make_case(committed=(3, 5, 0), window=Window(sink=1, recent=2, tokens_per_frame=144, block=144),
+                     extra=3, num_q_heads=KV_HEADS)
+
+
 def overflowing_case():
-    """Three rows of 144-token frames (the tail a whole 128-key chunk and more) whose second row's
-    sink page holds keys 60 times larger: that row's history logits exceed the maximum of its
-    first key chunk by far more than 128 (base 2), which a fixed maximum cannot take."""
-    window = Window(sink=1, recent=2, tokens_per_frame=144, block=144)
-    case, owned = make_case(committed=(3, 5, 0), window=window, extra=3, num_q_heads=KV_HEADS)
+    """:func:`fixed_case` whose second row's sink page holds keys 60 times larger: that row's
+    history logits exceed the maximum of its first key chunk by far more than 128 (base 2), which
+    a fixed maximum cannot take."""
+    case, owned = fixed_case()
     page = int(case["pages"][1, 0])
     case["k_pool"] = jnp.where(page_mask(jnp.arange(NUM_PAGES) == page), 60 * case["k_pool"], case["k_pool"])
     q = np.asarray(case["q"][1], np.float64) * HEAD_DIM ** -0.5 / np.log(2)  # Logits in base 2.
@@ -359,9 +368,6 @@ def check_overflowing(out, case):
     want, out = np.asarray(window_attention_reference(**case)), np.asarray(out)
     np.testing.assert_allclose(out[1], want[1], atol=2e-4, rtol=2e-4)
     np.testing.assert_allclose(out[::2], want[::2], atol=TOLERANCE[jnp.float32], rtol=TOLERANCE[jnp.float32])
-
-
-FIXED_TILES = dict(block_q=32, block_q_compute=32, block_kv_compute=128, keys_per_block=2 * 144)
 
 
 @pytest.mark.parametrize("generation", ["v5e", "v6e"])
@@ -385,12 +391,12 @@ def test_steps_that_do_not_overflow_keep_their_fixed_maxima():
     rows past ``q_len`` (147 queries in blocks of 32) hold unspecified queries (NaN in interpret
     mode): every query block's output differs in its last bits from the online softmax's, which
     rescales where a row's running maximum grows (a step computed again would equal it)."""
-    case, owned = make_case(committed=(3, 5, 0), window=Window(sink=1, recent=2, tokens_per_frame=144, block=144),
-                            extra=3, num_q_heads=KV_HEADS)
+    case, owned = fixed_case()
     out, online = (np.asarray(window_attention(**poisoned(case, owned), interpret=True, fixed_row_max=fixed,
                                                **FIXED_TILES)) for fixed in (True, False))
     assert all((out[:, start:start + 32] != online[:, start:start + 32]).any() for start in range(0, 147, 32))
-    np.testing.assert_allclose(out, np.asarray(window_attention_reference(**case)), atol=2e-5, rtol=2e-5)
+    tol = TOLERANCE[jnp.float32]
+    np.testing.assert_allclose(out, np.asarray(window_attention_reference(**case)), atol=tol, rtol=tol)
 
 
 def test_fixed_row_maxima_need_a_whole_first_chunk():
