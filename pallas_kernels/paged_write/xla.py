@@ -4,16 +4,15 @@ A ``fori_loop`` over the page ids: each step writes one whole page of every laye
 with a ``dynamic_update_slice`` under ``lax.cond`` (id 0 skips), transposing the token-major page
 inside the loop body and building a frame's padded last page there. 16-bit pools move as uint16
 bits, bitcast inside the body. A quantized pool (:class:`pallas_kernels.layout.QuantizedPool`)
-gets every page's scales (one per layer and head) from one reduction over the whole chunk before
-the loop (:func:`page_scales`; padding slots are zeros and do not move a scale), and each page is
-quantized with them in the body (the values and scales of
-:func:`pallas_kernels.layout.quantize_pages`, bit for bit, the values computed as uint8 bits by
-:func:`pallas_kernels.quantization.to_stored_bits`: XLA:CPU converts to 8-bit types and updates
-float8 arrays in place far slower) and scales are written in place the same
+gets each page's scales (one per layer and head) from a reduction over that page in the body
+(padding slots are zeros and do not move a scale), and the page is quantized with them there (the
+values and scales of :func:`pallas_kernels.layout.quantize_pages`, bit for bit, the values computed
+as uint8 bits by :func:`pallas_kernels.quantization.to_stored_bits`: XLA:CPU converts to 8-bit
+types and updates float8 arrays in place far slower) and scales are written in place the same
 way. Semantics and shapes:
 :func:`pallas_kernels.paged_write.write_chunk`;
-why a loop and not a scatter, and the other choices measured on CPU: ``docs/kernels.md`` (Paged
-chunk write).
+why a loop and not a scatter, why the scales are reduced per page, and the other choices measured
+on CPU: ``docs/kernels.md`` (Paged chunk write; Quantized pages).
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.layout import PAGE_AXIS, QuantizedPool, from_token_major, is_quantized_pool, pool_geometry
-from pallas_kernels.quantization import inverse_of, scale_of, to_stored_bits
+from pallas_kernels.quantization import inverse_of, largest_magnitude, scale_of, to_stored_bits
 
 
 def write_chunk(k_pool, v_pool, k_frames, v_frames, ids, ppf: int):
@@ -40,23 +39,23 @@ def write_chunk(k_pool, v_pool, k_frames, v_frames, ids, ppf: int):
     kv_heads, head_dim = pool.kv_heads, pool.head_dim
     last_tokens = k_frames.shape[2] - (ppf - 1) * block_size
     chunk = (k_frames, v_frames)
-    scales = [page_scales(f, ppf, block_size, k_pool.dtype) if quantized else None for f in chunk]
     # Page index i >= 0: lax.div/rem (truncating) equal // and %, without their sign fix-ups.
 
-    def page_at(frames, frame_scales, i):
+    def page_at(frames, i):
         """Page ``i`` of the chunk in the pool's layout (one page of every layer and head), raw
-        bits, zero-padded if a frame's last; quantized with its ``frame_scales`` (a one-page
+        bits, zero-padded if a frame's last; quantized with its own scales (a one-page
         ``QuantizedPool``) for a quantized pool."""
-        page = from_token_major(token_page_at(frames, i))
+        token_page = token_page_at(frames, i)
         if not quantized:
-            return page
-        scale = lax.dynamic_slice_in_dim(frame_scales, i, 1, axis=1).transpose(0, 2, 1)  # [L, H, 1]
+            return from_token_major(token_page)
+        scale = scale_of(largest_magnitude(token_page, axes=(1, 2, 4)), k_pool.dtype)[..., None]
         # Values as raw bits: XLA:CPU converts to and moves float8 very slowly.
-        return QuantizedPool(to_stored_bits(page.astype(jnp.float32), inverse_of(scale)[..., None, None],
-                                            k_pool.dtype), scale)
+        values = from_token_major(token_page).astype(jnp.float32)
+        return QuantizedPool(to_stored_bits(values, inverse_of(scale)[..., None, None], k_pool.dtype),
+                             scale)
 
     def token_page_at(frames, i):
-        """Page ``i`` of the chunk, ``[L, 1, S, H, D]`` (raw bits unless quantized)."""
+        """Page ``i`` of the chunk, ``[L, 1, S, H, D]`` (raw bits for a 16-bit chunk)."""
         frame, j = lax.div(i, ppf), lax.rem(i, ppf)
         if frames.dtype.itemsize == 2 and not quantized:
             frames = lax.bitcast_convert_type(frames, jnp.uint16)
@@ -75,27 +74,10 @@ def write_chunk(k_pool, v_pool, k_frames, v_frames, ids, ppf: int):
 
     def body(i, pools):
         def write(pools):
-            return tuple(_put_page(pool, page_at(frames, frame_scales, i), ids[i])
-                         for pool, frames, frame_scales in zip(pools, chunk, scales))
+            return tuple(_put_page(pool, page_at(frames, i), ids[i]) for pool, frames in zip(pools, chunk))
         return lax.cond(ids[i] != 0, write, lambda pools: pools, pools)
 
     return lax.fori_loop(0, ids.shape[0], body, (k_pool, v_pool))
-
-
-def page_scales(frames: jax.Array, ppf: int, block_size: int, dtype) -> jax.Array:
-    """float32 ``[L, R * F * ppf, H]``: the scale of every page of a chunk ``frames`` ``[L, R * F,
-    T, H, D]`` (``ppf`` pages of ``block_size`` slots per frame, a frame's last page zero-padded)
-    for storage ``dtype``, from one reduction: the largest magnitude of each (layer, page, head)
-    (:func:`pallas_kernels.quantization.scale_of`), as
-    :func:`pallas_kernels.layout.quantize_pages` computes it page by page."""
-    layers, frame_count, tokens, heads, head_dim = frames.shape
-    # Over D on the tokens as one axis: reduced through the [L, R * F, T] view (itself a reshape of
-    # the caller's [L, R, F * T]), XLA:CPU's loop is about 10x slower.
-    amax = jnp.max(jnp.abs(frames.reshape(layers, -1, heads, head_dim).astype(jnp.float32)), axis=-1)
-    amax = jnp.pad(amax.reshape(layers, frame_count, tokens, heads),
-                   ((0, 0), (0, 0), (0, ppf * block_size - tokens), (0, 0)))
-    amax = jnp.max(amax.reshape(layers, frame_count, ppf, block_size, heads), axis=3)
-    return scale_of(amax.reshape(layers, frame_count * ppf, heads), dtype)
 
 
 def _put_page(pool, page, page_id: jax.Array):

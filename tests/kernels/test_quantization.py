@@ -14,6 +14,7 @@ from pallas_kernels.quantization import (
     SCALE_DTYPE,
     dequantize,
     is_quantized,
+    largest_magnitude,
     max_value,
     quantize,
     to_stored,
@@ -50,6 +51,22 @@ def test_round_trip_error_is_bounded_by_the_step(dtype):
     assert err.max() > 0  # it does quantize
     # The maximum of each group is stored exactly at the range's end.
     assert np.all(np.abs(np.asarray(stored.astype(jnp.float32))).max(axis=axes) == MAX_VALUES[dtype])
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_largest_magnitude_is_the_absolute_maximum_bit_for_bit(dtype):
+    x = _values(2).astype(dtype)
+    x[0, 0, 0] = -np.abs(x[0, 0, 0])  # a group of negatives only: its maximum is below zero
+    x[0, 0, 1] = -0.0  # a group of negative zeros: +0.0, as |x| gives
+    x[0, 0, 2] = 0.0
+    x[1, 1, 3, 2, 5] = np.nan  # NaN anywhere in a group gives NaN
+    got = np.asarray(largest_magnitude(jnp.asarray(x), axes=(3, 4)))
+    want = np.abs(x.astype(np.float32)).max(axis=(3, 4))
+    assert got.dtype == np.float32
+    np.testing.assert_array_equal(got.view(np.uint32)[~np.isnan(want)],
+                                  want.view(np.uint32)[~np.isnan(want)])
+    assert np.isnan(got[1, 1, 3]) and np.isnan(got).sum() == 1
+    assert got[0, 0, 0] > 0
 
 
 @pytest.mark.parametrize("dtype", QUANTIZED_DTYPES)
