@@ -183,9 +183,8 @@ def to_stored_bits(x: jax.Array, inverse: jax.Array, dtype) -> jax.Array:
     units = lax.bitcast_convert_type(magnitude, jnp.float32) * np.float32(2.0 ** (bias - 1 + mantissa_bits))
     subnormal = lax.bitcast_convert_type(units + _ROUNDING_MAGIC, jnp.uint32) & 0xFF
     nan_bits = np.uint32(0x7F if name == "float8_e4m3fn" else 0x7E)
-    # Clipped, a finite magnitude's code is at most the largest finite one, below nan_bits; a NaN's
-    # is far above it, so the minimum gives the NaN code without a second comparison.
-    code = jnp.where(magnitude < min_normal_bits, subnormal, jnp.minimum(normal, nan_bits))
+    code = jnp.where(magnitude < min_normal_bits, subnormal,
+                     jnp.where(magnitude > 0x7F800000, nan_bits, normal))
     return (code | ((bits >> 24) & 0x80)).astype(jnp.uint8)
 
 
