@@ -49,13 +49,13 @@ def write_chunk(k_pool, v_pool, k_frames, v_frames, ids, ppf: int):
         if not quantized:
             return from_token_major(token_page)
         scale = scale_of(largest_magnitude(token_page, axes=(1, 2, 4)), k_pool.dtype)[..., None]
-        # Values as raw bits: XLA:CPU converts to and moves float8 very slowly.
         values = from_token_major(token_page).astype(jnp.float32)
+        # Values as raw bits: XLA:CPU converts to and moves float8 very slowly.
         return QuantizedPool(to_stored_bits(values, inverse_of(scale)[..., None, None], k_pool.dtype),
                              scale)
 
     def token_page_at(frames, i):
-        """Page ``i`` of the chunk, ``[L, 1, S, H, D]`` (raw bits for a 16-bit chunk)."""
+        """Page ``i`` of the chunk, ``[L, 1, S, H, D]`` (raw bits unless quantized)."""
         frame, j = lax.div(i, ppf), lax.rem(i, ppf)
         if frames.dtype.itemsize == 2 and not quantized:
             frames = lax.bitcast_convert_type(frames, jnp.uint16)
