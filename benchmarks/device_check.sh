@@ -12,50 +12,60 @@
 #    "cudnn_gather"): bit-identical writes, untouched pages, skipped ids, donation in place,
 #    attention against the reference with NaN-poisoned pages; the same for quantized pools (int8,
 #    fp8 e4m3fn and e5m2 pages: tests/kernels/test_quantized_pools.py and the quantized wide cases).
-# 3. benchmarks/gpu_window_attention.py --gpu: Mosaic GPU, Triton and cuDNN gather against cuDNN on
+# 3. benchmarks/generate.py --shape wan-1.3b: the product at its real shape, random weights: one
+#    Self-Forcing session (4 steps + commit) through Rollout.step() over the paged cache, then the
+#    streaming VAE decode of its chunk at 480x832; frames/s; then the DiT part over int8 pages
+#    against bf16 pages, stepped in turn.
+# 4. benchmarks/gpu_window_attention.py --gpu: Mosaic GPU, Triton and cuDNN gather against cuDNN on
 #    the same tokens held contiguously, Wan-1.3B shape, rows 1 and 4, TFLOP/s against the bf16 peak
 #    measured in the same run; Triton and cuDNN gather also over int8 and fp8 pages.
-# 4. benchmarks/paged_write.py --gpu at 128- and 1,664-token pages: the scatter write (auto), the
-#    Triton write and XLA's own scatter against a device-to-device copy; the Triton write and the
-#    scatter also into int8 and fp8 pages.
+# 5. benchmarks/paged_write.py --gpu at 1,664-token pages: the scatter write (auto), the Triton
+#    write and XLA's own scatter against a device-to-device copy; the Triton write and the scatter
+#    also into int8 and fp8 pages.
 #
-# Needs jax with CUDA, pytest, chex and numpy; not flax (nothing here imports arkv_jax). Timeouts:
-# 30 + 90 + 200 + 180 + 2 x 40 = 580 s, under 10 minutes. Everything goes to $OUT (default
-# ./device_check_out); the last lines of each log are printed at the end. On a machine without a
-# GPU the compiled tests are reported as skipped and the benchmarks refuse to run.
+# Needs jax with CUDA, flax, pytest, pytest-xdist, chex and numpy (the lent machine's image has
+# them). The compiled tests run in 6 processes that allocate GPU memory as they go; the
+# benchmarks share a persistent compilation cache in $TMPDIR (default /tmp). $PYTHON (default
+# python3) runs everything. Timeouts: 30 + 60 + 120 + 200 + 120 +
+# 40 = 570 s, under 10 minutes. Everything goes to $OUT (default ./device_check_out); the last
+# lines of each log are printed at the end. On a machine without a GPU the compiled tests are
+# reported as skipped and the benchmarks refuse to run (generate runs on the host: skip it there).
 set -u
+py="${PYTHON:-python3}"
 out="${OUT:-device_check_out}"
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 # tests/conftest.py keeps JAX on the host CPU unless JAX_PLATFORMS says otherwise.
 export JAX_PLATFORMS="${JAX_PLATFORMS:-cuda,cpu}"
 
-timeout 30 python -c "import jax, platform; print('jax', jax.__version__, 'python', \
-platform.python_version()); print(jax.devices()); print(jax.devices()[0].device_kind)" \
+timeout 30 "$py" -c "import jax, flax, platform; print('jax', jax.__version__, 'flax', flax.__version__, \
+'python', platform.python_version()); print(jax.devices()); print(jax.devices()[0].device_kind)" \
   > "$out/env.txt" 2>&1
 echo "exit status $?" >> "$out/env.txt"
 
-timeout 90 python -m pytest -p no:cacheprovider -rs -x tests/kernels/test_window_attention_gpu.py \
+timeout 60 "$py" -m pytest -p no:cacheprovider -rs -x tests/kernels/test_window_attention_gpu.py \
   -k "pallas_mgpu or mosaic_tilings_on_gpu" > "$out/tests_mosaic.txt" 2>&1
 echo "exit status $?" >> "$out/tests_mosaic.txt"
 
-timeout 200 python -m pytest -p no:cacheprovider -rs tests/kernels \
-  -k "(pallas_gpu or cudnn_gather) and not interpret and not cudnn_gather_xla" \
+XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 120 "$py" -m pytest -p no:cacheprovider -rs -n 6 \
+  tests/kernels -k "(pallas_gpu or cudnn_gather) and not interpret and not cudnn_gather_xla" \
   > "$out/tests_other.txt" 2>&1
 echo "exit status $?" >> "$out/tests_other.txt"
 
-timeout 180 python -m benchmarks.gpu_window_attention --gpu --reps 15 \
+export JAX_COMPILATION_CACHE_DIR="${TMPDIR:-/tmp}/arkv_jax_compile_cache"
+timeout 200 "$py" -m benchmarks.generate --shape wan-1.3b --sessions 1 --kv-dtype int8 \
+  > "$out/generate_wan.txt" 2>&1
+echo "exit status $?" >> "$out/generate_wan.txt"
+
+timeout 120 "$py" -m benchmarks.gpu_window_attention --gpu --reps 10 \
   > "$out/gpu_window_attention.txt" 2>&1
 echo "exit status $?" >> "$out/gpu_window_attention.txt"
 
-for block in 128 1664; do
-  timeout 40 python -m benchmarks.paged_write --gpu --block-size "$block" --rows 4 \
-    > "$out/paged_write_gpu_$block.txt" 2>&1
-  echo "exit status $?" >> "$out/paged_write_gpu_$block.txt"
-done
+timeout 40 "$py" -m benchmarks.paged_write --gpu --block-size 1664 --rows 4 \
+  > "$out/paged_write_gpu_1664.txt" 2>&1
+echo "exit status $?" >> "$out/paged_write_gpu_1664.txt"
 
-for log in env tests_mosaic tests_other gpu_window_attention paged_write_gpu_128 \
-    paged_write_gpu_1664; do
+for log in env tests_mosaic tests_other generate_wan gpu_window_attention paged_write_gpu_1664; do
   echo "== $log"
-  tail -n 8 "$out/$log.txt"
+  tail -n 12 "$out/$log.txt"
 done

@@ -219,3 +219,18 @@ def test_pipeline_compile_quick_plans_both_chips():
         assert 0 < chip["dit_fraction_of_peak"] < 1 and 0 < chip["vae_share_of_chunk"] < 1, (gen, chip)
         assert chip["plan_vs_compiled_bytes"] == pytest.approx(1.0, abs=0.05), (gen, chip)
         assert chip["text_seconds"] > 0 and chip["recache_seconds"] > 0, (gen, chip)
+
+
+def test_generate_wan_shape_is_the_pipeline_shape():
+    """``benchmarks.generate --shape wan-1.3b`` (run on a GPU by ``device_check.sh``) times the
+    generator ``arkv_jax.pipeline`` compiles: the same DiT, cache geometry, window, VAE and sampler."""
+    from arkv_jax.pipeline import PIPELINES
+    from benchmarks import generate
+
+    shape, pipeline = generate.SHAPES["wan-1.3b"], PIPELINES["self-forcing"]
+    assert shape.model == pipeline.dit
+    assert shape.geometry() == pipeline.preset.geometry
+    assert shape.window == pipeline.preset.window
+    assert shape.vae == pipeline.vae
+    assert shape.sampler == pipeline.sampler
+    assert "wan-1.3b" not in generate.CPU_SHAPES
