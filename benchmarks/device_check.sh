@@ -5,7 +5,9 @@
 #
 # 1. The Mosaic GPU kernel (backend="pallas_mgpu") compiled, against the reference on kernel-sized
 #    cases with NaN wherever a row must not look, at three tilings. It runs first and alone: a hang
-#    there (barrier phases cannot be checked without a GPU) must not eat the rest.
+#    there (barrier phases cannot be checked without a GPU) must not eat the rest. Each test's name
+#    is logged as it starts and its time at the end (the first run, 2026-12-06, passed 4 cases in
+#    a 60 s limit and left unknown whether the fifth hung or compiled slowly).
 # 2. The other compiled GPU backends through the same tests as their CPU counterparts: the cuDNN
 #    gather path (backend="cudnn_gather", the GPU default) and the Triton kernels
 #    (backend="pallas_gpu": attention and the paged write), the scatter paged write (run under
@@ -24,10 +26,10 @@
 #    also into int8 and fp8 pages.
 #
 # Needs jax with CUDA, flax, pytest, pytest-xdist, chex and numpy (the lent machine's image has
-# them). The compiled tests run in 6 processes that allocate GPU memory as they go; the
+# them). The compiled tests of step 2 run in 12 processes that allocate GPU memory as they go; the
 # benchmarks share a persistent compilation cache in $TMPDIR (default /tmp). $PYTHON (default
-# python3) runs everything. Timeouts: 30 + 60 + 120 + 200 + 120 +
-# 40 = 570 s, under 10 minutes. Everything goes to $OUT (default ./device_check_out); the last
+# python3) runs everything. Timeouts: 30 + 150 + 130 + 120 + 120 +
+# 40 = 590 s, under 10 minutes. Everything goes to $OUT (default ./device_check_out); the last
 # lines of each log are printed at the end. On a machine without a GPU the compiled tests are
 # reported as skipped and the benchmarks refuse to run (generate runs on the host: skip it there).
 set -u
@@ -43,17 +45,18 @@ timeout 30 "$py" -c "import jax, flax, platform; print('jax', jax.__version__, '
   > "$out/env.txt" 2>&1
 echo "exit status $?" >> "$out/env.txt"
 
-timeout 60 "$py" -m pytest -p no:cacheprovider -rs -x tests/kernels/test_window_attention_gpu.py \
-  -k "pallas_mgpu or mosaic_tilings_on_gpu" > "$out/tests_mosaic.txt" 2>&1
+PYTHONUNBUFFERED=1 timeout 150 "$py" -m pytest -p no:cacheprovider -rs -v --durations=0 \
+  tests/kernels/test_window_attention_gpu.py -k "pallas_mgpu or mosaic_tilings_on_gpu" \
+  > "$out/tests_mosaic.txt" 2>&1
 echo "exit status $?" >> "$out/tests_mosaic.txt"
 
-XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 120 "$py" -m pytest -p no:cacheprovider -rs -n 6 \
+XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 130 "$py" -m pytest -p no:cacheprovider -rs -n 12 \
   tests/kernels -k "(pallas_gpu or cudnn_gather) and not interpret and not cudnn_gather_xla" \
   > "$out/tests_other.txt" 2>&1
 echo "exit status $?" >> "$out/tests_other.txt"
 
 export JAX_COMPILATION_CACHE_DIR="${TMPDIR:-/tmp}/arkv_jax_compile_cache"
-timeout 200 "$py" -m benchmarks.generate --shape wan-1.3b --sessions 1 --kv-dtype int8 \
+timeout 120 "$py" -m benchmarks.generate --shape wan-1.3b --sessions 1 --kv-dtype int8 \
   > "$out/generate_wan.txt" 2>&1
 echo "exit status $?" >> "$out/generate_wan.txt"
 

@@ -33,7 +33,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import sys
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -45,7 +47,7 @@ from benchmarks.window_attention import (
     interleaved_medians,
     make_inputs,
     max_abs_diff,
-    paged_fn,
+    paged_call,
     quantized_inputs,
 )
 
@@ -74,11 +76,33 @@ def measured_bf16_peak_tflops(reps: int = 10) -> float:
     return 4 * 2 * n ** 3 / times["mm"] / 1e12
 
 
-def at_tiling(inputs: dict, module, backend: str, **tiling):
-    """A backend module's kernel at ``tiling`` on ``inputs`` (layer 0, Wan's 1,560-token frames)."""
-    run = attention_at_tiling(module, backend, **tiling)
-    args = [inputs[k] for k in ARGS]
-    return lambda: run(*args)
+def at_tiling(inputs: dict, module, validate_as: str, **tiling) -> tuple[Callable, tuple]:
+    """A backend module's kernel at ``tiling`` (the module's own keyword arguments) on ``inputs``
+    (layer 0, Wan's 1,560-token frames), validated as ``validate_as``: the jitted call and its
+    arguments."""
+    return attention_at_tiling(module, validate_as, **tiling), tuple(inputs[k] for k in ARGS)
+
+
+def calls(inputs: dict, mosaic_tilings, triton_tilings) -> dict[str, tuple[Callable, tuple]]:
+    """Every timed path on ``inputs`` (:func:`benchmarks.window_attention.make_inputs`): name ->
+    (jitted call, arguments)."""
+    from pallas_kernels.window_attention import gpu, mosaic_gpu
+
+    dense = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="cudnn"))
+    out = {"cudnn_dense": (dense, (inputs["q"], inputs["k_dense"], inputs["v_dense"])),
+           "cudnn_gather": paged_call(inputs, "cudnn_gather")}
+    for text in mosaic_tilings:
+        out[f"mosaic_{text}"] = at_tiling(inputs, mosaic_gpu, "pallas_mgpu",
+                                          **parse_tiling(text, ("block_kv", "stages")))
+    for text in triton_tilings:
+        out[f"triton_{text}"] = at_tiling(inputs, gpu, "pallas_gpu", backend="pallas_gpu",
+                                          **parse_tiling(text, ("block_q", "block_k", "num_warps", "num_stages")))
+    out["triton"] = paged_call(inputs, "pallas_gpu")
+    for key, kv_dtype in harness.QUANTIZED_PAGES.items():
+        pages = quantized_inputs(inputs, kv_dtype)
+        out[f"triton_{key}"] = paged_call(pages, "pallas_gpu")
+        out[f"cudnn_gather_{key}"] = paged_call(pages, "cudnn_gather")
+    return out
 
 
 def parse_tiling(text: str, keys: tuple[str, ...]) -> dict:
@@ -112,30 +136,14 @@ def main(argv=None) -> int:
         args.mosaic_tilings = list(MOSAIC_TILINGS[defaults])
     if args.triton_tilings is None:
         args.triton_tilings = list(TRITON_TILINGS[defaults])
-    from pallas_kernels.window_attention import gpu, mosaic_gpu
-
     peak = measured_bf16_peak_tflops()
     print(f"device {jax.devices()[0].device_kind}; measured bf16 matmul peak {peak:.1f} TFLOP/s")
     results = []
     for rows in args.rows:
         shape = wan_shape(rows, args.recent_frames)
         inputs = make_inputs(shape, args.block_size)
-        fns = {"cudnn_dense": (lambda run, q, k, v: lambda: run(q, k, v))(
-            jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="cudnn")),
-            inputs["q"], inputs["k_dense"], inputs["v_dense"]),
-            "cudnn_gather": paged_fn(inputs, "cudnn_gather")}
-        for text in args.mosaic_tilings:
-            fns[f"mosaic_{text}"] = at_tiling(inputs, mosaic_gpu, "pallas_mgpu",
-                                              **parse_tiling(text, ("block_kv", "stages")))
-        for text in args.triton_tilings:
-            fns[f"triton_{text}"] = at_tiling(inputs, gpu, "pallas_gpu", backend="pallas_gpu",
-                                              **parse_tiling(text, ("block_q", "block_k",
-                                                                    "num_warps", "num_stages")))
-        fns["triton"] = paged_fn(inputs, "pallas_gpu")
-        for key, kv_dtype in harness.QUANTIZED_PAGES.items():
-            pages = quantized_inputs(inputs, kv_dtype)
-            fns[f"triton_{key}"] = paged_fn(pages, "pallas_gpu")
-            fns[f"cudnn_gather_{key}"] = paged_fn(pages, "cudnn_gather")
+        fns = {name: functools.partial(run, *call_args)
+               for name, (run, call_args) in calls(inputs, args.mosaic_tilings, args.triton_tilings).items()}
         errors, diffs = {}, {}
         for name in list(fns):
             try:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -129,8 +130,9 @@ def quantized_inputs(inputs: dict, kv_dtype) -> dict:
                 v_pool=quantize_pages(inputs["v_pool"], kv_dtype))
 
 
-def paged_fn(inputs: dict, backend: str, **tiles):
-    """A jitted paged call (layer passed as a traced scalar, as in a scan over layers)."""
+def paged_call(inputs: dict, backend: str, **tiles) -> tuple[Callable, tuple]:
+    """A jitted paged call (layer passed as a traced scalar, as in a scan over layers) and its
+    arguments."""
     tpf = inputs["tokens_per_frame"]
 
     @jax.jit
@@ -138,8 +140,14 @@ def paged_fn(inputs: dict, backend: str, **tiles):
         return window_attention(q, k_cur, v_cur, k_pool, v_pool, pages, lengths, layer=layer,
                                 tokens_per_frame=tpf, backend=backend, **tiles)
 
-    args = [inputs[k] for k in ("q", "k_cur", "v_cur", "k_pool", "v_pool", "pages", "lengths")]
-    return lambda: run(*args, jnp.int32(0))
+    return run, (*(inputs[k] for k in ("q", "k_cur", "v_cur", "k_pool", "v_pool", "pages", "lengths")),
+                 jnp.int32(0))
+
+
+def paged_fn(inputs: dict, backend: str, **tiles):
+    """:func:`paged_call` as a no-argument call."""
+    run, args = paged_call(inputs, backend, **tiles)
+    return lambda: run(*args)
 
 
 def dense_fn(inputs: dict, implementation: str | None = None):

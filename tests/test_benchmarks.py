@@ -234,3 +234,19 @@ def test_generate_wan_shape_is_the_pipeline_shape():
     assert shape.vae == pipeline.vae
     assert shape.sampler == pipeline.sampler
     assert "wan-1.3b" not in generate.CPU_SHAPES
+
+
+def test_gpu_window_attention_builds_and_traces_every_pallas_path():
+    """The GPU benchmark's paths are built (and the Pallas ones traced, abstractly) on a machine
+    without a GPU, so a wrong argument shows here, not in a lent GPU's minutes. The cuDNN paths need
+    cuDNN to trace."""
+    from benchmarks import gpu_window_attention as bench
+    from benchmarks.window_attention import make_inputs
+
+    shape = bench.wan_shape(rows=1, recent_frames=1)
+    calls = bench.calls(make_inputs(shape, 1664), bench.MOSAIC_TILINGS, bench.TRITON_TILINGS)
+    assert {"cudnn_dense", "cudnn_gather", "triton", "triton_int8", "cudnn_gather_fp8"} <= set(calls)
+    for name, (run, args) in calls.items():
+        if not name.startswith("cudnn"):
+            out = jax.eval_shape(run, *args)
+            assert (out.shape, out.dtype) == (args[0].shape, args[0].dtype), name
