@@ -246,27 +246,35 @@ def bench_quantized(num_pages: int, rows: int, reps: int, rounds: int) -> dict[s
 WAN_1_3B = dict(layers=30, kv_heads=12, head_dim=128, frames=3, tokens_per_frame=1560)
 
 
-def bench_gpu(block_size: int, rows: int, reps: int, rounds: int) -> dict[str, Any]:
-    require_gpu("benchmarks.paged_write --gpu", "without --gpu it runs the CPU benchmark")
+def gpu_geometry(block_size: int, rows: int) -> dict[str, int]:
+    """``make_inputs``' geometry for the GPU run: Wan-1.3B's shape, ``rows`` rows, pools with room
+    for 2 chunks (3.6 GiB a pool at 4 rows, either page size)."""
     shape = dict(WAN_1_3B)
     tokens_per_frame = shape.pop("tokens_per_frame")
+    num_pages = 2 * rows * shape["frames"] * pages_per_frame(tokens_per_frame, block_size) + 1
+    return dict(**shape, num_pages=num_pages, block_size=block_size, rows=rows, tokens_per_frame=tokens_per_frame)
+
+
+def gpu_cases(tokens_per_frame: int) -> dict[str, Callable]:
+    """The GPU run's writes, each ``fn(k_pool, v_pool, k_new, v_new, page_ids) -> (k_pool, v_pool)``."""
+    def write(backend):
+        return functools.partial(write_chunk, tokens_per_frame=tokens_per_frame, backend=backend)
+
+    return {"pallas_gpu": write("pallas_gpu"), "auto_gpu_scatter": write("auto"),
+            "xla_scatter": functools.partial(xla_scatter, tokens_per_frame=tokens_per_frame),
+            "xla_path": write("xla")}
+
+
+def bench_gpu(block_size: int, rows: int, reps: int, rounds: int) -> dict[str, Any]:
+    require_gpu("benchmarks.paged_write --gpu", "without --gpu it runs the CPU benchmark")
+    geometry = gpu_geometry(block_size, rows)
+    tokens_per_frame = geometry["tokens_per_frame"]
     ppf = pages_per_frame(tokens_per_frame, block_size)
-    num_pages = 2 * rows * shape["frames"] * ppf + 1  # Room for 2 chunks: 3.6 GiB a pool at 4 rows.
-    geometry = dict(**shape, num_pages=num_pages, block_size=block_size, rows=rows)
-    k_pool, v_pool, k_new, v_new, page_ids = make_inputs(
-        **geometry, tokens_per_frame=tokens_per_frame, dtype=jnp.bfloat16)
+    k_pool, v_pool, k_new, v_new, page_ids = make_inputs(**geometry, dtype=jnp.bfloat16)
     nbytes = written_bytes(k_pool, page_ids)
     slab = slab_like(k_pool, page_ids.size)
     rest = (k_new, v_new, page_ids)
-    cases = {
-        "pallas_gpu": functools.partial(write_chunk, tokens_per_frame=tokens_per_frame,
-                                        backend="pallas_gpu"),
-        "auto_gpu_scatter": functools.partial(write_chunk, tokens_per_frame=tokens_per_frame,
-                                              backend="auto"),
-        "xla_scatter": functools.partial(xla_scatter, tokens_per_frame=tokens_per_frame),
-        "xla_path": functools.partial(write_chunk, tokens_per_frame=tokens_per_frame,
-                                      backend="xla"),
-    }
+    cases = gpu_cases(tokens_per_frame)
     memory = memory_figures(cases["pallas_gpu"], (k_pool, v_pool, *rest))
     bf16_pools = {}  # Every runner writes into one copy of the bf16 pools, and one of each 8-bit pair.
     runners = {name: donated_runner(fn, (k_pool, v_pool), rest, bf16_pools) for name, fn in cases.items()}
@@ -294,8 +302,7 @@ def bench_gpu(block_size: int, rows: int, reps: int, rounds: int) -> dict[str, A
         "seconds": seconds,
         "written_bytes": nbytes,
         **memory,
-        "shape": {**geometry, "tokens_per_frame": tokens_per_frame, "pages_per_frame": ppf,
-                  "dtype": "bfloat16"},
+        "shape": {**geometry, "pages_per_frame": ppf, "dtype": "bfloat16"},
     }
 
 

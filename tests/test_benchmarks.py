@@ -250,3 +250,32 @@ def test_gpu_window_attention_builds_and_traces_every_pallas_path():
         if not name.startswith("cudnn"):
             out = jax.eval_shape(run, *args)
             assert (out.shape, out.dtype) == (args[0].shape, args[0].dtype), name
+
+
+@pytest.mark.parametrize("block_size", [128, 1664])
+def test_paged_write_gpu_run_fits_and_traces(block_size):
+    """``paged_write --gpu`` at its device_check shape (4 rows) holds far less than an H100's 80 GB
+    (its first run kept a pool copy per timed path and ran out): ``make_inputs``' bf16 pools and
+    the one copy every path writes into, one pair per 8-bit dtype, the chunk and the copy's slab.
+    Every write traces (abstractly, on CPU) into bf16 and int8 pools of the run's page size."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from benchmarks import paged_write as bench
+
+    g = bench.gpu_geometry(block_size, rows=4)
+    page = g["layers"] * block_size * g["kv_heads"] * g["head_dim"]  # elements of a page, all layers
+    chunk = g["layers"] * g["rows"] * g["frames"] * g["tokens_per_frame"] * g["kv_heads"] * g["head_dim"]
+    written_pages = g["rows"] * g["frames"] * -(-g["tokens_per_frame"] // block_size)
+    held = (2 * 2 * 2 * g["num_pages"] * page + len(bench.QUANTIZED_PAGES) * 2 * g["num_pages"] * page
+            + 2 * 2 * chunk + 2 * written_pages * page)
+    assert held < 40e9, held
+    k, v, *rest = bench.make_inputs(**dict(g, layers=1, kv_heads=1), dtype=jnp.bfloat16)
+    for name, fn in bench.gpu_cases(g["tokens_per_frame"]).items():
+        for pools in ((k, v), (bench.zero_pool(k.shape, jnp.int8),) * 2):
+            if name == "xla_scatter" and pools[0] is not k:
+                continue  # XLA's own scatter stores bf16 pages only.
+            out = jax.eval_shape(fn, *pools, *rest)
+            assert jax.tree_util.tree_structure(out) == jax.tree_util.tree_structure(tuple(pools)), name
+            assert [np.shape(x) for x in jax.tree_util.tree_leaves(out)] == \
+                [np.shape(x) for x in jax.tree_util.tree_leaves(pools)], name
