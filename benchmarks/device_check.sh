@@ -40,33 +40,31 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 # tests/conftest.py keeps JAX on the host CPU unless JAX_PLATFORMS says otherwise.
 export JAX_PLATFORMS="${JAX_PLATFORMS:-cuda,cpu}"
 
-timeout 30 "$py" -c "import jax, flax, platform; print('jax', jax.__version__, 'flax', flax.__version__, \
-'python', platform.python_version()); print(jax.devices()); print(jax.devices()[0].device_kind)" \
-  > "$out/env.txt" 2>&1
-echo "exit status $?" >> "$out/env.txt"
+# step NAME LIMIT COMMAND...: COMMAND under a LIMIT-second timeout, its output in $out/NAME.txt,
+# then its exit status and wall seconds there too.
+step() {
+  local name="$1" limit="$2" began=$SECONDS
+  shift 2
+  timeout "$limit" "$@" > "$out/$name.txt" 2>&1
+  echo "exit status $? after $((SECONDS - began)) s (limit $limit s)" >> "$out/$name.txt"
+}
 
-PYTHONUNBUFFERED=1 timeout 150 "$py" -m pytest -p no:cacheprovider -rs -v --durations=0 \
-  tests/kernels/test_window_attention_gpu.py -k "pallas_mgpu or mosaic_tilings_on_gpu" \
-  > "$out/tests_mosaic.txt" 2>&1
-echo "exit status $?" >> "$out/tests_mosaic.txt"
+step env 30 "$py" -c "import jax, flax, platform; print('jax', jax.__version__, 'flax', \
+flax.__version__, 'python', platform.python_version()); print(jax.devices()); \
+print(jax.devices()[0].device_kind)"
 
-XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 130 "$py" -m pytest -p no:cacheprovider -rs -n 12 \
-  tests/kernels -k "(pallas_gpu or cudnn_gather) and not interpret and not cudnn_gather_xla" \
-  > "$out/tests_other.txt" 2>&1
-echo "exit status $?" >> "$out/tests_other.txt"
+PYTHONUNBUFFERED=1 step tests_mosaic 150 "$py" -m pytest -p no:cacheprovider -rs -v \
+  --durations=0 tests/kernels/test_window_attention_gpu.py -k "pallas_mgpu or mosaic_tilings_on_gpu"
+
+XLA_PYTHON_CLIENT_PREALLOCATE=false step tests_other 130 "$py" -m pytest -p no:cacheprovider -rs \
+  -n 12 tests/kernels -k "(pallas_gpu or cudnn_gather) and not interpret and not cudnn_gather_xla"
 
 export JAX_COMPILATION_CACHE_DIR="${TMPDIR:-/tmp}/arkv_jax_compile_cache"
-timeout 120 "$py" -m benchmarks.generate --shape wan-1.3b --sessions 1 --kv-dtype int8 \
-  > "$out/generate_wan.txt" 2>&1
-echo "exit status $?" >> "$out/generate_wan.txt"
+step generate_wan 120 "$py" -m benchmarks.generate --shape wan-1.3b --sessions 1 --kv-dtype int8
 
-timeout 120 "$py" -m benchmarks.gpu_window_attention --gpu --reps 10 \
-  > "$out/gpu_window_attention.txt" 2>&1
-echo "exit status $?" >> "$out/gpu_window_attention.txt"
+step gpu_window_attention 120 "$py" -m benchmarks.gpu_window_attention --gpu --reps 10
 
-timeout 40 "$py" -m benchmarks.paged_write --gpu --block-size 1664 --rows 4 \
-  > "$out/paged_write_gpu_1664.txt" 2>&1
-echo "exit status $?" >> "$out/paged_write_gpu_1664.txt"
+step paged_write_gpu_1664 40 "$py" -m benchmarks.paged_write --gpu --block-size 1664 --rows 4
 
 for log in env tests_mosaic tests_other generate_wan gpu_window_attention paged_write_gpu_1664; do
   echo "== $log"
