@@ -9,23 +9,23 @@ in int8 and float8_e4m3fn pages (one scale per page, dequantized after the gathe
 ``int8_vs_plain_xla_ratio`` / ``fp8_vs_plain_xla_ratio`` = their time over the plain pool's (the
 shape's dtype, float32 on the CPU shapes: the CPU has no native bf16; goal <= 1.3).
 
-``--gpu`` (NVIDIA GPU only; refuses otherwise): the Pallas GPU kernel (``backend="pallas_gpu"``)
-vs ``jax.nn.dot_product_attention(..., implementation="cudnn")`` at the Wan-1.3B shape (12 heads,
-head_dim 128, chunk 3 frames x 1,560 tokens, 12 visible frames incl. 3 sink and the chunk, bf16):
-both times and TFLOP/s against a ~790 TFLOP/s dense bf16 peak (``--quick``: 10 reps instead of
-30). Without a GPU it says so in one line on stderr and exits with status 1.
+``--gpu`` (NVIDIA GPU only; refuses otherwise, in one line on stderr) runs
+:mod:`benchmarks.gpu_window_attention` at its defaults (with ``--quick`` and ``--reps`` passed on):
+every GPU backend against cuDNN at the Wan-1.3B shape.
 
 Shapes: frames of ``tokens_per_frame`` tokens on pages of ``--block-size`` slots (frame aligned, last
 page padded); ``sink`` + ``recent`` history frames are visible; queries = the current chunk.
 The closing line is JSON with the figures.
 
 Usage: ``python -m benchmarks.window_attention [--quick] [--gpu] [--reps N] [--block-size S]``
+(``--block-size``: the CPU run's).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import statistics
+import sys
 from collections.abc import Callable
 
 import jax
@@ -36,8 +36,6 @@ from benchmarks.harness import QUANTIZED_PAGES, emit, median_seconds, parse_args
 from pallas_kernels.common import pages_per_frame
 from pallas_kernels.layout import from_token_major, quantize_pages
 from pallas_kernels.window_attention import window_attention
-
-H200_PEAK_TFLOPS = 790.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,8 +73,6 @@ QUICK = Shape("quick", heads=4, head_dim=64, tokens_per_frame=390, chunk_frames=
               recent_frames=2, dtype="float32")
 SMALL = Shape("small", heads=8, head_dim=64, tokens_per_frame=390, chunk_frames=3, sink_frames=3,
               recent_frames=6, dtype="float32")
-WAN_1_3B = Shape("wan-1.3b", heads=12, head_dim=128, tokens_per_frame=1560, chunk_frames=3,
-                 sink_frames=3, recent_frames=6, dtype="bfloat16")
 
 
 def make_inputs(shape: Shape, block_size: int, seed: int = 0) -> dict:
@@ -150,9 +146,8 @@ def paged_fn(inputs: dict, backend: str, **tiles):
     return lambda: run(*args)
 
 
-def dense_fn(inputs: dict, implementation: str | None = None):
-    run = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v,
-                                                               implementation=implementation))
+def dense_fn(inputs: dict):
+    run = jax.jit(jax.nn.dot_product_attention)
     return lambda: run(inputs["q"], inputs["k_dense"], inputs["v_dense"])
 
 
@@ -196,42 +191,22 @@ def cpu_benchmark(args) -> dict:
             **{f"{key}_max_abs_diff": diffs[f"xla_paged_{key}"] for key in QUANTIZED_PAGES}}
 
 
-def gpu_benchmark(args) -> dict:
-    require_gpu("benchmarks.window_attention --gpu", "without --gpu it runs the CPU benchmark")
-    shape = WAN_1_3B
-    reps = args.reps or (10 if args.quick else 30)
-    inputs = make_inputs(shape, args.block_size)
-    tiles = dict(block_q=args.block_q, block_k=args.block_k)
-    fns = {"pallas_gpu": paged_fn(inputs, "pallas_gpu", **tiles),
-           "cudnn_dense": dense_fn(inputs, implementation="cudnn")}
-    diff = max_abs_diff(fns["pallas_gpu"], fns["cudnn_dense"])
-    times = interleaved_medians(fns, reps)
-    tflops = {name: shape.flops() / t / 1e12 for name, t in times.items()}
-    print(f"shape {shape}, block_size {args.block_size}, tiles {tiles}, {reps} alternating reps")
-    print_table(["path", "median ms", "TFLOP/s", "of peak"],
-                [[n, times[n] * 1e3, tflops[n], tflops[n] / H200_PEAK_TFLOPS] for n in times])
-    print(f"pallas_gpu / cudnn time ratio {times['pallas_gpu'] / times['cudnn_dense']:.3f}; "
-          f"max |paged - dense| {diff:.2e}")
-    return {"mode": "gpu", "shape": dataclasses.asdict(shape), "block_size": args.block_size,
-            "tiles": tiles, "reps": reps, "pallas_gpu_ms": times["pallas_gpu"] * 1e3,
-            "cudnn_ms": times["cudnn_dense"] * 1e3, "pallas_gpu_tflops": tflops["pallas_gpu"],
-            "cudnn_tflops": tflops["cudnn_dense"], "peak_tflops": H200_PEAK_TFLOPS,
-            "pallas_gpu_vs_cudnn_ratio": times["pallas_gpu"] / times["cudnn_dense"],
-            "max_abs_diff": diff}
-
-
 def _extra_flags(parser) -> None:
     parser.add_argument("--gpu", action="store_true",
-                        help="Pallas GPU kernel vs cuDNN at the Wan-1.3B shape (NVIDIA GPU only)")
-    parser.add_argument("--block-size", type=int, default=16, help="tokens per page")
-    parser.add_argument("--block-q", type=int, default=None, help="GPU query tile")
-    parser.add_argument("--block-k", type=int, default=None, help="GPU key tile")
+                        help="run benchmarks.gpu_window_attention: every GPU backend vs cuDNN (NVIDIA GPU only)")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per page (the CPU run)")
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
     args = parse_args(__doc__.splitlines()[0], argv, extra=_extra_flags)
-    emit(gpu_benchmark(args) if args.gpu else cpu_benchmark(args))
+    if args.gpu:
+        require_gpu("benchmarks.window_attention --gpu", "without --gpu it runs the CPU benchmark")
+        from benchmarks import gpu_window_attention
+
+        return gpu_window_attention.main(["--quick"] * args.quick + ["--reps", str(args.reps)] * bool(args.reps))
+    emit(cpu_benchmark(args))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
