@@ -26,7 +26,8 @@ Shapes: ``tiny`` (the DiT ``tiny`` with 16 latent channels, the VAE ``tiny``, um
 small DiT, a VAE of base width 16, umT5 ``tiny`` widened to 64; 3 Euler steps + commit) run
 anywhere; ``wan-1.3b`` (Wan 2.1's 1.3B DiT, cache preset and VAE at 480x832 in bfloat16, random
 weights, Self-Forcing's 4 steps + commit; no text part: umT5-XXL's 5.7B random weights are not
-drawn) is for a GPU or TPU. ``--quick`` runs ``tiny`` only; the default is ``tiny`` and ``small``.
+drawn) is for a GPU or TPU and runs only when named. ``--quick`` runs ``tiny`` only; the default (``all``)
+is ``tiny`` and ``small``.
 Times are medians of ``--reps`` chunks (default 5) after the window has filled (at least two
 warm-up chunks: the first and a later chunk each compile).
 
@@ -93,7 +94,7 @@ SHAPES = {
                       _WAN.geometry.frames_per_forward, _WAN.window, vae_lib.WanVAEConfig(dtype="bfloat16"), None,
                       Sampler.self_forcing()),
 }
-#: Shapes run by default (``--shape all``): those that fit a CPU's time.
+#: The shapes ``--shape all`` (the default without ``--quick``) runs: those that fit a CPU's time.
 CPU_SHAPES = ("tiny", "small")
 
 
@@ -207,7 +208,8 @@ def run(shape: Shape, model, sessions: int, reps: int) -> dict:
 def main(argv=None) -> None:
     args = harness.parse_args(__doc__.splitlines()[0], argv, extra=lambda p: (
         p.add_argument("--shape", choices=[*SHAPES, "all"], default=None,
-                       help="shape(s) to run (default: tiny with --quick, all otherwise)"),
+                       help="shape(s) to run (default: tiny with --quick, else all: tiny and small; "
+                            "wan-1.3b only when named)"),
         p.add_argument("--sessions", type=int, default=2, help="sessions in the batch (default 2)"),
         p.add_argument("--kv-dtype", default="int8", choices=["int8", "float8_e4m3fn", "float8_e5m2", "none"],
                        help="page dtype timed against the model dtype's pages (default int8; none: skip)")))
