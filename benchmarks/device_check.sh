@@ -5,9 +5,10 @@
 #
 # 1. The Mosaic GPU kernel (backend="pallas_mgpu") compiled, against the reference on kernel-sized
 #    cases with NaN wherever a row must not look, at three tilings. It runs first and alone: a hang
-#    there (barrier phases cannot be checked without a GPU) must not eat the rest. Each test's name
-#    is logged as it starts and its time at the end (the first run, 2026-12-06, passed 4 cases in
-#    a 60 s limit and left unknown whether the fifth hung or compiled slowly).
+#    there (barrier phases cannot be checked without a GPU) must not eat the rest. It runs in 8
+#    processes, so that a case that hangs holds one of them and the others go on; each result is
+#    logged as it comes and every test's time at the end (the first run, 2026-12-06, one process,
+#    passed 4 cases in a 60 s limit and left unknown whether the fifth hung or compiled slowly).
 # 2. The other compiled GPU backends through the same tests as their CPU counterparts: the cuDNN
 #    gather path (backend="cudnn_gather", the GPU default) and the Triton kernels
 #    (backend="pallas_gpu": attention and the paged write), the scatter paged write (run under
@@ -26,10 +27,10 @@
 #    also into int8 and fp8 pages.
 #
 # Needs jax with CUDA, flax, pytest, pytest-xdist, chex and numpy (the lent machine's image has
-# them). The compiled tests of step 2 run in 12 processes that allocate GPU memory as they go; the
+# them). The compiled tests run in 8 (step 1) and 12 (step 2) processes that allocate GPU memory as they go; the
 # benchmarks share a persistent compilation cache in $TMPDIR (default /tmp). $PYTHON (default
-# python3) runs everything. Timeouts: 30 + 150 + 130 + 120 + 120 +
-# 40 = 590 s, under 10 minutes. Everything goes to $OUT (default ./device_check_out); the last
+# python3) runs everything. Timeouts: 30 + 120 + 130 + 120 + 120 +
+# 40 = 560 s, under 10 minutes. Everything goes to $OUT (default ./device_check_out); the last
 # lines of each log are printed at the end. On a machine without a GPU the compiled tests are
 # reported as skipped and the benchmarks refuse to run (generate runs on the host: skip it there).
 set -u
@@ -53,8 +54,8 @@ step env 30 "$py" -c "import jax, flax, platform; print('jax', jax.__version__, 
 flax.__version__, 'python', platform.python_version()); print(jax.devices()); \
 print(jax.devices()[0].device_kind)"
 
-PYTHONUNBUFFERED=1 step tests_mosaic 150 "$py" -m pytest -p no:cacheprovider -rs -v \
-  --durations=0 tests/kernels/test_window_attention_gpu.py -k "pallas_mgpu or mosaic_tilings_on_gpu"
+XLA_PYTHON_CLIENT_PREALLOCATE=false step tests_mosaic 120 "$py" -m pytest -p no:cacheprovider -rs -v \
+  -n 8 --durations=0 tests/kernels/test_window_attention_gpu.py -k "pallas_mgpu or mosaic_tilings_on_gpu"
 
 XLA_PYTHON_CLIENT_PREALLOCATE=false step tests_other 130 "$py" -m pytest -p no:cacheprovider -rs \
   -n 12 tests/kernels -k "(pallas_gpu or cudnn_gather) and not interpret and not cudnn_gather_xla"
