@@ -27,12 +27,12 @@
 #    also into int8 and fp8 pages.
 #
 # Needs jax with CUDA, flax, pytest, pytest-xdist, chex and numpy (the lent machine's image has
-# them). The compiled tests run in 8 (step 1) and 12 (step 2) processes that allocate GPU memory as they go; the
-# benchmarks share a persistent compilation cache in $TMPDIR (default /tmp). $PYTHON (default
-# python3) runs everything. Timeouts: 30 + 120 + 130 + 120 + 120 +
-# 40 = 560 s, under 10 minutes. Everything goes to $OUT (default ./device_check_out); the last
-# lines of each log are printed at the end. On a machine without a GPU the compiled tests are
-# reported as skipped and the benchmarks refuse to run (generate runs on the host: skip it there).
+# them). The compiled tests run in 8 (step 1) and 12 (step 2) processes that allocate GPU memory
+# as they go; the benchmarks share a persistent compilation cache in $TMPDIR (default /tmp).
+# $PYTHON (default python3) runs everything. Timeouts: 30 + 120 + 130 + 120 + 120 + 40 = 560 s,
+# under 10 minutes. Everything goes to $OUT (default ./device_check_out); the last lines of each
+# log are printed at the end. On a machine without a GPU the compiled tests are reported as
+# skipped and the benchmarks refuse to run (generate runs on the host: skip it there).
 set -u
 py="${PYTHON:-python3}"
 out="${OUT:-device_check_out}"
