@@ -44,6 +44,7 @@ from benchmarks import harness
 from benchmarks.gpu_compile import attention_at_tiling
 from benchmarks.window_attention import (
     Shape,
+    dense_call,
     interleaved_medians,
     make_inputs,
     max_abs_diff,
@@ -88,8 +89,7 @@ def calls(inputs: dict, mosaic_tilings, triton_tilings) -> dict[str, tuple[Calla
     (jitted call, arguments)."""
     from pallas_kernels.window_attention import gpu, mosaic_gpu
 
-    dense = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="cudnn"))
-    out = {"cudnn_dense": (dense, (inputs["q"], inputs["k_dense"], inputs["v_dense"])),
+    out = {"cudnn_dense": dense_call(inputs, implementation="cudnn"),
            "cudnn_gather": paged_call(inputs, "cudnn_gather")}
     for text in mosaic_tilings:
         out[f"mosaic_{text}"] = at_tiling(inputs, mosaic_gpu, "pallas_mgpu",

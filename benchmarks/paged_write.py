@@ -128,7 +128,8 @@ def donated_runner(fn: Callable, pools: tuple, rest: tuple, state: dict | None =
     first one's), so that pools of a real size fit on a GPU once per dtype."""
     step = jax.jit(fn, donate_argnums=(0, 1))
     state = {} if state is None else state
-    state.setdefault("pools", jax.tree_util.tree_map(jnp.copy, tuple(pools)))
+    if "pools" not in state:  # the first runner of a shared state copies; the others reuse it
+        state["pools"] = jax.tree_util.tree_map(jnp.copy, tuple(pools))
 
     def call():
         state["pools"] = step(*state["pools"], *rest)

@@ -24,6 +24,7 @@ Usage: ``python -m benchmarks.window_attention [--quick] [--gpu] [--reps N] [--b
 from __future__ import annotations
 
 import dataclasses
+import functools
 import statistics
 import sys
 from collections.abc import Callable
@@ -146,9 +147,11 @@ def paged_fn(inputs: dict, backend: str, **tiles):
     return lambda: run(*args)
 
 
-def dense_fn(inputs: dict):
-    run = jax.jit(jax.nn.dot_product_attention)
-    return lambda: run(inputs["q"], inputs["k_dense"], inputs["v_dense"])
+def dense_call(inputs: dict, implementation: str | None = None) -> tuple[Callable, tuple]:
+    """``jax.nn.dot_product_attention`` (jitted, with ``implementation``) on the same tokens held
+    contiguously, and its arguments."""
+    run = jax.jit(functools.partial(jax.nn.dot_product_attention, implementation=implementation))
+    return run, (inputs["q"], inputs["k_dense"], inputs["v_dense"])
 
 
 def interleaved_medians(fns: dict, reps: int) -> dict:
@@ -172,7 +175,8 @@ def cpu_benchmark(args) -> dict:
     shape = QUICK if args.quick else SMALL
     reps = args.reps or 15
     inputs = make_inputs(shape, args.block_size)
-    fns = {"xla_paged": paged_fn(inputs, "xla"), "dense": dense_fn(inputs)}
+    run_dense, dense_args = dense_call(inputs)
+    fns = {"xla_paged": paged_fn(inputs, "xla"), "dense": functools.partial(run_dense, *dense_args)}
     for key, dtype in QUANTIZED_PAGES.items():
         fns[f"xla_paged_{key}"] = paged_fn(quantized_inputs(inputs, dtype), "xla")
     diffs = {name: max_abs_diff(fns[name], fns["dense"]) for name in fns if name != "dense"}
