@@ -101,7 +101,9 @@ def largest_magnitude(x: jax.Array, axes: Sequence[int]) -> jax.Array:
     """``max |x|`` over ``axes`` as float32, bit for bit, computed as ``max(max(x), -min(x))`` in
     ``x``'s dtype: XLA:CPU reduces a bf16 maximum or minimum as fast as a sum, but takes 2-3x as
     long once ``|x|`` or a conversion to float32 precedes the reduction (``docs/kernels.md``,
-    Quantized pages). NaN anywhere in a group gives NaN."""
+    Quantized pages). NaN in a group gives NaN where the backend's maximum keeps NaN; XLA:CPU's
+    float32 reductions drop it at some shapes, so there a float32 group's NaN can be lost
+    (``benchmarks/RESULTS.md``, twenty-eighth session)."""
     axes = tuple(axes)
     largest = jnp.max(x, axis=axes).astype(jnp.float32)
     smallest = jnp.min(x, axis=axes).astype(jnp.float32)
